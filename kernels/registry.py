@@ -1,0 +1,153 @@
+"""Kernel-backend registry: one name -> the two ops Megatron's MambaMixer calls in training.
+
+    backend = get_backend("helion")
+    y = backend.mamba_split_conv1d_scan_combined(zxbcdt, conv_w, conv_b, dt_bias, A, D, chunk_size, ...)
+    norm = backend.RMSNormGated(d_inner, eps=1e-5, group_size=512, norm_before_gate=False)
+
+Backends:
+  torch      pure-PyTorch reference (autograd, fp32 accumulation); CPU default and correctness oracle
+  mamba_ssm  mamba-ssm 2.3.2 Triton kernels + causal-conv1d 1.7.0 CUDA (needs a CUDA GPU and ``.[gpu]``)
+  helion     our Helion kernels with per-GPU configs from ``kernels/configs/<arch>/``
+
+Selection is explicit: an unknown or unavailable backend raises one clear error naming what is
+missing; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+BACKENDS = ("torch", "mamba_ssm", "helion")
+
+
+class UnknownBackendError(ValueError):
+    pass
+
+
+class BackendUnavailableError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    name: str
+    mamba_split_conv1d_scan_combined: Callable
+    mamba_chunk_scan_combined: Callable
+    RMSNormGated: type
+    description: str = ""
+
+
+def _torch_backend() -> KernelBackend:
+    from kernels.mamba_split import mamba_split_conv1d_scan_combined_ref
+    from kernels.rmsnorm_gated import RMSNormGatedRef
+    from kernels.ssd import mamba_chunk_scan_combined_ref
+
+    return KernelBackend(
+        "torch", mamba_split_conv1d_scan_combined_ref, mamba_chunk_scan_combined_ref, RMSNormGatedRef,
+        "pure-PyTorch reference",
+    )
+
+
+def import_mamba_ssm() -> None:
+    """Import mamba-ssm's Triton Mamba-2 modules.
+
+    mamba-ssm built without its CUDA extension (MAMBA_SKIP_CUDA_BUILD) lacks ``selective_scan_cuda``
+    (the Mamba-1 scan, unused on the Mamba-2 path), and ``import mamba_ssm`` fails without it. We
+    register an empty placeholder module under that name so the package imports; calling a Mamba-1
+    selective-scan op would then fail loudly with an AttributeError.
+    """
+    if "selective_scan_cuda" not in sys.modules:
+        try:
+            importlib.import_module("selective_scan_cuda")
+        except ImportError:
+            sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+    importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+    importlib.import_module("mamba_ssm.ops.triton.layernorm_gated")
+
+
+def _mamba_ssm_backend() -> KernelBackend:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("kernel backend 'mamba_ssm' needs a CUDA GPU; use kernels.backend=torch on CPU")
+    missing = []
+    try:
+        import_mamba_ssm()
+    except ImportError as e:
+        missing.append(f"mamba-ssm ({e})")
+    try:
+        importlib.import_module("causal_conv1d")
+    except ImportError as e:
+        missing.append(f"causal-conv1d ({e})")
+    if missing:
+        raise BackendUnavailableError(
+            "kernel backend 'mamba_ssm' is unavailable: missing " + "; ".join(missing)
+            + ". Install with: pip install -e '.[gpu]' (or the offline wheelhouse, see README)"
+        )
+    from mamba_ssm.ops.triton.layernorm_gated import RMSNorm
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined, mamba_split_conv1d_scan_combined
+
+    return KernelBackend(
+        "mamba_ssm", mamba_split_conv1d_scan_combined, mamba_chunk_scan_combined, RMSNorm,
+        "mamba-ssm Triton + causal-conv1d CUDA",
+    )
+
+
+_HELION_PARTS = {
+    "mamba_split_conv1d_scan_combined": ("kernels.mamba_split_helion", "mamba_split_conv1d_scan_combined_helion"),
+    "mamba_chunk_scan_combined": ("kernels.ssd_helion", "mamba_chunk_scan_combined_helion"),
+    "RMSNormGated": ("kernels.rmsnorm_gated", "RMSNormGatedHelion"),
+}
+
+
+def _helion_backend() -> KernelBackend:
+    import torch
+
+    try:
+        importlib.import_module("helion")
+    except ImportError as e:
+        raise BackendUnavailableError(f"kernel backend 'helion' is unavailable: helion is not installed ({e})") from None
+    interpret = os.environ.get("HELION_INTERPRET", "") in ("1", "true", "True")
+    if not torch.cuda.is_available() and not interpret:
+        raise BackendUnavailableError(
+            "kernel backend 'helion' needs a CUDA GPU (or HELION_INTERPRET=1 for Helion's slow eager CPU mode)"
+        )
+    parts, missing = {}, []
+    for field, (mod, attr) in _HELION_PARTS.items():
+        try:
+            parts[field] = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{mod}.{attr} ({type(e).__name__}: {e})")
+    if missing:
+        raise BackendUnavailableError("kernel backend 'helion' is incomplete: missing " + "; ".join(missing))
+    return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs", **parts)
+
+
+_FACTORIES = {"torch": _torch_backend, "mamba_ssm": _mamba_ssm_backend, "helion": _helion_backend}
+_CACHE: dict[str, KernelBackend] = {}
+
+
+def get_backend(name: str) -> KernelBackend:
+    """The backend called ``name``; raises UnknownBackendError / BackendUnavailableError (one line)."""
+    if name not in _FACTORIES:
+        raise UnknownBackendError(f"unknown kernel backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    if name not in _CACHE:
+        _CACHE[name] = _FACTORIES[name]()
+    return _CACHE[name]
+
+
+def available_backends() -> dict[str, str | None]:
+    """{name: None if usable here, else the reason it is not}."""
+    out: dict[str, str | None] = {}
+    for name in BACKENDS:
+        try:
+            get_backend(name)
+            out[name] = None
+        except BackendUnavailableError as e:
+            out[name] = str(e)
+    return out
