@@ -22,7 +22,7 @@ def causal_conv1d_ref(
     seq_idx: torch.Tensor | None = None,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """Reference causal depthwise conv1d; computes in fp32 and returns ``x.dtype``."""
+    """Reference causal depthwise conv1d; computes in fp32 (fp64 for fp64 input), returns ``x.dtype``."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
@@ -30,21 +30,22 @@ def causal_conv1d_ref(
     dtype = x.dtype
     b, d, l = x.shape
     w = weight.shape[1]
-    xf = x.float()
-    wf = weight.float()
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    wf = weight.to(acc)
     if seq_idx is None:
-        out = F.conv1d(xf, wf.unsqueeze(1), None if bias is None else bias.float(), padding=w - 1, groups=d)[..., :l]
+        out = F.conv1d(xf, wf.unsqueeze(1), None if bias is None else bias.to(acc), padding=w - 1, groups=d)[..., :l]
     else:
         if seq_idx.shape != (b, l):
             raise ValueError(f"seq_idx must be (batch, seqlen) = {(b, l)}, got {tuple(seq_idx.shape)}")
         xp = F.pad(xf, (w - 1, 0))
         sp = F.pad(seq_idx, (w - 1, 0), value=-1)
-        out = torch.zeros(b, d, l, dtype=torch.float32, device=x.device)
+        out = torch.zeros(b, d, l, dtype=acc, device=x.device)
         for k in range(w):
             same = (sp[:, k : k + l] == seq_idx).unsqueeze(1)  # (b, 1, l)
             out = out + wf[:, k].view(1, d, 1) * xp[:, :, k : k + l] * same
         if bias is not None:
-            out = out + bias.float().view(1, d, 1)
+            out = out + bias.to(acc).view(1, d, 1)
     if activation in ("silu", "swish"):
         out = F.silu(out)
     return out.to(dtype)

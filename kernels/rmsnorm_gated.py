@@ -26,18 +26,19 @@ def rmsnorm_gated_ref(
     norm_before_gate: bool = True,
     upcast: bool = True,
 ) -> torch.Tensor:
-    """Reference gated grouped RMSNorm over the last dim; computes in fp32 (``upcast``)."""
+    """Reference gated grouped RMSNorm over the last dim; computes in fp32 (fp64 for fp64 input) with ``upcast``."""
     dtype = x.dtype
     n = x.shape[-1]
     if group_size is None:
         group_size = n
     if n % group_size != 0:
         raise ValueError(f"hidden size {n} is not a multiple of group_size {group_size}")
-    w = weight.float() if upcast else weight
-    b = None if bias is None else (bias.float() if upcast else bias)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = weight.to(acc) if upcast else weight
+    b = None if bias is None else (bias.to(acc) if upcast else bias)
     if upcast:
-        x = x.float()
-        z = None if z is None else z.float()
+        x = x.to(acc)
+        z = None if z is None else z.to(acc)
     if z is not None and not norm_before_gate:
         x = x * F.silu(z)
     xg = x.reshape(*x.shape[:-1], n // group_size, group_size)

@@ -1,0 +1,28 @@
+import pytest
+import torch
+
+from kernels.registry import BackendUnavailableError, UnknownBackendError, available_backends, get_backend
+
+
+def test_torch_backend_is_the_reference():
+    be = get_backend("torch")
+    assert be.name == "torch"
+    from kernels.mamba_split import mamba_split_conv1d_scan_combined_ref
+    assert be.mamba_split_conv1d_scan_combined is mamba_split_conv1d_scan_combined_ref
+    norm = be.RMSNormGated(8, eps=1e-5, group_size=4, norm_before_gate=False)
+    assert norm(torch.randn(2, 8)).shape == (2, 8)
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(UnknownBackendError, match="unknown kernel backend 'trition'.*torch, mamba_ssm, helion"):
+        get_backend("trition")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_gpu_backends_unavailable_on_cpu_with_one_line(monkeypatch):
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU") as ei:
+        get_backend("mamba_ssm")
+    assert "\n" not in str(ei.value)
+    status = available_backends()
+    assert status["torch"] is None and status["mamba_ssm"]
