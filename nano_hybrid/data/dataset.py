@@ -1,0 +1,134 @@
+"""Training data through megatron-core: BlendedMegatronDatasetBuilder + GPTDataset (or MockGPTDataset),
+and a sampler that starts at ``consumed_samples`` and shards each global micro-batch over DP ranks.
+
+Sample order: the GPTDataset's own (seeded) shuffle; the sampler walks it sequentially. Global sample
+``i`` of step ``s`` is the same for any DP size, so a resume at ``consumed_samples`` continues exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from nano_hybrid.data.tokenizer import ByteTokenizer
+
+
+class DataConfigError(ValueError):
+    """Bad ``data.*`` settings or a missing dataset; raised before any work."""
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    kind: str  # "indexed" | "mock"
+    paths: tuple[str, ...]
+    weights: tuple[float, ...] | None
+    split: str
+    cache_dir: str | None
+    num_workers: int
+
+    @staticmethod
+    def from_cfg(data_cfg) -> "DataSpec":
+        kind = str(data_cfg.kind)
+        if kind not in ("indexed", "mock"):
+            raise DataConfigError(f"data.kind must be 'indexed' or 'mock', got {kind!r}")
+        paths = tuple(str(p) for p in (data_cfg.get("paths") or ()))
+        weights = data_cfg.get("weights")
+        weights = tuple(float(w) for w in weights) if weights else None
+        if kind == "indexed":
+            if not paths:
+                raise DataConfigError("data.paths is empty: give one or more indexed-dataset prefixes (without .bin/.idx)")
+            if weights is not None and (len(weights) != len(paths) or any(w <= 0 for w in weights)):
+                raise DataConfigError(f"data.weights must be {len(paths)} positive numbers, got {list(weights)}")
+        num_workers = int(data_cfg.get("num_workers", 0))
+        if num_workers < 0:
+            raise DataConfigError(f"data.num_workers must be >= 0, got {num_workers}")
+        return DataSpec(kind, paths, weights, str(data_cfg.get("split", "100,0,0")), data_cfg.get("cache_dir"), num_workers)
+
+
+def missing_paths(spec: DataSpec) -> list[str]:
+    return [p for p in spec.paths if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file())]
+
+
+def build_train_dataset(spec: DataSpec, tokenizer: ByteTokenizer, seq_length: int, num_samples: int, seed: int):
+    """The training split as built by megatron-core (GPTDataset, or BlendedDataset over several prefixes)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    if spec.kind == "indexed":
+        missing = missing_paths(spec)
+        if missing:
+            raise DataConfigError(f"data path(s) not found: {', '.join(p + '.bin/.idx' for p in missing)}")
+        cache = spec.cache_dir or str(Path(spec.paths[0]).parent / "cache")
+        blend = (list(spec.paths), list(spec.weights) if spec.weights else None)
+        cls, split = GPTDataset, spec.split
+    else:
+        cache, blend, cls, split = spec.cache_dir, None, MockGPTDataset, None
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        path_to_cache=cache,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # The step builds one causal mask for the whole batch instead of one [1, s, s] mask per sample.
+        create_attention_mask=False,
+        mid_level_dataset_surplus=0.005,
+    )
+    train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
+    if train is None or len(train) < num_samples:
+        n = 0 if train is None else len(train)
+        raise DataConfigError(f"the training split holds {n} samples, {num_samples} are needed")
+    return train
+
+
+class PretrainingSampler:
+    """Yields this DP rank's micro-batches of dataset indices, starting at ``consumed_samples``.
+
+    Global micro-batch ``k`` covers indices ``[k*mbs*dp, (k+1)*mbs*dp)``; rank ``r`` takes the ``r``-th
+    slice of ``mbs`` indices (as Megatron's MegatronPretrainingSampler does).
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
+        if consumed_samples % (micro_batch_size * dp_size):
+            raise ValueError(
+                f"consumed_samples {consumed_samples} is not a multiple of micro_batch_size*dp ({micro_batch_size * dp_size})"
+            )
+        if consumed_samples > total_samples:
+            raise ValueError(f"consumed_samples {consumed_samples} > dataset size {total_samples}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // (self.micro_batch_size * self.dp_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.dp_size
+        begin = self.consumed_samples
+        while begin + step <= self.total_samples:
+            first = begin + self.dp_rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+            begin += step
+
+
+def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int = 0):
+    """An iterator of collated micro-batches (dicts of tensors) for this DP rank."""
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+    )
+    return iter(loader)
