@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Offline install of nano-hybrid's GPU dependencies from a wheelhouse folder (no package index needed).
+#
+#   source scripts/gpu_setup.sh [WHEELHOUSE_DIR]
+#
+# WHEELHOUSE_DIR defaults to ../shared/wheelhouse/gpu-cp312-torch2.11-cu130 beside the checkout
+# (wheels for Python 3.12 / torch 2.11.0+cu130 / triton 3.6: mamba-ssm 2.3.2.post1 (Triton kernels only),
+# causal-conv1d 1.7.0 (sm_90), megatron-core 0.16.1, helion 1.5.0, hydra-core, omegaconf, ...).
+# The host must already have torch, triton, numpy, einops, rich and psutil: nothing here installs torch.
+# Wheels go into ./site (git-ignored) with --no-deps; PYTHONPATH is set to ./site:. for this shell.
+# mamba-ssm built without CUDA lacks the Mamba-1 `selective_scan_cuda` module: kernels/registry.py
+# (import_mamba_ssm) registers a placeholder for it before importing mamba_ssm, nothing else does.
+# wandb is not in the wheelhouse: keep logger.wandb.mode=disabled (or install wandb yourself).
+# Run as a script instead of sourcing it to only install and check; then export PYTHONPATH yourself.
+
+_nh_setup() {
+    local repo wh py
+    repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    wh="${1:-$repo/../shared/wheelhouse/gpu-cp312-torch2.11-cu130}"
+    py="${PYTHON:-python3}"
+    if [ ! -d "$wh" ]; then
+        echo "gpu_setup: wheelhouse folder not found: $wh" >&2; return 1
+    fi
+    wh="$(cd "$wh" && pwd)"
+    if ! ls "$wh"/*.whl >/dev/null 2>&1; then
+        echo "gpu_setup: no .whl files in $wh" >&2; return 1
+    fi
+    if ! "$py" -c "import torch, triton" 2>/dev/null; then
+        echo "gpu_setup: $py cannot import torch and triton; install the CUDA build of torch first (this script never does)" >&2
+        return 1
+    fi
+    if [ -f "$wh/SHA256SUMS" ]; then
+        (cd "$wh" && sha256sum --quiet -c SHA256SUMS) || { echo "gpu_setup: checksum mismatch in $wh" >&2; return 1; }
+    fi
+    local stamp="$repo/site/.wheelhouse-stamp"
+    local want
+    want="$(cd "$wh" && ls *.whl | sort | tr '\n' ' ')"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        echo "gpu_setup: $repo/site already holds these wheels"
+    else
+        rm -rf "$repo/site"
+        "$py" -m pip install -q --no-index --no-deps --no-compile --target "$repo/site" "$wh"/*.whl \
+            || { echo "gpu_setup: pip install from $wh failed" >&2; return 1; }
+        echo "$want" > "$stamp"
+    fi
+    export PYTHONPATH="$repo/site:$repo${PYTHONPATH:+:$PYTHONPATH}"
+    (cd "$repo" && "$py" - <<'PY'
+import torch
+import megatron.core, hydra, omegaconf, helion  # noqa: F401
+from kernels.registry import available_backends
+print(f"gpu_setup: torch {torch.__version__}, cuda available {torch.cuda.is_available()}, "
+      f"megatron-core {megatron.core.__version__}")
+for name, why in available_backends().items():
+    print(f"gpu_setup: kernel backend {name}: {'ok' if why is None else why}")
+PY
+    ) || { echo "gpu_setup: import check failed" >&2; return 1; }
+    echo "gpu_setup: PYTHONPATH=$PYTHONPATH"
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    set -euo pipefail
+    _nh_setup "$@"
+else
+    _nh_setup "$@"
+fi

@@ -1,0 +1,199 @@
+"""CPU tests of the benchmark / A-B scripts: statistics, argument parsing, kernel tables, JSON schema,
+and tiny CPU runs (torch backend, A-vs-A)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+import benchlib as bl  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(3)
+    for n in (1, 2, 5, 10, 101):
+        xs = [rng.gauss(10, 3) for _ in range(n)]
+        for q in (0, 10, 50, 90, 100):
+            assert bl.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+
+
+def test_median_p90_on_known_data():
+    xs = list(range(1, 11))  # 1..10
+    assert bl.median(xs) == 5.5
+    assert bl.percentile(xs, 90) == pytest.approx(9.1)
+    s = bl.summarize(xs)
+    assert s["n"] == 10 and s["min"] == 1 and s["max"] == 10 and s["mean"] == 5.5
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")]])
+def test_stats_reject_bad_samples(bad):
+    with pytest.raises(ValueError):
+        bl.median(bad)
+
+
+def test_percentile_rejects_bad_q():
+    with pytest.raises(ValueError, match="percentile"):
+        bl.percentile([1.0], 101)
+
+
+def test_bootstrap_ci_covers_true_ratio_and_excludes_one():
+    rng = random.Random(0)
+    a = [10.0 + rng.gauss(0, 0.2) for _ in range(60)]  # baseline
+    b = [8.0 + rng.gauss(0, 0.2) for _ in range(60)]  # 1.25x faster
+    point, lo, hi = bl.bootstrap_ratio_ci(a, b, n_boot=1000, seed=1)
+    assert lo < point < hi
+    assert lo < 1.25 < hi
+    assert lo > 1.15  # clearly excludes 1.0
+    assert hi - lo < 0.1
+
+
+def test_bootstrap_ci_a_vs_a_contains_one():
+    rng = random.Random(5)
+    a = [5.0 + rng.gauss(0, 0.3) for _ in range(50)]
+    b = [5.0 + rng.gauss(0, 0.3) for _ in range(50)]
+    point, lo, hi = bl.bootstrap_ratio_ci(a, b, n_boot=1000, seed=2)
+    assert lo < 1.0 < hi
+    assert abs(point - 1.0) < 0.05
+
+
+def test_bootstrap_is_seeded_and_validates():
+    a, b = [1.0, 2.0, 3.0], [1.5, 2.5, 3.5]
+    assert bl.bootstrap_ratio_ci(a, b, n_boot=200, seed=7) == bl.bootstrap_ratio_ci(a, b, n_boot=200, seed=7)
+    with pytest.raises(ValueError, match="n_boot"):
+        bl.bootstrap_ratio_ci(a, b, n_boot=10)
+    with pytest.raises(ValueError, match="positive"):
+        bl.bootstrap_ratio_ci(a, [0.0, 0.0], n_boot=200)
+    r = bl.ratio_summary(a, b, n_boot=200)
+    assert set(r) == {"speedup", "ci_lo", "ci_hi", "ci_level"} and r["ci_level"] == 0.95
+
+
+def test_arm_labels_and_alternation():
+    assert bl.arm_labels(["mamba_ssm", "helion", "mamba_ssm"]) == ["mamba_ssm", "helion", "mamba_ssm#2"]
+    assert bl.alternating_order(2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    # every arm runs first equally often over an even number of rounds
+    firsts = [o[0] for o in bl.alternating_order(3, 6)]
+    assert firsts.count(0) == 3 and firsts.count(2) == 3
+    with pytest.raises(ValueError):
+        bl.alternating_order(0, 2)
+
+
+def test_gpu_slug():
+    assert bl.gpu_slug("NVIDIA H200") == "h200"
+    assert bl.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert bl.gpu_slug("NVIDIA B200") == "b200"
+    assert bl.gpu_slug(None) == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel tables from a (synthetic) chrome trace
+# ---------------------------------------------------------------------------------------------
+def _synthetic_trace(tmp_path: Path, iters: int, drop: str | None = None) -> Path:
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "dur": 999.0}]  # host events are ignored
+    for _ in range(iters):
+        for k, calls in bl.MAMBA_SSM_EXPECTED_KERNELS.items():
+            if k == drop:
+                continue
+            name = f"void {k}<Ktraits<128, 4>>(ConvParamsBwd)" if k.startswith("causal") else k
+            for _ in range(calls):
+                events.append({"ph": "X", "cat": "kernel", "name": name, "dur": 10.0})
+        events.append({"ph": "X", "cat": "kernel", "name": "void at::native::vectorized_elementwise_kernel<4>(...)",
+                       "dur": 5.0})
+    p = tmp_path / "trace.json"
+    p.write_text(json.dumps({"traceEvents": events}))
+    return p
+
+
+def test_kernel_table_and_baseline_check(tmp_path):
+    iters = 3
+    table = bl.kernel_table(bl.load_trace_events(_synthetic_trace(tmp_path, iters)), iters)
+    n_calls = sum(bl.MAMBA_SSM_EXPECTED_KERNELS.values())
+    assert table["total_us_per_iter"] == pytest.approx(10.0 * n_calls + 5.0)
+    assert sum(r["share"] for r in table["rows"]) == pytest.approx(1.0)
+    rows = {r["kernel"]: r for r in table["rows"]}
+    assert rows["causal_conv1d_channellast_fwd_kernel"]["calls_per_iter"] == 2
+    assert rows["causal_conv1d_channellast_fwd_kernel"]["category"] == "ssd"
+    assert rows["_layer_norm_bwd_kernel"]["category"] == "norm"
+    assert rows["at::native::vectorized_elementwise_kernel"]["category"] == "other"
+    assert table["by_category"]["norm"] == pytest.approx(20.0)
+    chk = bl.check_expected_kernels(table)
+    assert chk["matches"] and chk["extra_kernels"] == ["at::native::vectorized_elementwise_kernel"]
+
+
+def test_baseline_check_reports_missing_kernel(tmp_path):
+    table = bl.kernel_table(bl.load_trace_events(_synthetic_trace(tmp_path, 2, drop="_chunk_scan_bwd_dcb_kernel")), 2)
+    chk = bl.check_expected_kernels(table)
+    assert not chk["matches"] and chk["missing"] == ["_chunk_scan_bwd_dcb_kernel"]
+
+
+def test_short_kernel_name():
+    assert bl.short_kernel_name("void causal_conv1d_channellast_fwd_kernel<Ktraits<128, 4, true>>(ConvParamsBase)") \
+        == "causal_conv1d_channellast_fwd_kernel"
+    assert bl.short_kernel_name("_chunk_scan_fwd_kernel") == "_chunk_scan_fwd_kernel"
+
+
+def test_write_results_schema(tmp_path):
+    jp, mp = bl.write_results(tmp_path / "o", "x", {"a": 1, "p": Path("/q")}, "# hi")
+    d = json.loads(jp.read_text())
+    assert d == {"schema_version": bl.SCHEMA_VERSION, "a": 1, "p": "/q"}
+    assert mp.read_text() == "# hi\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_kernels.py
+# ---------------------------------------------------------------------------------------------
+import bench_kernels as bk  # noqa: E402
+
+
+def test_bench_kernels_shapes_match_architecture_doc():
+    s = bk.SHAPES["nano"]
+    assert (s.zxbcdt_dim, s.conv_dim, s.d_inner, s.group_size) == (10304, 6144, 4096, 512)
+    t = bk.SHAPES["tp2"]
+    assert t.group_size == 512 and t.d_inner == 2048
+
+
+def test_bench_kernels_args():
+    a = bk.parse_args(["--backend", "mamba_ssm", "--compare", "helion"])
+    assert (a.backend, a.compare, a.shape, a.dtype) == ("mamba_ssm", "helion", "nano", "bf16")
+    assert bk.output_stem(a) == "kernels_mamba_ssm_vs_helion_nano"
+    for bad in (["--backend", "torch", "--compare", "torch"], ["--backend", "torch", "--rounds", "0"],
+                ["--backend", "torch", "--shape", "huge"], []):
+        with pytest.raises(SystemExit):
+            bk.parse_args(bad)
+
+
+def test_bench_kernels_unknown_backend_fails_clearly(tmp_path):
+    from kernels.registry import UnknownBackendError
+
+    with pytest.raises(UnknownBackendError, match="unknown kernel backend"):
+        bk.run(bk.parse_args(["--backend", "nope", "--shape", "tiny", "--out", str(tmp_path)]))
+
+
+def test_bench_kernels_cpu_smoke(tmp_path):
+    rc = bk.main(["--backend", "torch", "--shape", "tiny", "--dtype", "fp32", "--rounds", "2", "--iters", "1",
+                  "--warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    d = json.loads((tmp_path / "kernels_torch_tiny.json").read_text())
+    assert d["benchmark"] == "bench_kernels" and d["arms"] == ["torch", "torch#2"]
+    assert set(d["times_ms"]["torch"]) == set(bk.OPS)
+    assert d["times_ms"]["torch"]["mixer_fwdbwd"]["n"] == 2
+    assert d["correctness"]["passed"] and max(d["correctness"]["torch_vs_itself"].values()) == 0.0
+    ctl = d["ratios"]["control_torch#2_vs_torch"]["mixer_fwdbwd"]
+    assert ctl["ci_lo"] <= ctl["speedup"] <= ctl["ci_hi"]
+    for k in ("torch", "gpu", "date_utc", "helion", "mamba_ssm", "triton"):
+        assert k in d["env"]
+    assert d["shape"]["name"] == "tiny"
+    assert (tmp_path / "kernels_torch_tiny.md").read_text().startswith("# Mamba-2 mixer op")
