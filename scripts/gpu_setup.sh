@@ -3,7 +3,8 @@
 #
 #   source scripts/gpu_setup.sh [WHEELHOUSE_DIR]
 #
-# WHEELHOUSE_DIR defaults to ../shared/wheelhouse/gpu-cp312-torch2.11-cu130 beside the checkout
+# WHEELHOUSE_DIR defaults to $WHEELHOUSE, else the first of shared/wheelhouse/gpu-cp312-torch2.11-cu130
+# inside the checkout or ../shared/wheelhouse/gpu-cp312-torch2.11-cu130 beside it
 # (wheels for Python 3.12 / torch 2.11.0+cu130 / triton 3.6: mamba-ssm 2.3.2.post1 (Triton kernels only),
 # causal-conv1d 1.7.0 (sm_90), megatron-core 0.16.1, helion 1.5.0, hydra-core, omegaconf, ...).
 # The host must already have torch, triton, numpy, einops, rich and psutil: nothing here installs torch.
@@ -16,7 +17,12 @@
 _nh_setup() {
     local repo wh py
     repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-    wh="${1:-$repo/../shared/wheelhouse/gpu-cp312-torch2.11-cu130}"
+    wh="${1:-${WHEELHOUSE:-}}"
+    if [ -z "$wh" ]; then
+        for wh in "$repo/shared/wheelhouse/gpu-cp312-torch2.11-cu130" "$repo/../shared/wheelhouse/gpu-cp312-torch2.11-cu130"; do
+            [ -d "$wh" ] && break
+        done
+    fi
     py="${PYTHON:-python3}"
     if [ ! -d "$wh" ]; then
         echo "gpu_setup: wheelhouse folder not found: $wh" >&2; return 1
