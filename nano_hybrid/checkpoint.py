@@ -1,0 +1,517 @@
+"""Checkpoint and resume with megatron-core ``dist_checkpointing`` (Megatron ``torch_dist`` layout).
+
+Layout of ``checkpoint.dir``::
+
+    iter_0000050/                         one checkpoint
+        .metadata, __*.distcp, common.pt  dist_checkpointing: model + optimizer (sharded), scheduler,
+        metadata.json                     train state, W&B run id (common part)
+        rng/rank_00000.pt ...             every RNG stream of every rank
+        config.yaml                       the resolved config of the run that saved it
+        nano_hybrid_checkpoint.json       written last, atomically: its presence = checkpoint complete
+    latest_checkpointed_iteration.txt     tracker (Megatron name), replaced atomically after completion
+
+A checkpoint is complete only once ``nano_hybrid_checkpoint.json`` exists; it is written by rank 0 after
+every rank has finished writing, then the tracker is replaced. A crash at any point before leaves the
+previous checkpoint as the one that loads. Incomplete directories are removed on the next load/save.
+
+Before touching dist_checkpointing, a resume compares the saved ``nano_hybrid_checkpoint.json`` with
+the current model (every tensor's global shape, so vocab and layer pattern too) and parallel layout,
+and refuses an incompatible checkpoint with one line (:class:`CheckpointError`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+META_FILE = "nano_hybrid_checkpoint.json"
+FORMAT = "nano-hybrid-checkpoint/1"
+# Sharding of Megatron's DistributedOptimizer state. ``dp_reshardable`` is the format that saves and
+# loads on CPU and GPU in megatron-core 0.16.1 (see docs/ and ../shared/reference/megatron_core_cpu_notes.md).
+DISTRIB_OPTIM_SHARDING = "dp_reshardable"
+# Test hook: SIGKILL this process after the sharded data of iteration N is written, before it is published.
+KILL_DURING_SAVE_ENV = "NANO_HYBRID_TEST_KILL_DURING_SAVE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded (missing, incomplete or incompatible); one-line message."""
+
+
+@dataclass
+class TrainState:
+    """Where training is: optimizer steps done and data consumed (the data position to resume from)."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    train_state: TrainState
+    wandb_run_id: str | None
+    meta: dict
+
+
+def iter_dir_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _dist() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if _dist() else 1
+
+
+def _barrier() -> None:
+    if _dist():
+        torch.distributed.barrier()
+
+
+def _log(msg: str) -> None:
+    if _rank() == 0:
+        print(f"[checkpoint] {msg}", flush=True)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write temp file + fsync + os.replace + fsync(dir): readers see the old or the new file, never half."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _unwrap(model):
+    from megatron.core.utils import unwrap_model
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return [unwrap_model(m) for m in chunks]
+
+
+def _model_sharded_state_dict(model) -> dict:
+    chunks = _unwrap(model)
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}
+
+
+def model_signature(model) -> dict[str, list[int]]:
+    """Every checkpointed model tensor's key -> global shape (independent of TP/PP/EP layout)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    sd = _model_sharded_state_dict(model)
+    apply_factories(sd)
+    sig: dict[str, list[int]] = {}
+    for v in nested_values(sd):
+        if isinstance(v, ShardedTensor):
+            sig[v.key] = list(v.global_shape)
+        elif isinstance(v, ShardedObject):
+            sig[v.key] = ["object"]
+    return dict(sorted(sig.items()))
+
+
+def parallel_layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {"world_size": _world(), "tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "dp": _world()}
+    return {
+        "world_size": _world(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def _uses_distributed_optimizer(optimizer) -> bool:
+    if optimizer is None:
+        return False
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return any(isinstance(o, DistributedOptimizer) for o in opts)
+
+
+def _optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool) -> dict:
+    if not hasattr(optimizer, "sharded_state_dict"):
+        raise CheckpointError(
+            f"optimizer {type(optimizer).__name__} has no sharded_state_dict(): checkpointing needs a "
+            "megatron-core optimizer (megatron.core.optimizer.get_megatron_optimizer)"
+        )
+    metadata = {"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING}
+    msd = model_sd["model"] if "model" in model_sd else model_sd
+    return optimizer.sharded_state_dict(msd, is_loading=is_loading, metadata=metadata)
+
+
+# ------------------------------------------------------------------------------------------- RNG
+def get_rng_state() -> dict:
+    """python, numpy, torch CPU, CUDA (when present) and Megatron's tracker streams of this rank."""
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+        "tracker": None,
+    }
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if tracker.is_initialized():
+        # model-parallel, data-parallel and expert-parallel streams (names as Megatron registers them)
+        state["tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state["tracker"] is not None:
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        current = set(tracker.get_states()) if tracker.is_initialized() else set()
+        if current and current != set(state["tracker"]):
+            raise CheckpointError(
+                f"RNG tracker streams differ: checkpoint has {sorted(state['tracker'])}, this run {sorted(current)}"
+            )
+        tracker.set_states({k: v.clone() for k, v in state["tracker"].items()})
+
+
+# ------------------------------------------------------------------------------ directory queries
+def read_meta(ckpt: Path) -> dict | None:
+    f = Path(ckpt) / META_FILE
+    if not f.is_file():
+        return None
+    return json.loads(f.read_text())
+
+
+def is_complete(ckpt: Path) -> bool:
+    return (Path(ckpt) / META_FILE).is_file()
+
+
+def list_checkpoints(root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
+    """(complete checkpoints sorted by iteration, incomplete iter_* directories) under ``root``."""
+    complete, incomplete = [], []
+    if not Path(root).is_dir():
+        return complete, incomplete
+    for d in sorted(Path(root).glob("iter_*")):
+        if not d.is_dir():
+            continue
+        try:
+            it = int(d.name[len("iter_"):])
+        except ValueError:
+            continue
+        (complete if is_complete(d) else incomplete).append((it, d))
+    return sorted(complete), [d for _, d in sorted(incomplete)]
+
+
+def read_tracker(root: Path) -> int | None:
+    f = Path(root) / TRACKER_FILE
+    if not f.is_file():
+        return None
+    text = f.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{f} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def latest_complete(root: Path) -> Path | None:
+    """The tracker's checkpoint if it is complete, else the newest complete iter_* dir, else None."""
+    complete, _ = list_checkpoints(root)
+    it = read_tracker(root)
+    if it is not None:
+        d = Path(root) / iter_dir_name(it)
+        if is_complete(d):
+            return d
+        _log(f"tracker {Path(root) / TRACKER_FILE} names iteration {it} but {d} is not complete; "
+             "using the newest complete checkpoint")
+    return complete[-1][1] if complete else None
+
+
+def remove_incomplete(root: Path) -> None:
+    """Rank 0 deletes iter_* dirs that never completed (a crash during save)."""
+    if _rank() == 0:
+        for d in list_checkpoints(root)[1]:
+            _log(f"removing incomplete checkpoint {d}")
+            shutil.rmtree(d, ignore_errors=True)
+    _barrier()
+
+
+def resolve_load_path(load: str | None, ckpt_dir: str | Path) -> Path | None:
+    """``checkpoint.load`` -> checkpoint dir to load, or None for a fresh start.
+
+    ``none``/null: fresh start. ``auto``: newest complete checkpoint in ``ckpt_dir`` (fresh start if there is
+    none). A path: an ``iter_*`` checkpoint dir, or a checkpoints dir with a tracker file; it must exist and
+    be complete, else CheckpointError (never a silent fresh start).
+    """
+    if load is None or str(load).lower() in ("none", "null", ""):
+        return None
+    if str(load) == "auto":
+        root = Path(ckpt_dir)
+        if root.is_dir():
+            remove_incomplete(root)
+        return latest_complete(root)
+    p = Path(load)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint.load={load}: no such checkpoint (refusing to start from scratch)")
+    if is_complete(p):
+        return p
+    if (p / TRACKER_FILE).is_file() or list_checkpoints(p)[0]:
+        found = latest_complete(p)
+        if found is not None:
+            return found
+    raise CheckpointError(
+        f"checkpoint.load={load}: not a complete checkpoint (no {META_FILE}; a save was interrupted?) "
+        "(refusing to start from scratch)"
+    )
+
+
+# ---------------------------------------------------------------------------------- compatibility
+def check_compatible(meta: dict, model, optimizer, path: Path) -> None:
+    """Refuse, with one line, a checkpoint this model/layout cannot load. Runs before dist_checkpointing."""
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
+    saved, cur = meta["model_signature"], model_signature(model)
+    missing, unexpected = sorted(set(cur) - set(saved)), sorted(set(saved) - set(cur))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: model structure differs from the checkpoint ({len(missing)} tensors only in this model, "
+            f"e.g. {missing[:2]}; {len(unexpected)} only in the checkpoint, e.g. {unexpected[:2]}; "
+            f"the checkpoint was saved by model {meta.get('model_name')!r})"
+        )
+    for key in cur:
+        if saved[key] != cur[key]:
+            what = "vocab size" if "embedding" in key or "output_layer" in key else "model shape"
+            raise CheckpointError(
+                f"{path}: {what} differs: {key} is {saved[key]} in the checkpoint but {cur[key]} in this model"
+            )
+    if optimizer is not None and meta.get("has_optimizer"):
+        s_dist = bool(meta.get("distributed_optimizer"))
+        if s_dist != _uses_distributed_optimizer(optimizer):
+            raise CheckpointError(
+                f"{path}: optimizer state was saved with parallel.use_distributed_optimizer={s_dist}; "
+                f"this run uses {not s_dist}; resume with the same setting"
+            )
+        if s_dist:
+            s_lay, c_lay = meta["parallel"], parallel_layout()
+            fixed = ("tp", "pp", "cp", "ep", "etp")
+            diff = [f"{k} {s_lay[k]}->{c_lay[k]}" for k in fixed if s_lay.get(k) != c_lay[k]]
+            if diff:
+                raise CheckpointError(
+                    f"{path}: distributed-optimizer state ({DISTRIB_OPTIM_SHARDING}) reshards only across data "
+                    f"parallel; this run changes {', '.join(diff)}"
+                )
+    elif optimizer is not None and not meta.get("has_optimizer"):
+        raise CheckpointError(f"{path}: checkpoint has no optimizer state; cannot resume training from it")
+
+
+# -------------------------------------------------------------------------------------- save/load
+def save_checkpoint(
+    root: str | Path,
+    train_state: TrainState,
+    model,
+    optimizer=None,
+    scheduler=None,
+    *,
+    config: Any = None,
+    wandb_run_id: str | None = None,
+    model_name: str | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save everything needed to resume at ``train_state.step`` and publish it atomically. All ranks call it."""
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    root = Path(root)
+    step = int(train_state.step)
+    ckpt = root / iter_dir_name(step)
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if ckpt.exists():  # a leftover from an interrupted save, or an older timeline: unpublish, then replace
+            (ckpt / META_FILE).unlink(missing_ok=True)
+            shutil.rmtree(ckpt)
+        (ckpt / "rng").mkdir(parents=True)
+    _barrier()
+
+    model_sd = _model_sharded_state_dict(model)
+    state: dict[str, Any] = dict(model_sd)
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_sd, is_loading=False)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    state["train_state"] = asdict(train_state)
+    state["wandb_run_id"] = wandb_run_id
+    dist_checkpointing.save(state, str(ckpt))
+    torch.save(get_rng_state(), ckpt / "rng" / f"rank_{_rank():05d}.pt")
+
+    if os.environ.get(KILL_DURING_SAVE_ENV) == str(step):
+        print(f"[checkpoint] test hook {KILL_DURING_SAVE_ENV}={step}: SIGKILL during save", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _barrier()
+
+    if _rank() == 0:
+        meta = {
+            "format": FORMAT,
+            "iteration": step,
+            "train_state": asdict(train_state),
+            "wandb_run_id": wandb_run_id,
+            "model_name": model_name,
+            "model_signature": model_signature(model),
+            "parallel": parallel_layout(),
+            "has_optimizer": optimizer is not None,
+            "distributed_optimizer": _uses_distributed_optimizer(optimizer),
+            "distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING if _uses_distributed_optimizer(optimizer) else None,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "torch": torch.__version__,
+        }
+        if config is not None:
+            from omegaconf import OmegaConf
+
+            cfg_yaml = OmegaConf.to_yaml(config, resolve=True) if OmegaConf.is_config(config) else str(config)
+            (ckpt / "config.yaml").write_text(cfg_yaml)
+        _atomic_write_text(ckpt / META_FILE, json.dumps(meta, indent=1) + "\n")  # complete from here on
+        _atomic_write_text(root / TRACKER_FILE, f"{step}\n")
+        if keep_last:
+            prune(root, keep_last)
+    _barrier()
+    _log(f"saved {ckpt} (step {step}) in {time.perf_counter() - t0:.2f}s")
+    return ckpt
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints (never the tracker's). Rank 0 only."""
+    complete, _ = list_checkpoints(root)
+    tracked = read_tracker(root)
+    for it, d in complete[:-keep_last] if keep_last > 0 else []:
+        if it == tracked:
+            continue
+        (d / META_FILE).unlink(missing_ok=True)  # unpublish first: a crash mid-delete leaves it incomplete
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> LoadedCheckpoint:
+    """Load a complete checkpoint into model/optimizer/scheduler and restore this rank's RNG streams."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    meta = read_meta(path)
+    if meta is None:
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {META_FILE})")
+    check_compatible(meta, model, optimizer, path)
+
+    model_sd = _model_sharded_state_dict(model)
+    template: dict[str, Any] = dict(model_sd)
+    if optimizer is not None:
+        template["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_sd, is_loading=True)
+    loaded = dist_checkpointing.load(template, str(path))
+
+    chunks = _unwrap(model)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, m in enumerate(chunks):
+            m.load_state_dict(loaded[f"model{i}"], strict=True)
+    if optimizer is not None:
+        with torch.no_grad():  # dp_reshardable load copies into leaf views (megatron_core_cpu_notes.md, 5c)
+            optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        if "scheduler" not in loaded:
+            raise CheckpointError(f"{path}: checkpoint has no scheduler state")
+        scheduler.load_state_dict(loaded["scheduler"])
+
+    rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+    if meta["parallel"]["world_size"] == _world() and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        _log(f"world size changed ({meta['parallel']['world_size']} -> {_world()}): RNG streams are not restored; "
+             "the run continues but is not bitwise reproducible")
+    ts = TrainState(**loaded["train_state"])
+    _log(f"loaded {path} (step {ts.step}, {ts.consumed_samples} samples, {ts.consumed_tokens} tokens)")
+    return LoadedCheckpoint(path=path, train_state=ts, wandb_run_id=loaded.get("wandb_run_id"), meta=meta)
+
+
+class Checkpointer:
+    """The training loop's handle: ``cfg.checkpoint`` + ``resume()`` before the loop, ``maybe_save()`` after steps.
+
+    Usage in a training loop::
+
+        ckpt = Checkpointer(cfg)
+        loaded = ckpt.resume(model, optimizer, scheduler)    # None: fresh start
+        state = loaded.train_state if loaded else TrainState()
+        ... every step: state.step += 1; ...; ckpt.maybe_save(state, model, optimizer, scheduler, wandb_run_id=...)
+        ... on exit / at the end: ckpt.save(state, ..., ) if cfg.checkpoint.save_on_exit
+    """
+
+    def __init__(self, cfg):
+        c = cfg.checkpoint
+        if c.dir in (None, ""):
+            raise CheckpointError("checkpoint.dir is empty")
+        self.cfg = cfg
+        self.dir = Path(str(c.dir))
+        self.interval = int(c.interval or 0)
+        self.keep_last = int(c.keep_last or 0)
+        self.load = None if c.load is None else str(c.load)
+        self.save_on_exit = bool(c.save_on_exit)
+        if self.interval < 0 or self.keep_last < 0:
+            raise CheckpointError(f"checkpoint.interval ({self.interval}) and keep_last ({self.keep_last}) must be >= 0")
+        self.last_saved_step: int | None = None
+
+    def resume(self, model, optimizer=None, scheduler=None) -> LoadedCheckpoint | None:
+        path = resolve_load_path(self.load, self.dir)
+        if path is None:
+            _log(f"no checkpoint to load (checkpoint.load={self.load}); starting from scratch")
+            return None
+        loaded = load_checkpoint(path, model, optimizer, scheduler)
+        self.last_saved_step = loaded.train_state.step
+        return loaded
+
+    def due(self, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0 and step != self.last_saved_step
+
+    def save(self, train_state: TrainState, model, optimizer=None, scheduler=None, *, wandb_run_id=None) -> Path | None:
+        if train_state.step == self.last_saved_step:
+            return None  # already saved at this step
+        model_name = self.cfg.model.get("name") if "model" in self.cfg else None
+        path = save_checkpoint(self.dir, train_state, model, optimizer, scheduler, config=self.cfg,
+                               wandb_run_id=wandb_run_id, model_name=model_name, keep_last=self.keep_last)
+        self.last_saved_step = train_state.step
+        return path
+
+    def maybe_save(self, train_state: TrainState, model, optimizer=None, scheduler=None, *, wandb_run_id=None):
+        if self.due(train_state.step):
+            return self.save(train_state, model, optimizer, scheduler, wandb_run_id=wandb_run_id)
+        return None
