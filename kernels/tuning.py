@@ -1,0 +1,603 @@
+"""Per-GPU Helion configs as committed files, and the config search that produces them.
+
+Files
+-----
+``kernels/configs/<arch>/<kernel_name>.json`` (arch = ``current_arch()``, e.g. ``sm90`` for H100/H200,
+``sm100`` for B200)::
+
+    {"kernel": "rmsnorm_bwd", "arch": "sm90",
+     "entries": {"<shape_key>": {"dims": {...}, "config": {<helion.Config dict>},
+                                 "time_ms": 0.123, "date": "2026-11-29T...", "gpu": "NVIDIA H200",
+                                 "meta": {...}}}}
+
+Lookup (``get_config``)
+-----------------------
+1. CPU / ``HELION_INTERPRET=1``: the kernel's ``default`` (interpret mode ignores configs anyway).
+2. exact ``shape_key(**dims)`` entry in the file for this arch;
+3. else the *nearest tuned shape*: among entries whose dims have the same names and identical
+   non-integer values, the one minimising ``sum_k |log2(dims[k] / entry[k])|`` (log-space L1
+   distance; ties broken by the sorted shape key);
+4. else ``default``.
+Cases 3 and 4 emit ONE ``warnings.warn`` per (kernel, shape) naming what was used.
+
+Calling a kernel with a chosen config (``run_with_config``)
+-----------------------------------------------------------
+On GPU: ``kernel.bind(args).compile_config(config)`` gives a compiled callable; it is cached per
+(kernel, argument signature: dtype/shape/stride/device of tensors and values of scalars, config), so
+a training step pays one dict lookup per launch. Wrappers never call ``kernel(*args)`` on GPU, so
+Helion's own autotuner never runs in a training step. Under ``HELION_INTERPRET=1`` (CPU) the kernel
+function runs in Helion's eager reference mode with the config visible to ``hl.register_tunable``.
+
+Autotuning at run time
+----------------------
+Off by default. ``set_autotune(True)`` (what ``kernels.autotune=true`` maps to) makes ``tuned_call``
+run ``search`` once per (kernel, shape) that has no exact entry, with the candidates of the
+kernel's ``TuneCase`` builder if given, and keep the winner in memory for this process (it is not
+written to the committed files; use ``scripts/tune_kernels.py`` for that).
+
+Search (``search``)
+-------------------
+Helion's own autotuner returned ``NoConfigFound`` on the H200 host (see kernels/README.md), so we
+drive the search ourselves: every candidate is compiled as a fixed config, run once, its outputs are
+compared with the reference config's outputs (the kernel's default config), and then timed
+in-process with CUDA events (``triton.testing.do_bench`` median when available). Candidates that fail
+to compile, crash, or disagree are skipped and logged. The wall-clock budget is respected between
+candidates.
+
+Registry of tunable kernels
+---------------------------
+Each kernel module may expose ``TUNABLE_KERNELS: dict[str, Callable[[dict, torch.device], TuneCase]]``;
+the callable receives *model dims* (a ``SHAPE_PRESETS`` entry: b, l, h, p, g, n, c, w) and returns a
+``TuneCase`` (kernel, args, kernel dims, seed configs, tolerances). ``discover_tunable_kernels()``
+imports every ``kernels.*`` module and collects them, so new kernel modules need no edit here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib
+import itertools
+import json
+import math
+import os
+import pkgutil
+import random
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+import helion
+
+CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
+
+# Model-level shape presets (Nemotron-3 Nano mixer dims). Kernel TuneCase builders derive their own
+# kernel dims from these. "nano" is the tuned shape; the others are reported without retuning.
+SHAPE_PRESETS: dict[str, dict[str, int]] = {
+    "nano": dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128, w=4),
+    "nano_tp2": dict(b=2, l=8192, h=32, p=64, g=4, n=128, c=128, w=4),
+    "nano_b4_l4096": dict(b=4, l=4096, h=64, p=64, g=8, n=128, c=128, w=4),
+}
+
+_AUTOTUNE = False
+_WARNED: set[tuple[str, str]] = set()
+_FILE_CACHE: dict[Path, dict] = {}
+_COMPILED: dict[tuple, Callable] = {}
+_AUTOTUNED: dict[tuple[str, str], helion.Config] = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# basic helpers
+
+
+def set_autotune(enabled: bool) -> None:
+    """Allow (True) or forbid (False, default) config searches inside ``tuned_call``."""
+    global _AUTOTUNE
+    _AUTOTUNE = bool(enabled)
+
+
+def autotune_enabled() -> bool:
+    return _AUTOTUNE
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("HELION_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def current_arch() -> str:
+    """``"sm90"``, ``"sm100"``, ... from the current CUDA device capability; ``"cpu"`` without CUDA."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm{major}{minor}"
+
+
+_DIM_ORDER = ("b", "l", "m", "d", "h", "p", "g", "n", "c", "w", "gs")
+
+
+def shape_key(**dims: Any) -> str:
+    """Canonical key: known dim letters first in the order b l m d h p g n c w gs, others sorted.
+
+    ``shape_key(b=2, l=8192, h=64, p=64, g=8, n=128, c=128) == "b2_l8192_h64_p64_g8_n128_c128"``.
+    Values must be ints, bools (written 0/1) or short alphanumeric strings.
+    """
+    if not dims:
+        raise ValueError("shape_key needs at least one dim")
+    order = [k for k in _DIM_ORDER if k in dims] + sorted(k for k in dims if k not in _DIM_ORDER)
+    parts = []
+    for k in order:
+        v = dims[k]
+        if isinstance(v, bool):
+            v = int(v)
+        if isinstance(v, int):
+            parts.append(f"{k}{v}")
+        elif isinstance(v, str) and v.replace("-", "").isalnum():
+            parts.append(f"{k}{v}")
+        else:
+            raise ValueError(f"shape_key: dim {k}={v!r} must be an int, bool or alphanumeric str")
+    return "_".join(parts)
+
+
+def _as_config(cfg: helion.Config | Mapping[str, Any]) -> helion.Config:
+    if isinstance(cfg, helion.Config):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return helion.Config.from_dict(dict(cfg))
+    raise TypeError(f"expected helion.Config or dict, got {type(cfg).__name__}")
+
+
+def config_to_dict(cfg: helion.Config | Mapping[str, Any]) -> dict:
+    return json.loads(_as_config(cfg).to_json())
+
+
+def config_path(kernel_name: str, arch: str | None = None, root: Path | None = None) -> Path:
+    return Path(root or CONFIG_ROOT) / (arch or current_arch()) / f"{kernel_name}.json"
+
+
+def _load_file(path: Path) -> dict:
+    if path in _FILE_CACHE:
+        return _FILE_CACHE[path]
+    if path.exists():
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data.get("entries"), dict):
+            raise ValueError(f"{path}: malformed config file (no 'entries' dict)")
+    else:
+        data = {"entries": {}}
+    _FILE_CACHE[path] = data
+    return data
+
+
+def clear_caches() -> None:
+    """Forget loaded files, compiled kernels, warnings already given and in-process autotune results."""
+    _FILE_CACHE.clear()
+    _COMPILED.clear()
+    _WARNED.clear()
+    _AUTOTUNED.clear()
+
+
+def _distance(a: Mapping[str, Any], b: Mapping[str, Any]) -> float | None:
+    if set(a) != set(b):
+        return None
+    d = 0.0
+    for k, va in a.items():
+        vb = b[k]
+        if isinstance(va, bool) or not isinstance(va, int) or not isinstance(vb, int) or isinstance(vb, bool):
+            if va != vb:
+                return None
+            continue
+        if va <= 0 or vb <= 0:
+            if va != vb:
+                return None
+            continue
+        d += abs(math.log2(va / vb))
+    return d
+
+
+def lookup(kernel_name: str, dims: Mapping[str, Any], arch: str | None = None, root: Path | None = None):
+    """Return ``(how, key, entry)`` with how in {"exact", "nearest", "none"} (no CPU shortcut)."""
+    key = shape_key(**dims)
+    entries = _load_file(config_path(kernel_name, arch, root))["entries"]
+    if key in entries:
+        return "exact", key, entries[key]
+    best = None
+    for k in sorted(entries):
+        e = entries[k]
+        d = _distance(dims, e.get("dims", {}))
+        if d is not None and (best is None or d < best[0]):
+            best = (d, k, e)
+    if best is not None:
+        return "nearest", best[1], best[2]
+    return "none", None, None
+
+
+def _warn_once(kernel_name: str, key: str, msg: str) -> None:
+    if (kernel_name, key) in _WARNED:
+        return
+    _WARNED.add((kernel_name, key))
+    warnings.warn(msg, stacklevel=3)
+
+
+def get_config(
+    kernel_name: str,
+    dims: Mapping[str, Any],
+    default: helion.Config | Mapping[str, Any],
+    *,
+    arch: str | None = None,
+    root: Path | None = None,
+) -> helion.Config:
+    """Config for ``kernel_name`` at ``dims`` on this GPU arch (see module doc for the order)."""
+    default = _as_config(default)
+    arch = arch or current_arch()
+    if arch == "cpu" or interpret_mode():
+        return default
+    key = shape_key(**dims)
+    if (kernel_name, key) in _AUTOTUNED:
+        return _AUTOTUNED[(kernel_name, key)]
+    how, used_key, entry = lookup(kernel_name, dims, arch, root)
+    if how == "exact":
+        return _as_config(entry["config"])
+    path = config_path(kernel_name, arch, root)
+    if how == "nearest":
+        _warn_once(
+            kernel_name,
+            key,
+            f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key}; "
+            f"using the nearest tuned shape {used_key} from {path}",
+        )
+        return _as_config(entry["config"])
+    _warn_once(
+        kernel_name,
+        key,
+        f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key} (no entry in {path}); "
+        f"using the kernel's generic default config {config_to_dict(default)}",
+    )
+    return default
+
+
+def record(
+    kernel_name: str,
+    dims: Mapping[str, Any],
+    config: helion.Config | Mapping[str, Any],
+    time_ms: float,
+    meta: Mapping[str, Any] | None = None,
+    *,
+    arch: str | None = None,
+    root: Path | None = None,
+) -> Path:
+    """Write/update the entry for (kernel, shape) in ``configs/<arch>/<kernel>.json``."""
+    arch = arch or current_arch()
+    path = config_path(kernel_name, arch, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.setdefault("kernel", kernel_name)
+    data.setdefault("arch", arch)
+    entries = data.setdefault("entries", {})
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    entries[shape_key(**dims)] = {
+        "dims": dict(dims),
+        "config": config_to_dict(config),
+        "time_ms": float(time_ms),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "meta": dict(meta or {}),
+    }
+    data["entries"] = dict(sorted(entries.items()))
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    tmp.replace(path)
+    _FILE_CACHE.pop(path, None)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# running a kernel with a fixed config
+
+
+def _arg_signature(args: Sequence[object]) -> tuple:
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append(("T", a.dtype, tuple(a.shape), tuple(a.stride()), str(a.device)))
+        elif isinstance(a, (int, float, bool, str)) or a is None:
+            sig.append(("S", type(a).__name__, a))
+        elif isinstance(a, (tuple, list)):
+            sig.append(("L", _arg_signature(a)))
+        else:
+            sig.append(("O", type(a).__name__, repr(a)))
+    return tuple(sig)
+
+
+def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]) -> Callable:
+    """Compiled callable of ``kernel`` for this argument signature and config (cached)."""
+    cfg = _as_config(config)
+    key = (id(kernel), _arg_signature(args), cfg.to_json())
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = kernel.bind(tuple(args)).compile_config(cfg, allow_print=False)
+        _COMPILED[key] = fn
+    return fn
+
+
+def run_with_config(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]):
+    """Run ``kernel(*args)`` with ``config`` (compiled once per signature); eager under interpret."""
+    if kernel_in_ref_mode(kernel):
+        return run_interpret(kernel, args, config)
+    return compiled(kernel, args, config)(*args)
+
+
+def kernel_in_ref_mode(kernel) -> bool:
+    """True when ``kernel`` was created under ``HELION_INTERPRET=1`` (Helion fixes this at decoration)."""
+    from helion.runtime.ref_mode import RefMode
+
+    return kernel.settings.ref_mode != RefMode.OFF
+
+
+def run_interpret(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]):
+    """Helion's eager reference mode (``HELION_INTERPRET=1``) with ``config`` visible to
+    ``hl.register_tunable`` (block sizes from ``register_block_size`` are the full extent there)."""
+    from helion.runtime.ref_mode import RefModeContext
+
+    bound = kernel.bind(tuple(args))
+    with RefModeContext(bound.env, _as_config(config)):
+        return kernel.fn(*args)
+
+
+def tuned_call(
+    kernel_name: str,
+    kernel,
+    args: Sequence[object],
+    dims: Mapping[str, Any],
+    default: helion.Config | Mapping[str, Any],
+    *,
+    seeds: Sequence[helion.Config | Mapping[str, Any]] = (),
+    autotune_budget_s: float = 60.0,
+    atol: float = 1e-2,
+    rtol: float = 1e-2,
+):
+    """What kernel wrappers call: committed config (or fallback), or a search if autotune is on."""
+    if (
+        _AUTOTUNE
+        and not interpret_mode()
+        and torch.cuda.is_available()
+        and (kernel_name, shape_key(**dims)) not in _AUTOTUNED
+        and lookup(kernel_name, dims)[0] != "exact"
+    ):
+        cands = candidate_configs(kernel, args, seeds=seeds, n_random=16)
+        best, _ = search(kernel, args, cands, budget_s=autotune_budget_s, atol=atol, rtol=rtol)
+        _AUTOTUNED[(kernel_name, shape_key(**dims))] = best
+    cfg = get_config(kernel_name, dims, default)
+    return run_with_config(kernel, args, cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# candidate generation and search
+
+
+@dataclasses.dataclass
+class TuneCase:
+    """One tunable kernel at one shape: what ``scripts/tune_kernels.py`` searches."""
+
+    kernel: Any  # a helion Kernel
+    args: tuple
+    dims: dict  # kernel dims (the shape key of the file entry)
+    default: helion.Config | dict  # the generic config used when nothing is tuned
+    seeds: list = dataclasses.field(default_factory=list)  # partial config dicts / Configs
+    atol: float = 1e-2
+    rtol: float = 1e-2
+    n_random: int = 24
+
+
+def grid_seeds(**axes: Iterable[Any]) -> list[dict]:
+    """Cartesian product of partial-config values, e.g. ``grid_seeds(block_sizes=[[8],[16]], num_warps=[4,8])``."""
+    names = list(axes)
+    return [dict(zip(names, vals)) for vals in itertools.product(*(list(axes[n]) for n in names))]
+
+
+def candidate_configs(
+    kernel,
+    args: Sequence[object],
+    *,
+    seeds: Sequence[helion.Config | Mapping[str, Any]] = (),
+    n_random: int = 24,
+    rng_seed: int = 0,
+) -> list[helion.Config]:
+    """Default config, then seeds (partial dicts layered over the default), then ``n_random`` random
+    configs from the bound kernel's config space (``config_spec.create_config_generation()``).
+    Duplicates are removed. Works without a GPU (binding needs no device launch)."""
+    bound = kernel.bind(tuple(args))
+    spec = bound.config_spec
+    default = spec.default_config()
+    out: list[helion.Config] = [default]
+    for s in seeds:
+        d = dict(default.config)
+        d.update(config_to_dict(s) if isinstance(s, helion.Config) else dict(s))
+        out.append(helion.Config.from_dict(d))
+    if n_random > 0:
+        state = random.getstate()
+        random.seed(rng_seed)
+        try:
+            gen = spec.create_config_generation()
+            for _ in range(n_random):
+                try:
+                    out.append(gen.random_config())
+                except Exception:  # noqa: BLE001 - an unsampleable space only shortens the list
+                    break
+        finally:
+            random.setstate(state)
+    uniq, seen = [], set()
+    for c in out:
+        j = c.to_json()
+        if j not in seen:
+            seen.add(j)
+            uniq.append(c)
+    return uniq
+
+
+def _flatten_outputs(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        res = []
+        for o in out:
+            res.extend(_flatten_outputs(o))
+        return res
+    return []
+
+
+def outputs_close(a, b, atol: float, rtol: float) -> tuple[bool, float]:
+    """Compare two kernel outputs (tensor or nested tuple); returns (ok, max abs error)."""
+    fa, fb = _flatten_outputs(a), _flatten_outputs(b)
+    if len(fa) != len(fb):
+        return False, float("inf")
+    worst = 0.0
+    ok = True
+    for x, y in zip(fa, fb):
+        if x.shape != y.shape:
+            return False, float("inf")
+        x32, y32 = x.float(), y.float()
+        if not torch.isfinite(x32).all():
+            return False, float("inf")
+        err = (x32 - y32).abs()
+        worst = max(worst, float(err.max()) if err.numel() else 0.0)
+        if not torch.all(err <= atol + rtol * y32.abs()):
+            ok = False
+    return ok, worst
+
+
+def time_fn(fn: Callable[[], Any], rep_ms: float = 100.0) -> float:
+    """Median milliseconds per call, measured on the GPU in-process."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
+    except ImportError:
+        pass
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize()
+    est = max(s.elapsed_time(e), 1e-3)
+    n = int(max(5, min(1000, rep_ms / est)))
+    times = []
+    for _ in range(n):
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return float(times[len(times) // 2])
+
+
+def _cuda_alive() -> bool:
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def search(
+    kernel,
+    args: Sequence[object],
+    candidates: Sequence[helion.Config | Mapping[str, Any]],
+    budget_s: float,
+    rep: float = 50.0,
+    *,
+    atol: float = 1e-2,
+    rtol: float = 1e-2,
+    reference: helion.Config | Mapping[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[helion.Config, list[dict]]:
+    """Compile, check and time each candidate; return ``(best_config, results)``.
+
+    The reference output comes from ``reference`` (default: the bound kernel's default config) and
+    every candidate's output must match it within ``atol + rtol*|ref|``. ``results`` has one dict per
+    candidate tried: config, status ("ok", "compile_error", "run_error", "mismatch", "skipped_budget"),
+    time_ms, max_abs_err, error. The budget is checked before each candidate; the reference is always
+    run. A CUDA error that leaves the context unusable ends the search with the best so far.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("tuning.search needs a CUDA GPU (timings are measured on the device)")
+    log = log or (lambda s: None)
+    t0 = time.monotonic()
+    args = tuple(args)
+    ref_cfg = _as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
+    ref_out = compiled(kernel, args, ref_cfg)(*args)
+    torch.cuda.synchronize()
+    ref_out = [t.clone() for t in _flatten_outputs(ref_out)]
+    results: list[dict] = []
+    best: tuple[float, helion.Config] | None = None
+    cands = [ref_cfg] + [c for c in map(_as_config, candidates) if c.to_json() != ref_cfg.to_json()]
+    for i, cfg in enumerate(cands):
+        r: dict[str, Any] = {"config": config_to_dict(cfg), "status": None, "time_ms": None, "max_abs_err": None}
+        if i > 0 and time.monotonic() - t0 > budget_s:
+            r["status"] = "skipped_budget"
+            results.append(r)
+            continue
+        try:
+            fn = compiled(kernel, args, cfg)
+        except Exception as e:  # noqa: BLE001
+            r.update(status="compile_error", error=f"{type(e).__name__}: {str(e)[:300]}")
+            results.append(r)
+            log(f"  [{i}] compile_error {r['error'][:120]}")
+            continue
+        try:
+            out = fn(*args)
+            torch.cuda.synchronize()
+            ok, err = outputs_close(out, ref_out, atol, rtol)
+            r["max_abs_err"] = err
+            if not ok:
+                r["status"] = "mismatch"
+                results.append(r)
+                log(f"  [{i}] mismatch max_abs_err={err:.3g}")
+                continue
+            ms = time_fn(lambda: fn(*args), rep)
+        except Exception as e:  # noqa: BLE001
+            r.update(status="run_error", error=f"{type(e).__name__}: {str(e)[:300]}")
+            results.append(r)
+            log(f"  [{i}] run_error {r['error'][:120]}")
+            if not _cuda_alive():
+                r["error"] += " (CUDA context lost: search stopped)"
+                break
+            continue
+        r.update(status="ok", time_ms=ms)
+        results.append(r)
+        log(f"  [{i}] ok {ms * 1000:.1f} us")
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    if best is None:
+        raise RuntimeError(
+            "tuning.search: no candidate ran correctly (not even the reference config); "
+            f"first errors: {[r.get('error') for r in results[:3]]}"
+        )
+    return best[1], results
+
+
+def discover_tunable_kernels() -> dict[str, tuple[str, Callable]]:
+    """``{kernel_name: (module_name, case_builder)}`` from every ``kernels.*`` module's TUNABLE_KERNELS."""
+    import kernels as _pkg
+
+    found: dict[str, tuple[str, Callable]] = {}
+    for mod in pkgutil.iter_modules(_pkg.__path__):
+        if mod.name in ("tuning", "registry") or mod.name.startswith("_"):
+            continue
+        m = importlib.import_module(f"kernels.{mod.name}")
+        for name, builder in getattr(m, "TUNABLE_KERNELS", {}).items():
+            if name in found:
+                raise ValueError(f"tunable kernel {name!r} defined in both {found[name][0]} and kernels.{mod.name}")
+            found[name] = (f"kernels.{mod.name}", builder)
+    return found
+
+
+def format_exc() -> str:
+    return traceback.format_exc()

@@ -1,0 +1,154 @@
+"""kernels.tuning: shape keys, config files, lookup exact/nearest/fallback with one warning."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import helion
+import helion.language as hl
+from kernels import tuning
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    tuning.clear_caches()
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    yield
+    tuning.clear_caches()
+    tuning.set_autotune(False)
+
+
+DEFAULT = helion.Config(block_sizes=[32], num_warps=4)
+
+
+def test_shape_key_canonical():
+    assert tuning.shape_key(c=128, n=128, g=8, p=64, h=64, l=8192, b=2) == "b2_l8192_h64_p64_g8_n128_c128"
+    assert tuning.shape_key(m=16384, gs=512, g=8, z=True, nbg=False) == "m16384_g8_gs512_nbg0_z1"
+    assert tuning.shape_key(b=2, dtype="bf16") == "b2_dtypebf16"
+    with pytest.raises(ValueError):
+        tuning.shape_key(b=2.5)
+    with pytest.raises(ValueError):
+        tuning.shape_key()
+
+
+def test_record_round_trip_and_exact(tmp_path):
+    dims = dict(m=16384, g=8, gs=512)
+    cfg = helion.Config(block_sizes=[16, 64], num_warps=8)
+    path = tuning.record("rmsnorm_bwd", dims, cfg, 0.123, {"note": "x"}, arch="sm90", root=tmp_path)
+    data = json.loads(path.read_text())
+    e = data["entries"]["m16384_g8_gs512"]
+    assert data["arch"] == "sm90" and data["kernel"] == "rmsnorm_bwd"
+    assert e["time_ms"] == pytest.approx(0.123) and e["dims"] == dims and e["meta"] == {"note": "x"}
+    assert "date" in e and "gpu" in e
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = tuning.get_config("rmsnorm_bwd", dims, DEFAULT, arch="sm90", root=tmp_path)
+    assert got == cfg
+    # updating keeps other entries
+    tuning.record("rmsnorm_bwd", dict(m=8192, g=8, gs=512), DEFAULT, 0.2, arch="sm90", root=tmp_path)
+    data = json.loads(path.read_text())
+    assert set(data["entries"]) == {"m16384_g8_gs512", "m8192_g8_gs512"}
+
+
+def test_nearest_with_one_warning(tmp_path):
+    near = helion.Config(block_sizes=[8], num_warps=2)
+    far = helion.Config(block_sizes=[128], num_warps=8)
+    tuning.record("k", dict(m=16384, g=8, gs=512), near, 0.1, arch="sm90", root=tmp_path)
+    tuning.record("k", dict(m=1024, g=8, gs=512), far, 0.1, arch="sm90", root=tmp_path)
+    tuning.record("k", dict(m=32768, g=4, gs=1024, extra=1), far, 0.1, arch="sm90", root=tmp_path)  # other dim names
+    with pytest.warns(UserWarning, match="nearest tuned shape m16384_g8_gs512"):
+        got = tuning.get_config("k", dict(m=32768, g=4, gs=512), DEFAULT, arch="sm90", root=tmp_path)
+    assert got == near
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tuning.get_config("k", dict(m=32768, g=4, gs=512), DEFAULT, arch="sm90", root=tmp_path)
+    assert not w, "the warning must be given once per (kernel, shape)"
+
+
+def test_nearest_requires_same_non_int_dims(tmp_path):
+    tuning.record("k", dict(m=16384, dt="bf16"), DEFAULT, 0.1, arch="sm90", root=tmp_path)
+    with pytest.warns(UserWarning, match="generic default"):
+        got = tuning.get_config("k", dict(m=16384, dt="fp16"), {"block_sizes": [64]}, arch="sm90", root=tmp_path)
+    assert got == helion.Config(block_sizes=[64])
+
+
+def test_fallback_default_with_one_warning(tmp_path):
+    with pytest.warns(UserWarning, match="no entry in"):
+        got = tuning.get_config("nope", dict(m=4), DEFAULT, arch="sm100", root=tmp_path)
+    assert got == DEFAULT
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tuning.get_config("nope", dict(m=4), DEFAULT, arch="sm100", root=tmp_path)
+
+
+def test_cpu_and_interpret_use_default(tmp_path, monkeypatch):
+    tuning.record("k", dict(m=4), helion.Config(block_sizes=[4]), 0.1, arch="sm90", root=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuning.get_config("k", dict(m=4), DEFAULT, arch="cpu", root=tmp_path) == DEFAULT
+        monkeypatch.setenv("HELION_INTERPRET", "1")
+        assert tuning.get_config("k", dict(m=4), DEFAULT, arch="sm90", root=tmp_path) == DEFAULT
+
+
+def test_malformed_file_fails_clearly(tmp_path):
+    p = tmp_path / "sm90" / "bad.json"
+    p.parent.mkdir(parents=True)
+    p.write_text(json.dumps({"oops": 1}))
+    with pytest.raises(ValueError, match="malformed"):
+        tuning.get_config("bad", dict(m=1), DEFAULT, arch="sm90", root=tmp_path)
+
+
+def _scale_rows_fn(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    for tm in hl.tile(x.size(0)):
+        out[tm, :] = x[tm, :] * 2.0
+    return out
+
+
+_scale_rows = helion.kernel(_scale_rows_fn, static_shapes=True)
+
+
+def test_candidate_configs_from_config_space():
+    x = torch.randn(64, 32)
+    cands = tuning.candidate_configs(_scale_rows, (x,), seeds=tuning.grid_seeds(block_sizes=[[4], [8]], num_warps=[2, 4]), n_random=5)
+    jsons = [c.to_json() for c in cands]
+    assert len(jsons) == len(set(jsons))
+    assert cands[0] == _scale_rows.bind((x,)).config_spec.default_config()
+    assert any(c.config.get("block_sizes") == [8] and c.config.get("num_warps") == 2 for c in cands)
+    assert len(cands) >= 6
+
+
+def test_run_with_config_interpret(monkeypatch):
+    monkeypatch.setenv("HELION_INTERPRET", "1")
+    k = helion.kernel(_scale_rows_fn, static_shapes=True)  # Helion fixes ref mode at decoration
+    assert tuning.kernel_in_ref_mode(k)
+    x = torch.randn(10, 7)
+    torch.testing.assert_close(tuning.run_with_config(k, (x,), DEFAULT), x * 2)
+
+
+def test_outputs_close():
+    a = (torch.ones(3), torch.zeros(2))
+    assert tuning.outputs_close(a, (torch.ones(3), torch.zeros(2)), 1e-3, 0)[0]
+    assert not tuning.outputs_close(a, (torch.ones(3) * 1.1, torch.zeros(2)), 1e-3, 0)[0]
+    assert not tuning.outputs_close((torch.tensor([float("nan")]),), (torch.zeros(1),), 1, 1)[0]
+
+
+def test_search_requires_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        tuning.search(_scale_rows, (torch.randn(4, 4),), [], budget_s=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_search_on_gpu_picks_a_correct_config():
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    cands = tuning.candidate_configs(_scale_rows, (x,), seeds=tuning.grid_seeds(block_sizes=[[1], [4], [16]]), n_random=4)
+    best, results = tuning.search(_scale_rows, (x,), cands, budget_s=60, rep=10)
+    assert any(r["status"] == "ok" for r in results)
+    torch.testing.assert_close(tuning.run_with_config(_scale_rows, (x,), best), x * 2)
