@@ -126,3 +126,29 @@ def test_refuses_incompatible(dist_world1, tmp_path):
     meta["model_signature"]["decoder.layers.9.weight"] = [1]
     with pytest.raises(ck.CheckpointError, match="model structure differs"):
         ck.check_compatible(meta, _model(), None, tmp_path)
+
+
+def test_exit_request_signal_and_time_limit():
+    import os
+    import signal
+    import time
+
+    from nano_hybrid.signals import ExitRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    with ExitRequest(exit_after_minutes=None) as req:
+        assert req.should_exit() is None
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: sets the flag, the process keeps running
+        assert req.should_exit() == "signal"
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers are restored on exit
+    with ExitRequest(exit_after_minutes=0.5, start_time=time.monotonic() - 31) as req:
+        assert req.should_exit() == "time limit"
+    with ExitRequest(exit_after_minutes=0.5) as req:
+        assert req.should_exit() is None
+    with pytest.raises(ValueError, match="exit_after_minutes must be > 0"):
+        ExitRequest(exit_after_minutes=0)
+    with ExitRequest() as req:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert req.should_exit() == "signal"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C stops at once
