@@ -27,7 +27,7 @@ import random
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +49,12 @@ class CheckpointError(RuntimeError):
 
 
 @dataclass
-class TrainState:
-    """Where training is: optimizer steps done and data consumed (the data position to resume from)."""
-
-    step: int = 0
-    consumed_samples: int = 0
-    consumed_tokens: int = 0
-
-
-@dataclass
 class LoadedCheckpoint:
     path: Path
-    train_state: TrainState
+    train_state: dict  # step, consumed_samples, consumed_tokens (the loop's TrainState fields)
     wandb_run_id: str | None
     meta: dict
+    rng_state: dict | None  # this rank's RNG streams (None when the world size changed)
 
 
 def iter_dir_name(step: int) -> str:
@@ -342,7 +334,7 @@ def check_compatible(meta: dict, model, optimizer, path: Path) -> None:
 # -------------------------------------------------------------------------------------- save/load
 def save_checkpoint(
     root: str | Path,
-    train_state: TrainState,
+    train_state,
     model,
     optimizer=None,
     scheduler=None,
@@ -352,7 +344,10 @@ def save_checkpoint(
     model_name: str | None = None,
     keep_last: int | None = None,
 ) -> Path:
-    """Save everything needed to resume at ``train_state.step`` and publish it atomically. All ranks call it."""
+    """Save everything needed to resume at ``train_state.step`` and publish it atomically. All ranks call it.
+
+    ``train_state`` is the loop's dataclass (step, consumed_samples, consumed_tokens).
+    """
     from megatron.core import dist_checkpointing
 
     t0 = time.perf_counter()
@@ -423,8 +418,12 @@ def prune(root: Path, keep_last: int) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> LoadedCheckpoint:
-    """Load a complete checkpoint into model/optimizer/scheduler and restore this rank's RNG streams."""
+def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, *, restore_rng: bool = True) -> LoadedCheckpoint:
+    """Load a complete checkpoint into model/optimizer/scheduler; restore this rank's RNG streams unless told not to.
+
+    (A DataLoader draws from the global torch RNG when its iterator is created: restore the RNG after
+    building the data iterator, with ``restore_rng=False`` here and :func:`set_rng_state` later.)
+    """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -454,26 +453,32 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None) -> 
         scheduler.load_state_dict(loaded["scheduler"])
 
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+    rng_state = None
     if meta["parallel"]["world_size"] == _world() and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        rng_state = torch.load(rng_file, weights_only=False)
+        if restore_rng:
+            set_rng_state(rng_state)
     else:
         _log(f"world size changed ({meta['parallel']['world_size']} -> {_world()}): RNG streams are not restored; "
              "the run continues but is not bitwise reproducible")
-    ts = TrainState(**loaded["train_state"])
-    _log(f"loaded {path} (step {ts.step}, {ts.consumed_samples} samples, {ts.consumed_tokens} tokens)")
-    return LoadedCheckpoint(path=path, train_state=ts, wandb_run_id=loaded.get("wandb_run_id"), meta=meta)
+    ts = dict(loaded["train_state"])
+    _log(f"loaded {path} (step {ts['step']}, {ts['consumed_samples']} samples, {ts['consumed_tokens']} tokens)")
+    return LoadedCheckpoint(path=path, train_state=ts, wandb_run_id=loaded.get("wandb_run_id"), meta=meta,
+                            rng_state=rng_state)
 
 
 class Checkpointer:
-    """The training loop's handle: ``cfg.checkpoint`` + ``resume()`` before the loop, ``maybe_save()`` after steps.
+    """The training loop's handle on ``cfg.checkpoint``. All ranks call every method.
 
     Usage in a training loop::
 
         ckpt = Checkpointer(cfg)
-        loaded = ckpt.resume(model, optimizer, scheduler)    # None: fresh start
-        state = loaded.train_state if loaded else TrainState()
-        ... every step: state.step += 1; ...; ckpt.maybe_save(state, model, optimizer, scheduler, wandb_run_id=...)
-        ... on exit / at the end: ckpt.save(state, ..., ) if cfg.checkpoint.save_on_exit
+        ckpt.locate()                    # early: ckpt.resume_wandb_run_id is known before W&B starts
+        ckpt.resume(model, optimizer, scheduler, state)   # fills the TrainState dataclass in place
+        data_iterator = ...              # starts at state.consumed_samples
+        ckpt.restore_rng()               # after the data iterator (DataLoader.__iter__ draws from the RNG)
+        ... after each step: ckpt.maybe_save(state, model, optimizer, scheduler, wandb_run_id=...)
+        ... on a stop request or at the end: ckpt.save_final(state, ...)
     """
 
     def __init__(self, cfg):
@@ -489,20 +494,49 @@ class Checkpointer:
         if self.interval < 0 or self.keep_last < 0:
             raise CheckpointError(f"checkpoint.interval ({self.interval}) and keep_last ({self.keep_last}) must be >= 0")
         self.last_saved_step: int | None = None
+        self._located = False
+        self.load_path: Path | None = None
+        self.load_meta: dict | None = None
+        self._rng_state: dict | None = None
 
-    def resume(self, model, optimizer=None, scheduler=None) -> LoadedCheckpoint | None:
-        path = resolve_load_path(self.load, self.dir)
+    def locate(self) -> Path | None:
+        """Resolve ``checkpoint.load`` once (raises CheckpointError for a bad explicit path)."""
+        if not self._located:
+            self.load_path = resolve_load_path(self.load, self.dir)
+            self.load_meta = read_meta(self.load_path) if self.load_path is not None else None
+            self._located = True
+        return self.load_path
+
+    @property
+    def resume_wandb_run_id(self) -> str | None:
+        self.locate()
+        return None if self.load_meta is None else self.load_meta.get("wandb_run_id")
+
+    def resume(self, model, optimizer, scheduler, train_state) -> LoadedCheckpoint | None:
+        """Load the located checkpoint (None: fresh start); RNG waits for :meth:`restore_rng`."""
+        path = self.locate()
         if path is None:
-            _log(f"no checkpoint to load (checkpoint.load={self.load}); starting from scratch")
+            _log(f"no checkpoint to load (checkpoint.load={self.load}, dir {self.dir}); starting from scratch")
             return None
-        loaded = load_checkpoint(path, model, optimizer, scheduler)
-        self.last_saved_step = loaded.train_state.step
+        loaded = load_checkpoint(path, model, optimizer, scheduler, restore_rng=False)
+        names = {f.name for f in fields(train_state)}
+        if set(loaded.train_state) != names:
+            raise CheckpointError(f"{path}: train state has fields {sorted(loaded.train_state)}, expected {sorted(names)}")
+        for k, v in loaded.train_state.items():
+            setattr(train_state, k, v)
+        self._rng_state = loaded.rng_state
+        self.last_saved_step = train_state.step
         return loaded
+
+    def restore_rng(self) -> None:
+        if self._rng_state is not None:
+            set_rng_state(self._rng_state)
+            self._rng_state = None
 
     def due(self, step: int) -> bool:
         return self.interval > 0 and step % self.interval == 0 and step != self.last_saved_step
 
-    def save(self, train_state: TrainState, model, optimizer=None, scheduler=None, *, wandb_run_id=None) -> Path | None:
+    def save(self, train_state, model, optimizer=None, scheduler=None, *, wandb_run_id=None) -> Path | None:
         if train_state.step == self.last_saved_step:
             return None  # already saved at this step
         model_name = self.cfg.model.get("name") if "model" in self.cfg else None
@@ -511,7 +545,13 @@ class Checkpointer:
         self.last_saved_step = train_state.step
         return path
 
-    def maybe_save(self, train_state: TrainState, model, optimizer=None, scheduler=None, *, wandb_run_id=None):
+    def maybe_save(self, train_state, model, optimizer=None, scheduler=None, *, wandb_run_id=None) -> Path | None:
         if self.due(train_state.step):
             return self.save(train_state, model, optimizer, scheduler, wandb_run_id=wandb_run_id)
         return None
+
+    def save_final(self, train_state, model, optimizer=None, scheduler=None, *, wandb_run_id=None) -> Path | None:
+        """At the end of training or on a stop request: save unless ``checkpoint.save_on_exit=false``."""
+        if not self.save_on_exit or train_state.step == 0:
+            return None
+        return self.save(train_state, model, optimizer, scheduler, wandb_run_id=wandb_run_id)

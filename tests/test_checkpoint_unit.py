@@ -7,6 +7,7 @@ tests/test_checkpoint_resume.py; this file checks the module's mechanics on a sm
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import random
 import tempfile
 
@@ -52,6 +53,13 @@ def _model(vocab=32, hidden=8):
     return Tiny()
 
 
+@dataclass
+class State:  # the shape of nano_hybrid.train.TrainState
+    step: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+
+
 def _cfg(tmp_path, **kw):
     from omegaconf import OmegaConf
 
@@ -66,9 +74,9 @@ def test_save_load_roundtrip_layout_and_rng(dist_world1, tmp_path):
     with torch.no_grad():
         m.expert_bias.copy_(torch.tensor([0.5, -1.0, 2.0, 0.25]))
     c = ck.Checkpointer(cfg)
-    assert c.resume(m) is None  # nothing there yet: fresh start with load=auto
+    assert c.resume(m, None, None, State()) is None  # nothing there yet: fresh start with load=auto
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    p = c.save(ck.TrainState(step=4, consumed_samples=32, consumed_tokens=8192), m, wandb_run_id="abc123")
+    p = c.save(State(step=4, consumed_samples=32, consumed_tokens=8192), m, wandb_run_id="abc123")
     assert p == tmp_path / "ckpt" / "iter_0000004"
     assert (tmp_path / "ckpt" / ck.TRACKER_FILE).read_text() == "4\n"
     for f in (ck.META_FILE, "config.yaml", "common.pt", "metadata.json", "rng/rank_00000.pt"):
@@ -80,8 +88,12 @@ def test_save_load_roundtrip_layout_and_rng(dist_world1, tmp_path):
 
     m2 = _model()
     random.seed(99), np.random.seed(99), torch.manual_seed(99)
-    loaded = ck.Checkpointer(cfg).resume(m2)
-    assert loaded.train_state == ck.TrainState(4, 32, 8192) and loaded.wandb_run_id == "abc123"
+    c2 = ck.Checkpointer(cfg)
+    assert c2.resume_wandb_run_id == "abc123"  # known before anything is loaded (W&B starts early)
+    state = State()
+    loaded = c2.resume(m2, None, None, state)
+    assert state == State(4, 32, 8192) and loaded.wandb_run_id == "abc123"
+    c2.restore_rng()
     for k, v in m.state_dict().items():
         assert torch.equal(v, m2.state_dict()[k]), k
     got = (random.random(), np.random.rand(), torch.rand(3))
@@ -93,9 +105,9 @@ def test_tracker_prune_and_incomplete(dist_world1, tmp_path):
     m = _model()
     c = ck.Checkpointer(cfg)
     for step in (2, 4, 6):
-        assert c.maybe_save(ck.TrainState(step=step), m) is not None
-    assert c.maybe_save(ck.TrainState(step=7), m) is None  # not an interval step
-    assert c.save(ck.TrainState(step=6), m) is None  # just saved
+        assert c.maybe_save(State(step=step), m) is not None
+    assert c.maybe_save(State(step=7), m) is None  # not an interval step
+    assert c.save(State(step=6), m) is None  # just saved
     root = tmp_path / "ckpt"
     assert sorted(d.name for d in root.glob("iter_*")) == ["iter_0000004", "iter_0000006"]
     # a crash mid-save of step 8: data written, never published
@@ -115,9 +127,9 @@ def test_tracker_prune_and_incomplete(dist_world1, tmp_path):
 
 def test_refuses_incompatible(dist_world1, tmp_path):
     cfg = _cfg(tmp_path)
-    ck.Checkpointer(cfg).save(ck.TrainState(step=2), _model(vocab=32))
+    ck.Checkpointer(cfg).save(State(step=2), _model(vocab=32))
     with pytest.raises(ck.CheckpointError, match=r"vocab size differs: embedding.weight is \[32, 8\] in the checkpoint but \[40, 8\]"):
-        ck.Checkpointer(cfg).resume(_model(vocab=40))
+        ck.Checkpointer(cfg).resume(_model(vocab=40), None, None, State())
     meta = ck.read_meta(tmp_path / "ckpt" / "iter_0000002")
     meta["model_signature"]["proj.weight"] = [8, 9]
     with pytest.raises(ck.CheckpointError, match=r"model shape differs: proj.weight is \[8, 9\] in the checkpoint"):
