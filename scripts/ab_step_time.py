@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""Step-time A/B of kernel backends in ONE process, ONE model, the same batches.
+
+    python scripts/ab_step_time.py                                   # nano30b_slice, mamba_ssm vs helion, data=mock
+    python scripts/ab_step_time.py --backends mamba_ssm,helion,mamba_ssm model=nano30b_slice train.micro_batch_size=2
+    torchrun --nproc-per-node 2 scripts/ab_step_time.py parallel=dp2 train.global_batch_size=4
+    python scripts/ab_step_time.py --backends torch,torch model=tiny          # CPU A-vs-A smoke run
+
+Everything after the --flags is a Hydra override (defaults prepended: model=nano30b_slice data=mock
+train.micro_batch_size=2 train.global_batch_size=2 train.seq_length=8192 on GPU).
+
+Method:
+- Builds the model, Megatron DDP, optimizer and data exactly as ``nano_hybrid.train`` does
+  (``validate`` -> ``setup``) and times ``nano_hybrid.train.train_step`` (a full optimizer step).
+- The kernel backend of every Mamba-2 mixer is switched in place with ``set_kernel_backend(model, name)``
+  (the mixer's fused op and its gated-norm module; parameters, optimizer state and DDP hooks are kept).
+- Warm-up: --warmup steps per arm (compilation, autotuning, allocator). Then --blocks rounds; in each,
+  every arm runs --block-steps steps, arm order alternating (ABBA...), so drift and thermal state hit
+  all arms equally. The first --discard steps after each switch are not counted.
+- Same batches: --block-steps global batches are drawn once and replayed in the same order in every
+  block of every arm.
+- Per arm: median and p90 step time, tokens/s/GPU and TFLOP/s/GPU (model FLOPs from nano_hybrid/flops.py).
+  Speedup of each arm over the first (median ratio) with a 95% bootstrap CI. Listing the first
+  backend twice (e.g. mamba_ssm,helion,mamba_ssm) adds an A-vs-A control.
+- On CUDA, --profile-steps steps of each arm under torch.profiler give the share of the step's device
+  time spent in the Mamba-2 SSD op (split-conv1d-scan incl. causal conv1d) and the gated RMSNorm: the
+  bound on what any kernel backend can gain end to end (kernel names: mamba_ssm's Triton/CUDA kernels;
+  Helion kernels are matched by their generated ``_helion_`` names).
+- Under torchrun, step time is the max over ranks (every rank times the same steps) and rank 0 writes.
+Writes ab_step_time_<model>_<arms>[_<world>gpu].json (+ .md) to $OUT (default benchmarks/results/<gpu>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib as bl  # noqa: E402
+
+GPU_DEFAULTS = ["model=nano30b_slice", "data=mock", "train.micro_batch_size=2", "train.global_batch_size=2",
+                "train.seq_length=8192"]
+CPU_DEFAULTS = ["model=nano30b_slice", "data=mock"]
+
+
+# -------------------------------------------------------------------------------- backend switch
+def set_kernel_backend(model, backend) -> int:
+    """Point every Mamba-2 mixer in ``model`` (any wrapping: DDP, Float16Module) at ``backend``.
+
+    ``backend`` is a ``kernels.registry.KernelBackend`` or its name. For each ``BackendMambaMixer``:
+    ``kernel_backend`` (the fused split-conv1d-scan op) is replaced, and its gated-norm module is
+    rebuilt as the backend's ``RMSNormGated`` class (with megatron's sharded_state_dict, as the layer
+    spec builds it) around the SAME weight Parameter, so optimizer state, DDP grad buffers and hooks
+    and checkpoint keys are unchanged. Returns the number of mixers switched; raises if there are none.
+    """
+    from kernels.registry import get_backend
+    from nano_hybrid import mcore_compat
+    from nano_hybrid.model.mixer import BackendMambaMixer
+
+    if isinstance(backend, str):
+        backend = get_backend(backend)
+    norm_cls = mcore_compat.extended_rmsnorm_class(backend.RMSNormGated)
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, BackendMambaMixer):
+            continue
+        m.kernel_backend = backend
+        old = getattr(m, "norm", None)
+        if old is not None and type(old) is not norm_cls:
+            w = old.weight
+            new = norm_cls(w.numel(), eps=old.eps, group_size=old.group_size, norm_before_gate=old.norm_before_gate,
+                           device=w.device, dtype=w.dtype)
+            new.weight = w  # same Parameter object
+            new.train(old.training)
+            m.norm = new
+        n += 1
+    if n == 0:
+        raise ValueError("set_kernel_backend: the model has no Mamba-2 mixers (BackendMambaMixer)")
+    return n
+
+
+class ReplayIterator:
+    """Yields a fixed list of micro-batches over and over (so every block sees the same batches)."""
+
+    def __init__(self, batches: list):
+        if not batches:
+            raise ValueError("ReplayIterator needs at least one batch")
+        self.batches = batches
+        self._it = itertools.cycle(batches)
+
+    def reset(self):
+        self._it = itertools.cycle(self.batches)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+
+# ------------------------------------------------------------------------------------ arguments
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="mamba_ssm,helion",
+                   help="comma-separated arms; the first is the baseline; repeat it for an A-vs-A control")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per arm before timing (default 5)")
+    p.add_argument("--blocks", type=int, default=8, help="alternation rounds (default 8)")
+    p.add_argument("--block-steps", type=int, default=5, help="steps per arm per round (default 5)")
+    p.add_argument("--discard", type=int, default=1, help="steps after each switch not counted (default 1)")
+    p.add_argument("--profile-steps", type=int, default=3, help="profiled steps per arm on CUDA (0: skip)")
+    p.add_argument("--n-boot", type=int, default=2000)
+    p.add_argument("--out", default=None, help="output dir (default $OUT or benchmarks/results/<gpu>)")
+    p.add_argument("--tag", default=None, help="extra name part for the output files")
+    a, overrides = p.parse_known_args(argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        p.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
+    a.overrides = overrides
+    a.arms = [b.strip() for b in a.backends.split(",") if b.strip()]
+    if len(a.arms) < 2:
+        p.error("--backends needs at least two arms (e.g. mamba_ssm,helion or torch,torch for A-vs-A)")
+    for k in ("blocks", "block_steps"):
+        if getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1")
+    for k in ("warmup", "discard", "profile_steps"):
+        if getattr(a, k) < 0:
+            p.error(f"--{k.replace('_', '-')} must be >= 0")
+    if a.discard >= a.block_steps:
+        p.error(f"--discard ({a.discard}) must be smaller than --block-steps ({a.block_steps})")
+    return a
+
+
+def total_steps(a) -> int:
+    return len(a.arms) * (a.warmup + a.blocks * a.block_steps + a.profile_steps)
+
+
+def compose_cfg(a):
+    """Compose the config: defaults, then the user's overrides; train_iters covers every step we run."""
+    import torch
+    from omegaconf import open_dict
+
+    from nano_hybrid.config import compose
+
+    defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
+    cfg = compose(defaults + a.overrides)
+    user_keys = {o.split("=", 1)[0].lstrip("+~") for o in a.overrides}
+    with open_dict(cfg):
+        if "train.train_iters" not in user_keys:
+            cfg.train.train_iters = max(total_steps(a), int(cfg.optim.warmup_iters) + 1)
+        cfg.kernels.backend = a.arms[0]
+        if cfg.run_dir is None:
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getpid())
+            cfg.run_dir = str(Path(tempfile.gettempdir()) / f"nano_hybrid_ab_{run_id}")
+        cfg.logger.wandb.mode = "disabled"
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ run
+def run(a) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from kernels.registry import get_backend
+    from nano_hybrid import train as T
+
+    cfg = compose_cfg(a)
+    plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
+    backends = {name: get_backend(name) for name in dict.fromkeys(a.arms)}  # every arm must be usable
+    labels = bl.arm_labels(a.arms)
+    ctx = T.setup(cfg, plan)
+    try:
+        ctx.start_data()
+        # the same global batches for every block of every arm
+        n_micro = plan.num_microbatches * a.block_steps
+        batches = [next(ctx.data_iterator) for _ in range(n_micro)]
+        replay = ReplayIterator(batches)
+        ctx.data_iterator = replay
+        dev = plan.device
+
+        def step_time() -> float:
+            T._sync(dev)
+            t0 = time.perf_counter()
+            out = T.train_step(ctx)
+            T._sync(dev)
+            dt = time.perf_counter() - t0
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                t = torch.tensor([dt], dtype=torch.float64, device=dev)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                dt = float(t.item())
+            return dt, out["loss"]
+
+        def use(i):
+            set_kernel_backend(ctx.model, backends[a.arms[i]])
+
+        losses = {lab: [] for lab in labels}
+        for i in range(len(a.arms)):  # warm-up
+            use(i)
+            replay.reset()
+            for _ in range(a.warmup):
+                step_time()
+        times = {lab: [] for lab in labels}
+        for order in bl.alternating_order(len(a.arms), a.blocks):
+            for i in order:
+                use(i)
+                replay.reset()
+                for k in range(a.block_steps):
+                    dt, loss = step_time()
+                    if k >= a.discard:
+                        times[labels[i]].append(dt)
+                    losses[labels[i]].append(loss)
+
+        profile = {}
+        if a.profile_steps and dev.type == "cuda":
+            for i, lab in enumerate(labels):
+                if lab in profile or "#" in lab:
+                    continue
+                use(i)
+                replay.reset()
+                step_time()  # re-warm after the switch
+                table = bl.profile_device_table(lambda: T.train_step(ctx), a.profile_steps)
+                per_step_ms = table["total_us_per_iter"] / 1e3
+                med = bl.median(times[lab]) * 1e3
+                profile[lab] = {
+                    "device_ms_per_step": per_step_ms,
+                    "ssd_ms_per_step": table["by_category"].get("ssd", 0.0) / 1e3,
+                    "norm_ms_per_step": table["by_category"].get("norm", 0.0) / 1e3,
+                    "share_of_device_time": {c: v / table["total_us_per_iter"]
+                                             for c, v in table["by_category"].items()},
+                    "ssd_plus_norm_share_of_step": (table["by_category"].get("ssd", 0.0)
+                                                    + table["by_category"].get("norm", 0.0)) / 1e3 / med,
+                    "top_kernels": table["rows"][:25],
+                }
+        elif a.profile_steps:
+            profile = {"skipped": "profiling needs CUDA"}
+
+        tokens_per_step = int(cfg.train.global_batch_size) * plan.seq_length
+        per_arm = {}
+        for lab in labels:
+            s = bl.summarize(times[lab])
+            per_arm[lab] = {
+                "step_time_s": s,
+                "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.world_size,
+                "tflops_per_gpu": ctx.flops_per_token * tokens_per_step / s["median"] / plan.world_size / 1e12,
+                "losses": losses[lab],
+            }
+        base = labels[0]
+        ratios = {f"{lab}_vs_{base}": bl.ratio_summary(times[base], times[lab], n_boot=a.n_boot)
+                  for lab in labels[1:]}
+        if plan.rank != 0:
+            return None
+        return {
+            "benchmark": "ab_step_time",
+            "env": bl.env_info(),
+            "args": {k: v for k, v in vars(a).items()},
+            "config": {
+                "model": str(cfg.model.name), "pattern": str(cfg.model.hybrid_override_pattern),
+                "parallel": {k: cfg.parallel[k] for k in cfg.parallel},
+                "micro_batch_size": int(cfg.train.micro_batch_size),
+                "global_batch_size": int(cfg.train.global_batch_size),
+                "seq_length": plan.seq_length, "data": str(cfg.data.kind),
+                "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
+            },
+            "world_size": plan.world_size,
+            "tokens_per_step": tokens_per_step,
+            "flops_per_token": ctx.flops_per_token,
+            "arms": labels,
+            "method": (f"{a.warmup} warm-up steps per arm; {a.blocks} rounds x {a.block_steps} steps per arm, ABBA order, "
+                       f"first {a.discard} step(s) after each switch discarded; same {a.block_steps} global batches "
+                       "replayed per block; step time = max over ranks, synchronized host clock around train_step"),
+            "per_arm": per_arm,
+            "speedup_vs_first": ratios,
+            "profile": profile,
+        }
+    finally:
+        T.shutdown(ctx)
+
+
+def markdown(res: dict) -> str:
+    c = res["config"]
+    lines = [f"# Step-time A/B: {', '.join(res['arms'])} on {c['model']} ({res['world_size']} x {res['env'].get('gpu') or 'cpu'})",
+             "", bl.env_markdown(res["env"]), "",
+             f"{c['pattern']}, mbs {c['micro_batch_size']}, gbs {c['global_batch_size']}, seq {c['seq_length']}, "
+             f"{c['dtype']}, data {c['data']}. {res['method']}.", ""]
+    rows = []
+    for lab in res["arms"]:
+        r = res["per_arm"][lab]
+        s = r["step_time_s"]
+        sp = res["speedup_vs_first"].get(f"{lab}_vs_{res['arms'][0]}")
+        rows.append([lab, f"{1e3 * s['median']:.1f}", f"{1e3 * s['p90']:.1f}", s["n"],
+                     f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
+                     "1 (baseline)" if sp is None else f"{sp['speedup']:.3f}x [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]"])
+    lines.append(bl.md_table(["arm", "median ms", "p90 ms", "n", "tokens/s/GPU", "TFLOP/s/GPU", "speedup (95% CI)"], rows))
+    prof = res.get("profile") or {}
+    if prof and "skipped" not in prof:
+        lines += ["", "Share of the step in the Mamba-2 SSD op (incl. causal conv1d) and the gated RMSNorm (torch.profiler):", ""]
+        lines.append(bl.md_table(
+            ["arm", "device ms/step", "SSD ms", "norm ms", "SSD+norm share of median step"],
+            [[lab, f"{p['device_ms_per_step']:.1f}", f"{p['ssd_ms_per_step']:.2f}", f"{p['norm_ms_per_step']:.2f}",
+              f"{100 * p['ssd_plus_norm_share_of_step']:.1f}%"] for lab, p in prof.items()]))
+    elif prof:
+        lines += ["", f"Profile: {prof['skipped']}"]
+    return "\n".join(lines)
+
+
+def output_stem(res: dict, tag: str | None) -> str:
+    arms = "_vs_".join(res["arms"]).replace("#", "")
+    s = f"ab_step_time_{res['config']['model']}_{arms}"
+    if res["world_size"] > 1:
+        s += f"_{res['world_size']}gpu"
+    return s + (f"_{tag}" if tag else "")
+
+
+def main(argv=None) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    from kernels.registry import BackendUnavailableError, UnknownBackendError
+    from nano_hybrid.config import ConfigError
+
+    a = parse_args(argv)
+    try:
+        res = run(a)
+    except (ConfigError, UnknownBackendError, BackendUnavailableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if res is None:  # not rank 0
+        return 0
+    out = Path(a.out) if a.out else bl.default_out_dir()
+    jp, mp = bl.write_results(out, output_stem(res, a.tag), res, markdown(res))
+    print(markdown(res))
+    print(f"\nwrote {jp} and {mp}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
