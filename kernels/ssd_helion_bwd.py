@@ -428,3 +428,56 @@ def ssd_backward_helion(
         ddt_bias=None if dt_bias is None else ddtb_part.sum(dim=(0, 1)).to(dt_bias.dtype),
         dinitial_states=dinit.view(b, h, p, n) if return_dinitial_states else None,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# tuning registry (scripts/tune_kernels.py)
+
+
+def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
+    """Random inputs of kernel ``name`` at model dims (b, l, h, p, g, n, c); returns (args, kernel dims)."""
+    b, l, h, p, g, n, c = (dims[k] for k in ("b", "l", "h", "p", "g", "n", "c"))
+    nc = math.ceil(l / c)
+    bf, f32 = torch.bfloat16, torch.float32
+
+    def r(*s, dtype=bf):
+        return torch.randn(*s, device=device).to(dtype)
+
+    dt = torch.rand(b, h, nc, c, device=device) * 0.1
+    dac = torch.cumsum(-dt, dim=-1)
+    ones = torch.ones(b, nc, c, device=device)
+    kd = dict(b=b, l=nc * c, h=h, p=p, g=g, n=n, c=c)
+    xs = (b, nc, c, h, p)
+    if name == "ssd_bwd_dz_dstates":
+        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, ones), kd
+    if name == "ssd_bwd_state_passing":
+        blk = _state_split(p * n)
+        ns = p * n // blk
+        return (r(b, nc, h, ns, blk, dtype=f32), r(b, nc, h, ns, blk, dtype=f32), dac[..., -1].contiguous(),
+                torch.ones(b, nc, device=device), r(b, h, ns, blk, dtype=f32)), dict(kd, blk=blk)
+    if name == "ssd_bwd_dx":
+        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, g, c, c, dtype=f32), dt, dac, r(b, nc, h, p, n, dtype=f32),
+                ones, r(h, p, dtype=f32)), kd
+    if name == "ssd_bwd_dbc":
+        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n, dtype=f32),
+                r(b, nc, h, p, n, dtype=f32), torch.ones(b, nc, c, c, device=device), ones, ones), kd
+    if name == "ssd_bwd_dt":
+        q = lambda: r(b, h, nc, c, dtype=f32)  # noqa: E731
+        return (q(), q(), q(), r(b, h, nc, dtype=f32), q(), dt, r(b, nc, c, h, dtype=f32), ones,
+                -torch.rand(h, device=device), 0.0, float("inf"), True), kd
+    raise KeyError(name)
+
+
+def _tune_builder(name: str):
+    def build(dims: dict, device) -> "tuning.TuneCase":
+        args, kd = _example_args(name, dims, device)
+        has_blocks = bool(_DEFAULTS[name].config.get("block_sizes"))
+        seeds = tuning.grid_seeds(block_sizes=_BLOCK_SEEDS, num_warps=[4, 8], num_stages=[1, 2, 3]) if has_blocks \
+            else tuning.grid_seeds(num_warps=[1, 2, 4, 8], num_stages=[1, 2])
+        return tuning.TuneCase(kernel=_KERNELS[name], args=args, dims=kd, default=_DEFAULTS[name], seeds=seeds,
+                               atol=5e-2, rtol=5e-2, n_random=8)
+
+    return build
+
+
+TUNABLE_KERNELS = {name: _tune_builder(name) for name in _KERNELS}

@@ -1,0 +1,171 @@
+"""Helion SSD backward (kernels/ssd_helion_bwd.py) vs autograd through the torch reference.
+
+CPU: HELION_INTERPRET=1 (set before helion is imported). GPU: against mamba-ssm's backward at the
+Nano shape (bf16 tolerances below)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("HELION_INTERPRET", "1")
+
+from kernels.ssd import bmm_chunk_ref, ssd_forward_ref
+from kernels import ssd_helion_bwd as bwd
+
+NAMES = ["dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias"]
+
+
+def _inputs(b, l, h, p, g, n, D2=False, seq=False, init=False, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=gen) * scale).to(device)
+
+    t = dict(
+        x=r(b, l, h, p).to(dtype), dt=r(b, l, h, scale=0.5), A=(-torch.rand(h, generator=gen) - 0.5).to(device),
+        B=r(b, l, g, n).to(dtype), C=r(b, l, g, n).to(dtype), D=r(h, p) if D2 else r(h), z=r(b, l, h, p).to(dtype),
+        dt_bias=r(h),
+    )
+    if init:
+        t["initial_states"] = r(b, h, p, n)
+    si = None
+    if seq:
+        si = torch.zeros(b, l, dtype=torch.int32, device=device)
+        si[:, l // 3 :] = 1
+        si[:, (2 * l) // 3 :] = 2
+    return t, si
+
+
+def _ref_and_helion(b, l, h, p, g, n, c, **kw):
+    t, si = _inputs(b, l, h, p, g, n, **kw)
+    for v in t.values():
+        v.requires_grad_(True)
+    out, out_x, dt_out, dAcs, states_in, fin = ssd_forward_ref(
+        t["x"], t["dt"], t["A"], t["B"], t["C"], c, D=t["D"], z=t["z"], dt_bias=t["dt_bias"],
+        initial_states=t.get("initial_states"), seq_idx=si, dt_softplus=True)
+    gen = torch.Generator().manual_seed(1)
+    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+    dfin = torch.randn(fin.shape, generator=gen)
+    keys = ["x", "dt", "A", "B", "C", "D", "z", "dt_bias"] + (["initial_states"] if "initial_states" in t else [])
+    ref = torch.autograd.grad((out.float() * dout.float()).sum() + (fin * dfin).sum(), [t[k] for k in keys])
+    with torch.no_grad():
+        CB = bmm_chunk_ref(t["C"], t["B"], c, seq_idx=si)
+
+        def run():
+            return bwd.ssd_backward_helion(
+                dout, t["x"], t["z"], out_x, t["dt"], t["A"], t["B"], t["C"], t["D"], t["dt_bias"], dt_out, dAcs,
+                states_in, CB, c, seq_idx=si, dfinal_states=dfin, return_dinitial_states="initial_states" in t)
+
+        got = run()
+    return dict(zip(NAMES + ["dinitial_states"], ref)), got, run
+
+
+@pytest.mark.parametrize(
+    "shape,kw",
+    [
+        ((1, 32, 4, 8, 2, 16, 16), {}),  # seqlen a multiple of the chunk, ngroups 2
+        ((2, 45, 4, 8, 2, 16, 16), dict(seq=True, init=True, D2=True)),  # odd seqlen, seq_idx, D per head-dim
+        ((2, 37, 6, 8, 3, 16, 16), dict(init=True)),  # ngroups 3, odd seqlen, initial states
+        ((1, 40, 3, 16, 1, 32, 32), dict(seq=True)),  # ngroups 1
+    ],
+)
+def test_grads_match_reference_fp32(shape, kw):
+    ref, got, _ = _ref_and_helion(*shape, **kw)
+    for k, r in ref.items():
+        gk = got[k]
+        assert gk is not None and gk.shape == r.shape, k
+        err = (gk.float() - r.float()).abs().max().item()
+        tol = 1e-4 * max(1.0, r.abs().max().item())
+        assert err <= tol, f"{k}: max err {err:.3e} > {tol:.3e}"
+
+
+def test_grads_bf16_inputs_close():
+    ref, got, _ = _ref_and_helion(2, 37, 4, 8, 2, 16, 16, seq=True, dtype=torch.bfloat16)
+    for k, r in ref.items():
+        rel = (got[k].float() - r.float()).norm() / r.float().norm()
+        assert rel < 2e-2, f"{k}: relative L2 error {rel:.3e}"
+
+
+def test_deterministic_mode_bitwise():
+    bwd.set_deterministic(True)
+    try:
+        assert bwd.is_deterministic()
+        _, g1, run = _ref_and_helion(2, 45, 4, 8, 2, 16, 16, seq=True, init=True)
+        with torch.no_grad():
+            g2 = run()
+        for k in g1:
+            if g1[k] is not None:
+                assert torch.equal(g1[k], g2[k]), k
+    finally:
+        bwd.set_deterministic(False)
+
+
+def test_bad_inputs_fail_early():
+    t, _ = _inputs(1, 32, 4, 8, 3, 16)
+    with pytest.raises(ValueError, match="multiple of ngroups"):
+        bwd.ssd_backward_helion(t["x"], t["x"], t["z"], t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None,
+                                torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 2, 4, 8, 16),
+                                torch.zeros(1, 2, 3, 16, 16), 16)
+    with pytest.raises(NotImplementedError, match="needs z"):
+        bwd.ssd_backward_helion(t["x"], t["x"], None, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None,
+                                None, None, None, None, 16)
+
+
+def test_tunable_kernels_registered():
+    assert set(bwd.TUNABLE_KERNELS) == set(bwd._KERNELS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vs_mamba_ssm_nano_shape_bf16():
+    """Nano shape (b=2, l=8192, h=64, p=64, g=8, n=128, c=128), bf16 inputs: Helion grads vs mamba-ssm's
+    ``_mamba_chunk_scan_combined_bwd`` and an fp32 torch reference. Tolerance: relative L2 error vs the
+    fp32 reference <= 2x mamba-ssm's own + 1e-3, per gradient."""
+    from kernels.registry import import_mamba_ssm
+
+    import_mamba_ssm()
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    b, l, h, p, g, n, c = 2, 8192, 64, 64, 8, 128, 128
+    t, _ = _inputs(b, l, h, p, g, n, dtype=torch.bfloat16, device="cuda")
+    t["x"] = t["x"] * 0.5
+    keys = ["x", "dt", "A", "B", "C", "D", "z", "dt_bias"]
+
+    def grads(fn, cast):
+        leaves = {k: (v.float() if cast and v.dtype == torch.bfloat16 else v).detach().requires_grad_(True) for k, v in t.items()}
+        out = fn(leaves)
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        dout = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
+        return torch.autograd.grad((out.float() * dout.float()).sum(), [leaves[k] for k in keys])
+
+    def ref_fn(v):
+        return ssd_forward_ref(v["x"], v["dt"], v["A"], v["B"], v["C"], c, D=v["D"], z=v["z"], dt_bias=v["dt_bias"], dt_softplus=True)[0]
+
+    def mamba_fn(v):
+        return mamba_chunk_scan_combined(v["x"], v["dt"], v["A"], v["B"], v["C"], c, D=v["D"], z=v["z"], dt_bias=v["dt_bias"], dt_softplus=True)
+
+    from kernels.ssd_helion import ssd_forward_helion
+
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dt, A, B, C, D, z, dt_bias):
+            o, ox, dto, dac, st, _ = ssd_forward_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dt_bias, dt_softplus=True, state_dtype=torch.float32)
+            ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, ox, dto, dac, st)
+            return o
+
+        @staticmethod
+        def backward(ctx, dout):
+            x, dt, A, B, C, D, z, dt_bias, ox, dto, dac, st = ctx.saved_tensors
+            CB = bmm_chunk_ref(C, B, c)
+            r = bwd.ssd_backward_helion(dout, x, z, ox, dt, A, B, C, D, dt_bias, dto, dac, st, CB, c)
+            return r["dx"], r["ddt"], r["dA"], r["dB"], r["dC"], r["dD"], r["dz"], r["ddt_bias"]
+
+    g_ref = grads(ref_fn, cast=True)
+    g_mamba = grads(mamba_fn, cast=False)
+    g_hel = grads(lambda v: _Fn.apply(*[v[k] for k in keys]), cast=False)
+    for k, r, m, hh in zip(keys, g_ref, g_mamba, g_hel):
+        e_m = ((m.float() - r).norm() / r.norm()).item()
+        e_h = ((hh.float() - r).norm() / r.norm()).item()
+        assert e_h <= 2 * e_m + 1e-3, f"{k}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
