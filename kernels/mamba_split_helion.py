@@ -1,0 +1,122 @@
+"""The fused Mamba-2 training op with the Helion SSD: split -> causal conv1d -> SSD (+z gate).
+
+``mamba_split_conv1d_scan_combined_helion`` has mamba-ssm 2.3.2's ``mamba_split_conv1d_scan_combined``
+signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward saves only zxbcdt,
+the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx); the backward recomputes
+the conv and the forward pieces it needs (chunk_cumsum, chunk_state+state_passing in fp32, C.B^T)
+and runs the Helion backward of ``kernels/ssd_helion_bwd.py``.
+
+Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
+runs as its own module); those raise NotImplementedError here.
+
+The conv1d (fwd recompute and bwd) currently runs through torch ops (``causal_conv1d_ref`` +
+autograd, no big tensor kept past the backward); it is meant to be replaced by the Helion conv
+kernels of ``kernels/causal_conv1d.py`` once they exist (see the module's ``_conv_*`` helpers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.causal_conv1d import causal_conv1d_ref
+from kernels.mamba_split import split_dims
+from kernels.ssd_helion import (
+    ssd_bmm_chunk_helion,
+    ssd_chunk_cumsum_helion,
+    ssd_chunk_state_passing_helion,
+    ssd_forward_helion,
+)
+from kernels.ssd_helion_bwd import ssd_backward_helion
+
+
+def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Tensor:
+    """xBC (b, l, d) -> act(conv(xBC)) (b, l, d)."""
+    return causal_conv1d_ref(xBC.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation).transpose(1, 2)
+
+
+def _conv_bwd(xBC, weight, bias, seq_idx, activation, dout):
+    """Gradients (dxBC, dweight, dbias) of ``_conv_fwd`` for upstream ``dout`` (b, l, d)."""
+    with torch.enable_grad():
+        xi = xBC.detach().requires_grad_(True)
+        wi = weight.detach().requires_grad_(True)
+        bi = None if bias is None else bias.detach().requires_grad_(True)
+        y = _conv_fwd(xi, wi, bi, seq_idx, activation)
+        grads = torch.autograd.grad(y, [xi, wi] + ([bi] if bi is not None else []), dout)
+    return grads[0], grads[1], (grads[2] if bi is not None else None)
+
+
+class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
+                dt_limit, return_final_states, activation, headdim, ngroups):
+        nheads, headdim, dim, dstate = split_dims(zxbcdt, conv1d_weight, D, headdim, ngroups)
+        if activation not in ("silu", "swish", None):
+            raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+        b, l, _ = zxbcdt.shape
+        z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, activation)
+        x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+        out, out_x, _, _, _, final_states = ssd_forward_helion(
+            x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),
+            chunk_size, D=D, z=z.reshape(b, l, nheads, headdim), dt_bias=dt_bias, initial_states=initial_states,
+            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+        )
+        ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx)
+        ctx.dims = (nheads, headdim, dim, dstate, ngroups, chunk_size)
+        ctx.dt_limit = dt_limit
+        ctx.activation = activation
+        ctx.return_final_states = return_final_states
+        out = out.reshape(b, l, dim)
+        return (out, final_states) if return_final_states else out
+
+    @staticmethod
+    def backward(ctx, dout, *args):
+        zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx = ctx.saved_tensors
+        nheads, headdim, dim, dstate, ngroups, chunk_size = ctx.dims
+        dfinal = args[0] if ctx.return_final_states else None
+        b, l, _ = zxbcdt.shape
+        z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
+        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation)
+        x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+        x = x.reshape(b, l, nheads, headdim)
+        B = B.reshape(b, l, ngroups, dstate)
+        C = C.reshape(b, l, ngroups, dstate)
+        dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True,
+                                                    dt_limit=ctx.dt_limit)
+        states_in, _ = ssd_chunk_state_passing_helion(B, x, dt_out, dA_cumsum, initial_states=initial_states,
+                                                      seq_idx=seq_idx, state_dtype=torch.float32)
+        CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx)
+        g = ssd_backward_helion(
+            dout.reshape(b, l, nheads, headdim), x, z.reshape(b, l, nheads, headdim), out_x, dt, A, B, C, D, dt_bias,
+            dt_out, dA_cumsum, states_in, CB, chunk_size, seq_idx=seq_idx, dfinal_states=dfinal, dt_softplus=True,
+            dt_limit=ctx.dt_limit, return_dinitial_states=initial_states is not None,
+        )
+        del states_in, CB, dt_out, dA_cumsum
+        dxBC_conv = torch.cat([g["dx"].reshape(b, l, dim), g["dB"].reshape(b, l, -1).to(x.dtype),
+                               g["dC"].reshape(b, l, -1).to(x.dtype)], dim=-1)
+        dxBC, dweight, dbias = _conv_bwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation, dxBC_conv)
+        dzxbcdt = torch.cat([g["dz"].reshape(b, l, dim), dxBC.to(zxbcdt.dtype), g["ddt"].to(zxbcdt.dtype)], dim=-1)
+        return (dzxbcdt, dweight, dbias, g["ddt_bias"], g["dA"], g["dD"], None, g["dinitial_states"], None, None,
+                None, None, None, None)
+
+
+def mamba_split_conv1d_scan_combined_helion(
+    zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=None, seq_idx=None,
+    dt_limit=(0.0, float("inf")), return_final_states=False, activation="silu", rmsnorm_weight=None,
+    rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1, norm_before_gate=True,
+):
+    """mamba-ssm 2.3.2 ``mamba_split_conv1d_scan_combined`` on the Helion SSD kernels.
+
+    zxbcdt (b, l, 2*dim + 2*ngroups*dstate + nheads) -> y (b, l, dim) (and final_states (b, h, p, n)).
+    ``norm_before_gate`` only matters with ``rmsnorm_weight``, which is not supported here."""
+    if rmsnorm_weight is not None or outproj_weight is not None or outproj_bias is not None:
+        raise NotImplementedError(
+            "mamba_split_conv1d_scan_combined_helion: rmsnorm_weight / outproj_weight are not supported "
+            "(Megatron's training path passes neither; apply the gated RMSNorm and out_proj as separate modules)"
+        )
+    if zxbcdt.dim() != 3:
+        raise ValueError(f"zxbcdt must be (batch, seqlen, width), got {tuple(zxbcdt.shape)}")
+    return MambaSplitConv1dScanCombinedHelionFn.apply(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
+        return_final_states, activation, headdim, ngroups,
+    )

@@ -1,0 +1,113 @@
+"""Helion fused op (kernels/mamba_split_helion.py) vs mamba_split_conv1d_scan_combined_ref (autograd)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("HELION_INTERPRET", "1")
+
+from kernels.mamba_split import mamba_split_conv1d_scan_combined_ref
+from kernels import mamba_split_helion as msh
+
+
+def _case(b, l, h, p, g, n, D2=False, seed=0, device="cpu", dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    dim = h * p
+    W = 2 * dim + 2 * g * n + h
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(
+        zxbcdt=r(b, l, W).to(device, dtype), conv1d_weight=(r(dim + 2 * g * n, 4) * 0.5).to(device),
+        conv1d_bias=r(dim + 2 * g * n).to(device), dt_bias=r(h).to(device),
+        A=(-torch.rand(h, generator=gen) - 0.5).to(device), D=(r(h, p) if D2 else r(h)).to(device),
+    )
+
+
+@pytest.mark.parametrize(
+    "shape,seq,init,D2",
+    [
+        ((1, 32, 4, 8, 2, 16, 16), False, False, False),
+        ((2, 37, 4, 8, 2, 16, 16), True, True, False),  # odd seqlen, seq_idx, initial states
+        ((2, 40, 6, 8, 3, 16, 16), True, False, True),  # ngroups 3, D per head-dim
+    ],
+)
+def test_fused_op_grads_match_reference(shape, seq, init, D2):
+    b, l, h, p, g, n, c = shape
+    t = _case(b, l, h, p, g, n, D2=D2)
+    for v in t.values():
+        v.requires_grad_(True)
+    si = None
+    if seq:
+        si = torch.zeros(b, l, dtype=torch.int32)
+        si[:, l // 2 :] = 1
+    ins = list(t.values())
+    if init:
+        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        ins.append(t0)
+    kw = dict(chunk_size=c, initial_states=t0 if init else None, seq_idx=si, headdim=p, ngroups=g,
+              return_final_states=True, norm_before_gate=False)
+    o1, f1 = mamba_split_conv1d_scan_combined_ref(*t.values(), **kw)
+    o2, f2 = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), **kw)
+    torch.testing.assert_close(o2, o1, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(f2, f1, atol=1e-4, rtol=1e-4)
+    gen = torch.Generator().manual_seed(9)
+    do, df = torch.randn(o1.shape, generator=gen), torch.randn(f1.shape, generator=gen)
+    g1 = torch.autograd.grad((o1 * do).sum() + (f1 * df).sum(), ins)
+    g2 = torch.autograd.grad((o2 * do).sum() + (f2 * df).sum(), ins)
+    names = list(t) + (["initial_states"] if init else [])
+    for nm, a, bb in zip(names, g1, g2):
+        err = (a - bb).abs().max().item()
+        assert err <= 1e-4 * max(1.0, a.abs().max().item()), f"{nm}: max err {err:.3e}"
+
+
+def test_saves_only_small_tensors():
+    t = _case(1, 32, 4, 8, 2, 16)
+    for v in t.values():
+        v.requires_grad_(True)
+    out = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=16, headdim=8, ngroups=2)
+    saved = out.grad_fn.saved_tensors
+    big = [s for s in saved if s is not None and s.numel() > t["zxbcdt"].numel()]
+    assert not big, "the Function must not keep tensors larger than zxbcdt alive"
+    assert sum(s.numel() for s in saved if s is not None) <= t["zxbcdt"].numel() + out.numel() + 4096
+
+
+def test_unsupported_options_raise():
+    t = _case(1, 16, 4, 8, 2, 16)
+    with pytest.raises(NotImplementedError, match="rmsnorm_weight"):
+        msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=16, headdim=8, ngroups=2,
+                                                    rmsnorm_weight=torch.ones(32))
+    with pytest.raises(NotImplementedError, match="outproj_weight"):
+        msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=16, headdim=8, ngroups=2,
+                                                    outproj_weight=torch.ones(8, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vs_mamba_ssm_nano_shape_bf16():
+    """Nano shape, bf16: output and every gradient vs an fp32 torch reference; the Helion relative L2
+    error must be <= 2x mamba-ssm's own + 1e-3."""
+    from kernels.registry import import_mamba_ssm
+
+    import_mamba_ssm()
+    from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
+
+    b, l, h, p, g, n, c = 2, 8192, 64, 64, 8, 128, 128
+    t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16)
+    t["conv1d_weight"] = t["conv1d_weight"].bfloat16()
+    t["conv1d_bias"] = t["conv1d_bias"].bfloat16()
+    kw = dict(chunk_size=c, headdim=p, ngroups=g, norm_before_gate=False)
+
+    def run(fn, cast):
+        leaves = {k: (v.float() if cast else v).detach().requires_grad_(True) for k, v in t.items()}
+        out = fn(*leaves.values(), **kw)
+        do = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(out.dtype)
+        return [out.float()] + [x.float() for x in torch.autograd.grad((out.float() * do.float()).sum(), list(leaves.values()))]
+
+    ref = run(mamba_split_conv1d_scan_combined_ref, True)
+    mam = run(mamba_split_conv1d_scan_combined, False)
+    hel = run(msh.mamba_split_conv1d_scan_combined_helion, False)
+    for nm, r, m, hh in zip(["out"] + list(t), ref, mam, hel):
+        e_m = ((m - r).norm() / r.norm()).item()
+        e_h = ((hh - r).norm() / r.norm()).item()
+        assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
