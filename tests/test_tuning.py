@@ -113,6 +113,8 @@ _scale_rows = helion.kernel(_scale_rows_fn, static_shapes=True)
 
 
 def test_candidate_configs_from_config_space():
+    _scale_rows = helion.kernel(_scale_rows_fn, static_shapes=True)  # not in interpret mode (env cleared)
+    assert not tuning.kernel_in_ref_mode(_scale_rows)
     x = torch.randn(64, 32)
     cands = tuning.candidate_configs(_scale_rows, (x,), seeds=tuning.grid_seeds(block_sizes=[[4], [8]], num_warps=[2, 4]), n_random=5)
     jsons = [c.to_json() for c in cands]
