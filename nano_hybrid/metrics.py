@@ -1,0 +1,175 @@
+"""Per-step metrics: one console line and one ``metrics.jsonl`` record per step, optional W&B.
+
+Only rank 0 writes (files, console, W&B). Record fields (all floats full precision):
+
+    step, tokens (tokens seen after this step), consumed_samples, loss, lr, grad_norm, step_time_s,
+    tokens_per_step, tokens_per_s (global), tokens_per_s_per_gpu, tflops_per_gpu, mem_gb (peak
+    allocated on this rank's accelerator since the previous step; CPU: process max RSS), world_size,
+    backend, plus the MoE auxiliary losses (e.g. ``load_balancing_loss``) when the model has MoE layers.
+
+W&B (``logger.wandb.mode`` online|offline, default disabled): keys ``train/<field>``, x-axis
+``train/tokens`` (``define_metric``), default tags kernel backend, GPU name, git commit. The run id is
+exposed as ``MetricsLogger.wandb_run_id`` so a checkpoint can store it and a resume can pass it back
+(``logger.wandb.id``; ``resume="allow"`` continues the same run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any
+
+WANDB_MODES = ("disabled", "online", "offline")
+
+
+def git_commit(repo: Path | None = None) -> str:
+    repo = repo or Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+def peak_memory_gb() -> float:
+    """Peak accelerator memory allocated since the last call (resets the peak); CPU: max RSS of the process."""
+    import torch
+
+    if torch.cuda.is_available():
+        gb = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        return gb
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def format_console_line(rec: dict[str, Any], train_iters: int, eta_s: float) -> str:
+    width = len(str(train_iters))
+    parts = [
+        f"step {rec['step']:>{width}}/{train_iters}",
+        f"loss {rec['loss']:.4f}",
+        f"lr {rec['lr']:.3e}",
+        f"grad_norm {rec['grad_norm']:.3f}",
+        f"{rec['step_time_s'] * 1000:.0f} ms",
+        f"{rec['tokens_per_s']:,.0f} tok/s",
+        f"{rec['tflops_per_gpu']:.2f} TFLOP/s/gpu",
+        f"mem {rec['mem_gb']:.2f} GB",
+        f"eta {_fmt_duration(eta_s)}",
+    ]
+    if "load_balancing_loss" in rec:
+        parts.insert(4, f"lb_loss {rec['load_balancing_loss']:.4f}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes ``<run_dir>/metrics.jsonl`` and the console line on rank 0; owns the W&B run."""
+
+    # Steps left out of the ETA's step-time estimate (start-up, compile, autotune-free warm-up).
+    ETA_WARMUP_STEPS = 2
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        rank: int,
+        train_iters: int,
+        backend: str,
+        wandb_cfg: Any = None,
+        run_config: dict | None = None,
+        print_fn=print,
+    ) -> None:
+        self.rank = rank
+        self.train_iters = train_iters
+        self.backend = backend
+        self.print_fn = print_fn
+        self.run_dir = Path(run_dir)
+        self._step_times: list[float] = []
+        self._file = None
+        self._wandb_run = None
+        if rank != 0:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Appending keeps the records of a resumed run's earlier segment; the loop logs each step once.
+        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        mode = "disabled" if wandb_cfg is None else str(wandb_cfg.get("mode", "disabled"))
+        if mode not in WANDB_MODES:
+            raise ValueError(f"logger.wandb.mode must be one of {WANDB_MODES}, got {mode!r}")
+        if mode != "disabled":
+            self._wandb_run = self._init_wandb(wandb_cfg, mode, run_config or {})
+
+    def _init_wandb(self, wcfg, mode: str, run_config: dict):
+        import wandb
+
+        tags = [f"backend:{self.backend}", f"gpu:{device_name()}", f"commit:{git_commit()}"]
+        tags += [str(t) for t in (wcfg.get("tags") or [])]
+        run = wandb.init(
+            project=wcfg.get("project"),
+            group=wcfg.get("group"),
+            name=wcfg.get("name"),
+            id=wcfg.get("id"),
+            resume="allow",
+            mode=mode,
+            tags=tags,
+            dir=str(self.run_dir),
+            config=run_config,
+        )
+        run.define_metric("train/tokens")
+        run.define_metric("train/*", step_metric="train/tokens")
+        return run
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return None if self._wandb_run is None else self._wandb_run.id
+
+    def eta_seconds(self, step: int) -> float:
+        times = self._step_times[self.ETA_WARMUP_STEPS :] or self._step_times
+        if not times:
+            return float("nan")
+        recent = times[-50:]
+        return (self.train_iters - step) * sum(recent) / len(recent)
+
+    def log_step(self, rec: dict[str, Any], *, console: bool = True) -> None:
+        """Record one step (called on every rank; only rank 0 writes)."""
+        self._step_times.append(float(rec["step_time_s"]))
+        if self.rank != 0:
+            return
+        rec = {"backend": self.backend, **rec}
+        self._file.write(json.dumps(rec) + "\n")
+        if console:
+            self.print_fn(format_console_line(rec, self.train_iters, self.eta_seconds(rec["step"])), flush=True)
+        if self._wandb_run is not None:
+            self._wandb_run.log({f"train/{k}": v for k, v in rec.items() if isinstance(v, (int, float))})
+
+    def print(self, msg: str) -> None:
+        if self.rank == 0:
+            self.print_fn(msg, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None

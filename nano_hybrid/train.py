@@ -1,0 +1,581 @@
+"""Pretrain the Nemotron-3 Nano hybrid (or a slice / tiny variant) with megatron-core.
+
+    python -m nano_hybrid.train                                   # model=tiny on CPU, stdlib corpus
+    python -m nano_hybrid.train recipe=tiny_cpu train.train_iters=50
+    torchrun --nproc-per-node 2 -m nano_hybrid.train parallel=dp2 kernels.backend=mamba_ssm
+
+Flow: compose the config -> validate everything (config values, data, kernel backend, parallel sizes)
+-> init process groups -> model, Megatron DDP, Megatron optimizer, LR schedule, data -> [checkpoint
+load] -> loop: step, log, [checkpoint save] -> shutdown. Any bad input stops before work with one
+``error: ...`` line and exit code 2.
+
+One step = ``global_batch_size`` samples: megatron's ``get_forward_backward_func`` runs the
+micro-batches (grad accumulation, pipeline schedule when PP > 1) with ``finalize_model_grads`` (DP
+grad reduction, MoE router expert-bias update), then the optimizer step (grad clipping inside), then
+the scheduler step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+# megatron-core warns once per module import that TE/Apex are absent; the fallbacks are intended here.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+
+from nano_hybrid.config import ConfigError, compose, overrides_from_argv  # noqa: E402
+from nano_hybrid.data import (  # noqa: E402
+    DataConfigError,
+    DataPreparationError,
+    DataSpec,
+    build_data_iterator,
+    build_tokenizer,
+    build_train_dataset,
+    ensure_corpus,
+    missing_paths,
+)
+
+EXIT_BAD_INPUT = 2
+
+
+@dataclass
+class TrainState:
+    """Loop position; the checkpointer saves and restores it (and the data position follows from it)."""
+
+    step: int = 0  # optimizer steps completed
+    consumed_samples: int = 0  # global samples consumed (= data position)
+    consumed_tokens: int = 0  # global tokens consumed (W&B x-axis)
+
+    def advance(self, samples: int, seq_length: int) -> None:
+        self.step += 1
+        self.consumed_samples += samples
+        self.consumed_tokens += samples * seq_length
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunPlan:
+    """Everything derived from the config during validation (before any process group or model exists)."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+    device: torch.device
+    dtype: torch.dtype
+    dp_size: int
+    num_microbatches: int
+    backend_name: str
+    data: DataSpec
+    seq_length: int
+    extras: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------- validation
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
+
+
+def _positive_int(cfg: DictConfig, key: str) -> int:
+    v = OmegaConf.select(cfg, key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"{key}={v!r} must be a positive integer")
+    return v
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device={name!r}; choose auto, cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA GPU (use train.device=cpu or auto)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name, local_rank) if name == "cuda" else torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.precision={name!r}; choose auto, bf16 or fp32")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bf16" and device.type != "cuda":
+        raise ConfigError("train.precision=bf16 needs a CUDA device; CPU training runs in fp32")
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def validate_optim(o: DictConfig, train_iters: int) -> None:
+    if str(o.optimizer) != "adam":
+        raise ConfigError(f"optim.optimizer={o.optimizer!r}; supported: adam (AdamW, decoupled weight decay)")
+    for key in ("lr", "adam_beta1", "adam_beta2", "adam_eps"):
+        if not float(o[key]) > 0:
+            raise ConfigError(f"optim.{key}={o[key]} must be > 0")
+    if not 0 <= float(o.min_lr) <= float(o.lr):
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+    if not 0 <= float(o.init_lr) <= float(o.lr):
+        raise ConfigError(f"optim.init_lr={o.init_lr} must be in [0, optim.lr={o.lr}]")
+    if float(o.weight_decay) < 0 or float(o.clip_grad) < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} and optim.clip_grad={o.clip_grad} must be >= 0")
+    if not 0 <= int(o.warmup_iters) < train_iters:
+        raise ConfigError(f"optim.warmup_iters={o.warmup_iters} must be in [0, train.train_iters={train_iters})")
+    style = str(o.decay_style)
+    if style not in ("WSD", "cosine", "linear", "constant"):
+        raise ConfigError(f"optim.decay_style={style!r}; choose WSD, cosine, linear or constant")
+    if style == "WSD":
+        frac = o.wsd_decay_fraction
+        if frac is None or not 0 < float(frac) <= 1:
+            raise ConfigError(f"optim.wsd_decay_fraction={frac} must be in (0, 1] for decay_style=WSD")
+        if str(o.wsd_decay_style) not in ("linear", "cosine", "exponential", "minus_sqrt"):
+            raise ConfigError(f"optim.wsd_decay_style={o.wsd_decay_style!r}; choose linear, cosine, exponential or minus_sqrt")
+
+
+def validate(cfg: DictConfig) -> RunPlan:
+    """Check every setting that can be checked without doing work; raise one clear error."""
+    from kernels.registry import get_backend
+    from nano_hybrid.metrics import WANDB_MODES
+    from nano_hybrid.parallel import validate_parallel
+
+    world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    t = cfg.train
+    mbs, gbs = _positive_int(cfg, "train.micro_batch_size"), _positive_int(cfg, "train.global_batch_size")
+    seq = _positive_int(cfg, "train.seq_length")
+    iters = _positive_int(cfg, "train.train_iters")
+    _positive_int(cfg, "train.log_interval")
+    if seq > int(cfg.model.seq_length):
+        raise ConfigError(f"train.seq_length={seq} exceeds model.seq_length={cfg.model.seq_length}")
+    if t.exit_after_minutes is not None and not float(t.exit_after_minutes) > 0:
+        raise ConfigError(f"train.exit_after_minutes={t.exit_after_minutes} must be > 0 or null")
+    if t.torch_threads is not None and int(t.torch_threads) <= 0:
+        raise ConfigError(f"train.torch_threads={t.torch_threads} must be a positive integer or null")
+    device = resolve_device(str(t.device), local_rank)
+    dtype = resolve_dtype(str(t.precision), device)
+    validate_optim(cfg.optim, iters)
+
+    # Parallel layout against the model and the world size (names the offending numbers).
+    dp = validate_parallel(cfg, world_size)["dp"]
+    if gbs % (mbs * dp):
+        raise ConfigError(
+            f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} x data-parallel size {dp}"
+        )
+
+    # Data and tokenizer.
+    try:
+        tokenizer = build_tokenizer(str(cfg.data.tokenizer))
+    except ValueError as e:
+        raise ConfigError(f"data.tokenizer: {e}") from None
+    if tokenizer.vocab_size > int(cfg.model.vocab_size):
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer} tokenizer's {tokenizer.vocab_size} ids"
+        )
+    spec = DataSpec.from_cfg(cfg.data)
+    missing = missing_paths(spec) if spec.kind == "indexed" else []
+    prepare = cfg.data.get("prepare_if_missing")
+    if missing and (prepare is None or len(spec.paths) != 1):
+        raise DataConfigError(
+            f"data path not found: {', '.join(m + '.bin/.idx' for m in missing)}"
+            + ("" if prepare is None else " (data.prepare_if_missing builds a single-path corpus only)")
+        )
+    if missing and str(prepare) != "stdlib":
+        raise DataConfigError(f"data.prepare_if_missing={prepare!r}; supported: stdlib or null")
+
+    backend = get_backend(str(cfg.kernels.backend))  # raises UnknownBackendError / BackendUnavailableError
+    if str(cfg.logger.wandb.mode) not in WANDB_MODES:
+        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}; choose one of {', '.join(WANDB_MODES)}")
+    return RunPlan(
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        device=device,
+        dtype=dtype,
+        dp_size=dp,
+        num_microbatches=gbs // (mbs * dp),
+        backend_name=backend.name,
+        data=spec,
+        seq_length=seq,
+        extras={"tokenizer": tokenizer, "backend": backend},
+    )
+
+
+# ------------------------------------------------------------------------------------------ setup
+def init_distributed(plan: RunPlan, cfg: DictConfig) -> None:
+    """Process group (NCCL on GPU, gloo on CPU), megatron's model-parallel groups and RNG streams."""
+    from nano_hybrid.parallel import initialize_parallel
+
+    initialize_parallel(cfg, backend="nccl" if plan.device.type == "cuda" else "gloo")
+
+
+def resolve_run_dir(cfg: DictConfig, plan: RunPlan) -> Path:
+    """``cfg.run_dir`` or runs/<model>-<backend>-<UTC time>, taken from rank 0 so all ranks agree."""
+    import torch.distributed as dist
+
+    if cfg.run_dir is not None:
+        run_dir = str(cfg.run_dir)
+    else:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        box = [f"runs/{cfg.model.name}-{plan.backend_name}-{stamp}"]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        run_dir = box[0]
+    with open_dict(cfg):
+        cfg.run_dir = run_dir  # later interpolations (e.g. checkpoint.dir) see the resolved path
+    return Path(run_dir)
+
+
+def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
+    """Build a missing default corpus on rank 0 (others wait); fail loudly if that is impossible."""
+    import torch.distributed as dist
+
+    if plan.data.kind == "indexed" and plan.rank == 0:
+        ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log)
+    if dist.is_initialized():
+        dist.barrier()
+    missing = missing_paths(plan.data) if plan.data.kind == "indexed" else []
+    if missing:  # e.g. rank 0 wrote to a node-local path this rank cannot see
+        raise DataPreparationError(f"data path(s) not visible on rank {plan.rank}: {missing}")
+
+
+def build_dataset(plan: RunPlan, cfg: DictConfig):
+    """Rank 0 builds megatron's index cache first, then the others read it."""
+    import torch.distributed as dist
+
+    num_samples = int(cfg.train.train_iters) * int(cfg.train.global_batch_size)
+    args = (plan.data, plan.extras["tokenizer"], plan.seq_length, num_samples, int(cfg.seed))
+    dataset = build_train_dataset(*args) if plan.rank == 0 else None
+    if dist.is_initialized():
+        dist.barrier()
+    return dataset if dataset is not None else build_train_dataset(*args)
+
+
+def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig):
+    """Model -> (Float16Module on bf16) -> Megatron DDP; Megatron optimizer; OptimizerParamScheduler."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+
+    from nano_hybrid.model import build_model
+
+    model = build_model(cfg, device=plan.device, dtype=plan.dtype)
+    config = model.config
+    if plan.dtype == torch.bfloat16:
+        model = Float16Module(config, model)
+    use_dist_opt = bool(cfg.parallel.use_distributed_optimizer)
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_dist_opt,
+            check_for_nan_in_grad=False,
+        ),
+        model,
+    )
+    o = cfg.optim
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=float(o.lr),
+        min_lr=float(o.min_lr),
+        weight_decay=float(o.weight_decay),
+        adam_beta1=float(o.adam_beta1),
+        adam_beta2=float(o.adam_beta2),
+        adam_eps=float(o.adam_eps),
+        clip_grad=float(o.clip_grad),
+        bf16=plan.dtype == torch.bfloat16,
+        params_dtype=plan.dtype,
+        use_distributed_optimizer=use_dist_opt,
+    )
+    with cpu_compat_mode(plan):
+        optimizer = get_megatron_optimizer(opt_config, [ddp])
+    iters = int(cfg.train.train_iters)
+    style = str(o.decay_style)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=float(o.init_lr),
+        max_lr=float(o.lr),
+        min_lr=float(o.min_lr),
+        lr_warmup_steps=int(o.warmup_iters),
+        lr_decay_steps=iters,
+        lr_decay_style=style,
+        start_wd=float(o.weight_decay),
+        end_wd=float(o.weight_decay),
+        wd_incr_steps=iters,
+        wd_incr_style="constant",
+        wsd_decay_steps=max(1, round(float(o.wsd_decay_fraction) * iters)) if style == "WSD" else None,
+        lr_wsd_decay_style=str(o.wsd_decay_style) if style == "WSD" else None,
+    )
+    # What megatron's schedule calls around the micro-batches: DP no_sync for all but the last
+    # micro-batch, then finalize_model_grads (grad all-reduce / reduce-scatter, MoE expert-bias update).
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return ddp, optimizer, scheduler
+
+
+def cpu_compat_mode(plan: RunPlan):
+    """megatron's optimizer and schedules hard-code device='cuda' in places; on CPU run them under CudaToCpuMode."""
+    import contextlib
+
+    if plan.device.type == "cuda":
+        return contextlib.nullcontext()
+    from nano_hybrid.mcore_compat import CudaToCpuMode
+
+    return CudaToCpuMode()
+
+
+# ------------------------------------------------------------------------------------------- step
+def _forward_step(data_iterator, model, *, device: torch.device, attention_mask):
+    batch = next(data_iterator)
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    output = model(tokens, position_ids, attention_mask, labels=labels)  # per-token loss [b, s]
+    return output, partial(_loss_func, loss_mask)
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    losses = output.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    # (loss summed over the micro-batch, its token count, values to report)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def causal_mask_for(cfg: DictConfig, seq_length: int, device: torch.device):
+    """None when core attention applies causal masking itself (sdpa); else megatron's bool mask (True = masked)."""
+    if str(cfg.model.get("attention_impl", "sdpa")) == "sdpa" or "*" not in str(cfg.model.hybrid_override_pattern):
+        return None
+    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def train_step(ctx: "Trainer") -> dict[str, float]:
+    """One optimizer step over ``global_batch_size`` samples; returns loss, grad norm, lr and aux losses."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    plan, cfg = ctx.plan, ctx.cfg
+    ctx.model.zero_grad_buffer()
+    ctx.optimizer.zero_grad()
+    # On CPU the schedule needs CudaToCpuMode too: schedules.py:596 allocates its token counter with
+    # device="cuda" (forward_backward_no_pipelining; same in the pipelined schedules).
+    with cpu_compat_mode(plan):
+        reports = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, device=plan.device, attention_mask=ctx.attention_mask),
+            data_iterator=ctx.data_iterator,
+            model=[ctx.model],
+            num_microbatches=plan.num_microbatches,
+            seq_length=plan.seq_length,
+            micro_batch_size=int(cfg.train.micro_batch_size),
+            decoder_seq_length=plan.seq_length,
+            forward_only=False,
+        )
+    with cpu_compat_mode(plan):
+        update_ok, grad_norm, _ = ctx.optimizer.step()
+    if update_ok:
+        ctx.scheduler.step(increment=1)
+
+    # Loss over the global batch: sum(loss), sum(tokens) over micro-batches, then over all ranks
+    # (ratios are unchanged by TP replicas; PP stages other than the last contribute zeros).
+    acc = torch.zeros(2, dtype=torch.float64, device=plan.device)
+    for r in reports:
+        acc += r["lm loss"].to(torch.float64)
+    dist.all_reduce(acc)
+    out = {
+        "loss": (acc[0] / acc[1].clamp(min=1)).item(),
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "lr": float(ctx.optimizer.param_groups[0]["lr"]),
+        "skipped": 0 if update_ok else 1,
+    }
+    tracker = get_moe_layer_wise_logging_tracker()
+    if tracker:
+        reduce_aux_losses_tracker_across_ranks()
+        n_moe = max(1, str(cfg.model.hybrid_override_pattern).count("E"))
+        for name, entry in tracker.items():
+            # summed over layers and micro-batches -> mean per MoE layer and micro-batch
+            out[name.replace(" ", "_")] = entry["values"].float().sum().item() / n_moe / plan.num_microbatches
+        clear_aux_losses_tracker()
+    return out
+
+
+# ------------------------------------------------------------------------------------------- loop
+@dataclass
+class Trainer:
+    cfg: DictConfig
+    plan: RunPlan
+    run_dir: Path
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    dataset: Any
+    state: TrainState
+    logger: Any
+    flops_per_token: float
+    attention_mask: Any = None
+    data_iterator: Any = None
+
+    def start_data(self) -> None:
+        """(Re)start the data stream at ``state.consumed_samples`` (call after a checkpoint load)."""
+        self.data_iterator = build_data_iterator(
+            self.dataset,
+            self.state.consumed_samples,
+            int(self.cfg.train.micro_batch_size),
+            self.dp_rank,
+            self.plan.dp_size,
+            self.plan.data.num_workers,
+        )
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+
+def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
+    from nano_hybrid.flops import shape_from_megatron, training_flops_per_token
+    from nano_hybrid.metrics import MetricsLogger
+
+    if cfg.train.torch_threads is not None:
+        torch.set_num_threads(int(cfg.train.torch_threads))
+    init_distributed(plan, cfg)
+    run_dir = resolve_run_dir(cfg, plan)
+    say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
+    prepare_data(plan, cfg, say)
+    dataset = build_dataset(plan, cfg)
+    model, optimizer, scheduler = build_model_and_optimizer(plan, cfg)
+    unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
+    flops = training_flops_per_token(shape_from_megatron(unwrapped, plan.seq_length))
+    if plan.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    logger = MetricsLogger(
+        run_dir,
+        rank=plan.rank,
+        train_iters=int(cfg.train.train_iters),
+        backend=plan.backend_name,
+        wandb_cfg=cfg.logger.wandb,
+        run_config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    n_params = sum(p.numel() for p in unwrapped.parameters())
+    logger.print(
+        f"nano-hybrid: model={cfg.model.name} ({n_params / 1e6:.2f}M params on rank 0) backend={plan.backend_name} "
+        f"device={plan.device.type} dtype={str(plan.dtype).removeprefix('torch.')} world={plan.world_size} "
+        f"dp={plan.dp_size} mbs={cfg.train.micro_batch_size} gbs={cfg.train.global_batch_size} "
+        f"seq={plan.seq_length} run_dir={run_dir}"
+    )
+    return Trainer(
+        cfg=cfg,
+        plan=plan,
+        run_dir=run_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dataset=dataset,
+        state=TrainState(),
+        logger=logger,
+        flops_per_token=flops,
+        attention_mask=causal_mask_for(cfg, plan.seq_length, plan.device),
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_loop(ctx: Trainer) -> None:
+    from nano_hybrid.metrics import peak_memory_gb
+
+    cfg, plan, state = ctx.cfg, ctx.plan, ctx.state
+    iters, gbs = int(cfg.train.train_iters), int(cfg.train.global_batch_size)
+    log_every = int(cfg.train.log_interval)
+    tokens_per_step = gbs * plan.seq_length
+    while state.step < iters:
+        _sync(plan.device)
+        t0 = time.perf_counter()
+        out = train_step(ctx)  # .item() inside syncs with the device
+        _sync(plan.device)
+        dt = time.perf_counter() - t0
+        state.advance(gbs, plan.seq_length)
+        tps = tokens_per_step / dt
+        rec = {
+            "step": state.step,
+            "tokens": state.consumed_tokens,
+            "consumed_samples": state.consumed_samples,
+            "loss": out.pop("loss"),
+            "lr": out.pop("lr"),
+            "grad_norm": out.pop("grad_norm"),
+            "step_time_s": dt,
+            "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_gpu": tps / plan.world_size,
+            "tflops_per_gpu": ctx.flops_per_token * tps / plan.world_size / 1e12,
+            "mem_gb": peak_memory_gb(),
+            "world_size": plan.world_size,
+            **out,
+        }
+        if not math.isfinite(rec["loss"]):
+            raise FloatingPointError(f"loss is {rec['loss']} at step {state.step}; stopping")
+        ctx.logger.log_step(rec, console=state.step % log_every == 0 or state.step in (1, iters))
+        # (checkpoint helper: periodic save after a completed step, and the SIGTERM /
+        #  train.exit_after_minutes stop, go here)
+
+
+def shutdown(ctx: Trainer | None) -> None:
+    from nano_hybrid.parallel import destroy_parallel
+
+    if ctx is not None:
+        ctx.logger.close()
+    destroy_parallel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kernels.registry import BackendUnavailableError, UnknownBackendError
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = compose(overrides_from_argv(argv))
+        plan = validate(cfg)
+    except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    ctx = None
+    try:
+        ctx = setup(cfg, plan)
+        # (checkpoint helper: load model/optimizer/scheduler/RNG/TrainState here, before start_data)
+        ctx.start_data()
+        train_loop(ctx)
+        # (checkpoint helper: final save here)
+        if plan.rank == 0:
+            ctx.logger.print(f"done: {ctx.state.step} steps, {ctx.state.consumed_tokens:,} tokens; metrics in {ctx.run_dir}/metrics.jsonl")
+    except DataPreparationError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    finally:
+        shutdown(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
