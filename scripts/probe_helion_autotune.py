@@ -16,11 +16,12 @@ import time
 import traceback
 
 
-def main() -> None:
-    import torch
-    import helion
-    import helion.language as hl
+import helion
+import helion.language as hl
+import torch
 
+
+def main() -> None:
     settings = {
         "subprocess_off": {"HELION_AUTOTUNE_BENCHMARK_SUBPROCESS": "0", "HELION_AUTOTUNE_PRECOMPILE": "0"},
         "subprocess_off_precompile_fork": {"HELION_AUTOTUNE_BENCHMARK_SUBPROCESS": "0"},
@@ -34,16 +35,8 @@ def main() -> None:
         for k, v in settings[name].items():
             os.environ[k] = v
 
-        @helion.kernel(autotune_effort="quick", autotune_budget_seconds=int(os.environ.get("PROBE_BUDGET", "45")))
-        def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            m, n = x.size()
-            out = torch.empty_like(x)
-            for tm in hl.tile(m):
-                row = x[tm, :].to(torch.float32)
-                r = torch.rsqrt(torch.mean(row * row, dim=-1, keepdim=True) + 1e-5)
-                out[tm, :] = (row * r * w[None, :].to(torch.float32)).to(out.dtype)
-            return out
-
+        rms = helion.kernel(_rms, autotune_effort="quick",
+                            autotune_budget_seconds=int(os.environ.get("PROBE_BUDGET", "45")))
         t0 = time.time()
         rec = {"setting": name, "env": settings[name]}
         try:
@@ -55,6 +48,16 @@ def main() -> None:
         print(json.dumps({k: v for k, v in rec.items() if k != "tb"}), flush=True)
         with open(os.path.join(out_dir, "helion_autotune_probe.jsonl"), "a") as f:
             f.write(json.dumps(rec, default=str) + "\n")
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    m, n = x.size()
+    out = torch.empty_like(x)
+    for tm in hl.tile(m):
+        row = x[tm, :].to(torch.float32)
+        r = torch.rsqrt(torch.mean(row * row, dim=-1, keepdim=True) + 1e-5)
+        out[tm, :] = (row * r * w[None, :].to(torch.float32)).to(out.dtype)
+    return out
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def _fused_inputs(b, l, h, p, g, n, W=4, dtype=torch.float32, seed=0):
     )
 
 
-@pytest.mark.parametrize("shape", [(2, 256, 4, 64, 1, 64, 64), (1, 300, 8, 32, 2, 128, 128), (2, 512, 16, 64, 8, 128, 128)])
+# One shape only: mamba-ssm autotunes every Triton kernel over its config list at each new shape (minutes).
+@pytest.mark.parametrize("shape", [(2, 300, 16, 64, 8, 128, 128)])
 @pytest.mark.parametrize("with_seq_idx", [False, True])
 def test_fused_op_reference_matches_mamba_ssm(mamba, shape, with_seq_idx):
     b, l, h, p, g, n, chunk = shape
