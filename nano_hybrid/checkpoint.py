@@ -362,6 +362,10 @@ def save_checkpoint(
         (ckpt / "rng").mkdir(parents=True)
     _barrier()
 
+    if _world() > 1:  # only rank 0 talks to W&B; the common part must agree on every rank
+        box = [wandb_run_id]
+        torch.distributed.broadcast_object_list(box, src=0)
+        wandb_run_id = box[0]
     model_sd = _model_sharded_state_dict(model)
     state: dict[str, Any] = dict(model_sd)
     if optimizer is not None:
