@@ -1,0 +1,96 @@
+"""``build_model(cfg)``: the megatron ``MambaModel`` for ``cfg.model`` with ``cfg.kernels.backend``."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from omegaconf import DictConfig
+
+from nano_hybrid import mcore_compat
+from nano_hybrid.config import ConfigError
+from nano_hybrid.model.config import make_transformer_config, model_dict, padded_vocab_size
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_model(cfg: DictConfig, *, device=None, dtype=None):
+    """Build the hybrid ``MambaModel`` described by the composed config ``cfg``.
+
+    Uses ``cfg.model`` (architecture, ``attention_impl``, ``moe_experts_impl``), ``cfg.kernels.backend``
+    (resolved with ``kernels.registry.get_backend``; an unknown/unavailable backend raises its one-line
+    error before anything is built) and ``cfg.parallel`` (TP/PP/EP/ETP/CP/SP sizes).
+
+    Args:
+        device: ``None`` -> the current CUDA device if there is one, else CPU; ``"meta"`` builds the
+            module tree without allocating weights (parameter counting). On CUDA the device must be the
+            current device (megatron allocates with ``torch.cuda.current_device()``).
+        dtype: parameter dtype; ``None`` -> float32 (megatron keeps bf16 training as bf16 params with
+            fp32 main weights in its optimizer: pass ``torch.bfloat16`` for that).
+
+    Requires megatron's model-parallel state (``nano_hybrid.parallel.initialize_parallel(cfg)`` first).
+    Returns an un-wrapped ``megatron.core.models.mamba.MambaModel`` (no DDP / Float16Module).
+    Its forward is megatron's: ``model(input_ids [b, s], position_ids [b, s], attention_mask, labels=...)``
+    returning the per-token loss [b, s] when labels are given (logits [b, s, vocab] otherwise).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.mamba import MambaModel
+
+    from kernels.registry import get_backend
+    from nano_hybrid.model.specs import hybrid_stack_spec
+
+    backend = get_backend(str(cfg.kernels.backend))
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_model needs megatron's parallel state: call nano_hybrid.parallel.initialize_parallel(cfg) first")
+    mcore_compat.apply_mcore_compat()
+
+    device = default_device() if device is None else torch.device(device)
+    dtype = torch.float32 if dtype is None else dtype
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx != torch.cuda.current_device():
+            raise ValueError(f"build_model(device={device}) but the current CUDA device is {torch.cuda.current_device()}; "
+                             "call torch.cuda.set_device first")
+    elif device.type == "cpu" and torch.cuda.is_available():
+        raise ValueError("build_model(device='cpu') on a CUDA machine is not supported (megatron allocates on "
+                         "torch.cuda.current_device()); use device='meta' or the GPU")
+    if backend.name == "mamba_ssm" and device.type == "cpu":
+        raise ConfigError("kernels.backend=mamba_ssm needs a CUDA device; use kernels.backend=torch on CPU")
+
+    m = model_dict(cfg.model)
+    tcfg = make_transformer_config(cfg, device=device, dtype=dtype)
+    spec = hybrid_stack_spec(
+        backend,
+        attention_impl=m.get("attention_impl", "sdpa"),
+        moe_experts_impl=m.get("moe_experts_impl", "grouped"),
+        num_experts=m.get("num_moe_experts"),
+        mamba_chunk_size=int(m.get("mamba_chunk_size", 128)),
+        mamba_conv_width=int(m.get("mamba_conv_width", 4)),
+    )
+    vocab = padded_vocab_size(int(m["vocab_size"]), int(m.get("make_vocab_size_divisible_by", 128)),
+                              int(cfg.parallel.tensor_model_parallel_size))
+    ctx = (
+        contextlib.ExitStack() if device.type != "meta"
+        else _meta_context()
+    )
+    with ctx:
+        model = MambaModel(
+            config=tcfg,
+            mamba_stack_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=int(m["seq_length"]),
+            hybrid_override_pattern=m["hybrid_override_pattern"],
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
+            position_embedding_type=m.get("position_embedding_type", "none"),
+        )
+    return model
+
+
+@contextlib.contextmanager
+def _meta_context():
+    with torch.device("meta"), mcore_compat.DeviceRedirectMode("meta"):
+        yield

@@ -1,0 +1,144 @@
+"""``cfg.model`` (+ ``cfg.parallel``) -> megatron ``TransformerConfig`` with the Mamba fields.
+
+The model yaml files use megatron-core's own field names wherever one exists (``num_attention_heads``,
+``num_query_groups``, ``kv_channels``, ``mamba_num_heads``, ``moe_router_topk``, ...), so the mapping
+below is mostly 1:1. Keys that are not TransformerConfig fields:
+
+- ``name``, ``hybrid_override_pattern`` (num_layers = its length), ``vocab_size``,
+  ``make_vocab_size_divisible_by``, ``seq_length``, ``untie_embeddings_and_output_weights``,
+  ``position_embedding_type``: MambaModel arguments.
+- ``mamba_chunk_size``, ``mamba_conv_width``: MambaMixer arguments (``chunk_size``, ``d_conv``).
+- ``squared_relu``: ``activation_func = squared_relu``, non-gated.
+- ``attention_impl`` (``sdpa`` | ``unfused``) and ``moe_experts_impl`` (``grouped`` | ``sequential``):
+  which core-attention and expert modules the layer spec uses (see ``nano_hybrid.model.specs``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from nano_hybrid import mcore_compat
+from nano_hybrid.config import ConfigError
+
+ATTENTION_IMPLS = ("sdpa", "unfused")
+MOE_EXPERTS_IMPLS = ("grouped", "sequential")
+LAYER_SYMBOLS = set("ME*-")
+
+# model-yaml keys copied verbatim into TransformerConfig
+_PASSTHROUGH = (
+    "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "mamba_num_heads", "mamba_head_dim", "mamba_state_dim", "mamba_num_groups",
+    "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+    "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+    "moe_router_bias_update_rate", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+    "moe_router_dtype", "moe_token_dispatcher_type", "init_method_std", "hidden_dropout",
+    "attention_dropout",
+)
+_MODEL_ONLY = (
+    "name", "hybrid_override_pattern", "vocab_size", "make_vocab_size_divisible_by", "seq_length",
+    "untie_embeddings_and_output_weights", "position_embedding_type", "mamba_chunk_size",
+    "mamba_conv_width", "squared_relu", "norm_epsilon", "attention_impl", "moe_experts_impl",
+)
+REQUIRED = ("name", "hybrid_override_pattern", "hidden_size", "vocab_size", "seq_length")
+
+
+def model_dict(model_cfg: Any) -> dict:
+    if isinstance(model_cfg, DictConfig):
+        return OmegaConf.to_container(model_cfg, resolve=True)  # type: ignore[return-value]
+    return dict(model_cfg)
+
+
+def check_model_cfg(m: dict) -> None:
+    """Fail early, naming the key, on a malformed model config."""
+    missing = [k for k in REQUIRED if m.get(k) is None]
+    if missing:
+        raise ConfigError(f"model config {m.get('name')!r} is missing {', '.join(missing)}")
+    unknown = sorted(set(m) - set(_PASSTHROUGH) - set(_MODEL_ONLY))
+    if unknown:
+        raise ConfigError(f"model config {m['name']!r} has unknown key(s) {unknown}")
+    pat = m["hybrid_override_pattern"]
+    bad = sorted(set(pat) - LAYER_SYMBOLS)
+    if not pat or bad:
+        raise ConfigError(f"model.hybrid_override_pattern={pat!r}: symbols must be from M E * - (bad: {bad})")
+    if m.get("attention_impl", "sdpa") not in ATTENTION_IMPLS:
+        raise ConfigError(f"model.attention_impl={m.get('attention_impl')!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
+    if m.get("moe_experts_impl", "grouped") not in MOE_EXPERTS_IMPLS:
+        raise ConfigError(
+            f"model.moe_experts_impl={m.get('moe_experts_impl')!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
+    if "E" in pat and not m.get("num_moe_experts"):
+        raise ConfigError(f"model.hybrid_override_pattern has MoE layers (E) but model.num_moe_experts={m.get('num_moe_experts')}")
+    if "*" in pat and not m.get("num_attention_heads"):
+        raise ConfigError("model.hybrid_override_pattern has attention layers (*) but model.num_attention_heads is not set")
+    if m.get("position_embedding_type", "none") not in ("none", "rope", "learned_absolute"):
+        raise ConfigError(f"model.position_embedding_type={m.get('position_embedding_type')!r}; use none, rope or learned_absolute")
+    for k in ("hidden_size", "vocab_size", "seq_length"):
+        if not isinstance(m[k], int) or m[k] <= 0:
+            raise ConfigError(f"model.{k}={m[k]!r} must be a positive integer")
+    if m.get("mamba_num_heads") and m.get("mamba_num_groups") and m["mamba_num_heads"] % m["mamba_num_groups"]:
+        raise ConfigError(
+            f"model.mamba_num_heads={m['mamba_num_heads']} must be divisible by model.mamba_num_groups={m['mamba_num_groups']}")
+    if m.get("num_moe_experts") and m.get("moe_router_topk", 2) > m["num_moe_experts"]:
+        raise ConfigError(f"model.moe_router_topk={m['moe_router_topk']} > model.num_moe_experts={m['num_moe_experts']}")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: pad to a multiple of ``make_vocab_size_divisible_by * tensor_model_parallel_size``."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: torch.dtype):
+    """Build the megatron ``TransformerConfig`` for ``cfg.model`` under ``cfg.parallel`` on ``device``."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer import TransformerConfig
+
+    m = model_dict(cfg.model)
+    check_model_cfg(m)
+    p = cfg.parallel
+    kw = {k: m[k] for k in _PASSTHROUGH if m.get(k) is not None}
+    on_cuda = device.type == "cuda"
+    kw.update(
+        num_layers=len(m["hybrid_override_pattern"]),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(m.get("norm_epsilon", 1e-5)),
+        add_bias_linear=False,
+        gated_linear_unit=False,
+        # megatron's squared_relu is torch.compile'd (jit_fuser): a long first-call compile on CPU
+        activation_func=(
+            (squared_relu if on_cuda else mcore_compat.uncompiled(squared_relu))
+            if m.get("squared_relu", False) else torch.nn.functional.gelu
+        ),
+        use_mamba_mem_eff_path=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # CPU (and meta) builds initialise on the host; GPU builds directly on the device.
+        use_cpu_initialization=not on_cuda,
+        perform_initialization=device.type != "meta",
+        # bias_dropout_fusion uses torch.compile (megatron/core/jit.py): 16 s first step on CPU.
+        bias_dropout_fusion=on_cuda,
+        # the fused masked-softmax kernel is CUDA-only (used by attention_impl=unfused)
+        masked_softmax_fusion=on_cuda,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=int(p.tensor_model_parallel_size),
+        pipeline_model_parallel_size=int(p.pipeline_model_parallel_size),
+        expert_model_parallel_size=int(p.expert_model_parallel_size),
+        expert_tensor_parallel_size=int(p.expert_tensor_parallel_size),
+        context_parallel_size=int(p.context_parallel_size),
+        sequence_parallel=bool(p.sequence_parallel),
+        pipeline_dtype=dtype,
+    )
+    if m.get("num_moe_experts"):
+        kw.setdefault("moe_token_dispatcher_type", "allgather")
+        # the grouped-experts module is our own (nano_hybrid.model.experts); megatron's legacy
+        # GroupedMLP needs the CUDA-only grouped_gemm package, so megatron's flag stays off.
+        kw["moe_grouped_gemm"] = False
+    try:
+        return TransformerConfig(**kw)
+    except (AssertionError, ValueError) as e:
+        raise ConfigError(f"megatron rejected model config {m['name']!r}: {e}") from None

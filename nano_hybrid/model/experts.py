@@ -1,0 +1,141 @@
+"""MoE experts through grouped GEMMs (``model.moe_experts_impl=grouped``).
+
+``GroupedGemmExperts`` replaces megatron's ``SequentialMLP`` (a Python loop over experts) as the
+``experts`` submodule of ``MoELayer``; the router (sigmoid + expert bias + top-k scaling), token
+dispatcher and shared expert are megatron's, unchanged. Both expert GEMMs of all local experts run as
+one ``torch._grouped_mm`` each (bf16 CUTLASS grouped GEMM on Hopper).
+
+CPU: torch 2.13's ``torch._grouped_mm`` has a CPU implementation (fp32 and bf16, forward and backward),
+so the same code runs on CPU; the one CPU defect found (its backward rejects a zero-stride incoming
+gradient, e.g. from ``y.sum().backward()``) is handled by making the gradient contiguous. There is no
+fallback on any device: if ``torch._grouped_mm`` rejects an input, the error propagates.
+
+Parameters: ``weight1`` [E_local, ffn/ETP, hidden] (= the experts' ``linear_fc1.weight`` stacked) and
+``weight2`` [E_local, hidden, ffn/ETP] (= ``linear_fc2.weight`` stacked). The distributed-checkpoint
+keys and global shapes are the same as ``SequentialMLP``'s (``...experts.experts.linear_fc1.weight`` of
+global shape [E, ffn, hidden]), so the two implementations load each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    ``torch._grouped_mm``'s CPU backward (torch 2.13) raises "Invalid strides/sizes, got [0, 0]" for
+    an expanded (zero-stride) gradient; this is a no-op when the gradient is already contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """out[rows of group g] = x[rows of group g] @ w[g].T for w [G, N, K]; ``offs`` = int32 end offsets."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
+class GroupedGemmExperts(MegatronModule):
+    """All local experts of one MoE layer as two grouped GEMMs; ``SequentialMLP``'s interface.
+
+    ``forward(permuted_local_hidden_states [T, hidden], tokens_per_expert [E_local], permuted_probs [T])
+    -> (output [T, hidden], None)``; rows are grouped by expert in order, as megatron's dispatchers
+    produce them. Non-gated activations only (Nemotron-3 uses squared ReLU), no expert bias.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        config,
+        submodules=None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        if config.gated_linear_unit:
+            raise ValueError("moe_experts_impl=grouped supports non-gated experts only; use model.moe_experts_impl=sequential")
+        if config.add_bias_linear:
+            raise ValueError("moe_experts_impl=grouped has no expert bias; set add_bias_linear=False")
+        if config.fp8 or config.fp4:
+            raise ValueError("moe_experts_impl=grouped does not support fp8/fp4")
+        if pg_collection is None:
+            raise ValueError("GroupedGemmExperts needs pg_collection (built by MoELayer)")
+        self.num_local_experts = num_local_experts
+        self.ep_group = pg_collection.ep
+        self.tp_group = pg_collection.expt_tp
+        self.dp_group = pg_collection.expt_dp
+        self.activation_func = config.activation_func
+        hidden = config.hidden_size
+        ffn = config.moe_ffn_hidden_size
+        self.ffn_local = divide(ffn, self.tp_group.size())
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(num_local_experts, self.ffn_local, hidden, device=device, dtype=config.params_dtype))
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, hidden, self.ffn_local, device=device, dtype=config.params_dtype))
+        if config.perform_initialization:
+            # per-expert init under the expert-parallel RNG stream, like megatron's expert linears
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                for e in range(num_local_experts):
+                    config.init_method(self.weight1.data[e])
+                    config.output_layer_init_method(self.weight2.data[e])
+        expert_parallel = self.ep_group.size() > 1
+        for w in (self.weight1, self.weight2):
+            # megatron's DDP reduces expert grads over the expert-data-parallel group
+            setattr(w, "allreduce", not expert_parallel)
+            setattr(w, "tensor_model_parallel", self.tp_group.size() > 1)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x = permuted_local_hidden_states
+        probs = permuted_probs
+        if self.config.moe_apply_probs_on_input:
+            if self.config.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input needs moe_router_topk=1")
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        if x.shape[0] == 0:
+            # no token routed here: keep every weight in the graph so gradients (zeros) exist
+            zero = (self.weight1.sum() + self.weight2.sum()) * 0.0
+            return x.new_zeros(0, self.config.hidden_size) + zero.to(x.dtype), None
+        offs = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0).to(torch.int32)
+        h = grouped_mm(x, self.weight1, offs)
+        h_dtype = h.dtype
+        h = (self.activation_func(h) * probs.unsqueeze(-1)).to(h_dtype)
+        out = grouped_mm(h, self.weight2, offs)
+        return out, None
+
+    def backward_dw(self):
+        """Nothing deferred: weight gradients are computed in the normal backward."""
+        return None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Same keys and global shapes as ``SequentialMLP`` (experts stacked on an expert axis)."""
+        ep_size, ep_rank = self.ep_group.size(), self.ep_group.rank()
+        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        n_pre = len(sharded_offsets)
+        replica_id = (0, 0, self.dp_group.rank())
+        out = {}
+        # fc1 weight [E, ffn, hidden]: ffn is TP-split (column parallel); fc2 [E, hidden, ffn]: row parallel
+        for name, w, tp_axis in (("linear_fc1", self.weight1, 1), ("linear_fc2", self.weight2, 2)):
+            key = f"{prefix}experts.{name}.weight"
+            out[f"{prefix}{'weight1' if name == 'linear_fc1' else 'weight2'}"] = ShardedTensor.from_rank_offsets(
+                key, w, *sharded_offsets,
+                (n_pre + 0, ep_rank, ep_size),
+                (n_pre + tp_axis, tp_rank, tp_size),
+                replica_id=replica_id, prepend_axis_num=n_pre,
+            )
+        return out

@@ -1,0 +1,120 @@
+"""Local (non-transformer-engine) layer specs for the hybrid stack: M (Mamba-2), E (MoE), * (attention), - (MLP).
+
+Layer structure is megatron-core's (``MambaLayer``, ``TransformerLayer`` + ``SelfAttention``,
+``MoETransformerLayer`` + ``MoELayer``, ``MLPLayer``); the differences from megatron's TE spec are:
+
+- norms are ``mcore_compat.TorchRMSNorm`` modules in the layers' ``norm``/``input_layernorm``/
+  ``pre_mlp_layernorm`` slots (TE fuses them into the following linear). ``sharded_state_dict_keys_map``
+  renames them to the TE-spec names (``mixer.in_proj.layer_norm_``, ...), so dist checkpoints use the
+  same keys as megatron's TE spec;
+- the Mamba mixer is ``BackendMambaMixer`` with the kernel backend passed as a spec param;
+- core attention is ``SDPAttention`` (``attention_impl=sdpa``) or megatron's ``DotProductAttention``
+  (``unfused``); experts are ``GroupedGemmExperts`` (``moe_experts_impl=grouped``) or megatron's
+  ``SequentialMLP`` (``sequential``).
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.ssm.mamba_block import MambaStackSubmodules
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+from nano_hybrid import mcore_compat
+from nano_hybrid.model.attention import SDPAttention
+from nano_hybrid.model.config import ATTENTION_IMPLS, MOE_EXPERTS_IMPLS
+from nano_hybrid.model.experts import GroupedGemmExperts
+from nano_hybrid.model.mixer import BackendMambaMixer
+
+CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
+
+
+def moe_spec(num_experts: int, experts_impl: str) -> ModuleSpec:
+    """MoELayer spec: megatron's router/dispatcher/shared expert; experts by ``experts_impl``."""
+    if experts_impl not in MOE_EXPERTS_IMPLS:
+        raise ValueError(f"moe_experts_impl={experts_impl!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
+    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    if experts_impl == "grouped":
+        spec.submodules.experts = ModuleSpec(module=GroupedGemmExperts)
+    return spec
+
+
+def hybrid_stack_spec(
+    backend,
+    *,
+    attention_impl: str = "sdpa",
+    moe_experts_impl: str = "grouped",
+    num_experts: int | None = None,
+    mamba_chunk_size: int = 128,
+    mamba_conv_width: int = 4,
+) -> ModuleSpec:
+    """The stack spec for ``MambaModel`` with the given kernel backend and attention/expert modules."""
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={attention_impl!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
+    norm = mcore_compat.TorchRMSNorm
+    mamba_layer = ModuleSpec(
+        module=MambaLayer,
+        submodules=MambaLayerSubmodules(
+            norm=norm,
+            mixer=ModuleSpec(
+                module=BackendMambaMixer,
+                params={"backend": backend, "chunk_size": mamba_chunk_size, "d_conv": mamba_conv_width},
+                submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+            ),
+            mamba_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"},
+        ),
+    )
+    attention_layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=CORE_ATTENTION[attention_impl],
+                    linear_proj=RowParallelLinear,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
+        ),
+    )
+    mlp_layer = ModuleSpec(
+        module=MLPLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+        ),
+    )
+    moe_layer = ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=norm,
+            mlp=moe_spec(num_experts or 1, moe_experts_impl),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+    return ModuleSpec(
+        module=mcore_compat.local_norm_mamba_stack_class(),
+        submodules=MambaStackSubmodules(
+            mamba_layer=mamba_layer, attention_layer=attention_layer, mlp_layer=mlp_layer, moe_layer=moe_layer
+        ),
+    )
