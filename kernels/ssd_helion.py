@@ -1,0 +1,758 @@
+"""Mamba-2 SSD forward (chunked scan) in Helion, with mamba-ssm 2.3.2 semantics.
+
+Pieces (same layouts as mamba-ssm / ``kernels.ssd``; b batch, l seqlen, h nheads, p headdim,
+g ngroups, n dstate, c chunk_size, nc = ceil(l / c)):
+
+=============================================  ================================================
+``ssd_chunk_cumsum_helion(dt, A, c, ...)``     -> (dA_cumsum, dt_out), both (b, h, nc, c) fp32
+``ssd_chunk_state_helion(B, x, dt, dA, ...)``  -> states (b, nc, h, p, n) fp32 (zero initial state)
+``ssd_state_passing_helion(states, dAlast..)`` -> (states_in (b, nc, h, p, n), final (b, h, p, n) fp32)
+``ssd_chunk_state_passing_helion(...)``        chunk_state + state_passing fused (serial over chunks,
+                                               the fp32 per-chunk states never reach memory)
+``ssd_bmm_chunk_helion(C, B, c, seq_idx)``     -> CB (b, nc, g, c, c) fp32
+``ssd_chunk_scan_helion(CB, x, dt, dA, C, ..)`` -> (out, out_x) (b, l, h, p) in x.dtype
+``ssd_forward_helion(...)``                    -> (out, out_x, dt_out, dA_cumsum, states_in, final_states)
+``mamba_chunk_scan_combined_helion(...)``      forward-only, mamba-ssm's signature
+=============================================  ================================================
+
+dtypes follow mamba-ssm: dt_out, dA_cumsum, per-chunk states, CB and final_states are fp32;
+``states_in`` (the state entering each chunk) is stored in ``state_dtype`` or, by default,
+C.dtype, exactly as ``_mamba_chunk_scan_combined_fwd`` does (chunk_scan casts it to C.dtype
+before its GEMM anyway). Pass ``state_dtype=torch.float32`` to keep it in fp32.
+
+Sequence lengths that are not a multiple of the chunk size are padded internally to nc * c
+(padded positions get dt = 0, so they change no state; padded output rows are dropped).
+``chunk_size`` must be a power of two (Megatron uses 128).
+
+Configs come from ``kernels.tuning.get_config(name, dims, default)``; the defaults below are
+conservative (power-of-two blocks, 4 warps, 2-3 stages) and compile on Triton 3.6 / sm90.
+Each (kernel, config) pair is one ``helion.kernel`` with a fixed config: no autotuning at call time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import helion
+import helion.language as hl
+
+from kernels import tuning
+
+_LOG2E = 1.4426950408889634
+
+# ----------------------------------------------------------------------------------------------
+# Kernel bodies (Helion). Every index into the sequence dimension is chunk * c + offset, so the
+# host pads l to nc * c before calling them.
+# ----------------------------------------------------------------------------------------------
+
+
+def _chunk_cumsum_kernel(
+    dt: torch.Tensor,  # (b, L, h) any float dtype, L = nc * c
+    A: torch.Tensor,  # (h,)
+    dt_bias: torch.Tensor | None,  # (h,)
+    chunk_size: int,
+    seqlen: int,
+    dt_min: float,
+    dt_max: float,
+    dt_softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, L, h = dt.shape
+    c = hl.specialize(chunk_size)
+    nc = L // c
+    dA_cumsum = torch.empty([b, h, nc, c], dtype=torch.float32, device=dt.device)
+    dt_out = torch.empty([b, h, nc, c], dtype=torch.float32, device=dt.device)
+    block_h = hl.register_block_size(1, h)
+    for tb, tc, th in hl.tile([b, nc, h], block_size=[1, 1, block_h]):
+        for tk in hl.tile(c, block_size=c):
+            d = dt[tb.begin, tc.begin * c + tk.index, th].to(torch.float32)  # (c, BH)
+            if dt_bias is not None:
+                d = d + dt_bias[th].to(torch.float32)[None, :]
+            if dt_softplus:
+                d = torch.where(d <= 20.0, torch.log1p(torch.exp(d)), d)
+            d = torch.clamp(d, min=dt_min, max=dt_max)
+            pos = tc.begin * c + tk.index
+            d = torch.where((pos < seqlen)[:, None], d, 0.0)
+            dA = d * A[th].to(torch.float32)[None, :]
+            dA_cs = torch.cumsum(dA, dim=0)
+            dt_out[tb.begin, th, tc.begin, tk] = d.permute(1, 0)
+            dA_cumsum[tb.begin, th, tc.begin, tk] = dA_cs.permute(1, 0)
+    return dA_cumsum, dt_out
+
+
+def _chunk_state_kernel(
+    B: torch.Tensor,  # (b, L, g, n)
+    x: torch.Tensor,  # (b, L, h, p)
+    dt: torch.Tensor,  # (b, h, nc, c) fp32
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    seq_idx: torch.Tensor | None,  # (b, L) int32
+) -> torch.Tensor:
+    b, L, g, n = B.shape
+    _, _, h, p = x.shape
+    _, _, nc, c = dt.shape
+    c = hl.specialize(c)
+    states = torch.empty([b, nc, h, p, n], dtype=torch.float32, device=x.device)
+    ratio = h // g
+    block_m = hl.register_block_size(16, p)
+    block_n = hl.register_block_size(16, n)
+    block_k = hl.register_block_size(16, c)
+    for tb, tc, th, tm, tn in hl.tile([b, nc, h, p, n], block_size=[1, 1, 1, block_m, block_n]):
+        acc = hl.zeros([tm, tn], dtype=torch.float32)
+        dA_last = dA_cumsum[tb.begin, th.begin, tc.begin, c - 1]
+        if seq_idx is not None:
+            seq_last = seq_idx[tb.begin, tc.begin * c + c - 1]
+        for tk in hl.tile(c, block_size=block_k):
+            pos = tc.begin * c + tk.index
+            x_t = x[tb.begin, pos, th.begin, tm]  # (K, M)
+            b_t = B[tb.begin, pos, th.begin // ratio, tn].to(torch.float32)  # (K, N)
+            dA_k = dA_cumsum[tb.begin, th.begin, tc.begin, tk]
+            dt_k = dt[tb.begin, th.begin, tc.begin, tk]
+            scale = torch.exp2(torch.clamp(dA_last - dA_k, max=0.0) * _LOG2E) * dt_k
+            if seq_idx is not None:
+                same = seq_idx[tb.begin, pos] == seq_last
+                scale = torch.where(same, scale, 0.0)
+            b_s = (b_t * scale[:, None]).to(x.dtype)
+            acc = hl.dot(x_t.permute(1, 0), b_s, acc=acc)
+        states[tb.begin, tc.begin, th.begin, tm, tn] = acc
+    return states
+
+
+def _state_passing_kernel(
+    states: torch.Tensor,  # (b, nc, h, D) fp32, D = p * n
+    dA_last: torch.Tensor,  # (b, h, nc) fp32 (dA_cumsum[..., -1])
+    initial_states: torch.Tensor | None,  # (b, h, D)
+    seq_end: torch.Tensor | None,  # (b, nc + 1) int32: [0, seq_idx at the end of chunk 0, 1, ...]
+    state_dtype_like: torch.Tensor,  # empty tensor whose dtype is states_in's
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, nc, h, dim = states.shape
+    states_in = torch.empty([b, nc, h, dim], dtype=state_dtype_like.dtype, device=states.device)
+    final_states = torch.empty([b, h, dim], dtype=torch.float32, device=states.device)
+    block = hl.register_block_size(64, dim)
+    for tb, th, td in hl.tile([b, h, dim], block_size=[1, 1, block]):
+        if initial_states is not None:
+            s = initial_states[tb.begin, th.begin, td].to(torch.float32)
+        else:
+            s = hl.zeros([td], dtype=torch.float32)
+        for tc in hl.tile(nc, block_size=1):
+            states_in[tb.begin, tc.begin, th.begin, td] = s.to(states_in.dtype)
+            scale = torch.exp2(dA_last[tb.begin, th.begin, tc.begin] * _LOG2E)
+            if seq_end is not None:
+                keep = seq_end[tb.begin, tc.begin + 1] == seq_end[tb.begin, tc.begin]
+                scale = torch.where(keep, scale, 0.0)
+            s = scale * s + states[tb.begin, tc.begin, th.begin, td]
+        final_states[tb.begin, th.begin, td] = s
+    return states_in, final_states
+
+
+def _chunk_state_passing_kernel(
+    B: torch.Tensor,  # (b, L, g, n)
+    x: torch.Tensor,  # (b, L, h, p)
+    dt: torch.Tensor,  # (b, h, nc, c) fp32
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    initial_states: torch.Tensor | None,  # (b, h, p, n)
+    seq_idx: torch.Tensor | None,  # (b, L) int32
+    seq_end: torch.Tensor | None,  # (b, nc + 1) int32
+    state_dtype_like: torch.Tensor,  # empty tensor whose dtype is states_in's
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, L, g, n = B.shape
+    _, _, h, p = x.shape
+    _, _, nc, c = dt.shape
+    c = hl.specialize(c)
+    states_in = torch.empty([b, nc, h, p, n], dtype=state_dtype_like.dtype, device=x.device)
+    final_states = torch.empty([b, h, p, n], dtype=torch.float32, device=x.device)
+    ratio = h // g
+    block_m = hl.register_block_size(16, p)
+    block_n = hl.register_block_size(16, n)
+    block_k = hl.register_block_size(16, c)
+    for tb, th, tm, tn in hl.tile([b, h, p, n], block_size=[1, 1, block_m, block_n]):
+        if initial_states is not None:
+            s = initial_states[tb.begin, th.begin, tm, tn].to(torch.float32)
+        else:
+            s = hl.zeros([tm, tn], dtype=torch.float32)
+        for tc in hl.tile(nc, block_size=1):
+            states_in[tb.begin, tc.begin, th.begin, tm, tn] = s.to(states_in.dtype)
+            dA_last = dA_cumsum[tb.begin, th.begin, tc.begin, c - 1]
+            acc = hl.zeros([tm, tn], dtype=torch.float32)
+            if seq_idx is not None:
+                seq_last = seq_idx[tb.begin, tc.begin * c + c - 1]
+            for tk in hl.tile(c, block_size=block_k):
+                pos = tc.begin * c + tk.index
+                x_t = x[tb.begin, pos, th.begin, tm]
+                b_t = B[tb.begin, pos, th.begin // ratio, tn].to(torch.float32)
+                dA_k = dA_cumsum[tb.begin, th.begin, tc.begin, tk]
+                dt_k = dt[tb.begin, th.begin, tc.begin, tk]
+                scale = torch.exp2(torch.clamp(dA_last - dA_k, max=0.0) * _LOG2E) * dt_k
+                if seq_idx is not None:
+                    same = seq_idx[tb.begin, pos] == seq_last
+                    scale = torch.where(same, scale, 0.0)
+                b_s = (b_t * scale[:, None]).to(x.dtype)
+                acc = hl.dot(x_t.permute(1, 0), b_s, acc=acc)
+            decay = torch.exp2(dA_last * _LOG2E)
+            if seq_end is not None:
+                keep = seq_end[tb.begin, tc.begin + 1] == seq_end[tb.begin, tc.begin]
+                decay = torch.where(keep, decay, 0.0)
+            s = decay * s + acc
+        final_states[tb.begin, th.begin, tm, tn] = s
+    return states_in, final_states
+
+
+def _bmm_chunk_kernel(
+    C: torch.Tensor,  # (b, L, g, n)
+    B: torch.Tensor,  # (b, L, g, n)
+    seq_idx: torch.Tensor | None,  # (b, L) int32
+    chunk_size: int,
+) -> torch.Tensor:
+    b, L, g, n = C.shape
+    c = hl.specialize(chunk_size)
+    nc = L // c
+    CB = torch.empty([b, nc, g, c, c], dtype=torch.float32, device=C.device)
+    block_m = hl.register_block_size(16, c)
+    block_n = hl.register_block_size(16, c)
+    block_k = hl.register_block_size(16, n)
+    for tb, tc, tg, tm, tn in hl.tile([b, nc, g, c, c], block_size=[1, 1, 1, block_m, block_n]):
+        acc = hl.zeros([tm, tn], dtype=torch.float32)
+        for tk in hl.tile(n, block_size=block_k):
+            c_t = C[tb.begin, tc.begin * c + tm.index, tg.begin, tk]
+            b_t = B[tb.begin, tc.begin * c + tn.index, tg.begin, tk]
+            acc = hl.dot(c_t, b_t.permute(1, 0), acc=acc)
+        if seq_idx is not None:
+            s_m = seq_idx[tb.begin, tc.begin * c + tm.index]
+            s_n = seq_idx[tb.begin, tc.begin * c + tn.index]
+            acc = torch.where(s_m[:, None] == s_n[None, :], acc, 0.0)
+        CB[tb.begin, tc.begin, tg.begin, tm, tn] = acc
+    return CB
+
+
+def _chunk_scan_kernel(
+    CB: torch.Tensor,  # (b, nc, g, c, c) fp32
+    x: torch.Tensor,  # (b, L, h, p)
+    dt: torch.Tensor,  # (b, h, nc, c) fp32
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    C: torch.Tensor,  # (b, L, g, n)
+    states_in: torch.Tensor,  # (b, nc, h, p, n)
+    D: torch.Tensor | None,  # (h, p) (a per-head D is expanded with stride 0 by the host)
+    z: torch.Tensor | None,  # (b, L, h, p)
+    seq_idx: torch.Tensor | None,  # (b, L) int32
+    seq_end: torch.Tensor | None,  # (b, nc + 1) int32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, L, h, p = x.shape
+    out = torch.empty_like(x)
+    out_x = torch.empty_like(x) if z is not None else out
+    _, nc, g, c, _ = CB.shape
+    n = C.shape[3]
+    c = hl.specialize(c)
+    n = hl.specialize(n)
+    ratio = h // g
+    block_m = hl.register_block_size(16, c)
+    block_n = hl.register_block_size(16, p)
+    block_k = hl.register_block_size(16, c)
+    for tb, tc, th, tm, tn in hl.tile([b, nc, h, c, p], block_size=[1, 1, 1, block_m, block_n]):
+        pos_m = tc.begin * c + tm.index
+        dA_m = dA_cumsum[tb.begin, th.begin, tc.begin, tm]
+        # Inter-chunk part: exp(dA_m) * C_m . state_in^T  (K = n in one dot).
+        c_m = C[tb.begin, pos_m, th.begin // ratio, :]  # (M, n)
+        st = states_in[tb.begin, tc.begin, th.begin, tn, :].to(C.dtype)  # (N, n)
+        acc = hl.dot(c_m, st.permute(1, 0))
+        scale_m = torch.exp2(dA_m * _LOG2E)
+        if seq_idx is not None:
+            same = seq_idx[tb.begin, pos_m] == seq_end[tb.begin, tc.begin]
+            scale_m = torch.where(same, scale_m, 0.0)
+        acc = acc * scale_m[:, None]
+        # Intra-chunk part: causal, decayed, dt-weighted CB applied to x.
+        for tk in hl.tile((tm.id + 1) * block_m, block_size=block_k):
+            cb = CB[tb.begin, tc.begin, th.begin // ratio, tm, tk]
+            dA_k = dA_cumsum[tb.begin, th.begin, tc.begin, tk]
+            dt_k = dt[tb.begin, th.begin, tc.begin, tk]
+            w = cb * torch.exp2(torch.clamp(dA_m[:, None] - dA_k[None, :], max=0.0) * _LOG2E) * dt_k[None, :]
+            w = torch.where(tm.index[:, None] >= tk.index[None, :], w, 0.0).to(x.dtype)
+            x_k = x[tb.begin, tc.begin * c + tk.index, th.begin, tn]
+            acc = hl.dot(w, x_k, acc=acc)
+        if D is not None:
+            x_m = x[tb.begin, pos_m, th.begin, tn].to(torch.float32)
+            acc = acc + x_m * D[th.begin, tn].to(torch.float32)[None, :]
+        if z is not None:
+            out_x[tb.begin, pos_m, th.begin, tn] = acc.to(out_x.dtype)
+            z_m = z[tb.begin, pos_m, th.begin, tn].to(torch.float32)
+            acc = acc * (z_m * torch.sigmoid(z_m))
+        out[tb.begin, pos_m, th.begin, tn] = acc.to(out.dtype)
+    return out, out_x
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs and compiled-kernel cache
+# ----------------------------------------------------------------------------------------------
+
+_BODIES: dict[str, Callable[..., Any]] = {
+    "ssd_chunk_cumsum": _chunk_cumsum_kernel,
+    "ssd_chunk_state": _chunk_state_kernel,
+    "ssd_state_passing": _state_passing_kernel,
+    "ssd_chunk_state_passing": _chunk_state_passing_kernel,
+    "ssd_bmm_chunk": _bmm_chunk_kernel,
+    "ssd_chunk_scan": _chunk_scan_kernel,
+}
+
+# Conservative defaults (sm90-safe): block_sizes follow each body's register_block_size order.
+DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
+    "ssd_chunk_cumsum": dict(block_sizes=[8], num_warps=4, num_stages=1),
+    "ssd_chunk_state": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
+    "ssd_state_passing": dict(block_sizes=[512], num_warps=4, num_stages=3),
+    "ssd_chunk_state_passing": dict(block_sizes=[32, 64, 64], num_warps=4, num_stages=3),
+    "ssd_bmm_chunk": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
+    "ssd_chunk_scan": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=2),
+}
+
+_KERNELS: dict[str, Any] = {}
+
+
+def _config_dict(cfg: Any) -> dict[str, Any]:
+    if isinstance(cfg, helion.Config):
+        return dict(cfg.config)
+    return dict(cfg)
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, (int(v) - 1).bit_length())
+
+
+def _clip_blocks(name: str, cfg: dict[str, Any], limits: list[int]) -> dict[str, Any]:
+    """Clamp block sizes to the extents they tile (rounded up to a power of two), so a config
+    tuned at a large shape stays valid at a small one."""
+    cfg = dict(cfg)
+    bs = list(cfg["block_sizes"])
+    if len(bs) != len(limits):
+        raise ValueError(f"{name}: config has {len(bs)} block sizes, the kernel registers {len(limits)}")
+    cfg["block_sizes"] = [min(int(v), _next_pow2(lim)) for v, lim in zip(bs, limits)]
+    return cfg
+
+
+def get_kernel(name: str) -> Any:
+    """The (config-less) ``helion.kernel`` for body ``name``; configs are given at call time."""
+    k = _KERNELS.get(name)
+    if k is None:
+        k = helion.kernel(
+            _BODIES[name], static_shapes=True, ignore_warnings=[helion.exc.TensorOperationInWrapper]
+        )
+        _KERNELS[name] = k
+    return k
+
+
+def _run(name: str, dims: dict[str, int], limits: list[int], args: tuple, config: Any = None) -> Any:
+    if config is None:
+        config = tuning.get_config(name, dims, default=DEFAULT_CONFIGS[name])
+    cfg = _clip_blocks(name, _config_dict(config), limits)
+    return tuning.run_with_config(get_kernel(name), args, cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks and padding helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_chunk(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size!r}")
+
+
+def _pad_seq(t: torch.Tensor | None, total: int, dim: int = 1) -> torch.Tensor | None:
+    if t is None or t.shape[dim] == total:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, total - t.shape[dim]]
+    return F.pad(t, pad)
+
+
+def _pad_seq_idx(seq_idx: torch.Tensor | None, total: int) -> torch.Tensor | None:
+    """(b, l) -> (b, total) int32, repeating the last entry (as mamba-ssm reads the last valid token)."""
+    if seq_idx is None:
+        return None
+    s = seq_idx.to(torch.int32)
+    pad = total - s.shape[1]
+    if pad > 0:
+        s = torch.cat([s, s[:, -1:].expand(-1, pad)], dim=1)
+    return s.contiguous()
+
+
+def _seq_end(seq_idx_padded: torch.Tensor | None, chunk_size: int) -> torch.Tensor | None:
+    """(b, nc + 1) int32: column 0 is 0 (the sequence the initial state belongs to), column
+    i + 1 the sequence of chunk i's last token."""
+    if seq_idx_padded is None:
+        return None
+    ends = seq_idx_padded[:, chunk_size - 1 :: chunk_size]
+    return torch.cat([torch.zeros_like(ends[:, :1]), ends], dim=1).contiguous()
+
+
+def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# Public pieces
+# ----------------------------------------------------------------------------------------------
+
+
+def ssd_chunk_cumsum_helion(
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    chunk_size: int,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dt (b, l, h), A (h,) -> (dA_cumsum, dt_out), both (b, h, nc, c) fp32 (as ``chunk_cumsum_ref``)."""
+    _check_chunk(chunk_size)
+    if dt.dim() != 3:
+        raise ValueError(f"dt must be (batch, seqlen, nheads), got {tuple(dt.shape)}")
+    b, l, h = dt.shape
+    if A.shape != (h,):
+        raise ValueError(f"A must be ({h},), got {tuple(A.shape)}")
+    if dt_bias is not None and dt_bias.shape != (h,):
+        raise ValueError(f"dt_bias must be ({h},), got {tuple(dt_bias.shape)}")
+    nc = math.ceil(l / chunk_size)
+    dtp = _pad_seq(dt, nc * chunk_size).contiguous()
+    dims = dict(b=b, l=l, h=h, c=chunk_size)
+    return _run(
+        "ssd_chunk_cumsum", dims, [h],
+        (dtp, A.contiguous(), _contig(dt_bias), chunk_size, l, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus)),
+        config,
+    )
+
+
+def _check_xbc(x: torch.Tensor, B: torch.Tensor, name: str = "B") -> tuple[int, ...]:
+    if x.dim() != 4 or B.dim() != 4:
+        raise ValueError(f"x must be (b, l, h, p) and {name} (b, l, g, n); got {tuple(x.shape)}, {tuple(B.shape)}")
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    if B.shape[:2] != (b, l):
+        raise ValueError(f"{name} {tuple(B.shape)} does not match x {tuple(x.shape)} in batch/seqlen")
+    if h % g != 0:
+        raise ValueError(f"nheads {h} must be a multiple of ngroups {g}")
+    return b, l, h, p, g, n
+
+
+def ssd_chunk_state_helion(
+    B: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dA_cumsum: torch.Tensor,
+    seq_idx: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Per-chunk states with zero initial state: (b, nc, h, p, n) fp32 (as ``chunk_state_ref``).
+
+    dt / dA_cumsum are the (b, h, nc, c) outputs of the cumsum piece."""
+    b, l, h, p, g, n = _check_xbc(x, B)
+    _, _, nc, c = dt.shape
+    _check_chunk(c)
+    L = nc * c
+    dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
+    return _run(
+        "ssd_chunk_state", dims, [p, n, c],
+        (_pad_seq(B, L).contiguous(), _pad_seq(x, L).contiguous(), dt.contiguous(), dA_cumsum.contiguous(),
+         _pad_seq_idx(seq_idx, L)),
+        config,
+    )
+
+
+def ssd_state_passing_helion(
+    states: torch.Tensor,
+    dA_chunk_cumsum: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    state_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """states (b, nc, h, p, n) fp32, dA_chunk_cumsum (b, h, nc) -> (states_in (b, nc, h, p, n) in
+    ``state_dtype`` (default states.dtype), final_states (b, h, p, n) fp32) (as ``state_passing_ref``)."""
+    if states.dim() != 5:
+        raise ValueError(f"states must be (b, nc, h, p, n), got {tuple(states.shape)}")
+    b, nc, h, p, n = states.shape
+    if dA_chunk_cumsum.shape != (b, h, nc):
+        raise ValueError(f"dA_chunk_cumsum must be {(b, h, nc)}, got {tuple(dA_chunk_cumsum.shape)}")
+    if initial_states is not None and initial_states.shape != (b, h, p, n):
+        raise ValueError(f"initial_states must be {(b, h, p, n)}, got {tuple(initial_states.shape)}")
+    seq_end = None
+    if seq_idx is not None:
+        if chunk_size is None:
+            raise ValueError("ssd_state_passing_helion needs chunk_size with seq_idx")
+        seq_end = _seq_end(_pad_seq_idx(seq_idx, nc * chunk_size), chunk_size)
+    dim = p * n
+    init = None if initial_states is None else initial_states.reshape(b, h, dim).contiguous()
+    like = torch.empty(0, device=states.device, dtype=state_dtype or states.dtype)
+    states_in, final_states = _run(
+        "ssd_state_passing", dict(b=b, h=h, d=dim, nc=nc), [dim],
+        (states.reshape(b, nc, h, dim).contiguous(), dA_chunk_cumsum.contiguous(), init, seq_end, like),
+        config,
+    )
+    return states_in.view(b, nc, h, p, n), final_states.view(b, h, p, n)
+
+
+def ssd_chunk_state_passing_helion(
+    B: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dA_cumsum: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_state + state_passing fused: -> (states_in (b, nc, h, p, n) in ``state_dtype``
+    (default B.dtype... i.e. C's dtype in the combined op), final_states (b, h, p, n) fp32).
+
+    One program per (batch, head, p-block, n-block) walks the chunks in order, computes each
+    chunk's state with a GEMM and carries the running state in registers."""
+    b, l, h, p, g, n = _check_xbc(x, B)
+    _, _, nc, c = dt.shape
+    _check_chunk(c)
+    if initial_states is not None and initial_states.shape != (b, h, p, n):
+        raise ValueError(f"initial_states must be {(b, h, p, n)}, got {tuple(initial_states.shape)}")
+    L = nc * c
+    sidx = _pad_seq_idx(seq_idx, L)
+    like = torch.empty(0, device=x.device, dtype=state_dtype or B.dtype)
+    dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
+    return _run(
+        "ssd_chunk_state_passing", dims, [p, n, c],
+        (_pad_seq(B, L).contiguous(), _pad_seq(x, L).contiguous(), dt.contiguous(), dA_cumsum.contiguous(),
+         _contig(initial_states), sidx, _seq_end(sidx, c), like),
+        config,
+    )
+
+
+def ssd_bmm_chunk_helion(
+    C: torch.Tensor,
+    B: torch.Tensor,
+    chunk_size: int,
+    seq_idx: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """CB[b, nc, g, t, s] = C[t] . B[s] per chunk and group, fp32, zero across sequences (as ``bmm_chunk_ref``)."""
+    _check_chunk(chunk_size)
+    if C.dim() != 4 or C.shape != B.shape:
+        raise ValueError(f"C and B must both be (b, l, g, n); got {tuple(C.shape)}, {tuple(B.shape)}")
+    b, l, g, n = C.shape
+    nc = math.ceil(l / chunk_size)
+    L = nc * chunk_size
+    return _run(
+        "ssd_bmm_chunk", dict(b=b, l=L, g=g, n=n, c=chunk_size), [chunk_size, chunk_size, n],
+        (_pad_seq(C, L).contiguous(), _pad_seq(B, L).contiguous(), _pad_seq_idx(seq_idx, L), chunk_size),
+        config,
+    )
+
+
+def ssd_chunk_scan_helion(
+    CB: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dA_cumsum: torch.Tensor,
+    C: torch.Tensor,
+    states_in: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, out_x) (b, l, h, p) in x.dtype; out = out_x * silu(z) with z, else out_x is out
+    (as ``chunk_scan_ref``)."""
+    b, l, h, p, g, n = _check_xbc(x, C, "C")
+    _, nc, _, c, _ = CB.shape
+    _check_chunk(c)
+    if CB.shape != (b, nc, g, c, c):
+        raise ValueError(f"CB must be {(b, nc, g, c, c)}, got {tuple(CB.shape)}")
+    if states_in.shape != (b, nc, h, p, n):
+        raise ValueError(f"states_in must be {(b, nc, h, p, n)}, got {tuple(states_in.shape)}")
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise ValueError(f"D must be ({h},) or ({h}, {p}), got {tuple(D.shape)}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"z must be {tuple(x.shape)}, got {tuple(z.shape)}")
+    L = nc * c
+    sidx = _pad_seq_idx(seq_idx, L)
+    D2 = None if D is None else (D.contiguous() if D.dim() == 2 else D.reshape(h, 1).expand(h, p))
+    dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
+    out, out_x = _run(
+        "ssd_chunk_scan", dims, [c, p, c],
+        (CB.contiguous(), _pad_seq(x, L).contiguous(), dt.contiguous(), dA_cumsum.contiguous(), _pad_seq(C, L).contiguous(),
+         states_in.contiguous(), D2, _contig(_pad_seq(z, L)), sidx, _seq_end(sidx, c)),
+        config,
+    )
+    if L != l:
+        out, out_x = out[:, :l], out_x[:, :l]
+    return out, out_x
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole forward
+# ----------------------------------------------------------------------------------------------
+
+
+def ssd_forward_helion(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    state_dtype: torch.dtype | None = None,
+    fuse_state_passing: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """All forward pieces, like mamba-ssm's ``_mamba_chunk_scan_combined_fwd``:
+    (out, out_x, dt_out, dA_cumsum, states_in, final_states).
+
+    x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), D (h,) or (h, p), z like x,
+    dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
+    states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32."""
+    b, l, h, p, g, n = _check_xbc(x, B)
+    if C.shape != B.shape:
+        raise ValueError(f"C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
+    if dt.shape != (b, l, h):
+        raise ValueError(f"dt must be {(b, l, h)}, got {tuple(dt.shape)}")
+    if seq_idx is not None and seq_idx.shape != (b, l):
+        raise ValueError(f"seq_idx must be {(b, l)}, got {tuple(seq_idx.shape)}")
+    _check_chunk(chunk_size)
+    nc = math.ceil(l / chunk_size)
+    L = nc * chunk_size
+    # Pad once here so the pieces below see l == nc * c and copy nothing.
+    xp, Bp, Cp, zp = (_pad_seq(t, L) for t in (x, B, C, z))
+    sidx = _pad_seq_idx(seq_idx, L)
+    dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    sdtype = state_dtype or C.dtype
+    if fuse_state_passing:
+        states_in, final_states = ssd_chunk_state_passing_helion(
+            Bp, xp, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype
+        )
+    else:
+        states = ssd_chunk_state_helion(Bp, xp, dt_out, dA_cumsum, seq_idx=sidx)
+        states_in, final_states = ssd_state_passing_helion(
+            states, dA_cumsum[..., -1], initial_states=initial_states, seq_idx=sidx, chunk_size=chunk_size,
+            state_dtype=sdtype,
+        )
+    CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx)
+    out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx)
+    if L != l:
+        out, out_x = out[:, :l], out_x[:, :l]
+    return out, out_x, dt_out, dA_cumsum, states_in, final_states
+
+
+def mamba_chunk_scan_combined_helion(
+    x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+    cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
+    return_varlen_states=False, state_dtype=None,
+):
+    """Forward-only drop-in for mamba-ssm's ``mamba_chunk_scan_combined`` (no autograd)."""
+    if cu_seqlens is not None or return_varlen_states:
+        raise NotImplementedError("cu_seqlens / varlen states are not on Megatron's training path and are not supported")
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    ):
+        raise RuntimeError("mamba_chunk_scan_combined_helion is forward-only; the backward lives in kernels/ssd_helion_bwd.py")
+    out, _, _, _, _, final_states = ssd_forward_helion(
+        x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+        seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, state_dtype=state_dtype,
+    )
+    return (out, final_states) if return_final_states else out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning registry (scripts/tune_kernels.py): model dims (b, l, h, p, g, n, c) -> TuneCase
+# ----------------------------------------------------------------------------------------------
+
+
+def example_inputs(md: dict, device: Any, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Realistic SSD inputs at model dims ``md`` (Megatron-like dt/A ranges, seq_idx=None)."""
+    b, l, h, p, g, n = (md[k] for k in ("b", "l", "h", "p", "g", "n"))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    return dict(
+        x=rn(b, l, h, p), z=rn(b, l, h, p), B=rn(b, l, g, n, scale=0.3), C=rn(b, l, g, n, scale=0.3),
+        dt=rn(b, l, h, scale=0.5) - 2.0,
+        A=-torch.exp(torch.rand(h, generator=gen) * math.log(16.0)).to(device),  # A_log init range [1, 16]
+        dt_bias=(torch.rand(h, generator=gen) * 2 - 4).to(device), D=torch.ones(h, device=device),
+    )
+
+
+def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
+    """(args, kernel dims) exactly as the wrappers pass them at model dims ``md``."""
+    c = md["c"]
+    inp = example_inputs(md, device)
+    b, l, h, p, g, n = (md[k] for k in ("b", "l", "h", "p", "g", "n"))
+    L = math.ceil(l / c) * c
+    nc = L // c
+    if name == "ssd_chunk_cumsum":
+        return (_pad_seq(inp["dt"], L).contiguous(), inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
+    dA, dto = ssd_chunk_cumsum_helion(inp["dt"], inp["A"], c, dt_bias=inp["dt_bias"], dt_softplus=True) if not tuning.interpret_mode() and device != "cpu" else (None, None)
+    if dA is None:  # CPU (code generation checks): values do not matter
+        dto = torch.rand(b, h, nc, c, device=device) * 0.1
+        dA = torch.cumsum(-dto, dim=-1)
+    Bp, Cp, xp = (_pad_seq(inp[k], L).contiguous() for k in ("B", "C", "x"))
+    kd = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
+    if name == "ssd_chunk_state":
+        return (Bp, xp, dto, dA, None), kd
+    if name == "ssd_chunk_state_passing":
+        return (Bp, xp, dto, dA, None, None, None, torch.empty(0, device=device, dtype=Cp.dtype)), kd
+    if name == "ssd_state_passing":
+        st = torch.randn(b, nc, h, p * n, device=device) * 0.1
+        return (st, dA[..., -1].contiguous(), None, None, torch.empty(0, device=device, dtype=Cp.dtype)), dict(b=b, h=h, d=p * n, nc=nc)
+    if name == "ssd_bmm_chunk":
+        return (Cp, Bp, None, c), dict(b=b, l=L, g=g, n=n, c=c)
+    if name == "ssd_chunk_scan":
+        CB = torch.randn(b, nc, g, c, c, device=device) * 0.3
+        st = (torch.randn(b, nc, h, p, n, device=device) * 0.1).to(Cp.dtype)
+        D2 = inp["D"].reshape(h, 1).expand(h, p)
+        return (CB, xp, dto, dA, Cp, st, D2, _pad_seq(inp["z"], L).contiguous(), None, None), kd
+    raise KeyError(name)
+
+
+# Seeds: partial configs layered over Helion's default by tuning.candidate_configs; each list
+# includes the conservative defaults above, so a safe config is always among the candidates.
+_SEEDS: dict[str, list[dict]] = {
+    "ssd_chunk_cumsum": [dict(block_sizes=[bh], num_warps=w) for bh in (1, 2, 4, 8, 16) for w in (1, 2, 4)],
+    "ssd_chunk_state": [
+        dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
+        for bm, bn in ((64, 64), (64, 128), (32, 64), (64, 32), (32, 128))
+        for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+    ],
+    "ssd_state_passing": [dict(block_sizes=[bs], num_warps=w) for bs in (128, 256, 512, 1024, 2048) for w in (2, 4, 8)],
+    "ssd_chunk_state_passing": [
+        dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
+        for bm, bn in ((32, 64), (64, 64), (16, 64), (32, 32), (16, 128), (32, 128), (64, 128))
+        for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+    ],
+    "ssd_bmm_chunk": [
+        dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
+        for bm, bn in ((64, 64), (128, 64), (64, 128), (128, 128)) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+    ],
+    "ssd_chunk_scan": [
+        dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
+        for bm, bn in ((64, 64), (128, 64), (32, 64), (64, 32), (128, 32))
+        for bk in (32, 64) for w in (4, 8) for st in (1, 2, 3)
+    ],
+}
+
+
+def _tune_case(name: str):
+    def build(md: dict, device: Any):
+        args, kd = _kernel_args(name, md, device)
+        seeds = [DEFAULT_CONFIGS[name]] + [s for s in _SEEDS[name] if s != DEFAULT_CONFIGS[name]]
+        # CB/states in chunk_scan and the long serial sums are fp32-accumulated; bf16 outputs.
+        return tuning.TuneCase(
+            kernel=get_kernel(name), args=args, dims=kd, default=DEFAULT_CONFIGS[name], seeds=seeds,
+            atol=2e-2, rtol=2e-2, n_random=8,
+        )
+
+    return build
+
+
+TUNABLE_KERNELS = {name: _tune_case(name) for name in _BODIES}
