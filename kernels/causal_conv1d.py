@@ -49,3 +49,258 @@ def causal_conv1d_ref(
     if activation in ("silu", "swish"):
         out = F.silu(out)
     return out.to(dtype)
+
+
+# ================================================================================================
+# Helion kernels
+#
+# Tensors are used as (batch, seqlen, dim) views (``x.transpose(1, 2)``): for the channel-last x of
+# the fused Mamba path that view has unit stride over channels, so each program loads contiguous
+# channel vectors. Widths 2..4 (what causal-conv1d supports) run as width 4 with zero-padded
+# leading taps, so one kernel body serves all widths. seq_idx is always passed (zeros when absent):
+# an input at position s contributes to output t only if seq_idx[s] == seq_idx[t].
+#
+# Forward grid: (batch, seqlen tiles, channel tiles), both block sizes tuned.
+# Backward grid: (batch, `l_per_program` positions, channel tiles); each program walks its positions
+# in tiles, recomputes the pre-activation at t..t+3 from x (no stored activations), writes dx, and
+# accumulates dweight (4 taps) and dbias in fp32 registers; the per-program partials
+# (batch * cdiv(seqlen, l_per_program), ...) are summed in fp32 by torch afterwards.
+# ================================================================================================
+
+import helion  # noqa: E402
+import helion.language as hl  # noqa: E402
+from helion.autotuner import PowerOfTwoFragment  # noqa: E402
+
+from kernels import tuning  # noqa: E402
+
+
+@helion.kernel(static_shapes=True)
+def causal_conv1d_fwd_kernel(
+    x: torch.Tensor,  # (B, L, D) view
+    w4: torch.Tensor,  # (D, 4) fp32
+    bias: torch.Tensor,  # (D,) fp32
+    seq: torch.Tensor,  # (B, L) int32
+    silu: hl.constexpr,
+) -> torch.Tensor:
+    nb, nl, nd = x.size()
+    out = torch.empty([nb, nl, nd], dtype=x.dtype, device=x.device)
+    for tb, tt, td in hl.tile([nb, nl, nd], block_size=[1, None, None]):
+        t = tt.index
+        s0 = seq[tb.begin, tt]
+        acc = hl.zeros([tt, td], dtype=torch.float32) + bias[td][None, :]
+        for k in hl.static_range(4):
+            src = t - (3 - k)
+            ok = src >= 0
+            sk = hl.load(seq, [tb.begin, src], extra_mask=ok)
+            xv = hl.load(x, [tb.begin, src, td], extra_mask=(ok & (sk == s0))[:, None])
+            acc = acc + xv.to(torch.float32) * w4[td, k][None, :]
+        if silu:
+            acc = acc * torch.sigmoid(acc)
+        out[tb.begin, tt, td] = acc.to(out.dtype)
+    return out
+
+
+@helion.kernel(static_shapes=True)
+def causal_conv1d_bwd_kernel(
+    x: torch.Tensor,  # (B, L, D) view
+    w4: torch.Tensor,  # (D, 4) fp32
+    bias: torch.Tensor,  # (D,) fp32
+    dout: torch.Tensor,  # (B, L, D) view
+    seq: torch.Tensor,  # (B, L) int32
+    dx: torch.Tensor,  # (B, L, D) view, written
+    silu: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    nb, nl, nd = x.size()
+    lp = hl.register_tunable("l_per_program", PowerOfTwoFragment(16, 16384, 512))
+    nlp = helion.cdiv(nl, lp)
+    dw_part = torch.empty([nb, nlp, 4, nd], dtype=torch.float32, device=x.device)
+    db_part = torch.empty([nb, nlp, nd], dtype=torch.float32, device=x.device)
+    for tb, tp, td in hl.tile([nb, nl, nd], block_size=[1, lp, None]):
+        w0 = w4[td, 0][None, :]
+        w1 = w4[td, 1][None, :]
+        w2 = w4[td, 2][None, :]
+        w3 = w4[td, 3][None, :]
+        bb = bias[td][None, :]
+        dw0 = hl.zeros([td], dtype=torch.float32)
+        dw1 = hl.zeros([td], dtype=torch.float32)
+        dw2 = hl.zeros([td], dtype=torch.float32)
+        dw3 = hl.zeros([td], dtype=torch.float32)
+        db = hl.zeros([td], dtype=torch.float32)
+        for tt in hl.tile(tp.begin, tp.end):
+            t = tt.index
+            # seq ids and x at offsets -3..+3 around t (zero outside [0, L))
+            okm3, okm2, okm1 = t >= 3, t >= 2, t >= 1
+            okp1, okp2, okp3 = t + 1 < nl, t + 2 < nl, t + 3 < nl
+            sm3 = hl.load(seq, [tb.begin, t - 3], extra_mask=okm3)
+            sm2 = hl.load(seq, [tb.begin, t - 2], extra_mask=okm2)
+            sm1 = hl.load(seq, [tb.begin, t - 1], extra_mask=okm1)
+            s00 = seq[tb.begin, tt]
+            sp1 = hl.load(seq, [tb.begin, t + 1], extra_mask=okp1)
+            sp2 = hl.load(seq, [tb.begin, t + 2], extra_mask=okp2)
+            sp3 = hl.load(seq, [tb.begin, t + 3], extra_mask=okp3)
+            xm3 = hl.load(x, [tb.begin, t - 3, td], extra_mask=okm3[:, None]).to(torch.float32)
+            xm2 = hl.load(x, [tb.begin, t - 2, td], extra_mask=okm2[:, None]).to(torch.float32)
+            xm1 = hl.load(x, [tb.begin, t - 1, td], extra_mask=okm1[:, None]).to(torch.float32)
+            x00 = x[tb.begin, tt, td].to(torch.float32)
+            xp1 = hl.load(x, [tb.begin, t + 1, td], extra_mask=okp1[:, None]).to(torch.float32)
+            xp2 = hl.load(x, [tb.begin, t + 2, td], extra_mask=okp2[:, None]).to(torch.float32)
+            xp3 = hl.load(x, [tb.begin, t + 3, td], extra_mask=okp3[:, None]).to(torch.float32)
+            g0 = hl.load(dout, [tb.begin, t, td], extra_mask=(t < nl)[:, None]).to(torch.float32)
+            g1 = hl.load(dout, [tb.begin, t + 1, td], extra_mask=okp1[:, None]).to(torch.float32)
+            g2 = hl.load(dout, [tb.begin, t + 2, td], extra_mask=okp2[:, None]).to(torch.float32)
+            g3 = hl.load(dout, [tb.begin, t + 3, td], extra_mask=okp3[:, None]).to(torch.float32)
+            # same-sequence masks e(a, b) as floats, columns broadcast over channels
+            e_m3_0 = (sm3 == s00).to(torch.float32)[:, None]
+            e_m2_0 = (sm2 == s00).to(torch.float32)[:, None]
+            e_m1_0 = (sm1 == s00).to(torch.float32)[:, None]
+            e_p1_0 = (sp1 == s00).to(torch.float32)[:, None]
+            e_p2_0 = (sp2 == s00).to(torch.float32)[:, None]
+            e_p3_0 = (sp3 == s00).to(torch.float32)[:, None]
+            if silu:
+                e_m2_1 = (sm2 == sp1).to(torch.float32)[:, None]
+                e_m1_1 = (sm1 == sp1).to(torch.float32)[:, None]
+                e_0_1 = e_p1_0
+                e_m1_2 = (sm1 == sp2).to(torch.float32)[:, None]
+                e_0_2 = e_p2_0
+                e_1_2 = (sp1 == sp2).to(torch.float32)[:, None]
+                e_0_3 = e_p3_0
+                e_1_3 = (sp1 == sp3).to(torch.float32)[:, None]
+                e_2_3 = (sp2 == sp3).to(torch.float32)[:, None]
+                a0 = bb + w0 * xm3 * e_m3_0 + w1 * xm2 * e_m2_0 + w2 * xm1 * e_m1_0 + w3 * x00
+                a1 = bb + w0 * xm2 * e_m2_1 + w1 * xm1 * e_m1_1 + w2 * x00 * e_0_1 + w3 * xp1
+                a2 = bb + w0 * xm1 * e_m1_2 + w1 * x00 * e_0_2 + w2 * xp1 * e_1_2 + w3 * xp2
+                a3 = bb + w0 * x00 * e_0_3 + w1 * xp1 * e_1_3 + w2 * xp2 * e_2_3 + w3 * xp3
+                sg0 = torch.sigmoid(a0)
+                sg1 = torch.sigmoid(a1)
+                sg2 = torch.sigmoid(a2)
+                sg3 = torch.sigmoid(a3)
+                g0 = g0 * sg0 * (1.0 + a0 * (1.0 - sg0))
+                g1 = g1 * sg1 * (1.0 + a1 * (1.0 - sg1))
+                g2 = g2 * sg2 * (1.0 + a2 * (1.0 - sg2))
+                g3 = g3 * sg3 * (1.0 + a3 * (1.0 - sg3))
+            dxt = w3 * g0 + w2 * g1 * e_p1_0 + w1 * g2 * e_p2_0 + w0 * g3 * e_p3_0
+            hl.store(dx, [tb.begin, t, td], dxt.to(dx.dtype), extra_mask=(t < nl)[:, None])
+            dw0 = dw0 + torch.sum(g0 * xm3 * e_m3_0, dim=0)
+            dw1 = dw1 + torch.sum(g0 * xm2 * e_m2_0, dim=0)
+            dw2 = dw2 + torch.sum(g0 * xm1 * e_m1_0, dim=0)
+            dw3 = dw3 + torch.sum(g0 * x00, dim=0)
+            db = db + torch.sum(g0, dim=0)
+        dw_part[tb.begin, tp.id, 0, td] = dw0
+        dw_part[tb.begin, tp.id, 1, td] = dw1
+        dw_part[tb.begin, tp.id, 2, td] = dw2
+        dw_part[tb.begin, tp.id, 3, td] = dw3
+        db_part[tb.begin, tp.id, td] = db
+    return dw_part, db_part
+
+
+CONV_FWD_DEFAULT = helion.Config(block_sizes=[64, 64], num_warps=4)  # [seqlen, channels]
+CONV_BWD_DEFAULT = helion.Config(block_sizes=[64, 32], num_warps=4, l_per_program=512)  # [channels, seqlen]
+
+
+def _conv_prep(x, weight, bias, seq_idx, activation):
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"expected x (b, d, l) and weight (d, w); got {tuple(x.shape)} and {tuple(weight.shape)}")
+    b, d, l = x.shape
+    width = weight.shape[1]
+    if not 2 <= width <= 4:
+        raise ValueError(f"conv width must be 2, 3 or 4 (as causal-conv1d), got {width}")
+    if bias is not None and bias.shape != (d,):
+        raise ValueError(f"bias must be ({d},), got {tuple(bias.shape)}")
+    if x.stride(1) != 1 and x.stride(2) != 1:
+        x = x.contiguous()
+    w4 = torch.zeros(d, 4, dtype=torch.float32, device=x.device)
+    w4[:, 4 - width:] = weight.float()
+    bias32 = torch.zeros(d, dtype=torch.float32, device=x.device) if bias is None else bias.float().contiguous()
+    if seq_idx is None:
+        seq = torch.zeros(b, l, dtype=torch.int32, device=x.device)
+    else:
+        if seq_idx.shape != (b, l):
+            raise ValueError(f"seq_idx must be (batch, seqlen) = {(b, l)}, got {tuple(seq_idx.shape)}")
+        seq = seq_idx.to(torch.int32).contiguous()
+    silu = activation in ("silu", "swish")
+    dims = dict(b=b, l=l, d=d, w=width, cl=int(x.stride(1) == 1), seq=int(seq_idx is not None), act=int(silu),
+                dt=str(x.dtype).replace("torch.", ""))
+    return x, w4, bias32, seq, silu, dims
+
+
+def causal_conv1d_fwd_helion(x, weight, bias=None, seq_idx=None, activation=None):
+    """Forward. x (b, d, l) (channel-last strides welcome), weight (d, w), bias (d,) or None,
+    seq_idx (b, l) int or None, activation None/"silu"/"swish". Returns out (b, d, l) in x's dtype,
+    channel-last (``out.stride(1) == 1``), like causal-conv1d's channel-last path."""
+    x, w4, bias32, seq, silu, dims = _conv_prep(x, weight, bias, seq_idx, activation)
+    args = (x.transpose(1, 2), w4, bias32, seq, silu)
+    out = tuning.tuned_call("conv1d_fwd", causal_conv1d_fwd_kernel, args, dims, CONV_FWD_DEFAULT)
+    return out.transpose(1, 2)
+
+
+def causal_conv1d_bwd_helion(x, weight, bias, dout, seq_idx=None, activation=None, dx=None):
+    """Backward of ``causal_conv1d_fwd_helion`` (same x/weight/bias/seq_idx/activation) given dout
+    (b, d, l). ``dx`` may be a preallocated (b, d, l) output (e.g. a slice of dzxbcdt, as mamba-ssm
+    passes to causal_conv1d_bwd_function). Returns ``(dx, dweight, dbias or None)`` with dweight in
+    weight's dtype and dbias in bias's dtype."""
+    x, w4, bias32, seq, silu, dims = _conv_prep(x, weight, bias, seq_idx, activation)
+    if dout.shape != x.shape:
+        raise ValueError(f"dout must be {tuple(x.shape)}, got {tuple(dout.shape)}")
+    if dx is None:
+        dx = torch.empty(x.shape[0], x.shape[2], x.shape[1], dtype=x.dtype, device=x.device).transpose(1, 2)
+    elif dx.shape != x.shape:
+        raise ValueError(f"dx must be {tuple(x.shape)}, got {tuple(dx.shape)}")
+    args = (x.transpose(1, 2), w4, bias32, dout.transpose(1, 2), seq, dx.transpose(1, 2), silu)
+    dw_part, db_part = tuning.tuned_call("conv1d_bwd", causal_conv1d_bwd_kernel, args, dims, CONV_BWD_DEFAULT)
+    width = weight.shape[1]
+    dweight = dw_part.sum(dim=(0, 1)).t()[:, 4 - width:].to(weight.dtype)
+    dbias = None if bias is None else db_part.sum(dim=(0, 1)).to(bias.dtype)
+    return dx, dweight, dbias
+
+
+class CausalConv1dHelionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias=None, seq_idx=None, activation=None):
+        out = causal_conv1d_fwd_helion(x, weight, bias, seq_idx, activation)
+        ctx.save_for_backward(x, weight, bias, seq_idx)
+        ctx.activation = activation
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias, seq_idx = ctx.saved_tensors
+        dx, dw, db = causal_conv1d_bwd_helion(x, weight, bias, dout, seq_idx, ctx.activation)
+        return dx, dw, db, None, None
+
+
+def causal_conv1d_helion(x, weight, bias=None, seq_idx=None, activation=None):
+    """Autograd entry with ``causal_conv1d_fn``'s core signature (no initial/final states)."""
+    return CausalConv1dHelionFn.apply(x, weight, bias, seq_idx, activation)
+
+
+def _conv_case(kind: str):
+    def build(dims: dict, device) -> tuning.TuneCase:
+        b, l = dims["b"], dims["l"]
+        d = dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"]  # conv channels (x, B, C)
+        width_total = 2 * dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"] + dims["h"]  # zxBCdt
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        zx = torch.randn(b, l, width_total, generator=gen).to(device=device, dtype=torch.bfloat16)
+        off = dims["h"] * dims["p"]
+        xbc = zx[:, :, off:off + d].transpose(1, 2)  # channel-last strided view, as in the fused path
+        w = (0.5 * torch.randn(d, dims["w"], generator=gen)).to(device=device, dtype=torch.bfloat16)
+        bias = (0.1 * torch.randn(d, generator=gen)).to(device=device, dtype=torch.bfloat16)
+        x, w4, bias32, seq, silu, kd = _conv_prep(xbc, w, bias, None, "silu")
+        if kind == "fwd":
+            args = (x.transpose(1, 2), w4, bias32, seq, silu)
+            # block_sizes = [seqlen block, channel block]
+            seeds = tuning.grid_seeds(block_sizes=[[16, 128], [32, 128], [64, 64], [64, 128], [128, 64], [32, 256], [16, 256]], num_warps=[4, 8])
+            return tuning.TuneCase(causal_conv1d_fwd_kernel, args, kd, CONV_FWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2)
+        dout = torch.randn(b, l, d, generator=gen).to(device=device, dtype=torch.bfloat16)
+        dxb = torch.empty(b, l, d, dtype=torch.bfloat16, device=device)
+        args = (x.transpose(1, 2), w4, bias32, dout, seq, dxb, silu)
+        # block_sizes = [channel block, inner seqlen block]
+        seeds = tuning.grid_seeds(l_per_program=[128, 256, 512, 1024, 2048], block_sizes=[[64, 16], [64, 32], [128, 16], [128, 32], [256, 16]], num_warps=[4, 8])
+        # dweight partials sum thousands of terms: loose absolute tolerance on those outputs
+        return tuning.TuneCase(causal_conv1d_bwd_kernel, args, kd, CONV_BWD_DEFAULT, seeds, atol=0.5, rtol=2e-2, n_random=16)
+
+    return build
+
+
+TUNABLE_KERNELS = {"conv1d_fwd": _conv_case("fwd"), "conv1d_bwd": _conv_case("bwd")}

@@ -1,0 +1,130 @@
+"""Helion causal depthwise conv1d vs the torch reference (CPU: HELION_INTERPRET=1) and causal-conv1d (GPU).
+
+CPU tolerances: fp64 inputs, kernel math in fp32 -> 1e-5 absolute.
+GPU tolerances (bf16 in/out, fp32 accumulation everywhere): against an fp32 reference from the same
+bf16 inputs, out/dx within 2e-2 abs + 2e-2 rel, dweight/dbias (sums over b*l = 16k terms) within
+1e-3 of their max magnitude + 1e-2; Helion's error must be no worse than 2x causal-conv1d's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion, causal_conv1d_helion, causal_conv1d_ref
+
+CPU = not torch.cuda.is_available()
+
+CASES = [
+    # (batch, dim, seqlen, width, seq_idx, activation, channel_last, bias)
+    (2, 5, 11, 4, False, "silu", True, True),
+    (2, 6, 13, 3, True, "silu", True, False),
+    (1, 4, 9, 2, True, None, False, True),
+    (2, 3, 7, 4, True, "swish", True, True),
+    (1, 7, 5, 4, False, None, False, False),
+]
+
+
+def _make(b, d, l, w, useseq, cl, hasb, dtype, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if cl:  # channel-last strided view, like xBC inside zxBCdt
+        x = torch.randn(b, l, d + 5, generator=g)[:, :, 2 : 2 + d].transpose(1, 2)
+    else:
+        x = torch.randn(b, d, l, generator=g)
+    x = x.to(device=device, dtype=dtype)
+    wt = (0.5 * torch.randn(d, w, generator=g)).to(device=device, dtype=dtype)
+    bias = (0.2 * torch.randn(d, generator=g)).to(device=device, dtype=dtype) if hasb else None
+    seq = None
+    if useseq:  # packed sequences: nondecreasing ids per row
+        seq = torch.sort(torch.randint(0, 3, (b, l), generator=g), dim=1).values.to(device=device, dtype=torch.int32)
+    return x, wt, bias, seq
+
+
+def _fwd_bwd(fn, x, wt, bias, seq, act, dy):
+    b, d, l = x.shape
+    if x.stride(1) == 1:  # keep the strided channel-last layout: leaf is a wider (b, l, d+2) buffer
+        leaf = torch.zeros(b, l, d + 2, dtype=x.dtype, device=x.device)
+        leaf[:, :, 1 : 1 + d] = x.detach().transpose(1, 2)
+        leaf.requires_grad_()
+        xx = leaf[:, :, 1 : 1 + d].transpose(1, 2)
+        assert xx.stride(1) == 1 and not xx.is_contiguous()
+    else:
+        leaf = x.detach().clone().requires_grad_()
+        xx = leaf
+    ins = [leaf] + [t.detach().clone().requires_grad_() for t in ([wt] + ([bias] if bias is not None else []))]
+    y = fn(xx, ins[1], ins[2] if bias is not None else None, seq, act)
+    return (y, *torch.autograd.grad(y, ins, dy))
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+@pytest.mark.parametrize("b,d,l,w,useseq,act,cl,hasb", CASES)
+def test_fwd_bwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb):
+    x, wt, bias, seq = _make(b, d, l, w, useseq, cl, hasb, torch.float64)
+    dy = torch.randn(b, d, l, dtype=torch.float64)
+    got = _fwd_bwd(causal_conv1d_helion, x, wt, bias, seq, act, dy)
+    ref = _fwd_bwd(causal_conv1d_ref, x, wt, bias, seq, act, dy)
+    assert got[0].shape == (b, d, l) and got[0].stride(1) == 1  # channel-last output
+    for name, a, r in zip(["out", "dx", "dweight", "dbias"], got, ref):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=f"{name} differs")
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+def test_seq_idx_blocks_cross_sequence_flow():
+    """Changing x in sequence 0 must not change outputs (or dx) in sequence 1."""
+    x, wt, bias, _ = _make(1, 3, 10, 4, False, True, True, torch.float64)
+    seq = torch.tensor([[0] * 5 + [1] * 5], dtype=torch.int32)
+    y1 = causal_conv1d_fwd_helion(x, wt, bias, seq, "silu")
+    x2 = x.clone()
+    x2[:, :, :5] += 1.0
+    y2 = causal_conv1d_fwd_helion(x2, wt, bias, seq, "silu")
+    torch.testing.assert_close(y1[:, :, 5:], y2[:, :, 5:])
+    dout = torch.zeros(1, 3, 10, dtype=torch.float64)
+    dout[:, :, 5:] = 1.0
+    dx, _, _ = causal_conv1d_bwd_helion(x, wt, bias, dout, seq, "silu")
+    assert torch.all(dx[:, :, :5] == 0)
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+def test_bwd_into_preallocated_dx_and_bad_input():
+    x, wt, bias, seq = _make(2, 4, 9, 4, True, True, True, torch.float64)
+    dout = torch.randn(2, 4, 9, dtype=torch.float64)
+    buf = torch.zeros(2, 9, 6, dtype=torch.float64)
+    dx_view = buf[:, :, 1:5].transpose(1, 2)
+    dx, dw, db = causal_conv1d_bwd_helion(x, wt, bias, dout, seq, "silu", dx=dx_view)
+    assert dx.data_ptr() == dx_view.data_ptr()
+    ref = _fwd_bwd(causal_conv1d_ref, x, wt, bias, seq, "silu", dout)
+    torch.testing.assert_close(buf[:, :, 1:5].transpose(1, 2), ref[1], atol=1e-5, rtol=1e-5)
+    assert torch.all(buf[:, :, 0] == 0) and torch.all(buf[:, :, 5] == 0)
+    with pytest.raises(ValueError, match="width must be 2, 3 or 4"):
+        causal_conv1d_fwd_helion(x, torch.randn(4, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_fwd_helion(x, wt, activation="relu")
+    with pytest.raises(ValueError, match="seq_idx must be"):
+        causal_conv1d_fwd_helion(x, wt, seq_idx=seq[:, :3])
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("useseq", [False, True])
+@pytest.mark.parametrize("b,d,l", [(2, 6144, 8192), (1, 384, 1000)])
+def test_gpu_vs_causal_conv1d(b, d, l, useseq):
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError as e:
+        pytest.skip(f"causal-conv1d not installed: {e}")
+    x, wt, bias, seq = _make(b, d, l, 4, useseq, True, True, torch.bfloat16, device="cuda")
+    dy = torch.randn(b, l, d, device="cuda").bfloat16().transpose(1, 2)
+    ours = _fwd_bwd(causal_conv1d_helion, x, wt, bias, seq, "silu", dy)
+    theirs = _fwd_bwd(lambda a, w_, b_, s, act: causal_conv1d_fn(a, w_, b_, seq_idx=s, activation=act), x, wt, bias, seq, "silu", dy)
+    ref = _fwd_bwd(causal_conv1d_ref, x.float(), wt.float(), bias.float(), seq, "silu", dy.float())
+    for name, a, t, r in zip(["out", "dx", "dweight", "dbias"], ours, theirs, ref):
+        e_ours = (a.float() - r).abs().max().item()
+        e_theirs = (t.float() - r).abs().max().item()
+        if name in ("dweight", "dbias"):
+            assert e_ours <= 1e-3 * r.abs().max().item() + 1e-2, (name, e_ours)
+        else:
+            torch.testing.assert_close(a.float(), r, atol=2e-2, rtol=2e-2, msg=name)
+        assert e_ours <= 2 * e_theirs + 1e-3, f"{name}: helion err {e_ours} vs causal-conv1d {e_theirs}"
