@@ -1,0 +1,199 @@
+"""Production-speed modules vs megatron's reference modules, CPU fp32, small shapes.
+
+- SDPAttention (torch SDPA, causal GQA) vs megatron DotProductAttention (unfused): outputs and grads.
+- GroupedGemmExperts (torch._grouped_mm) vs megatron SequentialMLP with the same weights: outputs and
+  grads; sharded_state_dict keys/shapes; a whole tiny model (router, expert bias, shared expert)
+  gives the same loss and gradients with either implementation pair.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+
+from megatron.core.activations import squared_relu  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.mlp import MLPSubmodules  # noqa: E402
+from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+
+from nano_hybrid import mcore_compat  # noqa: E402
+from nano_hybrid.config import compose  # noqa: E402
+from nano_hybrid.model import build_model  # noqa: E402
+from nano_hybrid.model.attention import SDPAttention  # noqa: E402
+from nano_hybrid.model.experts import GroupedGemmExperts  # noqa: E402
+from nano_hybrid.parallel import destroy_parallel, initialize_parallel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mp():
+    from megatron.core import parallel_state as ps
+
+    created = not ps.model_parallel_is_initialized()
+    initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
+    yield
+    if created:
+        destroy_parallel()
+
+
+def _cfg(**kw):
+    base = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+        add_bias_linear=False, use_cpu_initialization=True, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, normalization="RMSNorm", attention_dropout=0.0, hidden_dropout=0.0,
+    )
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_sdpa_matches_unfused_dot_product_attention(mp, groups):
+    cfg = _cfg(num_query_groups=groups)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+    ref = DotProductAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs)
+    new = SDPAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs)
+    s, b, h, g, d = 37, 3, 4, groups, 16
+    torch.manual_seed(0)
+    q = torch.randn(s, b, h, d)
+    k = torch.randn(s, b, g, d)
+    v = torch.randn(s, b, g, d)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    grads = []
+    outs = []
+    for mod in (ref, new):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = mod(qq, kk, vv, mask)
+        go = torch.randn_like(out, generator=torch.Generator().manual_seed(1))
+        out.backward(go)
+        outs.append(out.detach())
+        grads.append([qq.grad, kk.grad, vv.grad])
+    assert outs[0].shape == (s, b, h * d)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for a, r in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_rejects_unsupported_settings(mp):
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        SDPAttention(_cfg(context_parallel_size=2), 1, AttnMaskType.causal, "self")
+
+
+def _experts_pair(n_exp=4, hidden=32, ffn=48):
+    cfg = _cfg(hidden_size=hidden, num_moe_experts=n_exp, moe_ffn_hidden_size=ffn, ffn_hidden_size=ffn,
+               moe_router_topk=2, activation_func=mcore_compat.uncompiled(squared_relu), gated_linear_unit=False)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    seq = SequentialMLP(n_exp, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                        pg_collection=pgs)
+    grp = GroupedGemmExperts(n_exp, cfg, pg_collection=pgs)
+    with torch.no_grad():
+        for e, exp in enumerate(seq.local_experts):
+            grp.weight1[e].copy_(exp.linear_fc1.weight)
+            grp.weight2[e].copy_(exp.linear_fc2.weight)
+    return seq, grp
+
+
+def test_grouped_experts_match_sequential_mlp(mp):
+    seq, grp = _experts_pair()
+    torch.manual_seed(0)
+    tpe = torch.tensor([5, 0, 11, 3])  # includes an expert with no tokens
+    x = torch.randn(int(tpe.sum()), 32)
+    probs = torch.rand(int(tpe.sum()))
+    results = []
+    for mod in (seq, grp):
+        xx, pp = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        out, bias = mod(xx, tpe, pp)
+        assert bias is None
+        out.backward(torch.ones_like(out) * 0.5 + out.detach())
+        results.append((out.detach(), xx.grad, pp.grad))
+    for a, r in zip(results[1], results[0]):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    for e, exp in enumerate(seq.local_experts):
+        torch.testing.assert_close(grp.weight1.grad[e], exp.linear_fc1.weight.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grp.weight2.grad[e], exp.linear_fc2.weight.grad, rtol=1e-5, atol=1e-5)
+    assert grp.weight1.grad[1].abs().max() == 0  # the empty expert gets a zero gradient
+
+
+def test_grouped_experts_backward_with_expanded_grad(mp):
+    """torch._grouped_mm's CPU backward rejects zero-stride grads; out.sum().backward() must work."""
+    _, grp = _experts_pair()
+    tpe = torch.tensor([2, 2, 2, 2])
+    x = torch.randn(8, 32, requires_grad=True)
+    out, _ = grp(x, tpe, torch.ones(8))
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_grouped_experts_no_tokens(mp):
+    _, grp = _experts_pair()
+    out, _ = grp(torch.zeros(0, 32), torch.zeros(4, dtype=torch.long), torch.zeros(0))
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert grp.weight1.grad is not None
+
+
+def test_grouped_experts_checkpoint_keys_match_sequential(mp):
+    seq, grp = _experts_pair()
+    s_sd = seq.sharded_state_dict(prefix="decoder.layers.1.mlp.experts.")
+    g_sd = grp.sharded_state_dict(prefix="decoder.layers.1.mlp.experts.")
+    # SequentialMLP also saves the linears' (empty) _extra_state objects; weights must match exactly
+    s_keys = {(t.key, tuple(t.global_shape)) for t in s_sd.values() if not t.key.endswith("_extra_state")}
+    g_keys = {(t.key, tuple(t.global_shape)) for t in g_sd.values()}
+    assert g_keys == s_keys
+
+
+def _tiny(impls):
+    attn, experts = impls
+    cfg = compose(["model=tiny", "kernels.backend=torch", f"model.attention_impl={attn}",
+                   f"model.moe_experts_impl={experts}", "model.seq_length=64"])
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+def _copy_weights(src, dst):
+    """Copy src (sdpa+grouped) weights into dst (unfused+sequential), mapping grouped expert tensors."""
+    s_sd = src.state_dict()
+    with torch.no_grad():
+        for name, t in dst.state_dict().items():
+            if name.endswith("_extra_state"):
+                continue
+            if "local_experts." in name:
+                pre, rest = name.split("local_experts.")
+                e, lin = rest.split(".", 1)
+                key = pre + ("weight1" if lin.startswith("linear_fc1") else "weight2")
+                t.copy_(s_sd[key][int(e)])
+            elif name in s_sd:
+                t.copy_(s_sd[name])
+            else:
+                raise KeyError(name)
+
+
+def test_tiny_model_fast_modules_match_reference_modules(mp):
+    fast = _tiny(("sdpa", "grouped"))
+    ref = _tiny(("unfused", "sequential"))
+    _copy_weights(fast, ref)
+    b, s = 2, 64
+    tok = torch.randint(0, 512, (b, s), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(s)[None].expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    losses = []
+    for m in (fast, ref):
+        loss = m(tok, pos, mask, labels=tok).mean()
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    f_grads = {n: p.grad for n, p in fast.named_parameters()}
+    for n, p in ref.named_parameters():
+        if "local_experts." in n:
+            pre, rest = n.split("local_experts.")
+            e, lin = rest.split(".", 1)
+            g = f_grads[pre + ("weight1" if lin.startswith("linear_fc1") else "weight2")][int(e)]
+        else:
+            g = f_grads[n]
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
