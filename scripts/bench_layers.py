@@ -204,6 +204,7 @@ def run(a) -> dict:
                   "num_moe_experts": int(cfg.model.num_moe_experts or 0)},
         "times_ms": summ,
         "rest_ms": rest,
+        "rest_ms_unclipped": med["model"] - layer_sum,
         "peak_mem_gb": peak_gb,
         "estimate_full_model": per_backend,
         "ratios": ratios,

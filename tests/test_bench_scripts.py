@@ -197,3 +197,181 @@ def test_bench_kernels_cpu_smoke(tmp_path):
         assert k in d["env"]
     assert d["shape"]["name"] == "tiny"
     assert (tmp_path / "kernels_torch_tiny.md").read_text().startswith("# Mamba-2 mixer op")
+
+
+# ---------------------------------------------------------------------------------------------
+# run_summary.py
+# ---------------------------------------------------------------------------------------------
+import run_summary as rs  # noqa: E402
+
+
+def _write_metrics(d: Path, losses, step_time=0.5):
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for i, loss in enumerate(losses, 1):
+            f.write(json.dumps({"step": i, "loss": loss, "step_time_s": step_time + 0.01 * (i % 3),
+                                "tokens_per_s_per_gpu": 1000.0, "tflops_per_gpu": 10.0, "mem_gb": 1.0 + i,
+                                "backend": "torch", "world_size": 1}) + "\n")
+
+
+def test_run_summary_and_loss_check(tmp_path):
+    ref = [10.0 - 0.1 * i for i in range(50)]
+    _write_metrics(tmp_path / "ref", ref)
+    _write_metrics(tmp_path / "ok", [x * 1.01 for x in ref])
+    _write_metrics(tmp_path / "bad", [x * (1.0 + 0.001 * i) for i, x in enumerate(ref)])  # drifts to ~5%
+    s = rs.summarize_run(rs.load_metrics(tmp_path / "ref"), skip=5)
+    assert s["steps"] == 50 and s["no_nan"] and s["peak_mem_gb"] == 51.0 and s["timed_from_step"] == 6
+    assert rs.main([str(tmp_path / "ok"), "--ref", str(tmp_path / "ref"), "--rtol", "0.02", "--rtol-first", "0.02",
+                    "--out", str(tmp_path / "ok.json")]) == 0
+    d = json.loads((tmp_path / "ok.json").read_text())
+    assert d["passed"] and d["loss_check"]["max_rel_diff"] == pytest.approx(0.01)
+    assert rs.main([str(tmp_path / "bad"), "--ref", str(tmp_path / "ref"), "--rtol", "0.02"]) == 1
+    # a NaN loss or missing steps fail the check
+    _write_metrics(tmp_path / "nan", ref[:10] + [float("nan")] + ref[11:])
+    assert rs.main([str(tmp_path / "nan"), "--ref", str(tmp_path / "ref")]) == 1
+    _write_metrics(tmp_path / "short", ref[:20])
+    c = rs.compare_losses(rs.load_metrics(tmp_path / "short"), rs.load_metrics(tmp_path / "ref"), 50, 0.02, 0.01)
+    assert not c["passed"] and len(c["missing_steps"]) == 30
+
+
+def test_run_summary_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        rs.load_metrics(tmp_path / "nothing")
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_layers.py
+# ---------------------------------------------------------------------------------------------
+import bench_layers as blay  # noqa: E402
+
+NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+
+def test_bench_layers_counts_and_estimate():
+    c = blay.pattern_counts(NANO_PATTERN)
+    assert c == {"M": 23, "E": 23, "*": 6}
+    e = blay.estimate({"M": 10.0, "E": 20.0, "*": 5.0}, c, rest_ms=60.0)
+    assert e["total_ms"] == pytest.approx(23 * 10 + 23 * 20 + 6 * 5 + 60)
+    assert sum(e["shares"].values()) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no timing"):
+        blay.estimate({"M": 1.0}, c, 0.0)
+    with pytest.raises(ValueError, match="symbols"):
+        blay.pattern_counts("MX")
+
+
+def test_bench_layers_args():
+    a = blay.parse_args(["--backends", "mamba_ssm,helion", "model=nano30b"])
+    assert a.backend_list == ["mamba_ssm", "helion"] and a.overrides == ["model=nano30b"]
+    assert (a.micro_batch, a.seq) == (2, 8192)
+    for bad in (["--backends", "torch,torch"], ["--seq", "0"], ["--bogus"]):
+        with pytest.raises(SystemExit):
+            blay.parse_args(bad)
+
+
+def test_bench_layers_cpu_smoke(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPTS / "bench_layers.py"), "--backends", "torch", "--micro-batch", "1",
+                        "--seq", "32", "--rounds", "1", "--iters", "1", "--warmup", "0", "--out", str(tmp_path),
+                        "model=tiny"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads((tmp_path / "layers_tiny_torch.json").read_text())
+    assert d["layer_counts"] == {"M": 2, "E": 2, "*": 1} and d["bench_pattern"] == "M*E"
+    assert set(d["times_ms"]) == {"M[torch]", "M[torch#2]", "*", "E", "model"}
+    est = d["estimate_full_model"]["torch"]
+    assert est["total_ms"] > 0 and set(est["parts_ms"]) == {"mamba", "moe", "attention", "rest"}
+    assert "torch#2_vs_torch" in d["ratios"]
+
+
+# ---------------------------------------------------------------------------------------------
+# ab_step_time.py
+# ---------------------------------------------------------------------------------------------
+import ab_step_time as ab  # noqa: E402
+
+
+def test_ab_args():
+    a = ab.parse_args(["--backends", "mamba_ssm,helion,mamba_ssm", "model=tiny", "train.seq_length=64"])
+    assert a.arms == ["mamba_ssm", "helion", "mamba_ssm"] and a.overrides == ["model=tiny", "train.seq_length=64"]
+    assert ab.total_steps(a) == 3 * (a.warmup + a.blocks * a.block_steps + a.profile_steps)
+    for bad in (["--backends", "torch"], ["--block-steps", "2", "--discard", "2"], ["--blocks", "0"], ["--nope"]):
+        with pytest.raises(SystemExit):
+            ab.parse_args(bad)
+
+
+def test_replay_iterator_repeats_batches():
+    it = ab.ReplayIterator([1, 2, 3])
+    assert [next(it) for _ in range(5)] == [1, 2, 3, 1, 2]
+    it.reset()
+    assert next(it) == 1
+    with pytest.raises(ValueError):
+        ab.ReplayIterator([])
+
+
+def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
+    import dataclasses
+
+    import torch
+
+    from kernels.registry import get_backend
+    from nano_hybrid.config import compose
+    from nano_hybrid.model import build_model
+    from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+
+    ref = get_backend("torch")
+    calls = {"op": 0, "norm": 0}
+
+    def counting_op(*args, **kw):
+        calls["op"] += 1
+        return ref.mamba_split_conv1d_scan_combined(*args, **kw)
+
+    class CountingNorm(ref.RMSNormGated):
+        def forward(self, x, z=None):
+            calls["norm"] += 1
+            return super().forward(x, z)
+
+    fake = dataclasses.replace(ref, name="fake", mamba_split_conv1d_scan_combined=counting_op, RMSNormGated=CountingNorm)
+    cfg = compose(["model=tiny", "kernels.backend=torch"])
+    initialize_parallel(cfg)
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg, device="cpu")
+        b, s = 1, 32
+        tokens = torch.randint(0, 256, (b, s))
+        pos = torch.arange(s)[None]
+        mixers = [m for m in model.modules() if type(m).__name__ == "BackendMambaMixer"]
+        weights = [m.norm.weight for m in mixers]
+        before = model(tokens, pos, None, labels=tokens).detach()
+        assert ab.set_kernel_backend(model, fake) == len(mixers) == 2
+        assert all(m.norm.weight is w for m, w in zip(mixers, weights))  # same Parameter objects
+        assert all(isinstance(m.norm, CountingNorm) and hasattr(m.norm, "sharded_state_dict") for m in mixers)
+        after = model(tokens, pos, None, labels=tokens)
+        after.float().mean().backward()
+        assert calls == {"op": 2, "norm": 2}
+        assert all(w.grad is not None for w in weights)
+        torch.testing.assert_close(after.detach(), before)  # same math, same weights
+        ab.set_kernel_backend(model, "torch")
+        assert all(type(m.norm).__mro__[1] is ref.RMSNormGated for m in mixers)
+        model(tokens, pos, None, labels=tokens)
+        assert calls == {"op": 2, "norm": 2}  # the fake backend is no longer used
+        with pytest.raises(ValueError, match="no Mamba-2 mixers"):
+            ab.set_kernel_backend(torch.nn.Linear(2, 2), "torch")
+    finally:
+        destroy_parallel()
+
+
+def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPTS / "ab_step_time.py"), "--backends", "torch,torch", "--warmup", "0",
+                        "--blocks", "2", "--block-steps", "2", "--profile-steps", "0", "--n-boot", "200",
+                        "--out", str(tmp_path), "model=tiny", "train.micro_batch_size=1", "train.global_batch_size=1",
+                        "train.seq_length=32", f"run_dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads((tmp_path / "ab_step_time_tiny_torch_vs_torch2.json").read_text())
+    assert d["arms"] == ["torch", "torch#2"] and d["world_size"] == 1
+    for lab in d["arms"]:
+        arm = d["per_arm"][lab]
+        assert arm["step_time_s"]["n"] == 2  # 2 blocks x (2 steps - 1 discarded)
+        assert arm["tokens_per_s_per_gpu"] > 0 and arm["tflops_per_gpu"] > 0
+        assert len(arm["losses"]) == 4 and all(x == x for x in arm["losses"])
+    sp = d["speedup_vs_first"]["torch#2_vs_torch"]
+    assert sp["ci_lo"] <= sp["speedup"] <= sp["ci_hi"]
+    assert d["config"]["model"] == "tiny" and d["tokens_per_step"] == 32
+    assert d["profile"] == {}  # --profile-steps 0
