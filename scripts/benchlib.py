@@ -302,9 +302,11 @@ MAMBA_SSM_EXPECTED_KERNELS = {
     "_chunk_cumsum_bwd_kernel": 1,
 }
 
-_SSD_PAT = re.compile(r"(_chunk_(scan|state|cumsum)_|_state_passing_|_bmm_chunk_|causal_conv1d|mamba|ssd|chunk_scan|chunk_state)",
-                      re.IGNORECASE)
-_NORM_PAT = re.compile(r"(_layer_norm_|rmsnorm|rms_norm|layernorm_gated)", re.IGNORECASE)
+# Gated RMSNorm of the Mamba-2 mixer: mamba_ssm's layernorm_gated kernels, our Helion kernels
+# (Helion names its Triton kernels "_helion_<function>"). torch/megatron's plain RMSNorm is NOT matched.
+_NORM_PAT = re.compile(r"(^_layer_norm_fwd_1pass_kernel$|^_layer_norm_bwd_kernel$|rmsnorm_gated)")
+# The split-conv1d-scan op: mamba_ssm's SSD Triton kernels, causal-conv1d CUDA kernels, and the Helion ports.
+_SSD_PAT = re.compile(r"(_chunk_(scan|state|cumsum)|_state_passing|_bmm_chunk|causal_conv1d|^_helion_.*ssd)")
 
 
 def short_kernel_name(name: str) -> str:

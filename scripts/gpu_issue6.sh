@@ -3,8 +3,9 @@
 #   0. setup      offline install from the wheelhouse into ./site (scripts/gpu_setup.sh)
 #   1. kernels    scripts/bench_kernels.py --backend mamba_ssm [--compare helion, if that backend imports]
 #   2. layers     scripts/bench_layers.py (per-layer fwd+bwd M / E / *, 52-layer estimate, Mamba layer per backend)
-#   3. train      model=nano30b_slice kernels.backend=mamba_ssm, bf16, real data (data=default: the stdlib
-#                 corpus, prepared on the fly), up to 200 steps in the time left, metrics.jsonl
+#   3. train      model=nano30b_slice kernels.backend=mamba_ssm, bf16, micro-batch 2 x seq 8192, real data
+#                 (data=default: the stdlib corpus, prepared on the fly), up to 200 steps in the time left,
+#                 metrics.jsonl (TRAIN_OVERRIDES come last, so they win)
 #   4. summary    scripts/run_summary.py on the training run (steps, NaN check, step time, tokens/s, TFLOP/s, memory)
 # A failing stage leaves <stage>.FAILED (exit code + the log's tail with the traceback) in $OUT and the
 # later stages still run. Logs: $OUT/logs/<stage>.log; stage table: $OUT/gpu_issue6_stages.tsv.
@@ -89,7 +90,8 @@ EXIT_MIN=$(python3 -c "print(round(max(($LEFT - 60) / 60.0, 0.5), 2))")
 # shellcheck disable=SC2086
 run_stage train $(( LEFT - 15 )) python3 -m nano_hybrid.train \
     model=nano30b_slice kernels.backend=mamba_ssm data=default \
-    train.train_iters="${TRAIN_STEPS:-200}" train.precision=bf16 train.device=cuda \
+    train.train_iters="${TRAIN_STEPS:-200}" train.micro_batch_size=2 train.global_batch_size=2 \
+    train.seq_length=8192 train.precision=bf16 train.device=cuda train.log_interval=10 \
     train.exit_after_minutes="$EXIT_MIN" \
     checkpoint.interval=0 checkpoint.save_on_exit=false checkpoint.load=none \
     logger.wandb.mode=disabled run_dir="$RUN_DIR" ${TRAIN_OVERRIDES:-}
