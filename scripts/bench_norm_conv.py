@@ -1,0 +1,191 @@
+"""Side-by-side on one GPU: mamba-ssm gated RMSNorm vs Helion, causal-conv1d CUDA vs Helion (fwd and bwd).
+
+    OUT=benchmarks/results/h200 python scripts/bench_norm_conv.py --rounds 5
+
+Shapes: kernels.tuning.SHAPE_PRESETS (nano = tuned; nano_tp2, nano_b4_l4096 use whatever config
+lookup gives, i.e. nearest tuned shape, without retuning). The RMSNorm call is Megatron's:
+x (b*l, h*p) bf16, z=None, group_size=h*p/g, norm_before_gate=False. The conv call is the fused
+path's: x = channel-last view of the xBC slice of a (b, l, 10304) zxBCdt, width 4, bias, SiLU.
+Timing: forward = the autograd op under no_grad; backward = torch.autograd.grad of a retained graph
+(the same extra torch ops on both sides, e.g. the dweight partial sum). Each round times A, B, A
+again (control), in alternating order; per op the median over rounds, min/max and the ratio
+A/B (>1 = Helion faster) and the A/A control ratio are reported.
+Correctness: each side's outputs and grads vs an fp32 torch reference from the same bf16 inputs;
+tolerance (bf16): max abs error <= 2e-2 + 2e-2*|ref| for y/dx, and <= 1e-3 * max|ref| + 1e-2 for
+dweight/dbias.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import traceback
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kernels import tuning  # noqa: E402
+from kernels.causal_conv1d import causal_conv1d_helion, causal_conv1d_ref  # noqa: E402
+from kernels.rmsnorm_gated import rmsnorm_fn_helion, rmsnorm_gated_ref  # noqa: E402
+
+
+def _errs(outs, ref, names):
+    res = {}
+    for n, a, r in zip(names, outs, ref):
+        e = (a.float() - r.float()).abs()
+        if n in ("dweight", "dbias"):
+            tol_ok = bool(e.max() <= 1e-3 * r.abs().max() + 1e-2)
+        else:
+            tol_ok = bool(torch.all(e <= 2e-2 + 2e-2 * r.float().abs()))
+        res[n] = {"max_abs_err": float(e.max()), "within_tol": tol_ok}
+    return res
+
+
+def _bench_pair(fa, fb, rounds, rep_ms):
+    a, b, a2 = [], [], []
+    for i in range(rounds):
+        order = [("A", fa), ("B", fb), ("A2", fa)] if i % 2 == 0 else [("B", fb), ("A2", fa), ("A", fa)]
+        for tag, f in order:
+            ms = tuning.time_fn(f, rep_ms)
+            {"A": a, "B": b, "A2": a2}[tag].append(ms)
+
+    def s(x):
+        return {"median_ms": statistics.median(x), "min_ms": min(x), "max_ms": max(x), "samples_ms": x}
+
+    return {"A": s(a), "B": s(b), "A_control": s(a2),
+            "speedup_B_over_A": statistics.median(a) / statistics.median(b),
+            "control_ratio_A_over_A": statistics.median(a) / statistics.median(a2)}
+
+
+def _grad_fn(y, ins, dy):
+    return lambda: torch.autograd.grad(y, ins, dy, retain_graph=True)
+
+
+def bench_rmsnorm(dims, rounds, rep_ms):
+    from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+
+    m, n = dims["b"] * dims["l"], dims["h"] * dims["p"]
+    gs = n // dims["g"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    kw = dict(eps=1e-5, group_size=gs, norm_before_gate=False)
+    fa = lambda a, b: rmsnorm_fn(a, b, None, z=None, **kw)  # noqa: E731
+    fb = lambda a, b: rmsnorm_fn_helion(a, b, None, z=None, **kw)  # noqa: E731
+    res = {"shape": {"rows": m, "hidden": n, "group_size": gs, "z": None, "norm_before_gate": False, "dtype": "bf16"}}
+    with torch.no_grad():
+        res["fwd"] = _bench_pair(lambda: fa(x, w), lambda: fb(x, w), rounds, rep_ms)
+    graphs = {}
+    for tag, f in (("A", fa), ("B", fb)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = f(xi, wi)
+        graphs[tag] = (y, [xi, wi])
+    res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
+    x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
+    y32 = rmsnorm_gated_ref(x32, w32, **kw)
+    ref = (y32, *torch.autograd.grad(y32, [x32, w32], dy.float()))
+    names = ["y", "dx", "dweight"]
+    for tag in ("A", "B"):
+        y, ins = graphs[tag]
+        outs = (y, *torch.autograd.grad(y, ins, dy, retain_graph=True))
+        res[f"correctness_{tag}"] = _errs(outs, ref, names)
+    return res
+
+
+def bench_conv(dims, rounds, rep_ms):
+    from causal_conv1d import causal_conv1d_fn
+
+    b, l, hp, gn = dims["b"], dims["l"], dims["h"] * dims["p"], dims["g"] * dims["n"]
+    d = hp + 2 * gn
+    width_total = 2 * hp + 2 * gn + dims["h"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    zx = torch.randn(b, l, width_total, device="cuda", generator=g).bfloat16()
+    w = (0.5 * torch.randn(d, dims["w"], device="cuda", generator=g)).bfloat16()
+    bias = (0.1 * torch.randn(d, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(b, l, d, device="cuda", generator=g).bfloat16().transpose(1, 2)
+    xv = zx[:, :, hp:hp + d].transpose(1, 2)
+    fa = lambda a, ww, bb: causal_conv1d_fn(a, ww, bb, activation="silu")  # noqa: E731
+    fb = lambda a, ww, bb: causal_conv1d_helion(a, ww, bb, None, "silu")  # noqa: E731
+    res = {"shape": {"batch": b, "seqlen": l, "channels": d, "width": dims["w"], "x_layout": f"channel-last view of (b, l, {width_total})", "activation": "silu", "dtype": "bf16"}}
+    with torch.no_grad():
+        res["fwd"] = _bench_pair(lambda: fa(xv, w, bias), lambda: fb(xv, w, bias), rounds, rep_ms)
+    graphs = {}
+    for tag, f in (("A", fa), ("B", fb)):
+        zl = zx.clone().requires_grad_()
+        wi, bi = w.clone().requires_grad_(), bias.clone().requires_grad_()
+        y = f(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi)
+        graphs[tag] = (y, [zl, wi, bi])
+    res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
+    zl32 = zx.float().requires_grad_()
+    w32, b32 = w.float().requires_grad_(), bias.float().requires_grad_()
+    y32 = causal_conv1d_ref(zl32[:, :, hp:hp + d].transpose(1, 2), w32, b32, None, "silu")
+    ref = (y32, *torch.autograd.grad(y32, [zl32, w32, b32], dy.float()))
+    for tag in ("A", "B"):
+        y, ins = graphs[tag]
+        outs = (y, *torch.autograd.grad(y, ins, dy, retain_graph=True))
+        res[f"correctness_{tag}"] = _errs(outs, ref, ["out", "dx", "dweight", "dbias"])
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="nano,nano_tp2,nano_b4_l4096")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rep-ms", type=float, default=50.0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))  # wheelhouse README
+    out_dir = Path(os.environ.get("OUT", "benchmarks/results/h200"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    versions = {}
+    for mod in ("torch", "triton", "helion", "mamba_ssm", "causal_conv1d"):
+        try:
+            versions[mod] = getattr(__import__(mod), "__version__", None)
+        except Exception as e:  # noqa: BLE001
+            versions[mod] = f"import failed: {e}"
+    report = {
+        "what": __doc__.strip().splitlines()[0],
+        "method": __doc__,
+        "A": {"rmsnorm": "mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn", "conv1d": "causal_conv1d.causal_conv1d_fn (CUDA)"},
+        "B": {"rmsnorm": "kernels.rmsnorm_gated.rmsnorm_fn_helion", "conv1d": "kernels.causal_conv1d.causal_conv1d_helion"},
+        "targets_h200_nano": {"rmsnorm_bwd_speedup": 3.5, "rmsnorm_fwd_speedup": 1.2, "conv1d_fwd_speedup": 1.0, "conv1d_bwd_speedup": 1.0},
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(), "arch": tuning.current_arch(), "versions": versions,
+        "results": {},
+    }
+    path = out_dir / "bench_norm_conv.json"
+    rc = 0
+    for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+        dims = tuning.SHAPE_PRESETS[shape]
+        entry = {"model_dims": dims}
+        for op, fn in (("rmsnorm", bench_rmsnorm), ("conv1d", bench_conv)):
+            try:
+                entry[op] = fn(dims, args.rounds, args.rep_ms)
+                r = entry[op]
+                print(f"{shape:14s} {op:8s} fwd {r['fwd']['A']['median_ms']*1e3:8.1f} -> {r['fwd']['B']['median_ms']*1e3:8.1f} us "
+                      f"(x{r['fwd']['speedup_B_over_A']:.2f}, ctl {r['fwd']['control_ratio_A_over_A']:.2f})  "
+                      f"bwd {r['bwd']['A']['median_ms']*1e3:8.1f} -> {r['bwd']['B']['median_ms']*1e3:8.1f} us "
+                      f"(x{r['bwd']['speedup_B_over_A']:.2f}, ctl {r['bwd']['control_ratio_A_over_A']:.2f})  "
+                      f"helion within tol: {all(v['within_tol'] for v in r['correctness_B'].values())}", flush=True)
+            except Exception:  # noqa: BLE001
+                entry[op] = {"error": traceback.format_exc()}
+                print(entry[op]["error"], file=sys.stderr, flush=True)
+                rc = 1
+        report["results"][shape] = entry
+        path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {path}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Search Helion configs for tunable kernels on this GPU and write winners to kernels/configs/<arch>/.
+
+    python scripts/tune_kernels.py --kernels rmsnorm_fwd,rmsnorm_bwd,conv1d_fwd,conv1d_bwd --shapes nano --budget-min 8
+
+Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuning.discover_tunable_kernels``);
+shapes are ``kernels.tuning.SHAPE_PRESETS`` names. The budget is split evenly over (kernel, shape)
+pairs. Candidates: the kernel's default config, its hand-written seeds (shuffled with a fixed seed),
+then random configs from the bound kernel's config space; each is compiled as a fixed config,
+checked against the default config's output and timed in-process (``kernels.tuning.search``).
+A JSON log with every candidate's outcome goes to $OUT (default benchmarks/results/h200).
+A failing (kernel, shape) is logged with its traceback and the next one still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kernels import tuning  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", default="all", help="comma list of tunable kernel names, or 'all'")
+    ap.add_argument("--shapes", "--shape", dest="shapes", default="nano", help=f"comma list of presets: {', '.join(tuning.SHAPE_PRESETS)}")
+    ap.add_argument("--budget-min", type=float, default=8.0, help="total wall-clock budget in minutes")
+    ap.add_argument("--budget-s", type=float, default=None, help="total budget in seconds (overrides --budget-min)")
+    ap.add_argument("--rep-ms", type=float, default=40.0, help="timing window per candidate (ms)")
+    ap.add_argument("--no-write", action="store_true", help="do not update kernels/configs/")
+    ap.add_argument("--list", action="store_true", help="list tunable kernels and exit")
+    args = ap.parse_args(argv)
+    if args.budget_s is not None:
+        args.budget_min = args.budget_s / 60.0
+
+    registry = tuning.discover_tunable_kernels()
+    if args.list:
+        for name, (mod, _) in sorted(registry.items()):
+            print(f"{name}\t{mod}")
+        return 0
+    names = sorted(registry) if args.kernels == "all" else [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in names if k not in registry]
+    if unknown:
+        ap.error(f"unknown kernels {unknown}; known: {sorted(registry)}")
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in tuning.SHAPE_PRESETS]
+    if bad:
+        ap.error(f"unknown shapes {bad}; known: {sorted(tuning.SHAPE_PRESETS)}")
+    if not torch.cuda.is_available():
+        print("tune_kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if tuning.interpret_mode():
+        print("unset HELION_INTERPRET to tune", file=sys.stderr)
+        return 2
+
+    out_dir = Path(os.environ.get("OUT", "benchmarks/results/h200"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arch = tuning.current_arch()
+    per_budget = args.budget_min * 60.0 / (len(names) * len(shapes))
+    log = {
+        "what": "Helion config search (kernels/tuning.py search): per (kernel, shape) the default config is the "
+        "reference; every candidate is compiled as a fixed config, its output compared to the reference, then timed "
+        "in-process (median ms). 'winner' is written to kernels/configs/<arch>/<kernel>.json unless --no-write.",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "arch": arch,
+        "torch": torch.__version__,
+        "helion": _version("helion"),
+        "triton": _version("triton"),
+        "budget_min_total": args.budget_min,
+        "budget_s_per_kernel_shape": per_budget,
+        "runs": [],
+    }
+    log_path = out_dir / f"tune_{arch}_{dt.datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
+    device = torch.device("cuda")
+    for shape in shapes:
+        for name in names:
+            t0 = time.monotonic()
+            run = {"kernel": name, "shape": shape, "model_dims": tuning.SHAPE_PRESETS[shape]}
+            print(f"== {name} @ {shape} (budget {per_budget:.0f}s)", flush=True)
+            try:
+                case = registry[name][1](dict(tuning.SHAPE_PRESETS[shape]), device)
+                run["kernel_dims"] = case.dims
+                seeds = list(case.seeds)
+                random.Random(0).shuffle(seeds)
+                cands = tuning.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
+                # the generic default the wrappers fall back to goes first after the spec default
+                cands.insert(1, tuning._as_config(case.default))
+                best, results = tuning.search(
+                    case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
+                    log=lambda s: print(s, flush=True),
+                )
+                ok = [r for r in results if r["status"] == "ok"]
+                best_ms = min(r["time_ms"] for r in ok)
+                generic = next((r for r in results if r["config"] == tuning.config_to_dict(case.default)), None)
+                run.update(
+                    winner=tuning.config_to_dict(best), winner_ms=best_ms,
+                    generic_default_ms=(generic or {}).get("time_ms"),
+                    spec_default_ms=results[0].get("time_ms"),
+                    n_candidates=len(cands), n_tried=sum(r["status"] != "skipped_budget" for r in results),
+                    n_ok=len(ok), status_counts=_counts(results), candidates=results,
+                )
+                if not args.no_write:
+                    path = tuning.record(name, case.dims, best, best_ms, {
+                        "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"],
+                        "generic_default_ms": run["generic_default_ms"], "search_s": round(time.monotonic() - t0, 1),
+                        "torch": torch.__version__, "helion": _version("helion"), "triton": _version("triton"),
+                    })
+                    run["written"] = str(path)
+                print(f"   winner {best_ms * 1000:.1f} us (generic default {run['generic_default_ms']}) "
+                      f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}", flush=True)
+            except Exception:  # noqa: BLE001 - logged, next kernel still runs
+                run["error"] = traceback.format_exc()
+                print(run["error"], file=sys.stderr, flush=True)
+            run["elapsed_s"] = round(time.monotonic() - t0, 1)
+            log["runs"].append(run)
+            log_path.write_text(json.dumps(log, indent=1, default=str))
+    print(f"log: {log_path}")
+    return 0 if all("error" not in r for r in log["runs"]) else 1
+
+
+def _counts(results):
+    c = {}
+    for r in results:
+        c[r["status"]] = c.get(r["status"], 0) + 1
+    return c
+
+
+def _version(mod):
+    try:
+        return __import__(mod).__version__
+    except Exception:  # noqa: BLE001
+        from importlib.metadata import version
+
+        try:
+            return version(mod)
+        except Exception:  # noqa: BLE001
+            return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
