@@ -349,8 +349,14 @@ def output_stem(args) -> str:
 
 
 def main(argv=None) -> int:
+    from kernels.registry import BackendUnavailableError, UnknownBackendError
+
     args = parse_args(argv)
-    res = run(args)
+    try:
+        res = run(args)
+    except (UnknownBackendError, BackendUnavailableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else bl.default_out_dir()
     jp, mp = bl.write_results(out, output_stem(args), res, markdown(res))
     print(markdown(res))

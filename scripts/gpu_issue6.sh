@@ -12,7 +12,9 @@
 #
 #   OUT=benchmarks/results/h200 bash scripts/gpu_issue6.sh
 # Env: OUT (default benchmarks/results/h200), TOTAL_S (time budget, default 540), WHEELHOUSE,
-#      TRAIN_STEPS (default 200), TRAIN_OVERRIDES (extra Hydra overrides for stage 3), SKIP_SETUP=1.
+#      TRAIN_STEPS (default 200), TRAIN_OVERRIDES (extra Hydra overrides for stage 3), SKIP_SETUP=1,
+#      STAGES (default "kernels layers train"; e.g. STAGES="kernels layers" then STAGES=train to split
+#      the job into two shorter ones).
 set -u
 cd "$(dirname "$0")/.."
 REPO="$PWD"
@@ -22,9 +24,11 @@ OUT="$(cd "$OUT" && pwd)"
 export OUT
 TOTAL_S="${TOTAL_S:-540}"
 START=$(date +%s)
-STAGES="$OUT/gpu_issue6_stages.tsv"
-printf 'stage\trc\tseconds\n' > "$STAGES"
+STAGE_TSV="$OUT/gpu_issue6_stages.tsv"
+printf 'stage\trc\tseconds\n' > "$STAGE_TSV"
 
+STAGES="${STAGES:-kernels layers train}"
+want() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
 remaining() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
 
 # run_stage NAME CAP_SECONDS CMD...: run CMD with a timeout of min(CAP, time left - 10 s)
@@ -36,14 +40,14 @@ run_stage() {
     rm -f "$OUT/$name.FAILED"
     if [ "$lim" -lt 20 ]; then
         echo "[$name] skipped: only ${left}s left" | tee "$OUT/$name.FAILED"
-        printf '%s\tskipped\t0\n' "$name" >> "$STAGES"
+        printf '%s\tskipped\t0\n' "$name" >> "$STAGE_TSV"
         return 1
     fi
     echo "=== [$name] (timeout ${lim}s, ${left}s left): $*"
     t0=$(date +%s)
     timeout --signal=TERM --kill-after=15 "$lim" "$@" > "$OUT/logs/$name.log" 2>&1
     rc=$?
-    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$STAGES"
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$STAGE_TSV"
     tail -n 25 "$OUT/logs/$name.log"
     if [ "$rc" -ne 0 ]; then
         { echo "stage $name failed: exit code $rc$( [ "$rc" -eq 124 ] && echo ' (timed out)')"
@@ -74,15 +78,16 @@ if python3 -c "from kernels.registry import get_backend; get_backend('helion')" 
 else
     echo "helion backend not usable here (see logs/helion_probe.log): mamba_ssm only"
 fi
-run_stage kernels 150 python3 scripts/bench_kernels.py --backend mamba_ssm "${COMPARE[@]}" --shape nano --out "$OUT"
+want kernels && run_stage kernels 180 python3 scripts/bench_kernels.py --backend mamba_ssm "${COMPARE[@]}" --shape nano --out "$OUT"
 
 # 2. layers ------------------------------------------------------------------------------------
 LAYER_BACKENDS=mamba_ssm
 [ ${#COMPARE[@]} -gt 0 ] && LAYER_BACKENDS=mamba_ssm,helion
-run_stage layers 150 python3 scripts/bench_layers.py --backends "$LAYER_BACKENDS" --out "$OUT"
+want layers && run_stage layers 150 python3 scripts/bench_layers.py --backends "$LAYER_BACKENDS" --out "$OUT"
 
 # 3. train -------------------------------------------------------------------------------------
 RUN_DIR="$OUT/train_nano30b_slice_mamba_ssm"
+if want train; then
 rm -rf "$RUN_DIR"
 LEFT=$(remaining)
 # stop cleanly 45 s before the hard timeout (the loop checks train.exit_after_minutes every step)
@@ -98,14 +103,15 @@ run_stage train $(( LEFT - 15 )) python3 -m nano_hybrid.train \
 
 # 4. summary -----------------------------------------------------------------------------------
 if [ -f "$RUN_DIR/metrics.jsonl" ]; then
-    SKIP_SETUP=1 run_stage summary 30 python3 scripts/run_summary.py "$RUN_DIR" \
+    run_stage summary 30 python3 scripts/run_summary.py "$RUN_DIR" \
         --label "nano30b_slice mamba_ssm 1xGPU" --out "$OUT/train_nano30b_slice_mamba_ssm.json"
 else
     echo "no metrics.jsonl from the training stage" | tee "$OUT/summary.FAILED"
 fi
 rm -rf "$RUN_DIR/checkpoints"
+fi
 
-echo "=== stages (rc, seconds):"; cat "$STAGES"
+echo "=== stages (rc, seconds):"; cat "$STAGE_TSV"
 echo "total $(( $(date +%s) - START ))s; results in $OUT"
 ls "$OUT"/*.FAILED 2>/dev/null && exit 1
 exit 0

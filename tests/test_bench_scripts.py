@@ -375,3 +375,9 @@ def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
     assert sp["ci_lo"] <= sp["speedup"] <= sp["ci_hi"]
     assert d["config"]["model"] == "tiny" and d["tokens_per_step"] == 32
     assert d["profile"] == {}  # --profile-steps 0
+
+
+def test_bench_kernels_main_reports_unavailable_backend(tmp_path, capsys):
+    assert bk.main(["--backend", "nope", "--shape", "tiny", "--out", str(tmp_path)]) == 2
+    assert "unknown kernel backend 'nope'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
