@@ -5,7 +5,8 @@ Only rank 0 writes (files, console, W&B). Record fields (all floats full precisi
     step, tokens (tokens seen after this step), consumed_samples, loss, lr, grad_norm, step_time_s,
     tokens_per_step, tokens_per_s (global), tokens_per_s_per_gpu, tflops_per_gpu, mem_gb (peak
     allocated on this rank's accelerator since the previous step; CPU: process max RSS), world_size,
-    backend, plus the MoE auxiliary losses (e.g. ``load_balancing_loss``) when the model has MoE layers.
+    backend, skipped (1 if the optimizer skipped the update), plus megatron's MoE auxiliary losses (e.g.
+    ``seq_load_balancing_loss``, mean per MoE layer) when the model has MoE layers.
 
 W&B (``logger.wandb.mode`` online|offline, default disabled): keys ``train/<field>``, x-axis
 ``train/tokens`` (``define_metric``), default tags kernel backend, GPU name, git commit. The run id is
@@ -78,8 +79,8 @@ def format_console_line(rec: dict[str, Any], train_iters: int, eta_s: float) -> 
         f"mem {rec['mem_gb']:.2f} GB",
         f"eta {_fmt_duration(eta_s)}",
     ]
-    if "load_balancing_loss" in rec:
-        parts.insert(4, f"lb_loss {rec['load_balancing_loss']:.4f}")
+    aux = [k for k in rec if k.endswith("_loss") and isinstance(rec[k], float)]  # MoE aux losses
+    parts[4:4] = [f"{k} {rec[k]:.4f}" for k in aux]
     return " | ".join(parts)
 
 

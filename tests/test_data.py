@@ -1,0 +1,145 @@
+"""Data: prepare_data round trip, megatron dataset sampling, DP sharding and the resume position."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from nano_hybrid.data import (
+    ByteTokenizer,
+    DataConfigError,
+    DataPreparationError,
+    DataSpec,
+    PretrainingSampler,
+    build_data_iterator,
+    build_train_dataset,
+    ensure_corpus,
+    stdlib_sources,
+    write_indexed_dataset,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld\n" * 40, "import os\nprint(os.sep)\n" * 25]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    files = []
+    for i, t in enumerate(TEXTS):
+        (d / f"doc{i}.txt").write_text(t, encoding="utf-8")
+        files.append(d / f"doc{i}.txt")
+    prefix = d / "out" / "small"
+    summary = write_indexed_dataset(files, prefix)
+    return prefix, summary
+
+
+def indexed_spec(prefix, **kw):
+    cfg = {"kind": "indexed", "paths": [str(prefix)], "weights": None, "split": "100,0,0", "cache_dir": None, "num_workers": 0}
+    return DataSpec.from_cfg(OmegaConf.create({**cfg, **kw}))
+
+
+def test_prepare_round_trip(corpus):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix, summary = corpus
+    tok = ByteTokenizer()
+    ds = IndexedDataset(str(prefix))
+    assert len(ds) == len(TEXTS) == summary["documents"]
+    for i, text in enumerate(TEXTS):
+        ids = ds[i]
+        assert ids[-1] == tok.eod
+        assert tok.detokenize(ids[:-1]) == text
+    assert summary["tokens"] == sum(len(t.encode()) + 1 for t in TEXTS)
+    assert json.loads(Path(f"{prefix}.json").read_text())["documents"] == len(TEXTS)
+    assert not list(prefix.parent.glob(".*tmp*")), "temporary files must be renamed or removed"
+
+
+def test_prepare_data_script(tmp_path):
+    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.md").write_text("# title\n")
+    (tmp_path / "in" / "skip.bin").write_bytes(b"\0\1")
+    assert mod.main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "o" / "x")]) == 0
+    assert (tmp_path / "o" / "x.bin").stat().st_size == 2 * (len("# title\n") + 1)  # uint16 tokens
+    assert mod.main(["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o" / "y")]) == 1
+
+
+def test_stdlib_sources_are_sorted_and_nonempty():
+    files = stdlib_sources()
+    assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    assert stdlib_sources() == files
+
+
+def test_missing_corpus_fails_loudly(tmp_path):
+    with pytest.raises(DataPreparationError, match="not found"):
+        ensure_corpus(tmp_path / "absent", None)
+    with pytest.raises(DataPreparationError, match="unknown"):
+        ensure_corpus(tmp_path / "absent", "wikipedia")
+    with pytest.raises(DataConfigError, match="not found"):
+        build_train_dataset(indexed_spec(tmp_path / "absent"), ByteTokenizer(), 16, 4, 0)
+
+
+def test_gpt_dataset_samples(corpus):
+    prefix, _ = corpus
+    ds = build_train_dataset(indexed_spec(prefix), ByteTokenizer(), 32, 20, seed=7)
+    assert len(ds) >= 20
+    s = ds[3]
+    assert s["tokens"].shape == s["labels"].shape == s["loss_mask"].shape == (32,)
+    assert int(s["tokens"].max()) <= ByteTokenizer.eod
+    # labels are the next tokens of the same stream
+    assert (s["tokens"][1:] == s["labels"][:-1]).all()
+    again = build_train_dataset(indexed_spec(prefix), ByteTokenizer(), 32, 20, seed=7)
+    assert (again[3]["tokens"] == s["tokens"]).all()  # same seed, same order (cached index)
+
+
+def test_mock_dataset():
+    spec = DataSpec.from_cfg(OmegaConf.load(REPO / "configs" / "data" / "mock.yaml"))
+    ds = build_train_dataset(spec, ByteTokenizer(), 64, 10, seed=0)
+    assert ds[0]["tokens"].shape == (64,)
+
+
+def test_sampler_shards_global_batches_over_dp():
+    mbs, dp = 2, 3
+    per_rank = [list(PretrainingSampler(24, 0, mbs, r, dp)) for r in range(dp)]
+    assert all(len(b) == 4 for b in per_rank)
+    for k in range(4):  # global micro-batch k = contiguous indices, rank r takes the r-th slice
+        merged = sum((per_rank[r][k] for r in range(dp)), [])
+        assert merged == list(range(k * mbs * dp, (k + 1) * mbs * dp))
+
+
+def test_sampler_resumes_at_consumed_samples():
+    full = list(PretrainingSampler(40, 0, 4, 1, 2))
+    resumed = list(PretrainingSampler(40, 16, 4, 1, 2))
+    assert resumed == full[2:]
+    with pytest.raises(ValueError, match="multiple"):
+        PretrainingSampler(40, 6, 4, 0, 2)
+
+
+def test_data_iterator_resume_matches_uninterrupted(corpus):
+    prefix, _ = corpus
+    ds = build_train_dataset(indexed_spec(prefix), ByteTokenizer(), 16, 24, seed=1)
+    it = build_data_iterator(ds, 0, 2, 0, 1)
+    batches = [next(it)["tokens"] for _ in range(4)]
+    it2 = build_data_iterator(ds, 4, 2, 0, 1)
+    assert all((next(it2)["tokens"] == b).all() for b in batches[2:])
+
+
+def test_bad_data_spec():
+    with pytest.raises(DataConfigError, match="data.kind"):
+        DataSpec.from_cfg(OmegaConf.create({"kind": "parquet"}))
+    with pytest.raises(DataConfigError, match="empty"):
+        DataSpec.from_cfg(OmegaConf.create({"kind": "indexed", "paths": []}))
+    with pytest.raises(DataConfigError, match="weights"):
+        DataSpec.from_cfg(OmegaConf.create({"kind": "indexed", "paths": ["a", "b"], "weights": [1.0]}))
+
+
+def test_tokenizer_vocab_padding():
+    tok = ByteTokenizer()
+    assert tok.vocab_size == 258 and tok.padded_vocab_size(128) == 384
+    assert np.array_equal(tok.tokenize("é"), [0xC3, 0xA9])
