@@ -1,0 +1,151 @@
+"""Parallel layout validation (messages name the numbers), single-process init, and 2-rank gloo runs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+
+from nano_hybrid.config import CONFIG_DIR, ConfigError, compose  # noqa: E402
+from nano_hybrid.parallel import ParallelInfo, destroy_parallel, initialize_parallel, validate_parallel  # noqa: E402
+
+PARALLEL_CONFIGS = sorted(p.stem for p in (CONFIG_DIR / "parallel").glob("*.yaml"))
+
+
+def _cfg(*overrides):
+    return compose(["model=nano30b", *overrides])
+
+
+def test_parallel_configs_present():
+    assert {"single", "dp2", "tp2", "ep2"} <= set(PARALLEL_CONFIGS)
+
+
+@pytest.mark.parametrize("name", [n for n in PARALLEL_CONFIGS if n != "single"])
+@pytest.mark.parametrize("model", ["tiny", "nano30b", "nano30b_slice"])
+def test_shipped_two_rank_layouts_are_valid(name, model):
+    out = validate_parallel(compose([f"model={model}", f"parallel={name}"]), 2)
+    assert out["world_size"] == 2
+    tp, pp, cp = (out[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
+    assert out["dp"] * tp * pp * cp == 2
+
+
+def test_single_is_valid_and_derives_dp():
+    out = validate_parallel(_cfg("parallel=single"), 8)
+    assert out["dp"] == 8 and out["edp"] == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, world, pattern",
+    [
+        (["parallel.tensor_model_parallel_size=3"], 3, r"num_attention_heads=32 is not divisible by tensor_model_parallel_size=3"),
+        (["parallel.tensor_model_parallel_size=4"], 4, r"num_query_groups=2 is not divisible by tensor_model_parallel_size=4"),
+        (["parallel.tensor_model_parallel_size=16"], 16, r"mamba_num_groups=8 is not divisible by tensor_model_parallel_size=16"),
+        (["parallel.expert_model_parallel_size=3"], 3, r"num_moe_experts=128 is not divisible by expert_model_parallel_size=3"),
+        (["parallel.pipeline_model_parallel_size=3"], 3, r"52 layers .* not divisible by pipeline_model_parallel_size=3"),
+        (["parallel.tensor_model_parallel_size=2"], 3, r"world_size=3 is not divisible by TP\*PP\*CP = 2\*1\*1 = 2"),
+        (["parallel.expert_model_parallel_size=4"], 2, r"world_size=2 is not divisible by ETP\*EP\*PP = 1\*4\*1 = 4"),
+        (["parallel.sequence_parallel=true"], 1, r"sequence_parallel=true needs tensor_model_parallel_size > 1"),
+        (["parallel.context_parallel_size=2"], 2, r"context_parallel_size=2"),
+        (["parallel.expert_tensor_parallel_size=3"], 3, r"moe_ffn_hidden_size=1856 is not divisible by expert_tensor_parallel_size=3"),
+        (["parallel.tensor_model_parallel_size=0"], 1, r"parallel.tensor_model_parallel_size=0 must be an integer >= 1"),
+    ],
+)
+def test_validation_errors_name_the_numbers(overrides, world, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate_parallel(_cfg(*overrides), world)
+
+
+def test_several_errors_reported_together():
+    with pytest.raises(ConfigError) as e:
+        validate_parallel(_cfg("parallel.tensor_model_parallel_size=3", "parallel.expert_model_parallel_size=5"), 15)
+    msg = str(e.value)
+    assert "num_attention_heads=32" in msg and "num_moe_experts=128" in msg
+
+
+def test_unknown_parallel_key_rejected():
+    with pytest.raises(ConfigError, match="unknown key"):
+        validate_parallel(_cfg("+parallel.data_parallel_size=2"), 2)
+
+
+def test_sequence_parallel_length_checked():
+    with pytest.raises(ConfigError, match=r"seq_length=255 is not divisible by tensor_model_parallel_size \(sequence parallel\)=2"):
+        validate_parallel(compose(["model=tiny", "parallel=tp2", "model.seq_length=255"]), 2)
+
+
+def test_initialize_single_process():
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as tpr
+
+    created = not ps.model_parallel_is_initialized()
+    info = initialize_parallel(compose(["model=tiny", "parallel=single"]))
+    try:
+        assert isinstance(info, ParallelInfo)
+        assert (info.world_size, info.rank, info.tp, info.dp) == (1, 0, 1, 1)
+        assert info.backend == ("nccl" if torch.cuda.is_available() else "gloo")
+        states = tpr.get_cuda_rng_tracker().get_states()
+        assert {tpr._DATA_PARALLEL_RNG_TRACKER_NAME, tpr._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                tpr._EXPERT_PARALLEL_RNG_TRACKER_NAME} <= set(states)
+        # the model-parallel stream is distinct from the default generator
+        with tpr.get_cuda_rng_tracker().fork():
+            a = torch.rand(3)
+        b = torch.rand(3)
+        assert not torch.equal(a, b)
+    finally:
+        if created:
+            destroy_parallel()
+
+
+# ------------------------------------------------------------------ two gloo ranks (CPU), tiny model
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, layouts, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+
+    from nano_hybrid.model import build_model
+
+    for layout in layouts:  # one spawn for all layouts: process start-up (imports) dominates
+        cfg = compose(["model=tiny", f"parallel={layout}", "model.seq_length=32"])
+        initialize_parallel(cfg)
+        model = build_model(cfg)
+        s, b = 32, 2
+        g = torch.Generator().manual_seed(5)
+        tok = torch.randint(0, 256, (b, s), generator=g)
+        pos = torch.arange(s)[None].expand(b, s)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+        loss = model(tok, pos, mask, labels=tok).mean()
+        loss.backward()
+        ok = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        if rank == 0:
+            torch.save({"loss": loss.item(), "grads_ok": ok, "tp": ps.get_tensor_model_parallel_world_size(),
+                        "ep": ps.get_expert_model_parallel_world_size(),
+                        "sp": bool(model.config.sequence_parallel)}, os.path.join(out_dir, f"{layout}.pt"))
+        ps.destroy_model_parallel()  # keep the gloo world; initialize_parallel reuses it
+    destroy_parallel()
+
+
+def test_two_gloo_ranks_build_and_run_tiny_tp2_and_ep2(tmp_path):
+    """tiny model forward/backward on 2 CPU ranks (gloo) with TP=2+SP and with EP=2."""
+    import torch.multiprocessing as mp
+
+    layouts = ["tp2", "ep2"]
+    mp.start_processes(_worker, args=(2, _free_port(), layouts, str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    expect = {"tp2": (2, 1, True), "ep2": (1, 2, False)}
+    for layout in layouts:
+        res = torch.load(tmp_path / f"{layout}.pt")
+        assert res["grads_ok"], layout
+        assert abs(res["loss"] - torch.log(torch.tensor(512.0)).item()) < 1.0, (layout, res)
+        assert (res["tp"], res["ep"], res["sp"]) == expect[layout]
