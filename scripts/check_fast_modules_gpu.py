@@ -1,0 +1,242 @@
+"""GPU check + timing of the production-speed attention and MoE layers (one GPU, bf16).
+
+    OUT=benchmarks/results/h200 python scripts/check_fast_modules_gpu.py [--iters 10] [--no-reference-timing]
+
+1. Numerics at small shapes (hidden 256, seq 512, 8 experts): whole attention layers (attention_impl
+   sdpa vs megatron's unfused DotProductAttention) and whole MoE layers (moe_experts_impl grouped vs
+   megatron's SequentialMLP), same weights, bf16; each compared with an fp32 run of the reference
+   module. Pass: error of the fast module <= 2 x error of the bf16 reference module + 1e-3 (outputs,
+   input grads and weight grads).
+2. Timing at Nemotron-3 Nano dims (hidden 2688; attention 32/2 heads of 128; MoE 128 experts top-6 of
+   1856 + shared 3712, sigmoid router with expert bias), micro-batch 2, seq 8192: forward+backward of one
+   attention layer and one MoE layer (the layers as built by nano_hybrid.model.build_model), CUDA
+   events, plus peak memory. Targets (issue 6): attention <= 11 ms, MoE <= 22 ms.
+
+Writes ``$OUT/fast_modules.json`` (OUT defaults to benchmarks/results/h200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+warnings.filterwarnings("ignore")
+
+TARGET_MS = {"attention": 11.0, "moe": 22.0}
+DEVICE = "cuda"
+
+
+def _versions() -> dict:
+    import megatron.core
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "megatron_core": megatron.core.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    return out
+
+
+def _build(overrides, dtype):
+    from nano_hybrid.config import compose
+    from nano_hybrid.model import build_model
+
+    cfg = compose(["kernels.backend=torch", *overrides])
+    torch.manual_seed(0)
+    return build_model(cfg, dtype=dtype), cfg
+
+
+def _copy_weights(src, dst):
+    """Copy src (sdpa + grouped experts) into dst (same config, any impls); grouped -> sequential experts."""
+    s_sd = src.state_dict()
+    with torch.no_grad():
+        for name, t in dst.state_dict().items():
+            if name.endswith("_extra_state"):
+                continue
+            if "local_experts." in name:
+                pre, rest = name.split("local_experts.")
+                e, lin = rest.split(".", 1)
+                t.copy_(s_sd[pre + ("weight1" if lin.startswith("linear_fc1") else "weight2")][int(e)])
+            else:
+                t.copy_(s_sd[name])
+
+
+def _layer_grads(model, x, idx):
+    """Run decoder layer idx on x [s, b, h]; return output, dx and {param name: grad} (fp32 copies)."""
+    model.zero_grad(set_to_none=True)
+    layer = model.decoder.layers[idx]
+    xx = x.clone().requires_grad_()
+    s = x.shape[0]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=x.device), 1)[None, None]  # True = masked
+    out = layer(xx, attention_mask=mask)[0]
+    g = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(7), device=out.device)
+    out.backward(g.to(out.dtype))
+    grads = {}
+    for n, p in layer.named_parameters():
+        if p.grad is None:
+            continue
+        if n.endswith("weight1") or n.endswith("weight2"):
+            for e in range(p.shape[0]):
+                which = "linear_fc1" if n.endswith("weight1") else "linear_fc2"
+                grads[f"{n[: -len('weight1')]}local_experts.{e}.{which}.weight"] = p.grad[e].float()
+        else:
+            grads[n] = p.grad.float()
+    return out.float().detach(), xx.grad.float(), grads
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def numerics(kind: str) -> dict:
+    """kind: attention (pattern '*') or moe (pattern 'E') at small shapes."""
+    small = ["model=tiny", "model.seq_length=512", "model.hybrid_override_pattern=" + ("'*'" if kind == "attention" else "E")]
+    fast_impl = ["model.attention_impl=sdpa", "model.moe_experts_impl=grouped"]
+    ref_impl = ["model.attention_impl=unfused", "model.moe_experts_impl=sequential"]
+    fast, _ = _build(small + fast_impl, torch.bfloat16)
+    ref16, _ = _build(small + ref_impl, torch.bfloat16)
+    ref32, cfg = _build(small + ref_impl, torch.float32)
+    _copy_weights(fast, ref16)
+    _copy_weights(fast, ref32)
+    s, b, h = 512, 2, int(cfg.model.hidden_size)
+    x = torch.randn(s, b, h, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(3))
+    o32, dx32, g32 = _layer_grads(ref32, x, 0)
+    o16, dx16, g16 = _layer_grads(ref16, x.bfloat16(), 0)
+    of, dxf, gf = _layer_grads(fast, x.bfloat16(), 0)
+    rows = {"output": (_rel(of, o32), _rel(o16, o32)), "input_grad": (_rel(dxf, dx32), _rel(dx16, dx32))}
+    for n, g in g32.items():
+        if n in gf and n in g16:
+            rows[f"grad:{n}"] = (_rel(gf[n], g), _rel(g16[n], g))
+    missing = sorted(set(g32) - set(gf))
+    worst = max(rows.items(), key=lambda kv: kv[1][0] - 2 * kv[1][1])
+    ok = not missing and all(fe <= 2 * re + 1e-3 for fe, re in rows.values())
+    return {
+        "pass": ok,
+        "criterion": "rel. L2 error vs fp32 reference module: fast_bf16 <= 2 * reference_bf16 + 1e-3",
+        "n_compared": len(rows),
+        "missing_grads": missing,
+        "output_rel_err": {"fast_bf16": rows["output"][0], "reference_bf16": rows["output"][1]},
+        "input_grad_rel_err": {"fast_bf16": rows["input_grad"][0], "reference_bf16": rows["input_grad"][1]},
+        "worst": {"name": worst[0], "fast_bf16": worst[1][0], "reference_bf16": worst[1][1]},
+        "shapes": {"seq": s, "batch": b, "hidden": h},
+    }
+
+
+def time_layer(overrides, idx, mb, seq, iters, warmup=3) -> dict:
+    model, cfg = _build(overrides, torch.bfloat16)
+    model.train()
+    layer = model.decoder.layers[idx]
+    h = int(cfg.model.hidden_size)
+    x = torch.randn(seq, mb, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(seq, mb, h, device="cuda", dtype=torch.bfloat16)
+    mask = None
+
+    def step():
+        out = layer(x, attention_mask=mask)[0]
+        out.backward(g)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    res = {
+        "median_ms": times[len(times) // 2],
+        "min_ms": times[0],
+        "max_ms": times[-1],
+        "iters": iters,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "layer_params": sum(p.numel() for p in layer.parameters()),
+    }
+    del model, layer, x, g
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--mb", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="run only the numerics part on CPU (checks this script's logic; no timing, no JSON)")
+    ap.add_argument("--no-reference-timing", action="store_true",
+                    help="skip timing megatron's unfused attention / SequentialMLP (~2 s each, 80 GB peak)")
+    args = ap.parse_args()
+    if args.smoke_cpu:
+        global DEVICE
+        DEVICE = "cpu"
+        from nano_hybrid.config import compose
+        from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+
+        initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
+        res = {k: numerics(k) for k in ("attention", "moe")}
+        destroy_parallel()
+        print(json.dumps(res, indent=2))
+        return 0 if all(v["pass"] for v in res.values()) else 1
+    if not torch.cuda.is_available():
+        print("error: scripts/check_fast_modules_gpu.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from nano_hybrid.config import compose
+    from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+
+    out_dir = Path(os.environ.get("OUT", "benchmarks/results/h200"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
+    result = {
+        "script": "scripts/check_fast_modules_gpu.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "versions": _versions(),
+        "dtype": "bf16",
+        "numerics": {},
+        "timing": {},
+    }
+    for kind in ("attention", "moe"):
+        result["numerics"][kind] = numerics(kind)
+        print(f"numerics {kind}: {json.dumps(result['numerics'][kind]['output_rel_err'])} "
+              f"pass={result['numerics'][kind]['pass']}", flush=True)
+    nano = ["model=nano30b", "model.vocab_size=1024", f"model.seq_length={args.seq}"]
+    shapes = {"micro_batch": args.mb, "seq": args.seq, "hidden": 2688, "attention_heads": 32, "query_groups": 2,
+              "kv_channels": 128, "experts": 128, "topk": 6, "moe_ffn": 1856, "shared_expert_ffn": 3712}
+    result["timing"]["shapes"] = shapes
+    variants = [("attention", "sdpa", ["model.hybrid_override_pattern='*'", "model.attention_impl=sdpa"]),
+                ("moe", "grouped", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=grouped"])]
+    if not args.no_reference_timing:
+        variants += [("attention", "unfused", ["model.hybrid_override_pattern='*'", "model.attention_impl=unfused"]),
+                     ("moe", "sequential", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=sequential"])]
+    for kind, impl, ov in variants:
+        r = time_layer(nano + ov, 0, args.mb, args.seq, args.iters)
+        if impl in ("sdpa", "grouped"):
+            r["target_ms"] = TARGET_MS[kind]
+            r["meets_target"] = r["median_ms"] <= TARGET_MS[kind]
+        result["timing"][f"{kind}_{impl}"] = r
+        print(f"timing {kind} {impl}: {r['median_ms']:.2f} ms (peak {r['peak_mem_gb']:.1f} GB)", flush=True)
+    destroy_parallel()
+    path = out_dir / "fast_modules.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    ok = all(v["pass"] for v in result["numerics"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
