@@ -197,3 +197,31 @@ def test_tiny_model_fast_modules_match_reference_modules(mp):
         else:
             g = f_grads[n]
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_experts_bf16_on_gpu_match_sequential(mp):
+    """On GPU torch._grouped_mm runs the bf16 grouped GEMM; compare with SequentialMLP in bf16."""
+    seq, grp = _experts_pair(n_exp=8, hidden=128, ffn=192)
+    seq, grp = seq.cuda().bfloat16(), grp.cuda().bfloat16()
+    tpe = torch.tensor([40, 0, 17, 64, 3, 9, 30, 13], device="cuda")
+    x = torch.randn(int(tpe.sum()), 128, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(int(tpe.sum()), device="cuda")
+    outs = [m(x, tpe, probs)[0].float() for m in (seq, grp)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sdpa_bf16_on_gpu_matches_unfused(mp):
+    cfg = _cfg(num_query_groups=2, bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=False)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+    ref = DotProductAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs)
+    new = SDPAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs)
+    s, b = 256, 2
+    q = torch.randn(s, b, 4, 16, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(s, b, 2, 16, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(s, b, 2, 16, device="cuda", dtype=torch.bfloat16)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device="cuda"), 1)[None, None]
+    torch.testing.assert_close(new(q, k, v, mask).float(), ref(q, k, v, mask).float(), rtol=2e-2, atol=2e-2)

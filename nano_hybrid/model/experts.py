@@ -24,6 +24,7 @@ import torch
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
@@ -93,11 +94,13 @@ class GroupedGemmExperts(MegatronModule):
                 for e in range(num_local_experts):
                     config.init_method(self.weight1.data[e])
                     config.output_layer_init_method(self.weight2.data[e])
-        expert_parallel = self.ep_group.size() > 1
-        for w in (self.weight1, self.weight2):
-            # megatron's DDP reduces expert grads over the expert-data-parallel group
+        # the same attributes megatron's expert Column/RowParallelLinear weights carry (layers.py:886,
+        # :1209): allreduce=False makes DDP reduce expert grads over the expert-data-parallel group;
+        # the TP attributes mark the ffn axis as split over the expert-tensor-parallel group.
+        expert_parallel = config.expert_model_parallel_size > 1
+        for w, dim in ((self.weight1, 1), (self.weight2, 2)):
             setattr(w, "allreduce", not expert_parallel)
-            setattr(w, "tensor_model_parallel", self.tp_group.size() > 1)
+            set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=1)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
