@@ -34,6 +34,9 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
     Returns an un-wrapped ``megatron.core.models.mamba.MambaModel`` (no DDP / Float16Module).
     Its forward is megatron's: ``model(input_ids [b, s], position_ids [b, s], attention_mask, labels=...)``
     returning the per-token loss [b, s] when labels are given (logits [b, s, vocab] otherwise).
+    ``attention_mask``: a bool [1|b, 1, s, s] mask, True = masked (as GPTDataset yields). It is ignored by
+    ``attention_impl=sdpa`` (causal by construction) but required by ``unfused`` on CPU (megatron's
+    default causal mask is allocated on ``"cuda"``).
     """
     from megatron.core import parallel_state
     from megatron.core.models.mamba import MambaModel
