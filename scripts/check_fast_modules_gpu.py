@@ -171,6 +171,32 @@ def time_layer(overrides, idx, mb, seq, iters, warmup=3) -> dict:
     return res
 
 
+def _markdown(r: dict) -> str:
+    t = r["timing"]
+    sh = t["shapes"]
+    lines = [
+        f"# Attention and MoE layers, forward+backward ({r['gpu']}, {r['date']})",
+        "",
+        f"torch {r['versions']['torch']}, triton {r['versions']['triton']}, megatron-core "
+        f"{r['versions']['megatron_core']}; bf16, micro-batch {sh['micro_batch']}, seq {sh['seq']}, Nano dims; "
+        "`scripts/check_fast_modules_gpu.py` (CUDA events, median).",
+        "",
+        "| layer | implementation | ms | peak GB | target ms |",
+        "|---|---|---|---|---|",
+    ]
+    for key, v in t.items():
+        if key == "shapes":
+            continue
+        kind, impl = key.split("_", 1)
+        lines.append(f"| {kind} | {impl} | {v['median_ms']:.2f} | {v['peak_mem_gb']:.1f} | {v.get('target_ms', '')} |")
+    lines += ["", "Numerics (small shapes, bf16, rel. L2 error vs an fp32 run of megatron's module):", ""]
+    for kind, n in r["numerics"].items():
+        lines.append(f"- {kind}: pass={n['pass']}; output {n['output_rel_err']['fast_bf16']:.2e} "
+                     f"(megatron module in bf16: {n['output_rel_err']['reference_bf16']:.2e}); worst "
+                     f"{n['worst']['name']} {n['worst']['fast_bf16']:.2e} vs {n['worst']['reference_bf16']:.2e}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=10)
@@ -233,7 +259,8 @@ def main() -> int:
     destroy_parallel()
     path = out_dir / "fast_modules.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    (out_dir / "fast_modules.md").write_text(_markdown(result))
+    print(f"wrote {path} and fast_modules.md")
     ok = all(v["pass"] for v in result["numerics"].values())
     return 0 if ok else 1
 
