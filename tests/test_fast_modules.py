@@ -80,6 +80,20 @@ def test_sdpa_matches_unfused_dot_product_attention(mp, groups):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 
+def test_sdpa_explicit_mask_for_non_causal_mask_type(mp):
+    """With a non-causal mask type the megatron bool mask (True = masked) is honoured, as unfused does."""
+    cfg = _cfg()
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+    ref = DotProductAttention(cfg, 1, AttnMaskType.padding, "self", pg_collection=pgs)
+    new = SDPAttention(cfg, 1, AttnMaskType.padding, "self", pg_collection=pgs)
+    s, b = 20, 2
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(s, b, 4, 16, generator=g), torch.randn(s, b, 2, 16, generator=g), torch.randn(s, b, 2, 16, generator=g)
+    mask = torch.rand(b, 1, s, s, generator=g) < 0.3
+    mask[..., 0] = False  # every row keeps at least one key
+    torch.testing.assert_close(new(q, k, v, mask), ref(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
 def test_sdpa_rejects_unsupported_settings(mp):
     with pytest.raises(ValueError, match="context_parallel_size"):
         SDPAttention(_cfg(context_parallel_size=2), 1, AttnMaskType.causal, "self")
