@@ -155,12 +155,63 @@ def _uses_distributed_optimizer(optimizer) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in opts)
 
 
+def _init_empty_distrib_optimizer_state(optimizer) -> None:
+    """Give a fresh DistributedOptimizer the per-parameter state its ``state_dict()`` expects before a load.
+
+    megatron-core 0.16.1 without Apex/TE falls back to torch Adam, whose ``step`` lives in the per-parameter
+    state; ``DistributedOptimizer.state_dict()`` asserts one common step (distrib_optimizer.py:642) and fails
+    on an optimizer that has not stepped yet. Zero ``exp_avg``/``exp_avg_sq`` (megatron's own ``init_state_fn``)
+    and ``step`` are placeholders that the checkpoint load overwrites in place.
+    """
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for o in opts:
+        if not isinstance(o, DistributedOptimizer) or o.init_state_fn is None:
+            continue
+        inner = o.optimizer
+        if any(len(inner.state[p]) for g in inner.param_groups for p in g["params"]):
+            continue
+        o.init_state_fn(inner, o.config)
+        for g in inner.param_groups:
+            for p in g["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Set every parameter's own Adam ``step`` from the loaded param-group step after a DistributedOptimizer load.
+
+    Without Apex/TE (torch Adam keeps ``step`` per parameter), ``DistributedOptimizer.load_state_dict``
+    (megatron-core 0.16.1, distrib_optimizer.py:818-823, 939-940) leaves the placeholder step of a fresh
+    optimizer in place or one step tensor shared by all parameters, which torch Adam then increments once
+    per parameter: the bias correction after a resume is wrong and the run drifts from the uninterrupted
+    one. The checkpointed step is in each param group (``param_group["step"]``, written by ``state_dict()``).
+    """
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for o in opts:
+        if not isinstance(o, DistributedOptimizer):
+            continue
+        for group in o.optimizer.param_groups:
+            if group.get("step") is None:
+                continue  # Apex/TE fused Adam: the step lives in the param group itself
+            for p in group["params"]:
+                st = o.optimizer.state.get(p)
+                if st and isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = torch.tensor(float(group["step"]), dtype=st["step"].dtype)
+
+
 def _optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool) -> dict:
     if not hasattr(optimizer, "sharded_state_dict"):
         raise CheckpointError(
             f"optimizer {type(optimizer).__name__} has no sharded_state_dict(): checkpointing needs a "
             "megatron-core optimizer (megatron.core.optimizer.get_megatron_optimizer)"
         )
+    if is_loading:
+        _init_empty_distrib_optimizer_state(optimizer)
     metadata = {"distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING}
     msd = model_sd["model"] if "model" in model_sd else model_sd
     return optimizer.sharded_state_dict(msd, is_loading=is_loading, metadata=metadata)
@@ -452,6 +503,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, *, 
     if optimizer is not None:
         with torch.no_grad():  # dp_reshardable load copies into leaf views (megatron_core_cpu_notes.md, 5c)
             optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
     if scheduler is not None:
         if "scheduler" not in loaded:
             raise CheckpointError(f"{path}: checkpoint has no scheduler state")
