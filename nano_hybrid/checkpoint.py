@@ -12,7 +12,8 @@ Layout of ``checkpoint.dir``::
 
 A checkpoint is complete only once ``nano_hybrid_checkpoint.json`` exists; it is written by rank 0 after
 every rank has finished writing, then the tracker is replaced. A crash at any point before leaves the
-previous checkpoint as the one that loads. Incomplete directories are removed on the next load/save.
+previous checkpoint as the one that loads. Incomplete directories are removed at the next start
+(``checkpoint.load=auto``).
 
 Before touching dist_checkpointing, a resume compares the saved ``nano_hybrid_checkpoint.json`` with
 the current model (every tensor's global shape, so vocab and layer pattern too) and parallel layout,
@@ -145,14 +146,19 @@ def parallel_layout() -> dict[str, int]:
     }
 
 
-def _uses_distributed_optimizer(optimizer) -> bool:
+def _distrib_optimizers(optimizer) -> list:
+    """The megatron DistributedOptimizer instances inside ``optimizer`` (a ChainedOptimizer or a single one)."""
     if optimizer is None:
-        return False
+        return []
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    return any(isinstance(o, DistributedOptimizer) for o in opts)
+    return [o for o in opts if isinstance(o, DistributedOptimizer)]
+
+
+def _uses_distributed_optimizer(optimizer) -> bool:
+    return bool(_distrib_optimizers(optimizer))
 
 
 def _init_empty_distrib_optimizer_state(optimizer) -> None:
@@ -163,12 +169,8 @@ def _init_empty_distrib_optimizer_state(optimizer) -> None:
     on an optimizer that has not stepped yet. Zero ``exp_avg``/``exp_avg_sq`` (megatron's own ``init_state_fn``)
     and ``step`` are placeholders that the checkpoint load overwrites in place.
     """
-    from megatron.core.optimizer import ChainedOptimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    for o in opts:
-        if not isinstance(o, DistributedOptimizer) or o.init_state_fn is None:
+    for o in _distrib_optimizers(optimizer):
+        if o.init_state_fn is None:
             continue
         inner = o.optimizer
         if any(len(inner.state[p]) for g in inner.param_groups for p in g["params"]):
@@ -188,13 +190,7 @@ def _restore_adam_steps(optimizer) -> None:
     per parameter: the bias correction after a resume is wrong and the run drifts from the uninterrupted
     one. The checkpointed step is in each param group (``param_group["step"]``, written by ``state_dict()``).
     """
-    from megatron.core.optimizer import ChainedOptimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    for o in opts:
-        if not isinstance(o, DistributedOptimizer):
-            continue
+    for o in _distrib_optimizers(optimizer):
         for group in o.optimizer.param_groups:
             if group.get("step") is None:
                 continue  # Apex/TE fused Adam: the step lives in the param group itself
@@ -435,6 +431,7 @@ def save_checkpoint(
     _barrier()
 
     if _rank() == 0:
+        dist_opt = _uses_distributed_optimizer(optimizer)
         meta = {
             "format": FORMAT,
             "iteration": step,
@@ -444,8 +441,8 @@ def save_checkpoint(
             "model_signature": model_signature(model),
             "parallel": parallel_layout(),
             "has_optimizer": optimizer is not None,
-            "distributed_optimizer": _uses_distributed_optimizer(optimizer),
-            "distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING if _uses_distributed_optimizer(optimizer) else None,
+            "distributed_optimizer": dist_opt,
+            "distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING if dist_opt else None,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "torch": torch.__version__,
         }

@@ -19,6 +19,6 @@ timeout "${TRAIN_S:-170}" python3 -m nano_hybrid.train model=nano30b_slice kerne
   train.precision=bf16 train.device=cuda train.log_interval=10 train.exit_after_minutes=$(python3 -c "print(round((${TRAIN_S:-170}-40)/60,2))") \
   checkpoint.interval=0 checkpoint.save_on_exit=false checkpoint.load=none logger.wandb.mode=disabled \
   run_dir="$R/train_nano30b_slice_mamba_ssm" > "$R/train.log" 2>&1; echo "train rc=$?"; tail -4 "$R/train.log"
-tar czf "$OUT/results.tgz" -C "$R" . kernels 2>/dev/null || tar czf "$OUT/results.tgz" -C "$R" .
-cp -r kernels/configs "$R/configs_after" 2>/dev/null; tar czf "$OUT/results.tgz" -C "$R" .
+cp -r kernels/configs "$R/configs_after" 2>/dev/null
+tar czf "$OUT/results.tgz" -C "$R" .
 ls -la "$OUT"
