@@ -90,6 +90,10 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
             share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
             position_embedding_type=m.get("position_embedding_type", "none"),
         )
+    if device.type == "cuda":
+        # Some megatron-core local modules (e.g. the torch-norm wrappers) allocate without a device
+        # argument; like Megatron-LM's get_model(), move the whole module to the current GPU.
+        model.cuda(torch.cuda.current_device())
     return model
 
 
