@@ -100,6 +100,36 @@ def _atomic_write_text(path: Path, text: str) -> None:
         os.close(dfd)
 
 
+def _ignore_stop_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _start_checkpoint_writer_queue() -> None:
+    """Start dist_checkpointing's result-queue manager process now, immune to SIGTERM/SIGINT.
+
+    megatron-core's checkpoint writer (dist_checkpointing/strategies/filesystem_async.py:51-56) sends its
+    results through a ``multiprocessing`` Manager queue whose server process it spawns on the first save and
+    caches in the module global ``_results_queue``. Slurm, ``timeout`` and Ctrl-C signal the whole process
+    group, so that server died with the trainer's SIGTERM/SIGINT and the final save failed with
+    BrokenPipeError. Started here, before any stop signal can arrive, with those signals ignored, it lives
+    until the trainer exits (the manager is shut down at interpreter exit).
+    """
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=mp.get_context("spawn"))  # what filesystem_async does, plus the initializer
+        manager.start(initializer=_ignore_stop_signals)
+        filesystem_async._results_queue = manager.Queue()
+        _WRITER_MANAGER.append(manager)  # keep the server alive as long as the queue is used
+
+
+_WRITER_MANAGER: list = []
+
+
 def _unwrap(model):
     from megatron.core.utils import unwrap_model
 
@@ -548,6 +578,7 @@ class Checkpointer:
         if self.interval < 0 or self.keep_last < 0:
             raise CheckpointError(f"checkpoint.interval ({self.interval}) and keep_last ({self.keep_last}) must be >= 0")
         self.last_saved_step: int | None = None
+        _start_checkpoint_writer_queue()
         self._located = False
         self.load_path: Path | None = None
         self.load_meta: dict | None = None

@@ -161,21 +161,23 @@ def test_wandb_offline_resume_keeps_run_id(runs):
 def test_sigterm_saves_and_exits_zero_then_resume_continues(tmp_path):
     run = tmp_path / "C"
 
-    def sigterm_after_two_steps(proc):
+    def sigterm_after_a_periodic_save(proc):
+        # after the step-2 checkpoint: its writer's manager process exists when the signal arrives
         deadline = time.monotonic() + 240
         m = run / "metrics.jsonl"
         while time.monotonic() < deadline and proc.poll() is None:
-            if m.is_file() and len(m.read_text().splitlines()) >= 2:
+            if m.is_file() and len(m.read_text().splitlines()) >= 3:
                 break
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)  # the whole process group, as Slurm, `timeout` and Ctrl-C do
 
-    p = train(run, "train.train_iters=500", "checkpoint.interval=0", on_start=sigterm_after_two_steps)
+    p = train(run, "train.train_iters=500", "checkpoint.interval=2", "checkpoint.keep_last=1",
+              on_start=sigterm_after_a_periodic_save)
     out = p.stdout
     _assert_ok(p)
     assert "got SIGTERM" in out
     k = records(run)[-1]["step"]
-    assert 2 <= k < 500
+    assert 3 <= k < 500
     assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(k)
     # resume under a time limit that has already passed: one step, save, exit 0
     p = train(run, "train.train_iters=500", "checkpoint.interval=0", "train.exit_after_minutes=0.0001")
