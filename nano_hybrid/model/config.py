@@ -121,8 +121,9 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
         perform_initialization=device.type != "meta",
         # bias_dropout_fusion uses torch.compile (megatron/core/jit.py): 16 s first step on CPU.
         bias_dropout_fusion=on_cuda,
-        # the fused masked-softmax kernel is CUDA-only (used by attention_impl=unfused)
-        masked_softmax_fusion=on_cuda,
+        # megatron's fused masked softmax needs the scaled_masked_softmax_cuda extension (Apex/TE builds),
+        # which this recipe does not require: the unfused attention path uses torch softmax.
+        masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=int(p.tensor_model_parallel_size),
