@@ -1,0 +1,72 @@
+"""Bad input fails before any work with one ``error: ...`` line and exit code 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nano_hybrid.train import EXIT_BAD_INPUT, main
+
+REPO = Path(__file__).resolve().parent.parent
+
+CASES = [
+    (["train.no_such_key=1"], "bad config override"),
+    (["model=no_such_model"], "bad config override"),
+    (["recipe=no_such_recipe"], "unknown recipe"),
+    (["--lr", "1"], "unexpected option"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size=0 must be a positive integer"),
+    (["train.train_iters=abc"], "train.train_iters='abc' must be a positive integer"),
+    (["train.micro_batch_size=4", "train.global_batch_size=6"], "train.global_batch_size=6 must be a multiple"),
+    (["train.seq_length=100000"], "exceeds model.seq_length"),
+    (["train.device=tpu"], "train.device='tpu'"),
+    (["optim.decay_style=step"], "optim.decay_style='step'"),
+    (["optim.min_lr=1.0"], "optim.min_lr=1.0 must be in"),
+    (["optim.warmup_iters=1000"], "optim.warmup_iters=1000"),
+    (["logger.wandb.mode=cloud"], "logger.wandb.mode='cloud'"),
+    (["data.kind=parquet"], "data.kind must be"),
+    (["data.tokenizer=gpt2"], "unknown tokenizer"),
+    (["model.vocab_size=128"], "model.vocab_size=128 is smaller"),
+    (["data.paths=[/nonexistent/corpus]", "data.prepare_if_missing=null"], "data path not found: /nonexistent/corpus.bin/.idx"),
+    (["data.paths=[/nonexistent/corpus]", "data.prepare_if_missing=web"], "data.prepare_if_missing='web'"),
+    (["kernels.backend=cudnn"], "cudnn"),
+    (["parallel=tp2"], "world"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_fails_before_work(overrides, message, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    rc = main([*overrides, f"run_dir={run_dir}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == EXIT_BAD_INPUT
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert message in err[0], err[0]
+    assert not run_dir.exists()  # nothing was started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only checks")
+@pytest.mark.parametrize(
+    "overrides,message",
+    [(["kernels.backend=mamba_ssm"], "mamba"), (["train.precision=bf16"], "needs a CUDA device"),
+     (["train.device=cuda"], "no CUDA GPU")],
+)
+def test_gpu_only_settings_on_cpu(overrides, message, tmp_path, capsys):
+    rc = main([*overrides, f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == EXIT_BAD_INPUT and len(err) == 1 and message in err[0], err
+
+
+def test_command_line_exit_code_and_single_line(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(
+        [sys.executable, "-m", "nano_hybrid.train", "data.paths=[/nonexistent/corpus]", "data.prepare_if_missing=null",
+         f"run_dir={tmp_path / 'run'}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert p.returncode == EXIT_BAD_INPUT
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: data path not found: /nonexistent/corpus.bin/.idx"], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not (tmp_path / "run").exists()
