@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -82,7 +82,7 @@ class RunPlan:
     backend_name: str
     data: DataSpec
     seq_length: int
-    extras: dict = field(default_factory=dict)
+    tokenizer: Any
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -209,7 +209,7 @@ def validate(cfg: DictConfig) -> RunPlan:
         backend_name=backend.name,
         data=spec,
         seq_length=seq,
-        extras={"tokenizer": tokenizer, "backend": backend},
+        tokenizer=tokenizer,
     )
 
 
@@ -256,7 +256,7 @@ def build_dataset(plan: RunPlan, cfg: DictConfig):
     import torch.distributed as dist
 
     num_samples = int(cfg.train.train_iters) * int(cfg.train.global_batch_size)
-    args = (plan.data, plan.extras["tokenizer"], plan.seq_length, num_samples, int(cfg.seed))
+    args = (plan.data, plan.tokenizer, plan.seq_length, num_samples, int(cfg.seed))
     dataset = build_train_dataset(*args) if plan.rank == 0 else None
     if dist.is_initialized():
         dist.barrier()
