@@ -9,16 +9,21 @@ and runs the Helion backward of ``kernels/ssd_helion_bwd.py``.
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
 runs as its own module); those raise NotImplementedError here.
 
-The conv1d (fwd recompute and bwd) currently runs through torch ops (``causal_conv1d_ref`` +
-autograd, no big tensor kept past the backward); it is meant to be replaced by the Helion conv
-kernels of ``kernels/causal_conv1d.py`` once they exist (see the module's ``_conv_*`` helpers).
+Everything runs on Helion kernels (conv1d fwd/bwd of ``kernels/causal_conv1d.py``, the SSD
+forward pieces and backward). Around them the op only takes views: z, xBC, dt are strided slices of
+zxbcdt and x, B, C slices of the conv output, passed to the kernels as they are (no ``.contiguous()``
+copies, no fp32 casts); the backward allocates d_zxbcdt once and the kernels write dz, dxBC (conv
+backward) and ddt straight into its slices, as mamba-ssm does (no ``torch.cat``). What is left outside
+the kernels: the deterministic sums of per-program partials (dweight, dbias, dA, dD, ddt_bias) and the
+small mask/zero tensors of the SSD backward (``tests/test_mamba_split_helion.py::test_op_count_fused_path``
+prints the count).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.causal_conv1d import causal_conv1d_ref
+from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
 from kernels.ssd_helion import (
     ssd_bmm_chunk_helion,
@@ -30,19 +35,8 @@ from kernels.ssd_helion_bwd import ssd_backward_helion
 
 
 def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Tensor:
-    """xBC (b, l, d) -> act(conv(xBC)) (b, l, d)."""
-    return causal_conv1d_ref(xBC.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation=activation).transpose(1, 2)
-
-
-def _conv_bwd(xBC, weight, bias, seq_idx, activation, dout):
-    """Gradients (dxBC, dweight, dbias) of ``_conv_fwd`` for upstream ``dout`` (b, l, d)."""
-    with torch.enable_grad():
-        xi = xBC.detach().requires_grad_(True)
-        wi = weight.detach().requires_grad_(True)
-        bi = None if bias is None else bias.detach().requires_grad_(True)
-        y = _conv_fwd(xi, wi, bi, seq_idx, activation)
-        grads = torch.autograd.grad(y, [xi, wi] + ([bi] if bi is not None else []), dout)
-    return grads[0], grads[1], (grads[2] if bi is not None else None)
+    """xBC (b, l, d) (a strided zxbcdt slice) -> act(conv(xBC)) (b, l, d) contiguous (Helion kernel)."""
+    return causal_conv1d_fwd_helion(xBC.transpose(1, 2), weight, bias, seq_idx, activation).transpose(1, 2)
 
 
 class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
@@ -75,8 +69,11 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         nheads, headdim, dim, dstate, ngroups, chunk_size = ctx.dims
         dfinal = args[0] if ctx.return_final_states else None
         b, l, _ = zxbcdt.shape
-        z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation)
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        splits = [dim, dim + 2 * ngroups * dstate, nheads]
+        z, xBC, dt = torch.split(zxbcdt, splits, dim=-1)
+        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation)  # recompute
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         x = x.reshape(b, l, nheads, headdim)
         B = B.reshape(b, l, ngroups, dstate)
@@ -86,16 +83,22 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         states_in, _ = ssd_chunk_state_passing_helion(B, x, dt_out, dA_cumsum, initial_states=initial_states,
                                                       seq_idx=seq_idx, state_dtype=torch.float32)
         CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx)
+        # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
+        dzxbcdt = torch.empty_like(zxbcdt)
+        dz, dxBC_given, ddt = torch.split(dzxbcdt, splits, dim=-1)
+        dxBC = torch.empty_like(xBC_conv)  # grad of the conv output (x | B | C), fed to the conv bwd
+        dx, dB, dC = torch.split(dxBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         g = ssd_backward_helion(
             dout.reshape(b, l, nheads, headdim), x, z.reshape(b, l, nheads, headdim), out_x, dt, A, B, C, D, dt_bias,
             dt_out, dA_cumsum, states_in, CB, chunk_size, seq_idx=seq_idx, dfinal_states=dfinal, dt_softplus=True,
             dt_limit=ctx.dt_limit, return_dinitial_states=initial_states is not None,
+            out=dict(dx=dx.reshape(b, l, nheads, headdim), dz=dz.reshape(b, l, nheads, headdim),
+                     dB=dB.reshape(b, l, ngroups, dstate), dC=dC.reshape(b, l, ngroups, dstate), ddt=ddt),
         )
-        del states_in, CB, dt_out, dA_cumsum
-        dxBC_conv = torch.cat([g["dx"].reshape(b, l, dim), g["dB"].reshape(b, l, -1).to(x.dtype),
-                               g["dC"].reshape(b, l, -1).to(x.dtype)], dim=-1)
-        dxBC, dweight, dbias = _conv_bwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation, dxBC_conv)
-        dzxbcdt = torch.cat([g["dz"].reshape(b, l, dim), dxBC.to(zxbcdt.dtype), g["ddt"].to(zxbcdt.dtype)], dim=-1)
+        del states_in, CB, dt_out, dA_cumsum, xBC_conv
+        _, dweight, dbias = causal_conv1d_bwd_helion(
+            xBC.transpose(1, 2), conv1d_weight, conv1d_bias, dxBC.transpose(1, 2), seq_idx, ctx.activation,
+            dx=dxBC_given.transpose(1, 2))
         return (dzxbcdt, dweight, dbias, g["ddt_bias"], g["dA"], g["dD"], None, g["dinitial_states"], None, None,
                 None, None, None, None)
 

@@ -20,6 +20,8 @@ dtypes follow mamba-ssm: dt_out, dA_cumsum, per-chunk states, CB and final_state
 C.dtype, exactly as ``_mamba_chunk_scan_combined_fwd`` does (chunk_scan casts it to C.dtype
 before its GEMM anyway). Pass ``state_dtype=torch.float32`` to keep it in fp32.
 
+Inputs may be strided views (x/B/C slices of the conv output, z/dt slices of zxbcdt): the kernels
+read them in place, the wrappers copy nothing (only the fp32 intermediates are produced contiguous).
 Sequence lengths that are not a multiple of the chunk size are padded internally to nc * c
 (padded positions get dt = 0, so they change no state; padded output rows are dropped).
 ``chunk_size`` must be a power of two (Megatron uses 128).
@@ -411,7 +413,7 @@ def ssd_chunk_cumsum_helion(
     if dt_bias is not None and dt_bias.shape != (h,):
         raise ValueError(f"dt_bias must be ({h},), got {tuple(dt_bias.shape)}")
     nc = math.ceil(l / chunk_size)
-    dtp = _pad_seq(dt, nc * chunk_size).contiguous()
+    dtp = _pad_seq(dt, nc * chunk_size)  # strided zxbcdt slices are read in place
     dims = dict(b=b, l=l, h=h, c=chunk_size)
     return _run(
         "ssd_chunk_cumsum", dims, [h],
@@ -450,7 +452,7 @@ def ssd_chunk_state_helion(
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     return _run(
         "ssd_chunk_state", dims, [p, n, c],
-        (_pad_seq(B, L).contiguous(), _pad_seq(x, L).contiguous(), dt.contiguous(), dA_cumsum.contiguous(),
+        (_pad_seq(B, L), _pad_seq(x, L), dt.contiguous(), dA_cumsum.contiguous(),
          _pad_seq_idx(seq_idx, L)),
         config,
     )
@@ -516,7 +518,7 @@ def ssd_chunk_state_passing_helion(
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     return _run(
         "ssd_chunk_state_passing", dims, [p, n, c],
-        (_pad_seq(B, L).contiguous(), _pad_seq(x, L).contiguous(), dt.contiguous(), dA_cumsum.contiguous(),
+        (_pad_seq(B, L), _pad_seq(x, L), dt.contiguous(), dA_cumsum.contiguous(),
          _contig(initial_states), sidx, _seq_end(sidx, c), like),
         config,
     )
@@ -538,7 +540,7 @@ def ssd_bmm_chunk_helion(
     L = nc * chunk_size
     return _run(
         "ssd_bmm_chunk", dict(b=b, l=L, g=g, n=n, c=chunk_size), [chunk_size, chunk_size, n],
-        (_pad_seq(C, L).contiguous(), _pad_seq(B, L).contiguous(), _pad_seq_idx(seq_idx, L), chunk_size),
+        (_pad_seq(C, L), _pad_seq(B, L), _pad_seq_idx(seq_idx, L), chunk_size),
         config,
     )
 
@@ -574,8 +576,8 @@ def ssd_chunk_scan_helion(
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     out, out_x = _run(
         "ssd_chunk_scan", dims, [c, p, c],
-        (CB.contiguous(), _pad_seq(x, L).contiguous(), dt.contiguous(), dA_cumsum.contiguous(), _pad_seq(C, L).contiguous(),
-         states_in.contiguous(), D2, _contig(_pad_seq(z, L)), sidx, _seq_end(sidx, c)),
+        (CB.contiguous(), _pad_seq(x, L), dt.contiguous(), dA_cumsum.contiguous(), _pad_seq(C, L),
+         states_in.contiguous(), D2, _pad_seq(z, L), sidx, _seq_end(sidx, c)),
         config,
     )
     if L != l:

@@ -68,12 +68,12 @@ def ssd_bwd_dz_dstates(
     C: torch.Tensor,  # (b, nc, c, g, n)
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     prev_keep: torch.Tensor,  # (b, nc, c) fp32: 1 where the token continues the sequence carried in
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dz: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view, e.g. of dzxbcdt)
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, nc, c, h, p = dout.shape
     g = C.shape[3]
     n = C.shape[4]
     hpg = h // g
-    dz = torch.empty_like(z)
     dout_x = torch.empty_like(dout)
     dstates = torch.empty([b, nc, h, p, n], dtype=torch.float32, device=dout.device)
     bk = hl.register_block_size(16, 128)
@@ -93,7 +93,7 @@ def ssd_bwd_dz_dstates(
             cs = (C[ib, ic, tt, ig, :].to(torch.float32) * scale[:, None]).to(C.dtype)
             acc = hl.dot(dox_c.T, cs, acc=acc)
         dstates[ib, ic, ih, :, :] = acc
-    return dz, dout_x, dstates
+    return dout_x, dstates
 
 
 @helion.kernel(static_shapes=True)
@@ -131,11 +131,11 @@ def ssd_bwd_dx(
     dL: torch.Tensor,  # (b, nc, h, p, n) fp32: gradient of the chunk's local state
     last_keep: torch.Tensor,  # (b, nc, c) fp32: 1 where the token is in the chunk's last sequence
     Dw: torch.Tensor,  # (h, p) fp32 (zeros when there is no D)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     b, nc, c, h, p = x.shape
     g = B.shape[3]
     hpg = h // g
-    dx = torch.empty_like(x)
     ddt = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
     ddacs_row = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
     ddacs_col = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
@@ -174,7 +174,7 @@ def ssd_bwd_dx(
         last = (hl.arange(c) == c - 1).to(torch.float32)
         ddacs_col[ib, ih, ic, :] = -col - st + last * torch.sum(st, dim=0)
         dD_part[ib, ic, ih, :] = torch.sum(dox_s * xf, dim=0)
-    return dx, ddt, ddacs_row, ddacs_col, dD_part
+    return ddt, ddacs_row, ddacs_col, dD_part
 
 
 @helion.kernel(static_shapes=True)
@@ -190,13 +190,13 @@ def ssd_bwd_dbc(
     same_seq: torch.Tensor,  # (b, nc, c, c) fp32: 1 where tokens t, s are in the same sequence
     prev_keep: torch.Tensor,  # (b, nc, c) fp32
     last_keep: torch.Tensor,  # (b, nc, c) fp32
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dB: torch.Tensor,  # (b, nc, c, g, n) written (may be a strided view)
+    dC: torch.Tensor,  # (b, nc, c, g, n) written (may be a strided view)
+) -> torch.Tensor:
     b, nc, c, h, p = x.shape
     g = B.shape[3]
     n = B.shape[4]
     hpg = h // g
-    dB = torch.empty_like(B)
-    dC = torch.empty_like(C)
     ddacs_prev = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
     bk = hl.register_block_size(16, 128)
     for ib, ic, ig in hl.grid([b, nc, g]):
@@ -234,7 +234,7 @@ def ssd_bwd_dbc(
             dC[ib, ic, tt, ig, :] = dc.to(dC.dtype)
             db = hl.dot(dcb_c.T, C[ib, ic, tt, ig, :], acc=db)
         dB[ib, ic, :, ig, :] = db.to(dB.dtype)
-    return dB, dC, ddacs_prev
+    return ddacs_prev
 
 
 @helion.kernel(static_shapes=True)
@@ -245,15 +245,16 @@ def ssd_bwd_dt(
     ddA_chunk: torch.Tensor,  # (b, h, nc): gradient of dA_cumsum[..., -1] from state passing
     ddt_in: torch.Tensor,  # (b, h, nc, c): gradient of dt_out
     dt_out: torch.Tensor,  # (b, h, nc, c): dt after softplus/clamp (0 in padding)
-    dt_raw: torch.Tensor,  # (b, nc, c, h): dt + dt_bias before softplus
-    valid: torch.Tensor,  # (b, nc, c) fp32: 1 for tokens < seqlen
-    A: torch.Tensor,  # (h,) fp32
+    dt_in: torch.Tensor,  # (b, nc, c, h) any float dtype: dt before bias/softplus (a zxbcdt view)
+    dt_bias: torch.Tensor | None,  # (h,)
+    A: torch.Tensor,  # (h,)
+    ddt_raw: torch.Tensor,  # (b, nc, c, h) written, any float dtype (e.g. the dt slice of dzxbcdt)
+    seqlen: int,
     dt_min: float,
     dt_max: float,
     softplus: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, nc, c = ddacs_row.shape
-    ddt_raw = torch.empty([b, nc, c, h], dtype=torch.float32, device=ddacs_row.device)
     dA_part = torch.empty([b, nc, h], dtype=torch.float32, device=ddacs_row.device)
     ddtb_part = torch.empty([b, nc, h], dtype=torch.float32, device=ddacs_row.device)
     for ib, ic, ih in hl.grid([b, nc, h]):
@@ -264,18 +265,20 @@ def ssd_bwd_dt(
         ddA = torch.sum(g, dim=0) - hl.cumsum(g, dim=0) + g
         d = dt_out[ib, ih, ic, :]
         dA_part[ib, ic, ih] = torch.sum(ddA * d, dim=0)
-        gdt = ddt_in[ib, ih, ic, :] + ddA * A[ih]
-        pre = dt_raw[ib, ic, :, ih]
+        gdt = ddt_in[ib, ih, ic, :] + ddA * A[ih].to(torch.float32)
+        pre = dt_in[ib, ic, :, ih].to(torch.float32)
+        if dt_bias is not None:
+            pre = pre + dt_bias[ih].to(torch.float32)
         if softplus:
             sp = torch.where(pre <= 20.0, torch.log1p(torch.exp(pre)), pre)
             gdt = torch.where((sp < dt_min) | (sp > dt_max), 0.0, gdt)
             gdt = torch.where(pre <= 20.0, gdt * torch.sigmoid(pre), gdt)
         else:
             gdt = torch.where((pre < dt_min) | (pre > dt_max), 0.0, gdt)
-        gdt = gdt * valid[ib, ic, :]
-        ddt_raw[ib, ic, :, ih] = gdt
+        gdt = torch.where(ic * c + hl.arange(c) < seqlen, gdt, 0.0)  # padded tail tokens
+        ddt_raw[ib, ic, :, ih] = gdt.to(ddt_raw.dtype)
         ddtb_part[ib, ic, ih] = torch.sum(gdt, dim=0)
-    return ddt_raw, dA_part, ddtb_part
+    return dA_part, ddtb_part
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,14 +327,13 @@ def _state_split(dim: int) -> int:
 
 
 def seq_masks(seq_idx: torch.Tensor | None, b: int, l: int, nc: int, c: int, device) -> dict[str, torch.Tensor]:
-    """fp32 masks the kernels use: prev_keep/last_keep/valid (b, nc, c), same_seq (b, nc, c, c), keep (b, nc)."""
+    """fp32 masks the kernels use: prev_keep/last_keep (b, nc, c), same_seq (b, nc, c, c), keep (b, nc)."""
     L = nc * c
-    valid = (torch.arange(L, device=device) < l).to(torch.float32).view(1, nc, c).expand(b, nc, c).contiguous()
     if seq_idx is None:
         ones = torch.ones(b, nc, c, dtype=torch.float32, device=device)
-        return dict(prev_keep=ones, last_keep=ones, valid=valid,
+        return dict(prev_keep=ones, last_keep=ones,
                     same_seq=torch.ones(b, nc, c, c, dtype=torch.float32, device=device),
-                    keep=torch.ones(b, nc, dtype=torch.float32, device=device))
+                    keep=ones[:, :, 0])
     if seq_idx.shape != (b, l):
         raise ValueError(f"seq_idx must be (batch, seqlen) = {(b, l)}, got {tuple(seq_idx.shape)}")
     s = seq_idx
@@ -342,23 +344,30 @@ def seq_masks(seq_idx: torch.Tensor | None, b: int, l: int, nc: int, c: int, dev
     return dict(
         prev_keep=(s == prev_end[:, :, None]).float(),
         last_keep=(s == s[:, :, -1:]).float(),
-        valid=valid,
         same_seq=(s[:, :, :, None] == s[:, :, None, :]).float(),
         keep=(s[:, :, -1] == prev_end).float(),
     )
 
 
+_OUT_SHAPES = {"dx": "x", "dz": "x", "dB": "B", "dC": "B", "ddt": "dt"}
+
+
 def ssd_backward_helion(
     dout, x, z, out_x, dt, A, B, C, D, dt_bias, dt_out, dA_cumsum, states_in, CB, chunk_size,
     seq_idx=None, dfinal_states=None, dt_softplus=True, dt_limit=(0.0, float("inf")),
-    return_dinitial_states=False,
+    return_dinitial_states=False, out=None,
 ):
     """Gradients of the SSD with z gating from recomputed forward pieces.
 
     dout/x/z/out_x (b, l, h, p); dt (b, l, h) before bias; B/C (b, l, g, n); D (h) / (h, p) / None;
     dt_out/dA_cumsum (b, h, nc, c); states_in (b, nc, h, p, n); CB (b, nc, g, c, c).
-    Returns dict: dx, dz (b,l,h,p), ddt (b,l,h) fp32, dA (h), dB, dC (b,l,g,n), dD (like D or None),
-    ddt_bias (h or None), dinitial_states (b,h,p,n fp32, or None).
+    All of x/z/dt/B/C may be strided views (e.g. slices of zxbcdt / of the conv output): nothing is copied.
+    ``out``: optional dict of preallocated result buffers {dx, dz (b,l,h,p), dB, dC (b,l,g,n),
+    ddt (b,l,h)} (strided views allowed, e.g. slices of dzxbcdt; ddt may be bf16): the kernels write
+    into them directly when seqlen is a multiple of chunk_size (otherwise the padded results are
+    copied in).
+    Returns dict: dx, dz (b,l,h,p), ddt (b,l,h) (fp32 unless given), dA (h), dB, dC (b,l,g,n),
+    dD (like D or None), ddt_bias (h or None), dinitial_states (b,h,p,n fp32, or None).
     """
     if z is None:
         raise NotImplementedError("ssd_backward_helion needs z (Megatron's path always gates with z)")
@@ -372,21 +381,37 @@ def ssd_backward_helion(
     if dt_out.shape != (b, h, nc, c) or states_in.shape != (b, nc, h, p, n) or CB.shape != (b, nc, g, c, c):
         raise ValueError("ssd_backward_helion: forward pieces have unexpected shapes "
                          f"dt_out {tuple(dt_out.shape)}, states_in {tuple(states_in.shape)}, CB {tuple(CB.shape)}")
+    out = dict(out or {})
+    ref_shape = {"x": x.shape, "B": B.shape, "dt": dt.shape}
+    for k, v in out.items():
+        if k not in _OUT_SHAPES:
+            raise ValueError(f"ssd_backward_helion: unknown out buffer {k!r} (known: {sorted(_OUT_SHAPES)})")
+        if v.shape != ref_shape[_OUT_SHAPES[k]]:
+            raise ValueError(f"out[{k!r}] must be {tuple(ref_shape[_OUT_SHAPES[k]])}, got {tuple(v.shape)}")
     dev = x.device
     m = seq_masks(seq_idx, b, l, nc, c, dev)
-    xc, doc, zc, oxc, Bc, Cc = (_chunked(_pad_chunks(t, L), nc, c) for t in (x, dout, z, out_x, B, C))
+    xc, doc, zc, oxc, Bc, Cc, dtc = (_chunked(_pad_chunks(t, L), nc, c) for t in (x, dout, z, out_x, B, C, dt))
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     dA_cumsum = dA_cumsum.contiguous()
     dt_out = dt_out.contiguous()
     states_in = states_in.float().contiguous()
 
-    dzc, doxc, dstates = _call("ssd_bwd_dz_dstates", (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"]), dims)
+    def buf(name, like_c, dtype=None):
+        """Chunked (b, nc, c, ...) result buffer: the caller's when it can be written in place."""
+        given = out.get(name)
+        if given is not None and L == l:
+            return _chunked(given, nc, c)
+        return torch.empty(like_c.shape, dtype=dtype or (given.dtype if given is not None else like_c.dtype),
+                           device=dev)
+
+    dzc = buf("dz", zc)
+    doxc, dstates = _call("ssd_bwd_dz_dstates", (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"], dzc), dims)
 
     blk = _state_split(p * n)
     ns = p * n // blk
     dfin = (torch.zeros(b, h, p, n, dtype=torch.float32, device=dev) if dfinal_states is None
             else dfinal_states.float().contiguous())
-    dA_last = dA_cumsum[..., -1].contiguous()
+    dA_last = dA_cumsum[..., -1]  # strided view, read in place
     dL, ddA_part, dinit = _call(
         "ssd_bwd_state_passing",
         (dstates.view(b, nc, h, ns, blk), states_in.view(b, nc, h, ns, blk), dA_last, m["keep"],
@@ -398,33 +423,39 @@ def ssd_backward_helion(
     if D is None:
         Dw = torch.zeros(h, p, dtype=torch.float32, device=dev)
     elif D.dim() == 1:
-        Dw = D.float().view(h, 1).expand(h, p).contiguous()
+        Dw = D.float().view(h, 1).expand(h, p)  # stride-0 view, no copy
     else:
-        Dw = D.float().contiguous()
-    dxc, ddt_out, ddacs_row, ddacs_col, dD_part = _call(
-        "ssd_bwd_dx", (xc, doxc, Bc, CB, dt_out, dA_cumsum, dL, m["last_keep"], Dw), dims)
-    dBc, dCc, ddacs_prev = _call(
+        Dw = D.float()
+    dxc = buf("dx", xc)
+    ddt_out, ddacs_row, ddacs_col, dD_part = _call(
+        "ssd_bwd_dx", (xc, doxc, Bc, CB, dt_out, dA_cumsum, dL, m["last_keep"], Dw, dxc), dims)
+    dBc, dCc = buf("dB", Bc), buf("dC", Cc)
+    ddacs_prev = _call(
         "ssd_bwd_dbc", (xc, doxc, Bc, Cc, dt_out, dA_cumsum, states_in, dL, m["same_seq"], m["prev_keep"],
-                        m["last_keep"]), dims)
+                        m["last_keep"], dBc, dCc), dims)
 
-    dtr = dt.float() if dt_bias is None else dt.float() + dt_bias.float()
-    dtr = _chunked(_pad_chunks(dtr, L), nc, c).contiguous()
-    ddt_raw, dA_part, ddtb_part = _call(
+    ddtc = buf("ddt", dtc, dtype=torch.float32 if "ddt" not in out else None)
+    dA_part, ddtb_part = _call(
         "ssd_bwd_dt",
-        (ddacs_row, ddacs_col, ddacs_prev, ddA_chunk.contiguous(), ddt_out, dt_out, dtr, m["valid"],
-         A.float().contiguous(), float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus)),
+        (ddacs_row, ddacs_col, ddacs_prev, ddA_chunk, ddt_out, dt_out, dtc, dt_bias, A, ddtc, l,
+         float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus)),
         dims)
 
-    def unchunk(t):
-        return t.reshape(b, L, *t.shape[3:])[:, :l]
+    def result(name, tc):
+        t = tc.reshape(b, L, *tc.shape[3:])[:, :l]
+        given = out.get(name)
+        if given is None:
+            return t
+        if L != l:
+            given.copy_(t)
+        return given
 
     dD = None
     if D is not None:
-        dDf = dD_part.sum(dim=(0, 1))
-        dD = (dDf.sum(-1) if D.dim() == 1 else dDf).to(D.dtype)
+        dD = dD_part.sum(dim=(0, 1, 3) if D.dim() == 1 else (0, 1)).to(D.dtype)
     return dict(
-        dx=unchunk(dxc), dz=unchunk(dzc), ddt=unchunk(ddt_raw), dA=dA_part.sum(dim=(0, 1)).to(A.dtype),
-        dB=unchunk(dBc), dC=unchunk(dCc), dD=dD,
+        dx=result("dx", dxc), dz=result("dz", dzc), ddt=result("ddt", ddtc), dA=dA_part.sum(dim=(0, 1)).to(A.dtype),
+        dB=result("dB", dBc), dC=result("dC", dCc), dD=dD,
         ddt_bias=None if dt_bias is None else ddtb_part.sum(dim=(0, 1)).to(dt_bias.dtype),
         dinitial_states=dinit.view(b, h, p, n) if return_dinitial_states else None,
     )
@@ -449,7 +480,7 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
     kd = dict(b=b, l=nc * c, h=h, p=p, g=g, n=n, c=c)
     xs = (b, nc, c, h, p)
     if name == "ssd_bwd_dz_dstates":
-        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, ones), kd
+        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, ones, r(*xs)), kd
     if name == "ssd_bwd_state_passing":
         blk = _state_split(p * n)
         ns = p * n // blk
@@ -457,15 +488,20 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
                 torch.ones(b, nc, device=device), r(b, h, ns, blk, dtype=f32)), dict(kd, blk=blk)
     if name == "ssd_bwd_dx":
         return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, g, c, c, dtype=f32), dt, dac, r(b, nc, h, p, n, dtype=f32),
-                ones, r(h, p, dtype=f32)), kd
+                ones, r(h, p, dtype=f32), r(*xs)), kd
     if name == "ssd_bwd_dbc":
         return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n, dtype=f32),
-                r(b, nc, h, p, n, dtype=f32), torch.ones(b, nc, c, c, device=device), ones, ones), kd
+                r(b, nc, h, p, n, dtype=f32), torch.ones(b, nc, c, c, device=device), ones, ones, r(b, nc, c, g, n),
+                r(b, nc, c, g, n)), kd
     if name == "ssd_bwd_dt":
         q = lambda: r(b, h, nc, c, dtype=f32)  # noqa: E731
-        return (q(), q(), q(), r(b, h, nc, dtype=f32), q(), dt, r(b, nc, c, h, dtype=f32), ones,
-                -torch.rand(h, device=device), 0.0, float("inf"), True), kd
+        return (q(), q(), q(), r(b, h, nc, dtype=f32), q(), dt, r(b, nc, c, h), r(h, dtype=f32),
+                -torch.rand(h, device=device), r(b, nc, c, h), l, 0.0, float("inf"), True), kd
     raise KeyError(name)
+
+
+# argument positions of the result buffers each kernel writes (compared by the tuner)
+_OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dbc": (11, 12), "ssd_bwd_dt": (9,)}
 
 
 def _tune_builder(name: str):
@@ -474,8 +510,18 @@ def _tune_builder(name: str):
         has_blocks = bool(_DEFAULTS[name].config.get("block_sizes"))
         seeds = tuning.grid_seeds(block_sizes=_BLOCK_SEEDS, num_warps=[4, 8], num_stages=[1, 2, 3]) if has_blocks \
             else tuning.grid_seeds(num_warps=[1, 2, 4, 8], num_stages=[1, 2])
+        out_args = _OUT_ARGS.get(name, ())
+
+        def finalize(raw, a, idx=out_args):  # results written into argument buffers + returned ones
+            return tuple(a[i] for i in idx) + tuple(tuning._flatten_outputs(raw))
+
+        def prepare(a, idx=out_args):
+            for i in idx:
+                a[i].fill_(float("nan"))
+
         return tuning.TuneCase(kernel=_KERNELS[name], args=args, dims=kd, default=_DEFAULTS[name], seeds=seeds,
-                               atol=5e-2, rtol=5e-2, n_random=8)
+                               atol=5e-2, rtol=5e-2, n_random=8, finalize=finalize if out_args else None,
+                               prepare=prepare if out_args else None)
 
     return build
 

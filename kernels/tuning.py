@@ -358,8 +358,11 @@ def tuned_call(
     autotune_budget_s: float = 60.0,
     atol: float = 1e-2,
     rtol: float = 1e-2,
+    finalize: Callable[[Any, tuple], Any] | None = None,
+    prepare: Callable[[tuple], None] | None = None,
 ):
-    """What kernel wrappers call: committed config (or fallback), or a search if autotune is on."""
+    """What kernel wrappers call: committed config (or fallback), or a search if autotune is on.
+    ``finalize`` / ``prepare``: see ``search`` (kernels whose raw outputs depend on the config)."""
     if (
         _AUTOTUNE
         and not interpret_mode()
@@ -368,7 +371,8 @@ def tuned_call(
         and lookup(kernel_name, dims)[0] != "exact"
     ):
         cands = candidate_configs(kernel, args, seeds=seeds, n_random=16)
-        best, _ = search(kernel, args, cands, budget_s=autotune_budget_s, atol=atol, rtol=rtol)
+        best, _ = search(kernel, args, cands, budget_s=autotune_budget_s, atol=atol, rtol=rtol,
+                         finalize=finalize, prepare=prepare)
         _AUTOTUNED[(kernel_name, shape_key(**dims))] = best
     cfg = get_config(kernel_name, dims, default)
     return run_with_config(kernel, args, cfg)
@@ -390,6 +394,13 @@ class TuneCase:
     atol: float = 1e-2
     rtol: float = 1e-2
     n_random: int = 24
+    # (raw kernel outputs, args) -> the config-independent results the search compares, e.g. the
+    # summed dweight instead of per-program partials whose count depends on rows_per_program, plus
+    # outputs written into argument buffers. None: compare the raw outputs.
+    finalize: Callable[[Any, tuple], Any] | None = None
+    # args -> None, run before each candidate's checked run: poison output buffers passed as
+    # arguments (e.g. fill with NaN) so a candidate that leaves elements unwritten fails the check.
+    prepare: Callable[[tuple], None] | None = None
 
 
 def grid_seeds(**axes: Iterable[Any]) -> list[dict]:
@@ -469,6 +480,14 @@ def outputs_close(a, b, atol: float, rtol: float) -> tuple[bool, float]:
     return ok, worst
 
 
+def checked_outputs(fn: Callable, args: tuple, finalize=None, prepare=None):
+    """One checked run of a compiled candidate: ``prepare(args)``, run, ``finalize(out, args)``."""
+    if prepare is not None:
+        prepare(args)
+    out = fn(*args)
+    return out if finalize is None else finalize(out, args)
+
+
 def time_fn(fn: Callable[[], Any], rep_ms: float = 100.0) -> float:
     """Median milliseconds per call, measured on the GPU in-process."""
     try:
@@ -517,11 +536,15 @@ def search(
     rtol: float = 1e-2,
     reference: helion.Config | Mapping[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
+    finalize: Callable[[Any, tuple], Any] | None = None,
+    prepare: Callable[[tuple], None] | None = None,
 ) -> tuple[helion.Config, list[dict]]:
     """Compile, check and time each candidate; return ``(best_config, results)``.
 
     The reference output comes from ``reference`` (default: the bound kernel's default config) and
-    every candidate's output must match it within ``atol + rtol*|ref|``. ``results`` has one dict per
+    every candidate's output must match it within ``atol + rtol*|ref|``. With ``finalize``, the
+    compared values are ``finalize(raw_outputs, args)`` (config-independent results) for the
+    reference and every candidate; ``prepare(args)`` runs before each checked run. ``results`` has one dict per
     candidate tried: config, status ("ok", "compile_error", "run_error", "mismatch", "skipped_budget"),
     time_ms, max_abs_err, error. The budget is checked before each candidate; the reference is always
     run. A CUDA error that leaves the context unusable ends the search with the best so far.
@@ -532,7 +555,7 @@ def search(
     t0 = time.monotonic()
     args = tuple(args)
     ref_cfg = _as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
-    ref_out = compiled(kernel, args, ref_cfg)(*args)
+    ref_out = checked_outputs(compiled(kernel, args, ref_cfg), args, finalize, prepare)
     torch.cuda.synchronize()
     ref_out = [t.clone() for t in _flatten_outputs(ref_out)]
     results: list[dict] = []
@@ -552,7 +575,7 @@ def search(
             log(f"  [{i}] compile_error {r['error'][:120]}")
             continue
         try:
-            out = fn(*args)
+            out = checked_outputs(fn, args, finalize, prepare)
             torch.cuda.synchronize()
             ok, err = outputs_close(out, ref_out, atol, rtol)
             r["max_abs_err"] = err

@@ -7,6 +7,8 @@ shapes are ``kernels.tuning.SHAPE_PRESETS`` names. The budget is split evenly ov
 pairs. Candidates: the kernel's default config, its hand-written seeds (shuffled with a fixed seed),
 then random configs from the bound kernel's config space; each is compiled as a fixed config,
 checked against the default config's output and timed in-process (``kernels.tuning.search``).
+Kernels whose raw outputs depend on the config (per-program partial sums of rmsnorm_bwd / conv1d_bwd)
+are compared on their final results (``TuneCase.finalize``: dx, dz, summed dweight/dbias).
 A JSON log with every candidate's outcome goes to $OUT (default benchmarks/results/h200).
 A failing (kernel, shape) is logged with its traceback and the next one still runs.
 """
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
                 cands.insert(1, tuning._as_config(case.default))
                 best, results = tuning.search(
                     case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
-                    log=lambda s: print(s, flush=True),
+                    log=lambda s: print(s, flush=True), finalize=case.finalize, prepare=case.prepare,
                 )
                 ok = [r for r in results if r["status"] == "ok"]
                 best_ms = min(r["time_ms"] for r in ok)

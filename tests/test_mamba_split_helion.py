@@ -111,3 +111,15 @@ def test_vs_mamba_ssm_nano_shape_bf16():
         e_m = ((m - r).norm() / r.norm()).item()
         e_h = ((hh - r).norm() / r.norm()).item()
         assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode op count (CPU)")
+def test_op_count_fused_path():
+    """aten ops outside the Helion kernels on the fused op's forward/backward (see tests/fused_op_counts.py)."""
+    from fused_op_counts import count
+
+    res = count()
+    for part in ("forward", "backward"):
+        r = res[part]
+        print(f"\n{part}: {r['n_work']} work ops, {r['n_alloc']} allocs, {r['n_view']} views, "
+              f"{r['n_helion']} Helion kernels\n  work: {r['work']}\n  helion: {r['helion']}")

@@ -131,8 +131,43 @@ def test_gpu_vs_mamba_ssm(m, n, gs, has_z, nbg):
     for name, a, b, r in zip(names, ours, theirs, ref):
         err_ours = (a.float() - r).abs().max().item()
         err_theirs = (b.float() - r).abs().max().item()
+        slack = 1e-3
         if name == "dw":
-            assert err_ours <= 1e-3 * r.abs().max().item() + 1e-2, (name, err_ours)
+            # dw is returned in the weight's dtype (bf16, as mamba-ssm does): rounding the fp32 sum to
+            # bf16 alone costs up to 2^-9..2^-8 of |dw| (measured on the H200: 0.2% of max|dw|, e.g.
+            # 0.99 at max 486). 8e-3 * max|dw| is 2x the worst-case bf16 rounding; the comparison with
+            # mamba-ssm (whose dw is rounded the same way) gets one bf16 ulp of slack for the same reason.
+            dw_max = r.abs().max().item()
+            assert err_ours <= 8e-3 * dw_max + 1e-2, (name, err_ours, dw_max)
+            slack = 2.0 ** -8 * dw_max
         else:
             torch.testing.assert_close(a.float(), r, atol=5e-2 if name != "y" else 2e-2, rtol=2e-2, msg=name)
-        assert err_ours <= 2 * err_theirs + 1e-3, f"{name}: helion err {err_ours} vs mamba-ssm {err_theirs}"
+        assert err_ours <= 2 * err_theirs + slack, f"{name}: helion err {err_ours} vs mamba-ssm {err_theirs}"
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+def test_tuner_compares_final_results_across_rows_per_program():
+    """scripts/tune_kernels.py checks every candidate against the reference config. The raw outputs of
+    the backward depend on the config (dw partials: cdiv(M, rows_per_program) rows; dz is never
+    written without z), so the TuneCase compares the final results (dx, summed dweight): two
+    different rows-per-program configs must pass the tuner's check, and their raw outputs must not."""
+    from kernels.rmsnorm_gated import TUNABLE_KERNELS
+
+    case = TUNABLE_KERNELS["rmsnorm_bwd"](dict(b=1, l=48, h=4, p=16, g=2, n=16), torch.device("cpu"))
+    assert case.finalize is not None
+    c1 = helion.Config(block_sizes=[4], num_warps=4, rows_per_program=4)
+    c2 = helion.Config(block_sizes=[2], num_warps=8, rows_per_program=32)
+    raw1 = tuning.run_with_config(case.kernel, case.args, c1)
+    raw2 = tuning.run_with_config(case.kernel, case.args, c2)
+    assert raw1[2].shape[0] == 12 and raw2[2].shape[0] == 2  # config-dependent partials
+    assert not tuning.outputs_close(raw2, raw1, case.atol, case.rtol)[0]
+    ref = [t.clone() for t in tuning._flatten_outputs(tuning.checked_outputs(
+        lambda *a: tuning.run_with_config(case.kernel, a, c1), case.args, case.finalize, case.prepare))]
+    got = tuning.checked_outputs(lambda *a: tuning.run_with_config(case.kernel, a, c2), case.args, case.finalize,
+                                 case.prepare)
+    ok, err = tuning.outputs_close(got, ref, case.atol, case.rtol)
+    assert ok, err
+    # the check still catches a wrong result
+    bad = list(got)
+    bad[-1] = bad[-1] + 1.0
+    assert not tuning.outputs_close(bad, ref, case.atol, case.rtol)[0]

@@ -154,3 +154,73 @@ def test_search_on_gpu_picks_a_correct_config():
     best, results = tuning.search(_scale_rows, (x,), cands, budget_s=60, rep=10)
     assert any(r["status"] == "ok" for r in results)
     torch.testing.assert_close(tuning.run_with_config(_scale_rows, (x,), best), x * 2)
+
+
+# Shape keys the wrappers compute at the Nano shape (b 2, l 8192, h 64, p 64, g 8, n 128, c 128, w 4; gated
+# norm over d_inner 4096 in groups of 512, z=None, norm_before_gate=False, bf16).
+_NANO_SSD = dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128)
+NANO_COMMITTED = {
+    "rmsnorm_bwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
+    "ssd_bmm_chunk": dict(b=2, l=8192, g=8, n=128, c=128),
+    "ssd_bwd_dbc": _NANO_SSD,
+    "ssd_bwd_dx": _NANO_SSD,
+    "ssd_bwd_dz_dstates": _NANO_SSD,
+    "ssd_chunk_cumsum": dict(b=2, l=8192, h=64, c=128),
+    "ssd_chunk_scan": _NANO_SSD,
+    "ssd_chunk_state_passing": _NANO_SSD,
+}
+NANO_UNTUNED = {
+    "conv1d_fwd": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
+    "conv1d_bwd": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
+    "rmsnorm_fwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
+}
+
+
+def test_committed_sm90_configs_resolve_at_nano_shape():
+    """Every committed kernels/configs/sm90 file has an exact entry at the Nano shape key the wrapper
+    computes, and get_config returns it as a helion.Config for arch sm90 without any warning."""
+    files = sorted(p.stem for p in (tuning.CONFIG_ROOT / "sm90").glob("*.json"))
+    assert set(NANO_COMMITTED) <= set(files), f"missing committed sm90 configs: {set(NANO_COMMITTED) - set(files)}"
+    for name, dims in NANO_COMMITTED.items():
+        entry = json.loads((tuning.CONFIG_ROOT / "sm90" / f"{name}.json").read_text())["entries"][tuning.shape_key(**dims)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            cfg = tuning.get_config(name, dims, DEFAULT, arch="sm90")
+        assert isinstance(cfg, helion.Config) and cfg == helion.Config.from_dict(entry["config"]), name
+        assert cfg != DEFAULT
+
+
+def test_untuned_kernels_fall_back_with_one_warning():
+    """conv1d_fwd / conv1d_bwd / rmsnorm_fwd have no sm90 file yet: the generic default, one warning each."""
+    for name, dims in NANO_UNTUNED.items():
+        assert not (tuning.CONFIG_ROOT / "sm90" / f"{name}.json").exists(), f"{name} is tuned now: move it"
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            got = tuning.get_config(name, dims, DEFAULT, arch="sm90")
+            tuning.get_config(name, dims, DEFAULT, arch="sm90")
+        assert got == DEFAULT
+        msgs = [str(x.message) for x in w]
+        assert len(msgs) == 1 and "generic default" in msgs[0] and name in msgs[0], msgs
+
+
+@pytest.mark.parametrize("name", ["ssd_bwd_dz_dstates", "ssd_bwd_dx", "ssd_bwd_dbc", "rmsnorm_bwd"])
+def test_committed_configs_fit_current_kernels(name):
+    """The committed sm90 config of a kernel whose signature changed since the search still fits the
+    kernel's config space (same block sizes / number of loads and stores) and generates Triton code.
+    ``host_tensor_descriptors`` is dropped here: the CPU config space lacks it (TMA-capable GPUs only)."""
+    entry = next(iter(json.loads((tuning.CONFIG_ROOT / "sm90" / f"{name}.json").read_text())["entries"].values()))
+    cfg = dict(entry["config"])
+    cfg.pop("host_tensor_descriptors", None)
+    if name == "rmsnorm_bwd":
+        from kernels.rmsnorm_gated import TUNABLE_KERNELS
+
+        case = TUNABLE_KERNELS[name](dict(b=1, l=256, h=8, p=64, g=2, n=16), "cpu")
+        kern, args = case.kernel, case.args
+    else:
+        from kernels import ssd_helion_bwd as sb
+
+        args, _ = sb._example_args(name, dict(b=1, l=256, h=8, p=64, g=2, n=128, c=128), "cpu")
+        kern = sb._KERNELS[name]
+    kern = helion.kernel(kern.fn, static_shapes=True)
+    code = kern.bind(args).to_triton_code(helion.Config.from_dict(cfg))
+    assert "@triton.jit" in code and code.count("def _helion_") == 1
