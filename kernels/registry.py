@@ -141,6 +141,34 @@ def get_backend(name: str) -> KernelBackend:
     return _CACHE[name]
 
 
+def configure_backend(name: str, *, autotune: bool = False, deterministic: bool = False) -> KernelBackend:
+    """Resolve backend ``name`` and apply the ``kernels.autotune`` / ``kernels.deterministic`` switches.
+
+    * ``autotune``: only the helion backend has a tuner we drive (configs are otherwise read from
+      ``kernels/configs/<arch>/``); asking for it with another backend is an error, not a no-op.
+    * ``deterministic``: helion's kernels reduce through per-program partials in a fixed order (no
+      atomics), so gradients are bitwise repeatable under every config; the torch reference is
+      deterministic as it stands; mamba-ssm honours ``MAMBA_DETERMINISTIC=1`` (it then cuts each
+      autotune list to one config), which must be set before it is imported.
+    """
+    if name not in _FACTORIES:
+        raise UnknownBackendError(f"unknown kernel backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    if autotune and name != "helion":
+        raise ValueError(f"kernels.autotune=true applies to kernels.backend=helion only (got {name!r})")
+    if deterministic and name == "mamba_ssm" and os.environ.get("MAMBA_DETERMINISTIC") != "1":
+        if "mamba_ssm" in sys.modules:
+            raise ValueError("kernels.deterministic=true with mamba_ssm needs MAMBA_DETERMINISTIC=1 before mamba-ssm "
+                             "is imported; set it in the environment")
+        os.environ["MAMBA_DETERMINISTIC"] = "1"
+    backend = get_backend(name)
+    if name == "helion":
+        from kernels import ssd_helion_bwd, tuning
+
+        tuning.set_autotune(autotune)
+        ssd_helion_bwd.set_deterministic(deterministic)
+    return backend
+
+
 def available_backends() -> dict[str, str | None]:
     """{name: None if usable here, else the reason it is not}."""
     out: dict[str, str | None] = {}

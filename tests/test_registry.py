@@ -26,3 +26,27 @@ def test_gpu_backends_unavailable_on_cpu_with_one_line(monkeypatch):
     assert "\n" not in str(ei.value)
     status = available_backends()
     assert status["torch"] is None and status["mamba_ssm"]
+
+
+def test_kernel_switches_are_validated_not_ignored():
+    from kernels.registry import configure_backend
+
+    with pytest.raises(ValueError, match="kernels.autotune=true applies to kernels.backend=helion only"):
+        configure_backend("torch", autotune=True)
+    with pytest.raises(UnknownBackendError):
+        configure_backend("nope")
+    assert configure_backend("torch", deterministic=True).name == "torch"
+
+
+def test_helion_switches_reach_the_kernels():
+    from kernels import ssd_helion_bwd, tuning
+    from kernels.registry import configure_backend
+
+    try:
+        configure_backend("helion", autotune=True, deterministic=True)
+        assert tuning.autotune_enabled() and ssd_helion_bwd.is_deterministic()
+        configure_backend("helion")
+        assert not tuning.autotune_enabled() and not ssd_helion_bwd.is_deterministic()
+    finally:
+        tuning.set_autotune(False)
+        ssd_helion_bwd.set_deterministic(False)
