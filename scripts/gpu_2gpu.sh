@@ -17,17 +17,10 @@
 # Env: OUT, WHEELHOUSE, SKIP_SETUP=1, STEPS (default 50), EXTRA (extra Hydra overrides for every run).
 set -u
 cd "$(dirname "$0")/.."
-REPO="$PWD"
-OUT="${OUT:-benchmarks/results/h200}"
-mkdir -p "$OUT/logs"
-OUT="$(cd "$OUT" && pwd)"
+# shellcheck source=gpu_stages.sh
+source scripts/gpu_stages.sh
 STEPS="${STEPS:-50}"
-START=$(date +%s)
-if [ "${SKIP_SETUP:-0}" != "1" ]; then
-    # shellcheck source=gpu_setup.sh
-    source scripts/gpu_setup.sh ${WHEELHOUSE:+"$WHEELHOUSE"} > "$OUT/logs/2gpu_setup.log" 2>&1 \
-        || { echo "setup FAILED"; cat "$OUT/logs/2gpu_setup.log"; }
-fi
+gpu_stage_setup 2gpu_setup
 export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -lt 2 ]; then

@@ -17,56 +17,17 @@
 #      the job into two shorter ones).
 set -u
 cd "$(dirname "$0")/.."
-REPO="$PWD"
-OUT="${OUT:-benchmarks/results/h200}"
-mkdir -p "$OUT/logs"
-OUT="$(cd "$OUT" && pwd)"
-export OUT
+# shellcheck source=gpu_stages.sh
+source scripts/gpu_stages.sh
 TOTAL_S="${TOTAL_S:-540}"
-START=$(date +%s)
-STAGE_TSV="$OUT/gpu_issue6_stages.tsv"
-printf 'stage\trc\tseconds\n' > "$STAGE_TSV"
+stage_table gpu_issue6_stages.tsv
 
 STAGES="${STAGES:-kernels layers train}"
 want() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
-remaining() { echo $(( TOTAL_S - ($(date +%s) - START) )); }
-
-# run_stage NAME CAP_SECONDS CMD...: run CMD with a timeout of min(CAP, time left - 10 s)
-run_stage() {
-    local name="$1" cap="$2"; shift 2
-    local left t0 rc lim
-    left=$(remaining)
-    lim=$(( cap < left - 10 ? cap : left - 10 ))
-    rm -f "$OUT/$name.FAILED"
-    if [ "$lim" -lt 20 ]; then
-        echo "[$name] skipped: only ${left}s left" | tee "$OUT/$name.FAILED"
-        printf '%s\tskipped\t0\n' "$name" >> "$STAGE_TSV"
-        return 1
-    fi
-    echo "=== [$name] (timeout ${lim}s, ${left}s left): $*"
-    t0=$(date +%s)
-    timeout --signal=TERM --kill-after=15 "$lim" "$@" > "$OUT/logs/$name.log" 2>&1
-    rc=$?
-    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$STAGE_TSV"
-    tail -n 25 "$OUT/logs/$name.log"
-    if [ "$rc" -ne 0 ]; then
-        { echo "stage $name failed: exit code $rc$( [ "$rc" -eq 124 ] && echo ' (timed out)')"
-          echo "command: $*"; echo "--- last 80 lines of logs/$name.log ---"
-          tail -n 80 "$OUT/logs/$name.log"; } > "$OUT/$name.FAILED"
-        echo "[$name] FAILED (rc $rc): see $OUT/$name.FAILED"
-    fi
-    return "$rc"
-}
 
 # 0. setup -------------------------------------------------------------------------------------
-if [ "${SKIP_SETUP:-0}" != "1" ]; then
-    # shellcheck source=gpu_setup.sh
-    if ! source scripts/gpu_setup.sh ${WHEELHOUSE:+"$WHEELHOUSE"} > "$OUT/logs/setup.log" 2>&1; then
-        cp "$OUT/logs/setup.log" "$OUT/setup.FAILED"
-        echo "setup FAILED:"; cat "$OUT/logs/setup.log"
-    fi
-    cat "$OUT/logs/setup.log"
-fi
+gpu_stage_setup
+[ "${SKIP_SETUP:-0}" != "1" ] && cat "$OUT/logs/setup.log"
 export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
 nvidia-smi --query-gpu=name,memory.used,memory.total,temperature.gpu,clocks.sm,power.draw --format=csv \
     > "$OUT/logs/nvidia-smi.csv" 2>&1 || true
