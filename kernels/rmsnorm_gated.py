@@ -51,8 +51,9 @@ def rmsnorm_gated_ref(
     return out.to(dtype)
 
 
-class RMSNormGatedRef(nn.Module):
-    """Drop-in for ``mamba_ssm.ops.triton.layernorm_gated.RMSNorm`` built on the torch reference."""
+class _RMSNormGatedModule(nn.Module):
+    """``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``'s constructor, parameter and init; subclasses
+    give ``forward(x, z=None)``."""
 
     def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
         super().__init__()
@@ -65,6 +66,10 @@ class RMSNormGatedRef(nn.Module):
 
     def reset_parameters(self):
         torch.nn.init.ones_(self.weight)
+
+
+class RMSNormGatedRef(_RMSNormGatedModule):
+    """Drop-in for ``mamba_ssm.ops.triton.layernorm_gated.RMSNorm`` built on the torch reference."""
 
     def forward(self, x, z=None):
         return rmsnorm_gated_ref(
@@ -251,20 +256,8 @@ def rmsnorm_fn_helion(x, weight, bias=None, z=None, eps=1e-6, group_size=None, n
     return RMSNormGatedHelionFn.apply(x, weight, z, eps, group_size, norm_before_gate)
 
 
-class RMSNormGatedHelion(nn.Module):
+class RMSNormGatedHelion(_RMSNormGatedModule):
     """Drop-in for ``mamba_ssm.ops.triton.layernorm_gated.RMSNorm`` on the Helion kernels."""
-
-    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
-        self.register_parameter("bias", None)
-        self.group_size = group_size
-        self.norm_before_gate = norm_before_gate
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        torch.nn.init.ones_(self.weight)
 
     def forward(self, x, z=None):
         return rmsnorm_fn_helion(x, self.weight, None, z=z, eps=self.eps, group_size=self.group_size,

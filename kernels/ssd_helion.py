@@ -37,12 +37,13 @@ import math
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 import helion
 import helion.language as hl
 
 from kernels import tuning
+from kernels.ssd import _pad_len
+from kernels.ssd import _pad_seq_idx as _pad_seq_idx_ref
 
 _LOG2E = 1.4426950408889634
 
@@ -359,21 +360,13 @@ def _check_chunk(chunk_size: int) -> None:
 
 
 def _pad_seq(t: torch.Tensor | None, total: int, dim: int = 1) -> torch.Tensor | None:
-    if t is None or t.shape[dim] == total:
-        return t
-    pad = [0, 0] * (t.dim() - 1 - dim) + [0, total - t.shape[dim]]
-    return F.pad(t, pad)
+    """Zero-pad ``dim`` to ``total`` (``t`` itself, strided or not, when it already has that length)."""
+    return None if t is None else _pad_len(t, dim, total)
 
 
 def _pad_seq_idx(seq_idx: torch.Tensor | None, total: int) -> torch.Tensor | None:
     """(b, l) -> (b, total) int32, repeating the last entry (as mamba-ssm reads the last valid token)."""
-    if seq_idx is None:
-        return None
-    s = seq_idx.to(torch.int32)
-    pad = total - s.shape[1]
-    if pad > 0:
-        s = torch.cat([s, s[:, -1:].expand(-1, pad)], dim=1)
-    return s.contiguous()
+    return None if seq_idx is None else _pad_seq_idx_ref(seq_idx.to(torch.int32), total).contiguous()
 
 
 def _seq_end(seq_idx_padded: torch.Tensor | None, chunk_size: int) -> torch.Tensor | None:
@@ -434,6 +427,11 @@ def _check_xbc(x: torch.Tensor, B: torch.Tensor, name: str = "B") -> tuple[int, 
     return b, l, h, p, g, n
 
 
+def _check_initial_states(initial_states: torch.Tensor | None, b: int, h: int, p: int, n: int) -> None:
+    if initial_states is not None and initial_states.shape != (b, h, p, n):
+        raise ValueError(f"initial_states must be {(b, h, p, n)}, got {tuple(initial_states.shape)}")
+
+
 def ssd_chunk_state_helion(
     B: torch.Tensor,
     x: torch.Tensor,
@@ -474,8 +472,7 @@ def ssd_state_passing_helion(
     b, nc, h, p, n = states.shape
     if dA_chunk_cumsum.shape != (b, h, nc):
         raise ValueError(f"dA_chunk_cumsum must be {(b, h, nc)}, got {tuple(dA_chunk_cumsum.shape)}")
-    if initial_states is not None and initial_states.shape != (b, h, p, n):
-        raise ValueError(f"initial_states must be {(b, h, p, n)}, got {tuple(initial_states.shape)}")
+    _check_initial_states(initial_states, b, h, p, n)
     seq_end = None
     if seq_idx is not None:
         if chunk_size is None:
@@ -510,8 +507,7 @@ def ssd_chunk_state_passing_helion(
     b, l, h, p, g, n = _check_xbc(x, B)
     _, _, nc, c = dt.shape
     _check_chunk(c)
-    if initial_states is not None and initial_states.shape != (b, h, p, n):
-        raise ValueError(f"initial_states must be {(b, h, p, n)}, got {tuple(initial_states.shape)}")
+    _check_initial_states(initial_states, b, h, p, n)
     L = nc * c
     sidx = _pad_seq_idx(seq_idx, L)
     like = torch.empty(0, device=x.device, dtype=state_dtype or B.dtype)

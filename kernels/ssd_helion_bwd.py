@@ -41,6 +41,7 @@ import helion
 import helion.language as hl
 
 from kernels import tuning
+from kernels.ssd import _pad_len, _pad_seq_idx
 
 _DETERMINISTIC = False
 
@@ -304,15 +305,17 @@ _KERNELS = {
 
 def _call(name: str, args: tuple, dims: dict):
     return tuning.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name],
-                             seeds=[{"block_sizes": bs} for bs in _BLOCK_SEEDS] if _DEFAULTS[name].config.get("block_sizes") else [])
+                             seeds=[{"block_sizes": bs} for bs in _BLOCK_SEEDS] if _has_blocks(name) else [])
+
+
+def _has_blocks(name: str) -> bool:
+    """Whether kernel ``name`` has a tunable block size (its default config lists one)."""
+    return bool(_DEFAULTS[name].config.get("block_sizes"))
 
 
 def _pad_chunks(t: torch.Tensor | None, L: int) -> torch.Tensor | None:
     """(b, l, ...) -> (b, L, ...) zero padded (a view when l == L)."""
-    if t is None or t.shape[1] == L:
-        return t
-    pad = torch.zeros((t.shape[0], L - t.shape[1], *t.shape[2:]), dtype=t.dtype, device=t.device)
-    return torch.cat([t, pad], dim=1)
+    return None if t is None else _pad_len(t, 1, L)
 
 
 def _chunked(t: torch.Tensor, nc: int, c: int) -> torch.Tensor:
@@ -336,10 +339,7 @@ def seq_masks(seq_idx: torch.Tensor | None, b: int, l: int, nc: int, c: int, dev
                     keep=ones[:, :, 0])
     if seq_idx.shape != (b, l):
         raise ValueError(f"seq_idx must be (batch, seqlen) = {(b, l)}, got {tuple(seq_idx.shape)}")
-    s = seq_idx
-    if L != l:
-        s = torch.cat([s, s[:, -1:].expand(-1, L - l)], dim=1)
-    s = s.reshape(b, nc, c)
+    s = _pad_seq_idx(seq_idx, L).reshape(b, nc, c)
     prev_end = torch.cat([torch.zeros_like(s[:, :1, -1]), s[:, :-1, -1]], dim=1)  # (b, nc)
     return dict(
         prev_keep=(s == prev_end[:, :, None]).float(),
@@ -507,8 +507,7 @@ _OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dbc": (11,
 def _tune_builder(name: str):
     def build(dims: dict, device) -> "tuning.TuneCase":
         args, kd = _example_args(name, dims, device)
-        has_blocks = bool(_DEFAULTS[name].config.get("block_sizes"))
-        seeds = tuning.grid_seeds(block_sizes=_BLOCK_SEEDS, num_warps=[4, 8], num_stages=[1, 2, 3]) if has_blocks \
+        seeds = tuning.grid_seeds(block_sizes=_BLOCK_SEEDS, num_warps=[4, 8], num_stages=[1, 2, 3]) if _has_blocks(name) \
             else tuning.grid_seeds(num_warps=[1, 2, 4, 8], num_stages=[1, 2])
         out_args = _OUT_ARGS.get(name, ())
 
