@@ -321,25 +321,7 @@ def output_stem(res: dict, tag: str | None) -> str:
 
 
 def main(argv=None) -> int:
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    from kernels.registry import BackendUnavailableError, UnknownBackendError
-    from nano_hybrid.config import ConfigError
-
-    a = parse_args(argv)
-    try:
-        res = run(a)
-    except (ConfigError, UnknownBackendError, BackendUnavailableError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if res is None:  # not rank 0
-        return 0
-    out = Path(a.out) if a.out else bl.default_out_dir()
-    jp, mp = bl.write_results(out, output_stem(res, a.tag), res, markdown(res))
-    print(markdown(res))
-    print(f"\nwrote {jp} and {mp}")
-    return 0
+    return bl.bench_main(argv, parse_args, run, lambda res, a: output_stem(res, a.tag), markdown)
 
 
 if __name__ == "__main__":

@@ -243,24 +243,8 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    from kernels.registry import BackendUnavailableError, UnknownBackendError
-    from nano_hybrid.config import ConfigError
-
-    a = parse_args(argv)
-    try:
-        res = run(a)
-    except (ConfigError, UnknownBackendError, BackendUnavailableError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    stem = f"layers_{res['model']}_{'_vs_'.join(a.backend_list)}"
-    out = Path(a.out) if a.out else bl.default_out_dir()
-    jp, mp = bl.write_results(out, stem, res, markdown(res))
-    print(markdown(res))
-    print(f"\nwrote {jp} and {mp}")
-    return 0
+    return bl.bench_main(argv, parse_args, run, lambda res, a: f"layers_{res['model']}_{'_vs_'.join(a.backend_list)}",
+                         markdown)
 
 
 if __name__ == "__main__":

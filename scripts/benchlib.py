@@ -8,7 +8,8 @@ Measurement method (same in every script):
   between arms smaller than the control's spread is noise;
 - ratios come with a bootstrap confidence interval.
 
-Only stdlib + torch here; importing this module never touches CUDA.
+Only stdlib + torch at import time (``bench_main`` imports kernels/nano_hybrid when called);
+importing this module never touches CUDA.
 """
 
 from __future__ import annotations
@@ -211,6 +212,34 @@ def write_results(out_dir: Path | str, stem: str, data: dict, markdown: str) -> 
     jp.write_text(json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
     mp.write_text(markdown.rstrip() + "\n")
     return jp, mp
+
+
+def bench_main(argv, parse_args: Callable, run: Callable, stem: Callable, markdown: Callable[[dict], str]) -> int:
+    """The benchmark scripts' ``main``: parse ``argv``, ``res = run(args)`` (a bad config or kernel
+    backend is one line on stderr and exit code 2; ``None``, e.g. on a rank other than 0, writes
+    nothing), then write ``<stem(res, args)>.json`` / ``.md`` under ``--out`` (default
+    ``default_out_dir()``) and print the markdown."""
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    from kernels.registry import BackendUnavailableError, UnknownBackendError
+    from nano_hybrid.config import ConfigError
+
+    a = parse_args(argv)
+    try:
+        res = run(a)
+    except (ConfigError, UnknownBackendError, BackendUnavailableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if res is None:
+        return 0
+    out = Path(a.out) if a.out else default_out_dir()
+    md = markdown(res)
+    jp, mp = write_results(out, stem(res, a), res, md)
+    print(md)
+    print(f"\nwrote {jp} and {mp}")
+    return 0
 
 
 def _json_default(o):

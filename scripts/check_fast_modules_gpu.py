@@ -56,21 +56,6 @@ def _build(overrides, dtype):
     return build_model(cfg, dtype=dtype), cfg
 
 
-def _copy_weights(src, dst):
-    """Copy src (sdpa + grouped experts) into dst (same config, any impls); grouped -> sequential experts."""
-    s_sd = src.state_dict()
-    with torch.no_grad():
-        for name, t in dst.state_dict().items():
-            if name.endswith("_extra_state"):
-                continue
-            if "local_experts." in name:
-                pre, rest = name.split("local_experts.")
-                e, lin = rest.split(".", 1)
-                t.copy_(s_sd[pre + ("weight1" if lin.startswith("linear_fc1") else "weight2")][int(e)])
-            else:
-                t.copy_(s_sd[name])
-
-
 def _layer_grads(model, x, idx):
     """Run decoder layer idx on x [s, b, h]; return output, dx and {param name: grad} (fp32 copies)."""
     model.zero_grad(set_to_none=True)
@@ -100,14 +85,16 @@ def _rel(a, b):
 
 def numerics(kind: str) -> dict:
     """kind: attention (pattern '*') or moe (pattern 'E') at small shapes."""
+    from nano_hybrid.model.experts import copy_grouped_weights
+
     small = ["model=tiny", "model.seq_length=512", "model.hybrid_override_pattern=" + ("'*'" if kind == "attention" else "E")]
     fast_impl = ["model.attention_impl=sdpa", "model.moe_experts_impl=grouped"]
     ref_impl = ["model.attention_impl=unfused", "model.moe_experts_impl=sequential"]
     fast, _ = _build(small + fast_impl, torch.bfloat16)
     ref16, _ = _build(small + ref_impl, torch.bfloat16)
     ref32, cfg = _build(small + ref_impl, torch.float32)
-    _copy_weights(fast, ref16)
-    _copy_weights(fast, ref32)
+    copy_grouped_weights(fast, ref16)
+    copy_grouped_weights(fast, ref32)
     s, b, h = 512, 2, int(cfg.model.hidden_size)
     x = torch.randn(s, b, h, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(3))
     o32, dx32, g32 = _layer_grads(ref32, x, 0)

@@ -28,7 +28,7 @@ from nano_hybrid import mcore_compat  # noqa: E402
 from nano_hybrid.config import compose  # noqa: E402
 from nano_hybrid.model import build_model  # noqa: E402
 from nano_hybrid.model.attention import SDPAttention  # noqa: E402
-from nano_hybrid.model.experts import GroupedGemmExperts  # noqa: E402
+from nano_hybrid.model.experts import GroupedGemmExperts, copy_grouped_weights  # noqa: E402
 from nano_hybrid.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 
 
@@ -170,28 +170,10 @@ def _tiny(impls):
     return build_model(cfg)
 
 
-def _copy_weights(src, dst):
-    """Copy src (sdpa+grouped) weights into dst (unfused+sequential), mapping grouped expert tensors."""
-    s_sd = src.state_dict()
-    with torch.no_grad():
-        for name, t in dst.state_dict().items():
-            if name.endswith("_extra_state"):
-                continue
-            if "local_experts." in name:
-                pre, rest = name.split("local_experts.")
-                e, lin = rest.split(".", 1)
-                key = pre + ("weight1" if lin.startswith("linear_fc1") else "weight2")
-                t.copy_(s_sd[key][int(e)])
-            elif name in s_sd:
-                t.copy_(s_sd[name])
-            else:
-                raise KeyError(name)
-
-
 def test_tiny_model_fast_modules_match_reference_modules(mp):
     fast = _tiny(("sdpa", "grouped"))
     ref = _tiny(("unfused", "sequential"))
-    _copy_weights(fast, ref)
+    copy_grouped_weights(fast, ref)
     b, s = 2, 64
     tok = torch.randint(0, 512, (b, s), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(s)[None].expand(b, s)

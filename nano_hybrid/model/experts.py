@@ -142,3 +142,24 @@ class GroupedGemmExperts(MegatronModule):
                 replica_id=replica_id, prepend_axis_num=n_pre,
             )
         return out
+
+
+def copy_grouped_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copy every weight of model ``src`` into model ``dst`` of the same config, mapping grouped expert
+    tensors (``...experts.weight1`` / ``weight2`` [E, ...]) to megatron ``SequentialMLP`` experts
+    (``...experts.local_experts.<e>.linear_fc1.weight`` / ``linear_fc2.weight``) where ``dst`` has
+    those: the fast modules and the reference modules then compute with the same weights. A ``dst``
+    weight with no counterpart in ``src`` raises KeyError."""
+    s_sd = src.state_dict()
+    with torch.no_grad():
+        for name, t in dst.state_dict().items():
+            if name.endswith("_extra_state"):
+                continue
+            if "local_experts." in name:
+                pre, rest = name.split("local_experts.")
+                e, lin = rest.split(".", 1)
+                t.copy_(s_sd[pre + ("weight1" if lin.startswith("linear_fc1") else "weight2")][int(e)])
+            elif name in s_sd:
+                t.copy_(s_sd[name])
+            else:
+                raise KeyError(name)
