@@ -1,0 +1,144 @@
+"""scripts/backend_loss_match.py: the same model=tiny training run per kernel backend, losses compared.
+
+CPU: torch vs helion (Helion interpret mode; tests/conftest.py sets HELION_INTERPRET=1 and the
+aten::mm.dtype shim) for a few steps at a tiny shape, within the fp32 tolerance, plus a torch A-vs-A
+arm that must match bitwise (the harness itself adds no difference). GPU: the 50-step bf16 run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+import backend_loss_match as blm  # noqa: E402
+
+CPU = not torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------- units
+def test_args():
+    a = blm.parse_args(["--backends", "torch,helion,torch", "--steps", "3", "train.seq_length=32"])
+    assert a.arms == ["torch", "helion", "torch"] and a.steps == 3 and a.overrides == ["train.seq_length=32"]
+    for bad in (["--backends", "torch"], ["--steps", "0"], ["--max-rtol", "-1"], ["--bogus"]):
+        with pytest.raises(SystemExit):
+            blm.parse_args(bad)
+
+
+def test_compare_losses_and_verdict():
+    ref = [6.0, 4.0, 2.0]
+    c = blm.compare_losses(ref, [6.0, 4.0, 2.0])
+    assert c["bitwise_equal"] and c["max_rel_diff"] == 0 and c["max_abs_diff"] == 0
+    c = blm.compare_losses(ref, [6.0, 4.04, 1.99])
+    assert not c["bitwise_equal"]
+    assert c["max_abs_diff"] == pytest.approx(0.04) and c["mean_abs_diff"] == pytest.approx(0.05 / 3)
+    assert c["max_rel_diff"] == pytest.approx(0.01) and c["step_of_max_rel_diff"] == 2
+    assert c["mean_rel_diff"] == pytest.approx((0.01 + 0.005) / 3)
+    assert c["first_step_rel_diff"] == 0 and c["last_step_rel_diff"] == pytest.approx(0.005)
+    tol = {"mean_rtol": 1e-2, "max_rtol": 3e-2}
+    assert blm.verdict(c, tol)
+    assert not blm.verdict(c, {"mean_rtol": 1e-2, "max_rtol": 5e-3})  # the max gate bites
+    assert not blm.verdict(c, {"mean_rtol": 1e-3, "max_rtol": 3e-2})  # the mean gate bites
+    assert not blm.verdict(blm.compare_losses(ref, [6.0, math.nan, 2.0]), tol)  # NaN never passes
+    with pytest.raises(ValueError):
+        blm.compare_losses(ref, ref[:2])
+
+
+def test_tolerances_by_dtype():
+    a = blm.parse_args([])
+    assert blm.tolerances(a, "float32")["max_rtol"] < blm.tolerances(a, "bfloat16")["max_rtol"]
+    a = blm.parse_args(["--mean-rtol", "0.5"])
+    t = blm.tolerances(a, "bfloat16")
+    assert t["mean_rtol"] == 0.5 and t["max_rtol"] == blm.TOLERANCES["bfloat16"]["max_rtol"]
+
+
+def test_unknown_backend_fails_before_work(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPTS / "backend_loss_match.py"), "--backends", "torch,nope",
+                        "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "error:" in r.stderr and "nope" in r.stderr, r.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------- CPU training run
+@pytest.fixture(scope="module")
+def cpu_result(tmp_path_factory):
+    """One process, three arms: torch (reference), helion (interpret mode), torch again (A-vs-A)."""
+    from nano_hybrid.data import stdlib_sources, write_indexed_dataset
+
+    corpus = tmp_path_factory.mktemp("corpus") / "stdlib20"
+    write_indexed_dataset(stdlib_sources()[:20], corpus)
+    out = tmp_path_factory.mktemp("out")
+    rc = blm.main([
+        "--backends", "torch,helion,torch", "--steps", "3", "--out", str(out), "--quiet",
+        "model=tiny", "train.device=cpu", f"data.paths=[{corpus}]", "data.prepare_if_missing=null",
+        "train.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=1",
+        f"run_dir={tmp_path_factory.mktemp('run')}",
+    ])
+    files = list(out.glob("backend_loss_match_tiny_torch_vs_helion_vs_torch2_float32.json"))
+    assert len(files) == 1, list(out.iterdir())
+    return rc, json.loads(files[0].read_text())
+
+
+@pytest.mark.skipif(not CPU, reason="CPU (fp32, Helion interpret mode) run")
+def test_cpu_torch_vs_helion_losses_match(cpu_result):
+    rc, d = cpu_result
+    assert d["config"]["dtype"] == "float32" and d["config"]["device"] == "cpu"
+    assert d["tolerance"]["max_rtol"] == blm.TOLERANCES["float32"]["max_rtol"]
+    c = d["comparisons"]["helion_vs_torch"]
+    assert c["pass"] and c["all_finite"], c
+    assert c["max_rel_diff"] <= blm.TOLERANCES["float32"]["max_rtol"], c
+    assert c["final_weights_max_abs_diff"] < 1e-4, c
+    losses = d["per_arm"]["helion"]["loss"]
+    assert len(losses) == 3 and 5.5 < losses[0] < 7.0  # ~ln(512): a real model=tiny run at init
+    assert rc == 0 and d["pass"]
+
+
+@pytest.mark.skipif(not CPU, reason="CPU (fp32) run")
+def test_cpu_torch_vs_torch_is_bitwise(cpu_result):
+    _, d = cpu_result
+    c = d["comparisons"]["torch#2_vs_torch"]
+    assert c["bitwise_equal"] and c["max_abs_diff"] == 0, c
+    assert c["final_weights_bitwise_equal"] and c["final_weights_max_abs_diff"] == 0, c
+    assert d["per_arm"]["torch"]["grad_norm"] == d["per_arm"]["torch#2"]["grad_norm"]
+
+
+@pytest.mark.skipif(not CPU, reason="CPU run")
+def test_cpu_result_json_records_env_and_shapes(cpu_result):
+    _, d = cpu_result
+    env = d["env"]
+    for k in ("date_utc", "torch", "helion", "megatron_core", "python", "git_commit"):
+        assert k in env, k
+    assert env["gpu"] is None
+    assert d["shapes"]["tokens_per_microbatch"] == [1, 64]
+    assert d["shapes"]["mamba"]["d_inner"] == 256 and d["shapes"]["mamba"]["chunk_size"] == 64
+    assert d["config"]["n_params"] > 3e6 and d["steps"] == 3 and d["arms"] == ["torch", "helion", "torch#2"]
+    for arm in d["arms"]:
+        assert len(d["per_arm"][arm]["loss"]) == 3 and d["per_arm"][arm]["skipped"] == [0, 0, 0]
+
+
+# ------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+def test_gpu_torch_vs_helion_50_steps_bf16(tmp_path):
+    """The issue-7 check: model=tiny, 50 steps, bf16, helion's loss within the bf16 tolerance of torch's."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    r = subprocess.run([sys.executable, str(SCRIPTS / "backend_loss_match.py"), "--backends", "torch,helion",
+                        "--steps", "50", "--quiet"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    files = list(tmp_path.glob("backend_loss_match_tiny_torch_vs_helion_bfloat16.json"))
+    assert len(files) == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(files[0].read_text())
+    c = d["comparisons"]["helion_vs_torch"]
+    assert d["config"]["dtype"] == "bfloat16" and d["steps"] == 50
+    assert c["all_finite"] and c["pass"], c
+    assert r.returncode == 0, r.stderr[-3000:]
