@@ -231,6 +231,21 @@ def snapshot_diff(a: dict, b: dict) -> tuple[bool, float, str | None]:
 
 # ------------------------------------------------------------------------------------------ run
 def run(a) -> dict | None:
+    from omegaconf import open_dict
+
+    cfg = compose_cfg(a)
+    own_run_dir = cfg.run_dir is None
+    if own_run_dir:  # setup() writes config.yaml there; removed at the end
+        with open_dict(cfg):
+            cfg.run_dir = tempfile.mkdtemp(prefix="nano_hybrid_loss_match_")
+    try:
+        return _run(a, cfg)
+    finally:
+        if own_run_dir:
+            shutil.rmtree(cfg.run_dir, ignore_errors=True)
+
+
+def _run(a, cfg) -> dict | None:
     import torch
     from omegaconf import open_dict
 
@@ -238,16 +253,18 @@ def run(a) -> dict | None:
     from nano_hybrid import train as T
     from nano_hybrid.parallel import initialize_parallel
 
-    cfg = compose_cfg(a)
-    own_run_dir = cfg.run_dir is None
-    if own_run_dir:
-        with open_dict(cfg):
-            cfg.run_dir = tempfile.mkdtemp(prefix="nano_hybrid_loss_match_")
     plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
     kcfg = cfg.kernels
     for name in dict.fromkeys(a.arms):  # every arm must be usable before any work
-        configure_backend(name, autotune=bool(kcfg.get("autotune", False)),
-                          deterministic=bool(kcfg.get("deterministic", False)))
+        try:
+            configure_backend(name, autotune=bool(kcfg.get("autotune", False)),
+                              deterministic=bool(kcfg.get("deterministic", False)))
+        except ValueError as e:  # a switch that does not apply to this arm
+            if type(e) is not ValueError:
+                raise
+            from nano_hybrid.config import ConfigError
+
+            raise ConfigError(f"arm {name}: {e}") from None
     if plan.device.type == "cpu" and "helion" in a.arms:
         _check_helion_cpu()
     dtype_name = str(plan.dtype).removeprefix("torch.")
@@ -369,8 +386,6 @@ def run(a) -> dict | None:
         }
     finally:
         T.shutdown(ctx)
-        if own_run_dir:
-            shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
 def markdown(res: dict) -> str:
