@@ -284,6 +284,76 @@ def _chunk_scan_kernel(
     return out, out_x
 
 
+# ssd_chunk_scan (v1): grid b*nc*h*(c/bm)*(p/bn) (tuned bm 128, bn 64: 8192 programs), 368 us tuned;
+# mamba-ssm _chunk_scan_fwd 396 us. Per (b, c, h): C_m @ S^T 2*c*p*n = 2.1 M FLOP, causal
+# (CB o decay) @ x 2*c*c*p/2..1 = 1.0-2.1 M (the tuned bk = c computes the full square, masked)
+# -> ~34 GFLOP total (~50 us at 700 TF/s). HBM bytes: x, z 134 MB each, out + out_x 268 MB,
+# states_in (bf16) 134 MB, CB fp32 67 MB, C 34 MB -> ~0.77 GB (~160 us). Redundant work in the
+# generated Triton: every head re-loads C[chunk rows] (c x n bf16, 32 KB) and the group's CB tile
+# (c x c fp32, 64 KB): 8 heads of a group read the same C/CB, i.e. 8x the L2->SM traffic for
+# those (268 MB C + 537 MB CB per call through L2), and the fp32 (bm x bk) decay tile for bm = bk =
+# 128 at 4 warps is 128 registers/thread on its own (spills / one program per SM).
+# ssd_chunk_scan_v2: one program per (b, chunk, group, row tile): C[rows] is loaded once and kept
+# for the hpg heads of the group (a serial head loop inside), the CB tile of each k step is read
+# by consecutive head iterations of the same program (L1 hits), full p per program (one dot per
+# k-step with N = p = 64), exp2 decay, causal k-loop to the row tile's end. 1024 * c/bm programs
+# (2048 at bm 64). Same FLOPs and HBM bytes as v1, 1/8 of the C loads and of the CB L2 traffic.
+# Expected 1.1-1.3x over v1 (-> ~290-330 us, 1.2-1.35x vs mamba's 396); together with the tuned
+# chunk_state_passing (127 us) + bmm (40) + cumsum (11) that is the forward's path to >= 1.5x.
+def _chunk_scan_v2_kernel(
+    CB: torch.Tensor,  # (b, nc, g, c, c) fp32
+    x: torch.Tensor,  # (b, L, h, p)
+    dt: torch.Tensor,  # (b, h, nc, c) fp32
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    C: torch.Tensor,  # (b, L, g, n)
+    states_in: torch.Tensor,  # (b, nc, h, p, n)
+    D: torch.Tensor | None,  # (h, p)
+    z: torch.Tensor | None,  # (b, L, h, p)
+    seq_idx: torch.Tensor | None,  # (b, L) int32
+    seq_end: torch.Tensor | None,  # (b, nc + 1) int32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, L, h, p = x.shape
+    out = torch.empty_like(x)
+    out_x = torch.empty_like(x) if z is not None else out
+    _, nc, g, c, _ = CB.shape
+    n = C.shape[3]
+    c = hl.specialize(c)
+    n = hl.specialize(n)
+    p = hl.specialize(p)
+    ratio = h // g
+    block_m = hl.register_block_size(16, c)
+    block_k = hl.register_block_size(16, c)
+    for tm, tg, tc, tb in hl.tile([c, g, nc, b], block_size=[block_m, 1, 1, 1]):
+        pos_m = tc.begin * c + tm.index
+        c_m = C[tb.begin, pos_m, tg.begin, :]  # (M, n): loaded once for the group's heads
+        if seq_idx is not None:
+            same = seq_idx[tb.begin, pos_m] == seq_end[tb.begin, tc.begin]
+        for hh in hl.grid(ratio):
+            ih = tg.begin * ratio + hh
+            dA_m = dA_cumsum[tb.begin, ih, tc.begin, tm]
+            st = states_in[tb.begin, tc.begin, ih, :, :].to(C.dtype)  # (p, n)
+            acc = hl.dot(c_m, st.permute(1, 0))  # (M, p)
+            scale_m = torch.exp2(dA_m * _LOG2E)
+            if seq_idx is not None:
+                scale_m = torch.where(same, scale_m, 0.0)
+            acc = acc * scale_m[:, None]
+            for tk in hl.tile(tm.end, block_size=block_k):
+                cb = CB[tb.begin, tc.begin, tg.begin, tm, tk]
+                dA_k = dA_cumsum[tb.begin, ih, tc.begin, tk]
+                dt_k = dt[tb.begin, ih, tc.begin, tk]
+                w = cb * torch.exp2(torch.clamp(dA_m[:, None] - dA_k[None, :], max=0.0) * _LOG2E) * dt_k[None, :]
+                w = torch.where(tm.index[:, None] >= tk.index[None, :], w, 0.0).to(x.dtype)
+                acc = hl.dot(w, x[tb.begin, tc.begin * c + tk.index, ih, :], acc=acc)
+            if D is not None:
+                acc = acc + x[tb.begin, pos_m, ih, :].to(torch.float32) * D[ih, :].to(torch.float32)[None, :]
+            if z is not None:
+                out_x[tb.begin, pos_m, ih, :] = acc.to(out_x.dtype)
+                z_m = z[tb.begin, pos_m, ih, :].to(torch.float32)
+                acc = acc * (z_m * torch.sigmoid(z_m))
+            out[tb.begin, pos_m, ih, :] = acc.to(out.dtype)
+    return out, out_x
+
+
 # ----------------------------------------------------------------------------------------------
 # Configs and compiled-kernel cache
 # ----------------------------------------------------------------------------------------------
@@ -295,6 +365,7 @@ _BODIES: dict[str, Callable[..., Any]] = {
     "ssd_chunk_state_passing": _chunk_state_passing_kernel,
     "ssd_bmm_chunk": _bmm_chunk_kernel,
     "ssd_chunk_scan": _chunk_scan_kernel,
+    "ssd_chunk_scan_v2": _chunk_scan_v2_kernel,
 }
 
 # Conservative defaults (sm90-safe): block_sizes follow each body's register_block_size order.
@@ -305,7 +376,29 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "ssd_chunk_state_passing": dict(block_sizes=[32, 64, 64], num_warps=4, num_stages=3),
     "ssd_bmm_chunk": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
     "ssd_chunk_scan": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=2),
+    "ssd_chunk_scan_v2": dict(block_sizes=[64, 64], num_warps=4, num_stages=2),
 }
+# variant name -> {base kernel: kernel that replaces it} (``set_variant`` / ``variant=``)
+VARIANTS: dict[str, dict[str, str]] = {"v1": {}, "v2": {"ssd_chunk_scan": "ssd_chunk_scan_v2"}}
+_VARIANT: str = "v1"
+
+
+def _variant_map(variant: str | None) -> dict[str, str]:
+    v = _VARIANT if variant is None else variant
+    if v not in VARIANTS:
+        raise ValueError(f"unknown SSD forward variant {v!r} (known: {sorted(VARIANTS)})")
+    return VARIANTS[v]
+
+
+def set_variant(variant: str) -> None:
+    """Module-wide default kernel variant of the SSD forward ("v1" = the committed kernels)."""
+    global _VARIANT
+    _variant_map(variant)
+    _VARIANT = variant
+
+
+def get_variant() -> str:
+    return _VARIANT
 
 _KERNELS: dict[str, Any] = {}
 
@@ -552,9 +645,10 @@ def ssd_chunk_scan_helion(
     z: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     config: dict | None = None,
+    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, out_x) (b, l, h, p) in x.dtype; out = out_x * silu(z) with z, else out_x is out
-    (as ``chunk_scan_ref``)."""
+    (as ``chunk_scan_ref``). ``variant``: "v1", "v2" (``ssd_chunk_scan_v2``) or None (``set_variant``)."""
     b, l, h, p, g, n = _check_xbc(x, C, "C")
     _, nc, _, c, _ = CB.shape
     _check_chunk(c)
@@ -570,8 +664,9 @@ def ssd_chunk_scan_helion(
     sidx = _pad_seq_idx(seq_idx, L)
     D2 = None if D is None else (D.contiguous() if D.dim() == 2 else D.reshape(h, 1).expand(h, p))
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
+    kname = _variant_map(variant).get("ssd_chunk_scan", "ssd_chunk_scan")
     out, out_x = _run(
-        "ssd_chunk_scan", dims, [c, p, c],
+        kname, dims, [c, c] if kname == "ssd_chunk_scan_v2" else [c, p, c],
         (CB.contiguous(), _pad_seq(x, L), dt.contiguous(), dA_cumsum.contiguous(), _pad_seq(C, L),
          states_in.contiguous(), D2, _pad_seq(z, L), sidx, _seq_end(sidx, c)),
         config,
@@ -602,13 +697,15 @@ def ssd_forward_helion(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype | None = None,
     fuse_state_passing: bool = True,
+    variant: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """All forward pieces, like mamba-ssm's ``_mamba_chunk_scan_combined_fwd``:
     (out, out_x, dt_out, dA_cumsum, states_in, final_states).
 
     x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), D (h,) or (h, p), z like x,
     dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
-    states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32."""
+    states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
+    ``variant``: kernel variant ("v1", "v2"; None = ``set_variant``'s default, "v1" unless changed)."""
     b, l, h, p, g, n = _check_xbc(x, B)
     if C.shape != B.shape:
         raise ValueError(f"C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
@@ -635,7 +732,8 @@ def ssd_forward_helion(
             state_dtype=sdtype,
         )
     CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx)
-    out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx)
+    out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx,
+                                       variant=variant)
     if L != l:
         out, out_x = out[:, :l], out_x[:, :l]
     return out, out_x, dt_out, dA_cumsum, states_in, final_states
@@ -705,7 +803,7 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
         return (st, dA[..., -1].contiguous(), None, None, torch.empty(0, device=device, dtype=Cp.dtype)), dict(b=b, h=h, d=p * n, nc=nc)
     if name == "ssd_bmm_chunk":
         return (Cp, Bp, None, c), dict(b=b, l=L, g=g, n=n, c=c)
-    if name == "ssd_chunk_scan":
+    if name in ("ssd_chunk_scan", "ssd_chunk_scan_v2"):
         CB = torch.randn(b, nc, g, c, c, device=device) * 0.3
         st = (torch.randn(b, nc, h, p, n, device=device) * 0.1).to(Cp.dtype)
         D2 = inp["D"].reshape(h, 1).expand(h, p)
@@ -736,6 +834,11 @@ _SEEDS: dict[str, list[dict]] = {
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((64, 64), (128, 64), (32, 64), (64, 32), (128, 32))
         for bk in (32, 64) for w in (4, 8) for st in (1, 2, 3)
+    ],
+    "ssd_chunk_scan_v2": [
+        dict(block_sizes=[bm, bk], num_warps=w, num_stages=st)
+        for bm, bk in ((64, 64), (128, 64), (64, 32), (32, 32), (128, 128), (32, 64), (16, 64))
+        for w in (4, 8) for st in (1, 2, 3)
     ],
 }
 

@@ -44,6 +44,7 @@ from kernels import tuning
 from kernels.ssd import _pad_len, _pad_seq_idx
 
 _DETERMINISTIC = False
+_LOG2E = 1.4426950408889634
 
 
 def set_deterministic(enabled: bool) -> None:
@@ -283,6 +284,157 @@ def ssd_bwd_dt(
 
 
 # ----------------------------------------------------------------------------------------------
+# variants (selected with ``set_variant`` / ``ssd_backward_helion(..., variant=...)``; default "v1")
+#
+# Cost model at the Nano shape (b 2, l 8192, h 64, p 64, g 8, n 128, c 128; nc 64; bf16 tensors,
+# fp32 states/dL/dstates; H200: ~4.8 TB/s HBM, ~130 SMs, bf16 dense ~700 TFLOP/s peak):
+#
+# ssd_bwd_dbc (v1, grid b*nc*g = 1024 programs, 743 us tuned; mamba-ssm dB+dC+dCB+2 bmm_bwd = 588 us)
+#   FLOPs per (b, c, g): state dB 8 heads * 2*c*p*n = 16.8 M, state dC (dout_x @ S) 16.8 M,
+#   dout_x @ x^T over the FULL c x c square (no causal skip) 16.8 M, dCB @ B and dCB^T @ C 8.4 M
+#   -> 58.7 M * 1024 = 60 GFLOP (~90 us at 700 TF/s: not compute bound).
+#   Bytes (HBM, once): x, dout_x 134 MB each, states_in + dL fp32 268 MB each, B, C 34 MB each,
+#   dB, dC writes 34 MB each -> ~0.94 GB (~195 us). Redundant work found in the generated Triton:
+#   states_in[h] (32 KB fp32) and x[:, h] are re-loaded for every row tile tt (c / bk times per
+#   head), the whole-chunk fp32 dB accumulator (c x n = 64 regs/thread at 8 warps) stays live across
+#   the serial tt x head loops together with dc and dcb (register pressure / spills), the upper
+#   (non-causal) half of dout_x @ x^T is computed and masked, and only 1024 programs (7.8 per SM)
+#   each run a long serial loop (8 heads x (c / bk) tiles).
+# ssd_bwd_dbc_v2: grid b*nc*g*(c/bm) (2048 programs at bm 64); each program owns ROWS ti of both dC
+#   and dB: state parts once per head (dout_x[ti] @ S_h, x[ti]*decay*dt @ dL_h), then dC rows from
+#   the causal tiles k <= i only (dCB[i, k] summed over heads, @ B[k]) and dB rows from the tiles
+#   k >= i only (dCB[k, i]^T summed over heads, @ C[k]). FLOPs: state 33.6 M (same), dCB blocks
+#   (ntiles+1)/(2 ntiles) of the square twice (= 1.5x of 16.8 M at bm=bk=64, 1.25x at 32) -> 25 M,
+#   dCB @ B/C 6.3 M -> ~65 M per (b, c, g), about v1's. Live registers: two (bm x n) fp32
+#   accumulators + one (bm x bk) dCB tile instead of (c x n) + (bk x n) + (bk x c). states_in / dL
+#   are read in whatever dtype they come in (the v2 wrapper path does not force an fp32 copy of
+#   states_in; bf16 halves those 268 MB). Expected: 1.2-1.4x over v1 (-> ~550-620 us, >= 1.0x mamba).
+
+
+@helion.kernel(static_shapes=True)
+def ssd_bwd_dbc_v2(
+    x: torch.Tensor,  # (b, nc, c, h, p)
+    dout_x: torch.Tensor,  # (b, nc, c, h, p)
+    B: torch.Tensor,  # (b, nc, c, g, n)
+    C: torch.Tensor,  # (b, nc, c, g, n)
+    dt: torch.Tensor,  # (b, h, nc, c) fp32
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    states_in: torch.Tensor,  # (b, nc, h, p, n) fp32 or x.dtype
+    dL: torch.Tensor,  # (b, nc, h, p, n) fp32 or x.dtype
+    same_seq: torch.Tensor,  # (b, nc, c, c) fp32 (symmetric)
+    prev_keep: torch.Tensor,  # (b, nc, c) fp32
+    last_keep: torch.Tensor,  # (b, nc, c) fp32
+    dB: torch.Tensor,  # (b, nc, c, g, n) written (may be a strided view)
+    dC: torch.Tensor,  # (b, nc, c, g, n) written (may be a strided view)
+) -> torch.Tensor:
+    b, nc, c, h, p = x.shape
+    g = B.shape[3]
+    n = B.shape[4]
+    hpg = h // g
+    ddacs_prev = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
+    bm = hl.register_block_size(16, 128)
+    bk = hl.register_block_size(16, 128)
+    # row tiles fastest in the launch order: the tiles of one (chunk, group) run together and share
+    # x / dout_x / states_in / dL through L2
+    for ti, tg, tc, tb in hl.tile([c, g, nc, b], block_size=[bm, 1, 1, 1]):
+        ib = tb.begin
+        ic = tc.begin
+        ig = tg.begin
+        C_i = C[ib, ic, ti, ig, :]
+        dc = hl.zeros([ti, n], dtype=torch.float32)
+        db = hl.zeros([ti, n], dtype=torch.float32)
+        # state parts (rows ti): dC += exp(dAcs) dout_x @ S ; dB += decay * dt * x @ dL
+        for hh in hl.grid(hpg):
+            ih = ig * hpg + hh
+            acs_i = dA_cumsum[ib, ih, ic, ti]
+            ds = hl.dot(dout_x[ib, ic, ti, ih, :], states_in[ib, ic, ih, :, :].to(x.dtype))  # (bm, n)
+            pscale = torch.exp2(acs_i * _LOG2E) * prev_keep[ib, ic, ti]
+            dc = dc + ds * pscale[:, None]
+            ddacs_prev[ib, ih, ic, ti] = torch.sum(ds * C_i.to(torch.float32), dim=1) * pscale
+            a_last = dA_cumsum[ib, ih, ic, c - 1]
+            sc = torch.exp2(torch.clamp(a_last - acs_i, max=0.0) * _LOG2E) * dt[ib, ih, ic, ti] * last_keep[ib, ic, ti]
+            xsc = (x[ib, ic, ti, ih, :].to(torch.float32) * sc[:, None]).to(x.dtype)
+            db = hl.dot(xsc, dL[ib, ic, ih, :, :].to(x.dtype), acc=db)
+        # dC rows ti: dCB[t in ti, s in tk] for the causal tiles s <= t only
+        for tk in hl.tile(ti.end, block_size=bk):
+            dcb = hl.zeros([ti, tk], dtype=torch.float32)
+            for hh in hl.grid(hpg):
+                ih = ig * hpg + hh
+                acs_i = dA_cumsum[ib, ih, ic, ti]
+                acs_k = dA_cumsum[ib, ih, ic, tk]
+                gts = hl.dot(dout_x[ib, ic, ti, ih, :], x[ib, ic, tk, ih, :].T)  # (bm, bk)
+                causal = ti.index[:, None] >= tk.index[None, :]
+                seg = torch.where(causal, acs_i[:, None] - acs_k[None, :], float("-inf"))
+                dcb = dcb + gts * torch.exp2(seg * _LOG2E) * dt[ib, ih, ic, tk][None, :]
+            dcb = dcb * same_seq[ib, ic, ti, tk]
+            dc = hl.dot(dcb.to(x.dtype), B[ib, ic, tk, ig, :], acc=dc)
+        dC[ib, ic, ti, ig, :] = dc.to(dC.dtype)
+        # dB rows ti (as s): dCB[t in tk, s in ti]^T for the tiles t >= s only
+        for tk in hl.tile(ti.begin, c, block_size=bk):
+            dcbt = hl.zeros([ti, tk], dtype=torch.float32)  # [s, t]
+            for hh in hl.grid(hpg):
+                ih = ig * hpg + hh
+                acs_i = dA_cumsum[ib, ih, ic, ti]
+                acs_k = dA_cumsum[ib, ih, ic, tk]
+                gst = hl.dot(x[ib, ic, ti, ih, :], dout_x[ib, ic, tk, ih, :].T)  # (bm, bk): x[s] . dout_x[t]
+                causal = tk.index[None, :] >= ti.index[:, None]
+                seg = torch.where(causal, acs_k[None, :] - acs_i[:, None], float("-inf"))
+                dcbt = dcbt + gst * torch.exp2(seg * _LOG2E) * dt[ib, ih, ic, ti][:, None]
+            dcbt = dcbt * same_seq[ib, ic, ti, tk]
+            db = hl.dot(dcbt.to(x.dtype), C[ib, ic, tk, ig, :], acc=db)
+        dB[ib, ic, ti, ig, :] = db.to(dB.dtype)
+    return ddacs_prev
+
+
+# ssd_bwd_dz_dstates (v1, grid b*nc*h = 8192, 402 us tuned; mamba-ssm dz 221 + dstates 131 = 352 us)
+#   FLOPs: dstates = dout_x^T @ (C * exp(dAcs)) 2*p*c*n = 2.1 M per (b, c, h) -> 17 GFLOP (~25 us).
+#   Bytes: read dout, z, out_x 134 MB each, C 34 MB (HBM; 268 MB through L2, re-read per head);
+#   write dz, dout_x 134 MB each, dstates fp32 268 MB -> ~0.98 GB (~205 us at 4.8 TB/s). Redundant
+#   work: per head and tile, C (bk x n, n = 128) is converted to fp32, scaled by exp(dAcs[t]) and
+#   rounded back to bf16 (c*n = 16 K convert-mul-convert per head; the scale belongs to the rows of
+#   dout_x, which is already in registers in fp32 and half as wide (p = 64)); tl.exp instead of exp2.
+# ssd_bwd_dz_dstates_v2: the row scale is applied to dout_x (c*p = 8 K multiplies per head, folded
+#   into the bf16 rounding that dout_x needs anyway), C goes from memory straight into tl.dot, exp2.
+#   Same bytes and FLOPs, ~1/3 fewer ALU ops per element and one fewer fp32 (bk x n) live tile.
+#   Expected: 1.1-1.2x over v1 (-> ~340-360 us, ~1.0x mamba); the rest of the gap is bytes.
+
+
+@helion.kernel(static_shapes=True)
+def ssd_bwd_dz_dstates_v2(
+    dout: torch.Tensor,  # (b, nc, c, h, p)
+    z: torch.Tensor,  # (b, nc, c, h, p)
+    out_x: torch.Tensor,  # (b, nc, c, h, p)
+    C: torch.Tensor,  # (b, nc, c, g, n)
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    prev_keep: torch.Tensor,  # (b, nc, c) fp32
+    dz: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, nc, c, h, p = dout.shape
+    g = C.shape[3]
+    n = C.shape[4]
+    hpg = h // g
+    dout_x = torch.empty_like(dout)
+    dstates = torch.empty([b, nc, h, p, n], dtype=torch.float32, device=dout.device)
+    bk = hl.register_block_size(16, 128)
+    for ib, ic, ih in hl.grid([b, nc, h]):
+        ig = ih // hpg
+        acc = hl.zeros([p, n], dtype=torch.float32)
+        for tt in hl.tile(c, block_size=bk):
+            do = dout[ib, ic, tt, ih, :].to(torch.float32)
+            zz = z[ib, ic, tt, ih, :].to(torch.float32)
+            sz = torch.sigmoid(zz)
+            dsz = do * sz
+            dz[ib, ic, tt, ih, :] = (dsz * out_x[ib, ic, tt, ih, :].to(torch.float32) * (1.0 + zz * (1.0 - sz))).to(dz.dtype)
+            dox = dsz * zz
+            dout_x[ib, ic, tt, ih, :] = dox.to(dout.dtype)
+            scale = torch.exp2(dA_cumsum[ib, ih, ic, tt] * _LOG2E) * prev_keep[ib, ic, tt]
+            doxs = (dox * scale[:, None]).to(dout.dtype)
+            acc = hl.dot(doxs.T, C[ib, ic, tt, ig, :], acc=acc)
+        dstates[ib, ic, ih, :, :] = acc
+    return dout_x, dstates
+
+
+# ----------------------------------------------------------------------------------------------
 # host side
 
 
@@ -293,19 +445,63 @@ _DEFAULTS = {
     "ssd_bwd_dx": helion.Config(block_sizes=[32], num_warps=8, num_stages=2),
     "ssd_bwd_dbc": helion.Config(block_sizes=[32], num_warps=8, num_stages=2),
     "ssd_bwd_dt": helion.Config(block_sizes=[], num_warps=4, num_stages=1),
+    "ssd_bwd_dz_dstates_v2": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
+    "ssd_bwd_dbc_v2": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
 }
+# block-size seeds of kernels with more than one block size (others use _BLOCK_SEEDS)
+_MULTI_BLOCK_SEEDS = {
+    "ssd_bwd_dbc_v2": [[64, 64], [32, 32], [32, 64], [64, 32], [128, 64], [64, 128], [32, 128], [16, 64]],
+}
+# variant name -> {base kernel: kernel that replaces it}
+VARIANTS = {
+    "v1": {},
+    "v2": {"ssd_bwd_dbc": "ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"},
+}
+_VARIANT = "v1"
+
+
+def _variant_map(variant: str | dict | None) -> dict[str, str]:
+    """``None`` -> the module default (``set_variant``); "v1"/"v2" or {base kernel: variant kernel}."""
+    v = _VARIANT if variant is None else variant
+    if isinstance(v, dict):
+        for base, k in v.items():
+            if k not in _KERNELS or base not in _KERNELS:
+                raise ValueError(f"unknown kernel in variant map {v!r} (known: {sorted(_KERNELS)})")
+        return dict(v)
+    if v not in VARIANTS:
+        raise ValueError(f"unknown SSD backward variant {v!r} (known: {sorted(VARIANTS)})")
+    return dict(VARIANTS[v])
+
+
+def set_variant(variant: str | dict) -> None:
+    """Module-wide default kernel variant for ``ssd_backward_helion`` ("v1" = the committed kernels)."""
+    global _VARIANT
+    _variant_map(variant)  # validate
+    _VARIANT = variant
+
+
+def get_variant() -> str | dict:
+    return _VARIANT
+
+
 _KERNELS = {
     "ssd_bwd_dz_dstates": ssd_bwd_dz_dstates,
     "ssd_bwd_state_passing": ssd_bwd_state_passing,
     "ssd_bwd_dx": ssd_bwd_dx,
     "ssd_bwd_dbc": ssd_bwd_dbc,
     "ssd_bwd_dt": ssd_bwd_dt,
+    "ssd_bwd_dz_dstates_v2": ssd_bwd_dz_dstates_v2,
+    "ssd_bwd_dbc_v2": ssd_bwd_dbc_v2,
 }
+
+
+def _block_seeds(name: str) -> list[list[int]]:
+    return _MULTI_BLOCK_SEEDS.get(name, _BLOCK_SEEDS)
 
 
 def _call(name: str, args: tuple, dims: dict):
     return tuning.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name],
-                             seeds=[{"block_sizes": bs} for bs in _BLOCK_SEEDS] if _has_blocks(name) else [])
+                             seeds=[{"block_sizes": bs} for bs in _block_seeds(name)] if _has_blocks(name) else [])
 
 
 def _has_blocks(name: str) -> bool:
@@ -355,7 +551,7 @@ _OUT_SHAPES = {"dx": "x", "dz": "x", "dB": "B", "dC": "B", "ddt": "dt"}
 def ssd_backward_helion(
     dout, x, z, out_x, dt, A, B, C, D, dt_bias, dt_out, dA_cumsum, states_in, CB, chunk_size,
     seq_idx=None, dfinal_states=None, dt_softplus=True, dt_limit=(0.0, float("inf")),
-    return_dinitial_states=False, out=None,
+    return_dinitial_states=False, out=None, variant=None,
 ):
     """Gradients of the SSD with z gating from recomputed forward pieces.
 
@@ -366,6 +562,8 @@ def ssd_backward_helion(
     ddt (b,l,h)} (strided views allowed, e.g. slices of dzxbcdt; ddt may be bf16): the kernels write
     into them directly when seqlen is a multiple of chunk_size (otherwise the padded results are
     copied in).
+    ``variant``: "v1" (the committed kernels), "v2" (``VARIANTS["v2"]``: ssd_bwd_dbc_v2,
+    ssd_bwd_dz_dstates_v2), a {base kernel: variant kernel} dict, or None for ``set_variant``'s default.
     Returns dict: dx, dz (b,l,h,p), ddt (b,l,h) (fp32 unless given), dA (h), dB, dC (b,l,g,n),
     dD (like D or None), ddt_bias (h or None), dinitial_states (b,h,p,n fp32, or None).
     """
@@ -388,13 +586,15 @@ def ssd_backward_helion(
             raise ValueError(f"ssd_backward_helion: unknown out buffer {k!r} (known: {sorted(_OUT_SHAPES)})")
         if v.shape != ref_shape[_OUT_SHAPES[k]]:
             raise ValueError(f"out[{k!r}] must be {tuple(ref_shape[_OUT_SHAPES[k]])}, got {tuple(v.shape)}")
+    vmap = _variant_map(variant)
     dev = x.device
     m = seq_masks(seq_idx, b, l, nc, c, dev)
     xc, doc, zc, oxc, Bc, Cc, dtc = (_chunked(_pad_chunks(t, L), nc, c) for t in (x, dout, z, out_x, B, C, dt))
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     dA_cumsum = dA_cumsum.contiguous()
     dt_out = dt_out.contiguous()
-    states_in = states_in.float().contiguous()
+    # v1's ssd_bwd_dbc was tuned on fp32 states_in; ssd_bwd_dbc_v2 reads states_in in its own dtype
+    states_in = states_in.contiguous() if "ssd_bwd_dbc" in vmap else states_in.float().contiguous()
 
     def buf(name, like_c, dtype=None):
         """Chunked (b, nc, c, ...) result buffer: the caller's when it can be written in place."""
@@ -405,7 +605,7 @@ def ssd_backward_helion(
                            device=dev)
 
     dzc = buf("dz", zc)
-    doxc, dstates = _call("ssd_bwd_dz_dstates", (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"], dzc), dims)
+    doxc, dstates = _call(vmap.get("ssd_bwd_dz_dstates", "ssd_bwd_dz_dstates"), (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"], dzc), dims)
 
     blk = _state_split(p * n)
     ns = p * n // blk
@@ -431,7 +631,7 @@ def ssd_backward_helion(
         "ssd_bwd_dx", (xc, doxc, Bc, CB, dt_out, dA_cumsum, dL, m["last_keep"], Dw, dxc), dims)
     dBc, dCc = buf("dB", Bc), buf("dC", Cc)
     ddacs_prev = _call(
-        "ssd_bwd_dbc", (xc, doxc, Bc, Cc, dt_out, dA_cumsum, states_in, dL, m["same_seq"], m["prev_keep"],
+        vmap.get("ssd_bwd_dbc", "ssd_bwd_dbc"), (xc, doxc, Bc, Cc, dt_out, dA_cumsum, states_in, dL, m["same_seq"], m["prev_keep"],
                         m["last_keep"], dBc, dCc), dims)
 
     ddtc = buf("ddt", dtc, dtype=torch.float32 if "ddt" not in out else None)
@@ -470,6 +670,7 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
     b, l, h, p, g, n, c = (dims[k] for k in ("b", "l", "h", "p", "g", "n", "c"))
     nc = math.ceil(l / c)
     bf, f32 = torch.bfloat16, torch.float32
+    name = name.removesuffix("_v2")  # variants take the arguments of the kernel they replace
 
     def r(*s, dtype=bf):
         return torch.randn(*s, device=device).to(dtype)
@@ -501,13 +702,14 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
 
 
 # argument positions of the result buffers each kernel writes (compared by the tuner)
-_OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dbc": (11, 12), "ssd_bwd_dt": (9,)}
+_OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dbc": (11, 12), "ssd_bwd_dt": (9,),
+             "ssd_bwd_dz_dstates_v2": (6,), "ssd_bwd_dbc_v2": (11, 12)}
 
 
 def _tune_builder(name: str):
     def build(dims: dict, device) -> "tuning.TuneCase":
         args, kd = _example_args(name, dims, device)
-        seeds = tuning.grid_seeds(block_sizes=_BLOCK_SEEDS, num_warps=[4, 8], num_stages=[1, 2, 3]) if _has_blocks(name) \
+        seeds = tuning.grid_seeds(block_sizes=_block_seeds(name), num_warps=[4, 8], num_stages=[1, 2, 3]) if _has_blocks(name) \
             else tuning.grid_seeds(num_warps=[1, 2, 4, 8], num_stages=[1, 2])
         out_args = _OUT_ARGS.get(name, ())
 

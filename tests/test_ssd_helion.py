@@ -116,6 +116,29 @@ def test_forward_matches_reference_and_recurrence(case, fuse):
     _close(got[5], fin64, 1e-4, "final_states vs fp64 recurrence")
 
 
+@pytest.mark.parametrize("case", ["g1", "g4_seq", "g2_odd_seq_c16"])
+@pytest.mark.parametrize("small_blocks", [False, True])
+@pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
+def test_forward_variant_v2_matches_reference(case, small_blocks, monkeypatch):
+    """variant="v2" (ssd_chunk_scan_v2) gives the reference forward; small_blocks runs the
+    multi-tile causal path (interpret mode otherwise uses one tile of the whole chunk)."""
+    if small_blocks:
+        import helion.language as hl
+
+        monkeypatch.setattr(hl.register_block_size, "_ref_fn", lambda lo, hi=None: lo)
+    b, l, h, p, g, n, c, brk = CASES[case]
+    t = _inputs(b, l, h, p, g, n, seed=1, seq_breaks=brk)
+    kw = dict(D=t["Dp"], z=t["z"], dt_bias=t["dt_bias"], initial_states=t["init"],
+              seq_idx=t["seq_idx"] if brk else None, dt_softplus=True, dt_limit=(0.0, 1.5))
+    ref = ssd.ssd_forward_ref(t["x"], t["dt"], t["A"], t["B"], t["C"], c, **kw)
+    got = sh.ssd_forward_helion(t["x"], t["dt"], t["A"], t["B"], t["C"], c, variant="v2", **kw)
+    for name, a, r in zip(["out", "out_x"], got, ref):
+        _close(a, r, 1e-4, name)
+    assert sh.get_variant() == "v1"
+    with pytest.raises(ValueError, match="unknown SSD forward variant"):
+        sh.set_variant("v3")
+
+
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
 def test_combined_entry_and_state_dtype():
     b, l, h, p, g, n, c = 1, 40, 2, 16, 1, 16, 16
@@ -167,7 +190,7 @@ def test_triton_codegen_nano_shape(name, monkeypatch):
         code = bound.to_triton_code(helion.Config(**cfg))
         assert "@triton.jit" in code, f"{name}: no Triton kernel for {cfg}"
         assert code.count("def _helion_") == 1, f"{name}: expected one device kernel"
-        if name in ("ssd_chunk_state", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"):
+        if name in ("ssd_chunk_state", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan", "ssd_chunk_scan_v2"):
             assert "tl.dot" in code and "out_dtype=tl.float32" in code, f"{name}: GEMM not lowered to tl.dot fp32"
 
 

@@ -115,6 +115,70 @@ def test_bad_inputs_fail_early():
 
 def test_tunable_kernels_registered():
     assert set(bwd.TUNABLE_KERNELS) == set(bwd._KERNELS)
+    for kernels in bwd.VARIANTS.values():
+        assert set(kernels) | set(kernels.values()) <= set(bwd._KERNELS)
+
+
+def _min_blocks(monkeypatch):
+    """Interpret mode gives every ``register_block_size`` its maximum (one tile per chunk); use the
+    minimum (16) instead so the variants' multi-tile paths (causal tile ranges) run on CPU."""
+    import helion.language as hl
+
+    monkeypatch.setattr(hl.register_block_size, "_ref_fn", lambda lo, hi=None: lo)
+
+
+@pytest.mark.parametrize(
+    "shape,kw,small_blocks",
+    [
+        ((2, 45, 4, 8, 2, 16, 16), dict(seq=True, init=True, D2=True), False),
+        ((2, 37, 6, 8, 3, 16, 16), dict(init=True), False),
+        ((1, 40, 3, 16, 1, 32, 32), dict(seq=True), True),  # 2 row tiles per chunk
+        ((2, 75, 4, 8, 2, 16, 64), dict(seq=True, init=True), True),  # 4 row tiles per chunk
+    ],
+)
+def test_v2_grads_match_reference_fp32(shape, kw, small_blocks, monkeypatch):
+    """variant="v2" (ssd_bwd_dbc_v2, ssd_bwd_dz_dstates_v2) gives the reference gradients."""
+    if small_blocks:
+        _min_blocks(monkeypatch)
+    ref, _, _ = _ref_and_helion(*shape, **kw)
+    bwd.set_variant("v2")
+    try:
+        _, got, _ = _ref_and_helion(*shape, **kw)
+    finally:
+        bwd.set_variant("v1")
+    for k, r in ref.items():
+        err = (got[k].float() - r.float()).abs().max().item()
+        tol = 1e-4 * max(1.0, r.abs().max().item())
+        assert err <= tol, f"{k}: max err {err:.3e} > {tol:.3e}"
+
+
+def test_variant_selection():
+    assert bwd.get_variant() == "v1"
+    assert bwd._variant_map(None) == {}
+    assert bwd._variant_map("v2") == {"ssd_bwd_dbc": "ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"}
+    assert bwd._variant_map({"ssd_bwd_dbc": "ssd_bwd_dbc_v2"}) == {"ssd_bwd_dbc": "ssd_bwd_dbc_v2"}
+    with pytest.raises(ValueError, match="unknown SSD backward variant"):
+        bwd.set_variant("v9")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        bwd._variant_map({"ssd_bwd_dbc": "nope"})
+    assert bwd.get_variant() == "v1"
+
+
+@pytest.mark.parametrize("name", ["ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates_v2"])
+def test_v2_triton_codegen_nano_shape(name, monkeypatch):
+    """The variants generate one Triton kernel with tl.dot at the Nano chunk shape (p 64, n 128,
+    c 128) for their default config and a sample of their tuning seeds."""
+    import helion
+
+    from kernels import tuning
+
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    args, _ = bwd._example_args(name, dict(b=1, l=256, h=8, p=64, g=2, n=128, c=128), "cpu")
+    bound = helion.kernel(bwd._KERNELS[name].fn, static_shapes=True).bind(args)
+    seeds = bwd.TUNABLE_KERNELS[name](dict(b=1, l=256, h=8, p=64, g=2, n=128, c=128), "cpu").seeds
+    for cfg in [bwd._DEFAULTS[name]] + [tuning._as_config(s) for s in seeds[:: max(1, len(seeds) // 4)]]:
+        code = bound.to_triton_code(cfg)
+        assert code.count("def _helion_") == 1 and "tl.dot" in code, f"{name}: {cfg}"
 
 
 @pytest.mark.gpu
