@@ -33,6 +33,10 @@ class BackendUnavailableError(RuntimeError):
     pass
 
 
+class KernelSwitchError(ValueError):
+    """A kernels.* switch that does not apply to the chosen backend (e.g. autotune with mamba_ssm)."""
+
+
 @dataclass(frozen=True)
 class KernelBackend:
     name: str
@@ -154,10 +158,10 @@ def configure_backend(name: str, *, autotune: bool = False, deterministic: bool 
     if name not in _FACTORIES:
         raise UnknownBackendError(f"unknown kernel backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     if autotune and name != "helion":
-        raise ValueError(f"kernels.autotune=true applies to kernels.backend=helion only (got {name!r})")
+        raise KernelSwitchError(f"kernels.autotune=true applies to kernels.backend=helion only (got {name!r})")
     if deterministic and name == "mamba_ssm" and os.environ.get("MAMBA_DETERMINISTIC") != "1":
         if "mamba_ssm" in sys.modules:
-            raise ValueError("kernels.deterministic=true with mamba_ssm needs MAMBA_DETERMINISTIC=1 before mamba-ssm "
+            raise KernelSwitchError("kernels.deterministic=true with mamba_ssm needs MAMBA_DETERMINISTIC=1 before mamba-ssm "
                              "is imported; set it in the environment")
         os.environ["MAMBA_DETERMINISTIC"] = "1"
     backend = get_backend(name)

@@ -147,7 +147,7 @@ def validate_optim(o: DictConfig, train_iters: int) -> None:
 
 def validate(cfg: DictConfig) -> RunPlan:
     """Check every setting that can be checked without doing work; raise one clear error."""
-    from kernels.registry import BackendUnavailableError, UnknownBackendError, configure_backend
+    from kernels.registry import KernelSwitchError, configure_backend
     from nano_hybrid.metrics import WANDB_MODES
     from nano_hybrid.parallel import validate_parallel
 
@@ -198,9 +198,7 @@ def validate(cfg: DictConfig) -> RunPlan:
     try:  # unknown / unavailable backends raise their own one-line errors
         backend = configure_backend(str(cfg.kernels.backend), autotune=bool(cfg.kernels.get("autotune", False)),
                                     deterministic=bool(cfg.kernels.get("deterministic", False)))
-    except (UnknownBackendError, BackendUnavailableError):
-        raise
-    except ValueError as e:
+    except KernelSwitchError as e:
         raise ConfigError(str(e)) from None
     if str(cfg.logger.wandb.mode) not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}; choose one of {', '.join(WANDB_MODES)}")

@@ -29,9 +29,9 @@ def test_gpu_backends_unavailable_on_cpu_with_one_line(monkeypatch):
 
 
 def test_kernel_switches_are_validated_not_ignored():
-    from kernels.registry import configure_backend
+    from kernels.registry import KernelSwitchError, configure_backend
 
-    with pytest.raises(ValueError, match="kernels.autotune=true applies to kernels.backend=helion only"):
+    with pytest.raises(KernelSwitchError, match="kernels.autotune=true applies to kernels.backend=helion only"):
         configure_backend("torch", autotune=True)
     with pytest.raises(UnknownBackendError):
         configure_backend("nope")

@@ -41,16 +41,14 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
     from megatron.core import parallel_state
     from megatron.core.models.mamba import MambaModel
 
-    from kernels.registry import configure_backend
+    from kernels.registry import KernelSwitchError, configure_backend
     from nano_hybrid.model.specs import hybrid_stack_spec
 
     kcfg = cfg.kernels
     try:
         backend = configure_backend(str(kcfg.backend), autotune=bool(kcfg.get("autotune", False)),
                                     deterministic=bool(kcfg.get("deterministic", False)))
-    except ValueError as e:  # bad switch combination; unknown/unavailable backends raise their own errors
-        if type(e) is not ValueError:
-            raise
+    except KernelSwitchError as e:  # unknown/unavailable backends raise their own one-line errors
         raise ConfigError(str(e)) from None
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model needs megatron's parallel state: call nano_hybrid.parallel.initialize_parallel(cfg) first")
