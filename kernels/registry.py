@@ -121,6 +121,11 @@ def _helion_backend() -> KernelBackend:
         raise BackendUnavailableError(
             "kernel backend 'helion' needs a CUDA GPU (or HELION_INTERPRET=1 for Helion's slow eager CPU mode)"
         )
+    if not torch.cuda.is_available() and not _cpu_mm_dtype_available():
+        raise BackendUnavailableError(
+            "kernel backend 'helion' in CPU interpret mode needs aten::mm.dtype on CPU, which this torch build "
+            "lacks (hl.dot lowers to it); the test suite registers a test-only implementation in tests/conftest.py"
+        )
     parts, missing = {}, []
     for field, (mod, attr) in _HELION_PARTS.items():
         try:
@@ -130,6 +135,16 @@ def _helion_backend() -> KernelBackend:
     if missing:
         raise BackendUnavailableError("kernel backend 'helion' is incomplete: missing " + "; ".join(missing))
     return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs", **parts)
+
+
+def _cpu_mm_dtype_available() -> bool:
+    import torch
+
+    try:
+        torch.ops.aten.mm.dtype(torch.ones(1, 1), torch.ones(1, 1), torch.float32)
+        return True
+    except (NotImplementedError, RuntimeError):
+        return False
 
 
 _FACTORIES = {"torch": _torch_backend, "mamba_ssm": _mamba_ssm_backend, "helion": _helion_backend}
