@@ -313,11 +313,7 @@ def markdown(res: dict) -> str:
 
 
 def output_stem(res: dict, tag: str | None) -> str:
-    arms = "_vs_".join(res["arms"]).replace("#", "")
-    s = f"ab_step_time_{res['config']['model']}_{arms}"
-    if res["world_size"] > 1:
-        s += f"_{res['world_size']}gpu"
-    return s + (f"_{tag}" if tag else "")
+    return bl.arms_stem("ab_step_time", res, tag)
 
 
 def main(argv=None) -> int:

@@ -43,7 +43,6 @@ import argparse
 import dataclasses
 import gc
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -396,34 +395,12 @@ def markdown(res: dict) -> str:
 
 
 def output_stem(res: dict, tag: str | None) -> str:
-    arms = "_vs_".join(res["arms"]).replace("#", "")
-    s = f"backend_loss_match_{res['config']['model']}_{arms}_{res['config']['dtype']}"
-    if res["world_size"] > 1:
-        s += f"_{res['world_size']}gpu"
-    return s + (f"_{tag}" if tag else "")
+    return bl.arms_stem("backend_loss_match", res, tag, str(res["config"]["dtype"]))
 
 
 def main(argv=None) -> int:
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    from kernels.registry import BackendUnavailableError, UnknownBackendError
-    from nano_hybrid.config import ConfigError
-    from nano_hybrid.data import DataConfigError
-
-    a = parse_args(argv)
-    try:
-        res = run(a)
-    except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if res is None:  # not rank 0
-        return 0
-    out = Path(a.out) if a.out else bl.default_out_dir()
-    jp, mp = bl.write_results(out, output_stem(res, a.tag), res, markdown(res))
-    print(markdown(res))
-    print(f"\nwrote {jp} and {mp}")
-    return 0 if res["pass"] else 1
+    return bl.bench_main(argv, parse_args, run, lambda res, a: output_stem(res, a.tag), markdown,
+                         exit_code=lambda res: 0 if res["pass"] else 1)
 
 
 if __name__ == "__main__":

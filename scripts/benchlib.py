@@ -214,22 +214,24 @@ def write_results(out_dir: Path | str, stem: str, data: dict, markdown: str) -> 
     return jp, mp
 
 
-def bench_main(argv, parse_args: Callable, run: Callable, stem: Callable, markdown: Callable[[dict], str]) -> int:
-    """The benchmark scripts' ``main``: parse ``argv``, ``res = run(args)`` (a bad config or kernel
-    backend is one line on stderr and exit code 2; ``None``, e.g. on a rank other than 0, writes
+def bench_main(argv, parse_args: Callable, run: Callable, stem: Callable, markdown: Callable[[dict], str],
+               exit_code: Callable[[dict], int] = lambda res: 0) -> int:
+    """The benchmark scripts' ``main``: parse ``argv``, ``res = run(args)`` (a bad config, data path or
+    kernel backend is one line on stderr and exit code 2; ``None``, e.g. on a rank other than 0, writes
     nothing), then write ``<stem(res, args)>.json`` / ``.md`` under ``--out`` (default
-    ``default_out_dir()``) and print the markdown."""
+    ``default_out_dir()``), print the markdown and return ``exit_code(res)``."""
     import sys
     import warnings
 
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from kernels.registry import BackendUnavailableError, UnknownBackendError
     from nano_hybrid.config import ConfigError
+    from nano_hybrid.data import DataConfigError
 
     a = parse_args(argv)
     try:
         res = run(a)
-    except (ConfigError, UnknownBackendError, BackendUnavailableError) as e:
+    except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if res is None:
@@ -239,7 +241,15 @@ def bench_main(argv, parse_args: Callable, run: Callable, stem: Callable, markdo
     jp, mp = write_results(out, stem(res, a), res, md)
     print(md)
     print(f"\nwrote {jp} and {mp}")
-    return 0
+    return exit_code(res)
+
+
+def arms_stem(prefix: str, res: dict, tag: str | None, *parts: str) -> str:
+    """``<prefix>_<model>_<arm>_vs_<arm>[_<parts>][_<N>gpu][_<tag>]``: the benchmark output file stem."""
+    s = "_".join([prefix, str(res["config"]["model"]), "_vs_".join(res["arms"]).replace("#", ""), *parts])
+    if res["world_size"] > 1:
+        s += f"_{res['world_size']}gpu"
+    return s + (f"_{tag}" if tag else "")
 
 
 def _json_default(o):

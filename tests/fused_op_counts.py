@@ -15,9 +15,7 @@ Shapes are tiny (the count does not depend on them, only on the code path).
 from __future__ import annotations
 
 import collections
-import json
 import os
-from pathlib import Path
 
 os.environ.setdefault("HELION_INTERPRET", "1")
 

@@ -8,8 +8,6 @@ GPU (@pytest.mark.gpu): the Nano shape against an fp32 torch reference and mamba
 
 from __future__ import annotations
 
-import math
-import os
 
 import pytest
 import torch
