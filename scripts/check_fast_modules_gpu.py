@@ -119,7 +119,41 @@ def numerics(kind: str) -> dict:
     }
 
 
-def time_layer(overrides, idx, mb, seq, iters, warmup=3) -> dict:
+def _sdpa_ctx(backends):
+    """None: SDPA's own choice; else a comma list of SDPBackend names tried in that priority order."""
+    import contextlib
+
+    if not backends:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [getattr(SDPBackend, b.strip().upper()) for b in backends.split(",")]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def _profile_top(step, n_iters=2, top=20) -> list:
+    """Top CUDA kernels of ``step`` by device time per iteration (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_iters):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0 and e.count > 0:
+            rows.append({"name": e.key[:140], "us_per_iter": t / n_iters, "calls_per_iter": e.count / n_iters})
+    rows.sort(key=lambda r: -r["us_per_iter"])
+    return rows[:top]
+
+
+def time_layer(overrides, idx, mb, seq, iters, warmup=3, sdpa_backends=None, profile_top=0) -> dict:
+    with _sdpa_ctx(sdpa_backends):
+        return _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top)
+
+
+def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top) -> dict:
     model, cfg = _build(overrides, torch.bfloat16)
     model.train()
     layer = model.decoder.layers[idx]
@@ -153,6 +187,10 @@ def time_layer(overrides, idx, mb, seq, iters, warmup=3) -> dict:
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
         "layer_params": sum(p.numel() for p in layer.parameters()),
     }
+    if profile_top:
+        res["profile_top_kernels"] = _profile_top(step, top=profile_top)
+        for r in res["profile_top_kernels"]:
+            print(f"  {r['us_per_iter']:9.1f} us  x{r['calls_per_iter']:.0f}  {r['name']}", flush=True)
     del model, layer, x, g
     torch.cuda.empty_cache()
     return res
@@ -175,6 +213,9 @@ def _markdown(r: dict) -> str:
         if key == "shapes":
             continue
         kind, impl = key.split("_", 1)
+        if "error" in v:
+            lines.append(f"| {kind} | {impl} | failed: {v['error'][:80]} | | |")
+            continue
         lines.append(f"| {kind} | {impl} | {v['median_ms']:.2f} | {v['peak_mem_gb']:.1f} | {v.get('target_ms', '')} |")
     lines += ["", "Numerics (small shapes, bf16, rel. L2 error vs an fp32 run of megatron's module):", ""]
     for kind, n in r["numerics"].items():
@@ -193,6 +234,11 @@ def main() -> int:
                     help="run only the numerics part on CPU (checks this script's logic; no timing, no JSON)")
     ap.add_argument("--no-reference-timing", action="store_true",
                     help="skip timing megatron's unfused attention / SequentialMLP (~2 s each, 80 GB peak)")
+    ap.add_argument("--sdpa-backends", default="",
+                    help="extra attention variants, ';'-separated priority lists of SDPBackend names, "
+                         "e.g. 'cudnn_attention,flash_attention;flash_attention'")
+    ap.add_argument("--profile-top", type=int, default=0, help="profile each timed layer: top-N CUDA kernels")
+    ap.add_argument("--skip-numerics", action="store_true")
     args = ap.parse_args()
     if args.smoke_cpu:
         global DEVICE
@@ -223,7 +269,7 @@ def main() -> int:
         "numerics": {},
         "timing": {},
     }
-    for kind in ("attention", "moe"):
+    for kind in ("attention", "moe") if not args.skip_numerics else ():
         result["numerics"][kind] = numerics(kind)
         print(f"numerics {kind}: {json.dumps(result['numerics'][kind]['output_rel_err'])} "
               f"pass={result['numerics'][kind]['pass']}", flush=True)
@@ -231,24 +277,34 @@ def main() -> int:
     shapes = {"micro_batch": args.mb, "seq": args.seq, "hidden": 2688, "attention_heads": 32, "query_groups": 2,
               "kv_channels": 128, "experts": 128, "topk": 6, "moe_ffn": 1856, "shared_expert_ffn": 3712}
     result["timing"]["shapes"] = shapes
-    variants = [("attention", "sdpa", ["model.hybrid_override_pattern='*'", "model.attention_impl=sdpa"]),
-                ("moe", "grouped", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=grouped"])]
+    variants = [("attention", "sdpa", ["model.hybrid_override_pattern='*'", "model.attention_impl=sdpa"], None),
+                ("moe", "grouped", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=grouped"], None)]
+    for be in filter(None, args.sdpa_backends.split(";")):
+        variants.append(("attention", f"sdpa[{be}]", ["model.hybrid_override_pattern='*'", "model.attention_impl=sdpa"], be))
     if not args.no_reference_timing:
-        variants += [("attention", "unfused", ["model.hybrid_override_pattern='*'", "model.attention_impl=unfused"]),
-                     ("moe", "sequential", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=sequential"])]
-    for kind, impl, ov in variants:
-        r = time_layer(nano + ov, 0, args.mb, args.seq, args.iters)
-        if impl in ("sdpa", "grouped"):
+        variants += [("attention", "unfused", ["model.hybrid_override_pattern='*'", "model.attention_impl=unfused"], None),
+                     ("moe", "sequential", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=sequential"], None)]
+    for kind, impl, ov, be in variants:
+        try:
+            r = time_layer(nano + ov, 0, args.mb, args.seq, args.iters, sdpa_backends=be,
+                           profile_top=args.profile_top if impl in ("sdpa", "grouped") or be else 0)
+        except Exception as e:  # a backend SDPA cannot use for these inputs: record it, go on
+            result["timing"][f"{kind}_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"timing {kind} {impl}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        if impl.startswith("sdpa") or impl == "grouped":
             r["target_ms"] = TARGET_MS[kind]
             r["meets_target"] = r["median_ms"] <= TARGET_MS[kind]
         result["timing"][f"{kind}_{impl}"] = r
         print(f"timing {kind} {impl}: {r['median_ms']:.2f} ms (peak {r['peak_mem_gb']:.1f} GB)", flush=True)
     destroy_parallel()
-    path = out_dir / "fast_modules.json"
+    stem = "fast_modules_profile" if args.skip_numerics else "fast_modules"
+    path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / "fast_modules.md").write_text(_markdown(result))
-    print(f"wrote {path} and fast_modules.md")
+    (out_dir / f"{stem}.md").write_text(_markdown(result))
+    print(f"wrote {path} and {stem}.md")
     ok = all(v["pass"] for v in result["numerics"].values())
+
     return 0 if ok else 1
 
 
