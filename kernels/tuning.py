@@ -54,6 +54,7 @@ imports every ``kernels.*`` module and collects them, so new kernel modules need
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import importlib
@@ -63,6 +64,8 @@ import math
 import os
 import pkgutil
 import random
+import signal
+import threading
 import time
 import traceback
 import warnings
@@ -87,6 +90,9 @@ _AUTOTUNE = False
 _WARNED: set[tuple[str, str]] = set()
 _FILE_CACHE: dict[Path, dict] = {}
 _COMPILED: dict[tuple, Callable] = {}
+# (kernel name, id(kernel), argument signature) -> compiled callable: the per-call fast path of
+# tuned_call (no config lookup, no Config objects, no JSON per call once a signature has been seen)
+_FAST: dict[tuple, Callable] = {}
 _AUTOTUNED: dict[tuple[str, str], helion.Config] = {}
 
 
@@ -98,6 +104,7 @@ def set_autotune(enabled: bool) -> None:
     """Allow (True) or forbid (False, default) config searches inside ``tuned_call``."""
     global _AUTOTUNE
     _AUTOTUNE = bool(enabled)
+    _FAST.clear()
 
 
 def autotune_enabled() -> bool:
@@ -176,6 +183,7 @@ def clear_caches() -> None:
     """Forget loaded files, compiled kernels, warnings already given and in-process autotune results."""
     _FILE_CACHE.clear()
     _COMPILED.clear()
+    _FAST.clear()
     _WARNED.clear()
     _AUTOTUNED.clear()
 
@@ -291,6 +299,7 @@ def record(
     tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     tmp.replace(path)
     _FILE_CACHE.pop(path, None)
+    _FAST.clear()
     return path
 
 
@@ -362,7 +371,15 @@ def tuned_call(
     prepare: Callable[[tuple], None] | None = None,
 ):
     """What kernel wrappers call: committed config (or fallback), or a search if autotune is on.
-    ``finalize`` / ``prepare``: see ``search`` (kernels whose raw outputs depend on the config)."""
+    ``finalize`` / ``prepare``: see ``search`` (kernels whose raw outputs depend on the config).
+
+    After the first call with a given argument signature (dtypes, shapes, strides, devices, scalar
+    values) the compiled kernel is looked up by that signature alone: the host cost per call is one
+    signature tuple and one dict lookup on top of Helion's launcher."""
+    fkey = (kernel_name, id(kernel), _arg_signature(args))
+    fn = _FAST.get(fkey)
+    if fn is not None:
+        return fn(*args)
     if (
         _AUTOTUNE
         and not interpret_mode()
@@ -375,7 +392,11 @@ def tuned_call(
                          finalize=finalize, prepare=prepare)
         _AUTOTUNED[(kernel_name, shape_key(**dims))] = best
     cfg = get_config(kernel_name, dims, default)
-    return run_with_config(kernel, args, cfg)
+    if kernel_in_ref_mode(kernel):
+        return run_interpret(kernel, args, cfg)
+    fn = compiled(kernel, args, cfg)
+    _FAST[fkey] = fn
+    return fn(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,6 +546,32 @@ def _cuda_alive() -> bool:
         return False
 
 
+class CandidateTimeout(Exception):
+    """A candidate's compile + check took longer than ``search``'s ``candidate_timeout_s``."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None):
+    """Raise CandidateTimeout in this (main) thread after ``seconds`` (SIGALRM); no-op elsewhere.
+
+    Interrupts Python code and waits on subprocesses (ptxas) at once; a long call inside a C
+    extension (LLVM passes) is interrupted when it returns to Python."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise CandidateTimeout(f"compile + check took longer than {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def search(
     kernel,
     args: Sequence[object],
@@ -538,6 +585,7 @@ def search(
     log: Callable[[str], None] | None = None,
     finalize: Callable[[Any, tuple], Any] | None = None,
     prepare: Callable[[tuple], None] | None = None,
+    candidate_timeout_s: float | None = 30.0,
 ) -> tuple[helion.Config, list[dict]]:
     """Compile, check and time each candidate; return ``(best_config, results)``.
 
@@ -547,7 +595,9 @@ def search(
     reference and every candidate; ``prepare(args)`` runs before each checked run. ``results`` has one dict per
     candidate tried: config, status ("ok", "compile_error", "run_error", "mismatch", "skipped_budget"),
     time_ms, max_abs_err, error. The budget is checked before each candidate; the reference is always
-    run. A CUDA error that leaves the context unusable ends the search with the best so far.
+    run. A candidate whose compile + check + timing exceeds ``candidate_timeout_s`` (or the budget left
+    plus 10 s) is dropped with status "timeout" (some configs make Triton compile for minutes).
+    A CUDA error that leaves the context unusable ends the search with the best so far.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("tuning.search needs a CUDA GPU (timings are measured on the device)")
@@ -567,31 +617,43 @@ def search(
             r["status"] = "skipped_budget"
             results.append(r)
             continue
+        limit = None
+        if i > 0 and candidate_timeout_s:
+            limit = max(1.0, min(candidate_timeout_s, budget_s - (time.monotonic() - t0) + 10.0))
         try:
-            fn = compiled(kernel, args, cfg)
-        except Exception as e:  # noqa: BLE001
-            r.update(status="compile_error", error=f"{type(e).__name__}: {str(e)[:300]}")
+            with _time_limit(limit):
+                r["status"] = "compile_error"
+                fn = compiled(kernel, args, cfg)
+                r["status"] = None
+                out = checked_outputs(fn, args, finalize, prepare)
+                torch.cuda.synchronize()
+                ok, err = outputs_close(out, ref_out, atol, rtol)
+                ms = time_fn(lambda: fn(*args), rep) if ok else None
+        except CandidateTimeout as e:
+            r.update(status="timeout", error=str(e))
             results.append(r)
-            log(f"  [{i}] compile_error {r['error'][:120]}")
+            log(f"  [{i}] timeout ({e})")
+            if not _cuda_alive():
+                break
             continue
-        try:
-            out = checked_outputs(fn, args, finalize, prepare)
-            torch.cuda.synchronize()
-            ok, err = outputs_close(out, ref_out, atol, rtol)
-            r["max_abs_err"] = err
-            if not ok:
-                r["status"] = "mismatch"
-                results.append(r)
-                log(f"  [{i}] mismatch max_abs_err={err:.3g}")
-                continue
-            ms = time_fn(lambda: fn(*args), rep)
         except Exception as e:  # noqa: BLE001
+            if r["status"] == "compile_error":
+                r.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+                results.append(r)
+                log(f"  [{i}] compile_error {r['error'][:120]}")
+                continue
             r.update(status="run_error", error=f"{type(e).__name__}: {str(e)[:300]}")
             results.append(r)
             log(f"  [{i}] run_error {r['error'][:120]}")
             if not _cuda_alive():
                 r["error"] += " (CUDA context lost: search stopped)"
                 break
+            continue
+        r["max_abs_err"] = err
+        if not ok:
+            r["status"] = "mismatch"
+            results.append(r)
+            log(f"  [{i}] mismatch max_abs_err={err:.3g}")
             continue
         r.update(status="ok", time_ms=ms)
         results.append(r)

@@ -131,7 +131,9 @@ def test_gpu_vs_causal_conv1d(b, d, l, useseq):
         e_ours = (a.float() - r).abs().max().item()
         e_theirs = (t.float() - r).abs().max().item()
         if name in ("dweight", "dbias"):
-            assert e_ours <= 1e-3 * r.abs().max().item() + 1e-2, (name, e_ours)
+            # returned in the weight's dtype (bf16, as causal-conv1d does): rounding alone is up to
+            # 2**-9 of a value, so allow 2**-8 of the largest one on top of the fp32 reduction error
+            assert e_ours <= 2**-8 * r.abs().max().item() + 1e-2, (name, e_ours)
         else:
             torch.testing.assert_close(a.float(), r, atol=2e-2, rtol=2e-2, msg=name)
         assert e_ours <= 2 * e_theirs + 1e-3, f"{name}: helion err {e_ours} vs causal-conv1d {e_theirs}"
