@@ -436,10 +436,19 @@ def get_kernel(name: str) -> Any:
 
 
 def _run(name: str, dims: dict[str, int], limits: list[int], args: tuple, config: Any = None) -> Any:
+    kernel = get_kernel(name)
     if config is None:
+        # fast path: the compiled kernel for this argument signature, once its config has been chosen
+        key, fn = tuning.fast_lookup(name, kernel, args)
+        if fn is not None:
+            return fn(*args)
         config = tuning.get_config(name, dims, default=DEFAULT_CONFIGS[name])
+        cfg = _clip_blocks(name, _config_dict(config), limits)
+        if tuning.kernel_in_ref_mode(kernel):
+            return tuning.run_interpret(kernel, args, cfg)
+        return tuning.fast_store(key, tuning.compiled(kernel, args, cfg))(*args)
     cfg = _clip_blocks(name, _config_dict(config), limits)
-    return tuning.run_with_config(get_kernel(name), args, cfg)
+    return tuning.run_with_config(kernel, args, cfg)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -308,12 +308,16 @@ def record(
 
 
 def _arg_signature(args: Sequence[object]) -> tuple:
+    """Hashable signature of kernel arguments: what a compiled Helion kernel is specialised on.
+
+    Called once per kernel launch (tuned_call's fast path), so it stays cheap: torch.Size, stride
+    tuples and torch.device are hashable as they are."""
     sig = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            sig.append(("T", a.dtype, tuple(a.shape), tuple(a.stride()), str(a.device)))
-        elif isinstance(a, (int, float, bool, str)) or a is None:
-            sig.append(("S", type(a).__name__, a))
+            sig.append((a.dtype, a.shape, a.stride(), a.device))
+        elif a is None or isinstance(a, (int, float, bool, str)):
+            sig.append((type(a), a))
         elif isinstance(a, (tuple, list)):
             sig.append(("L", _arg_signature(a)))
         else:
@@ -354,6 +358,18 @@ def run_interpret(kernel, args: Sequence[object], config: helion.Config | Mappin
     bound = kernel.bind(tuple(args))
     with RefModeContext(bound.env, _as_config(config)):
         return kernel.fn(*args)
+
+
+def fast_lookup(tag: str, kernel, args: Sequence[object]):
+    """(key, compiled callable or None) for ``args`` under ``tag``: the per-call fast path for wrappers
+    that choose their config themselves; store with ``fast_store(key, fn)`` after the first call."""
+    key = (tag, id(kernel), _arg_signature(args))
+    return key, _FAST.get(key)
+
+
+def fast_store(key: tuple, fn: Callable) -> Callable:
+    _FAST[key] = fn
+    return fn
 
 
 def tuned_call(

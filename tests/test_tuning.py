@@ -224,3 +224,66 @@ def test_committed_configs_fit_current_kernels(name):
     kern = helion.kernel(kern.fn, static_shapes=True)
     code = kern.bind(args).to_triton_code(helion.Config.from_dict(cfg))
     assert "@triton.jit" in code and code.count("def _helion_") == 1
+
+
+class _FakeBound:
+    def __init__(self, log):
+        self.log = log
+
+    def compile_config(self, cfg, allow_print=False):
+        self.log.append(("compile", cfg.to_json()))
+        return lambda *a: ("ran", a[0].shape)
+
+
+class _FakeKernel:
+    """Stands in for a compiled (non-interpret) helion kernel: bind().compile_config() -> callable."""
+
+    def __init__(self):
+        from helion.runtime.ref_mode import RefMode
+
+        self.settings = type("S", (), {"ref_mode": RefMode.OFF})()
+        self.log = []
+
+    def bind(self, args):
+        return _FakeBound(self.log)
+
+
+def test_tuned_call_fast_path_skips_config_lookup(monkeypatch):
+    k = _FakeKernel()
+    calls = []
+    real = tuning.get_config
+    monkeypatch.setattr(tuning, "get_config", lambda *a, **kw: calls.append(a[0]) or real(*a, arch="cpu", **kw))
+    x = torch.zeros(4, 8)
+    for _ in range(3):
+        assert tuning.tuned_call("fake", k, (x, 3), {"m": 4}, DEFAULT) == ("ran", (4, 8))
+    assert calls == ["fake"] and len(k.log) == 1  # one lookup, one compile, three launches
+    # a new signature (shape, stride or scalar) looks up and compiles again
+    tuning.tuned_call("fake", k, (torch.zeros(4, 8).t(), 3), {"m": 4}, DEFAULT)
+    tuning.tuned_call("fake", k, (x, 4), {"m": 4}, DEFAULT)
+    assert len(calls) == 3
+    # clear_caches (and recording a new config) forget the fast path
+    tuning.clear_caches()
+    tuning.tuned_call("fake", k, (x, 3), {"m": 4}, DEFAULT)
+    assert len(calls) == 4
+
+
+def test_arg_signature_distinguishes_layouts():
+    a = torch.zeros(4, 8)
+    assert tuning._arg_signature((a,)) == tuning._arg_signature((torch.ones(4, 8),))
+    assert tuning._arg_signature((a,)) != tuning._arg_signature((a.t().contiguous().t(),))
+    assert tuning._arg_signature((a,)) != tuning._arg_signature((a.double(),))
+    assert tuning._arg_signature((a, None)) != tuning._arg_signature((a, 0))
+    assert tuning._arg_signature((a, 1)) != tuning._arg_signature((a, True))
+
+
+def test_time_limit_interrupts_a_slow_candidate():
+    import subprocess
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(tuning.CandidateTimeout):
+        with tuning._time_limit(0.5):
+            subprocess.run(["sleep", "5"], check=False)
+    assert time.monotonic() - t0 < 3
+    with tuning._time_limit(None):  # no limit: a no-op
+        pass
