@@ -221,3 +221,49 @@ def test_sdpa_bf16_on_gpu_matches_unfused(mp):
     v = torch.randn(s, b, 2, 16, device="cuda", dtype=torch.bfloat16)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device="cuda"), 1)[None, None]
     torch.testing.assert_close(new(q, k, v, mask).float(), ref(q, k, v, mask).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_topk_permute_matches_megatron_permute_unpermute():
+    """PermuteTopK / UnpermuteTopK give megatron's permute/unpermute values and gradients (fp64)."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    from nano_hybrid.model.moe import PermuteTopK, UnpermuteTopK
+
+    g = torch.Generator().manual_seed(0)
+    T, E, k, H = 37, 8, 3, 5
+    top = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
+    x = torch.randn(T, H, dtype=torch.float64, generator=g)
+    w = torch.randn(T * k, H, dtype=torch.float64, generator=g)  # stands in for the experts
+    results = []
+    for impl in ("megatron", "topk"):
+        xx = x.clone().requires_grad_()
+        if impl == "megatron":
+            perm, _, idx = permute(xx, routing_map)
+            out = unpermute(perm * w, idx, restore_shape=xx.shape, routing_map=routing_map)
+        else:
+            idx = torch.arange(T).unsqueeze(0).expand(E, -1).masked_select(routing_map.T.contiguous())
+            inv = torch.argsort(idx, stable=True).view(T, k)
+            perm = PermuteTopK.apply(xx, idx, inv)
+            out = UnpermuteTopK.apply(perm * w, idx, inv)
+        out.backward(torch.randn(T, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+        results.append((perm.detach(), out.detach(), xx.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_grouped_moe_layer_uses_topk_dispatcher_and_falls_back_for_ep(mp):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from nano_hybrid.model.moe import TopKAllGatherTokenDispatcher
+
+    fast = _tiny(("sdpa", "grouped"))
+    ref = _tiny(("unfused", "sequential"))
+    fast_d = [m.token_dispatcher for m in fast.modules() if hasattr(m, "token_dispatcher")]
+    ref_d = [m.token_dispatcher for m in ref.modules() if hasattr(m, "token_dispatcher")]
+    assert fast_d and all(type(d) is TopKAllGatherTokenDispatcher for d in fast_d)
+    assert ref_d and all(type(d) is MoEAllGatherTokenDispatcher for d in ref_d)
+    d = fast_d[0]
+    assert d._fast_ok()
+    d.num_local_experts = d.config.num_moe_experts // 2  # as under expert parallelism: megatron's path
+    assert not d._fast_ok()

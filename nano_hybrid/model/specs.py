@@ -38,6 +38,7 @@ from nano_hybrid.model.attention import SDPAttention
 from nano_hybrid.model.config import ATTENTION_IMPLS, MOE_EXPERTS_IMPLS
 from nano_hybrid.model.experts import GroupedGemmExperts
 from nano_hybrid.model.mixer import BackendMambaMixer
+from nano_hybrid.model.moe import TopKPermuteMoELayer
 
 CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
 
@@ -48,6 +49,8 @@ def moe_spec(num_experts: int, experts_impl: str) -> ModuleSpec:
         raise ValueError(f"moe_experts_impl={experts_impl!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
     spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
     if experts_impl == "grouped":
+        # production path: grouped-GEMM experts and the atomics-free token permutation (model/moe.py)
+        spec.module = TopKPermuteMoELayer
         spec.submodules.experts = ModuleSpec(module=GroupedGemmExperts)
     return spec
 
