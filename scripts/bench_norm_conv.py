@@ -41,10 +41,11 @@ def _errs(outs, ref, names):
     for n, a, r in zip(names, outs, ref):
         e = (a.float() - r.float()).abs()
         if n in ("dweight", "dbias"):
-            tol_ok = bool(e.max() <= 1e-3 * r.abs().max() + 1e-2)
+            # returned in bf16 (like mamba-ssm and causal-conv1d): rounding alone is up to 2**-9 of a value
+            tol_ok = bool(e.max() <= 2**-8 * r.abs().max() + 1e-2)
         else:
             tol_ok = bool(torch.all(e <= 2e-2 + 2e-2 * r.float().abs()))
-        res[n] = {"max_abs_err": float(e.max()), "within_tol": tol_ok}
+        res[n] = {"max_abs_err": float(e.detach().max()), "within_tol": tol_ok}
     return res
 
 
