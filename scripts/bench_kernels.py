@@ -191,7 +191,9 @@ def make_params(shape: MixerShape, device, dtype, seed: int) -> dict:
         "D": (1.0 + 0.1 * torch.randn(s.nheads, generator=g)).to(device=device, dtype=dtype),
         "norm_weight": (1.0 + 0.1 * torch.randn(s.d_inner, generator=g)).to(device=device, dtype=dtype),
         "norm_in": rnd(s.batch, s.seqlen, s.d_inner),
-        "dy": rnd(s.batch, s.seqlen, s.d_inner),
+        # the gradient as Megatron's mixer hands it back: y is rearranged "b l d -> l b d" and made
+        # contiguous after the op, so dy arrives as a (b, l, d) view of an (l, b, d) tensor
+        "dy": rnd(s.seqlen, s.batch, s.d_inner).transpose(0, 1),
     }
     for k in ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D", "norm_in"):
         p[k].requires_grad_(True)
