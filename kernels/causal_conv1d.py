@@ -210,8 +210,141 @@ def causal_conv1d_bwd_kernel(
     return dw_part, db_part
 
 
+# v2 (opt-in, set_bwd_variant("v2")): the same math with (rows, channels) dweight/dbias accumulators
+# reduced once per program; v1 reduces over rows five times per inner tile.
+@helion.kernel(static_shapes=True)
+def causal_conv1d_bwd_kernel_v2(
+    x: torch.Tensor,  # (B, L, D) view
+    w4: torch.Tensor,  # (D, 4) any float dtype (the weight itself for width 4)
+    bias: torch.Tensor | None,  # (D,) any float dtype
+    dout: torch.Tensor,  # (B, L, D) view
+    seq: torch.Tensor | None,  # (B, L) int32
+    dx: torch.Tensor,  # (B, L, D) view, written
+    silu: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    nb, nl, nd = x.size()
+    lp = hl.register_tunable("l_per_program", PowerOfTwoFragment(16, 16384, 512))
+    bt = hl.register_block_size(8, 128)  # rows per inner tile; the dweight/dbias accumulators are (bt, channels)
+    nlp = helion.cdiv(nl, lp)
+    dw_part = torch.empty([nb, nlp, 4, nd], dtype=torch.float32, device=x.device)
+    db_part = torch.empty([nb, nlp, nd], dtype=torch.float32, device=x.device)
+    for tb, tp, td in hl.tile([nb, nl, nd], block_size=[1, lp, None]):
+        w0 = w4[td, 0].to(torch.float32)[None, :]
+        w1 = w4[td, 1].to(torch.float32)[None, :]
+        w2 = w4[td, 2].to(torch.float32)[None, :]
+        w3 = w4[td, 3].to(torch.float32)[None, :]
+        if bias is not None:
+            bb = bias[td].to(torch.float32)[None, :]
+        else:
+            bb = hl.zeros([td], dtype=torch.float32)[None, :]
+        dw0 = hl.zeros([bt, td], dtype=torch.float32)
+        dw1 = hl.zeros([bt, td], dtype=torch.float32)
+        dw2 = hl.zeros([bt, td], dtype=torch.float32)
+        dw3 = hl.zeros([bt, td], dtype=torch.float32)
+        db = hl.zeros([bt, td], dtype=torch.float32)
+        for tt in hl.tile(tp.begin, tp.end, block_size=bt):
+            t = tt.index
+            # seq ids and x at offsets -3..+3 around t (zero outside [0, L))
+            okm3, okm2, okm1 = t >= 3, t >= 2, t >= 1
+            okp1, okp2, okp3 = t + 1 < nl, t + 2 < nl, t + 3 < nl
+            if seq is not None:
+                sm3 = hl.load(seq, [tb.begin, t - 3], extra_mask=okm3)
+                sm2 = hl.load(seq, [tb.begin, t - 2], extra_mask=okm2)
+                sm1 = hl.load(seq, [tb.begin, t - 1], extra_mask=okm1)
+                s00 = seq[tb.begin, tt]
+                sp1 = hl.load(seq, [tb.begin, t + 1], extra_mask=okp1)
+                sp2 = hl.load(seq, [tb.begin, t + 2], extra_mask=okp2)
+                sp3 = hl.load(seq, [tb.begin, t + 3], extra_mask=okp3)
+            else:  # one sequence: every same-sequence mask below is 1 (no seq loads)
+                sm3 = hl.zeros([tt], dtype=torch.int32)
+                sm2 = hl.zeros([tt], dtype=torch.int32)
+                sm1 = hl.zeros([tt], dtype=torch.int32)
+                s00 = hl.zeros([tt], dtype=torch.int32)
+                sp1 = hl.zeros([tt], dtype=torch.int32)
+                sp2 = hl.zeros([tt], dtype=torch.int32)
+                sp3 = hl.zeros([tt], dtype=torch.int32)
+            xm3 = hl.load(x, [tb.begin, t - 3, td], extra_mask=okm3[:, None]).to(torch.float32)
+            xm2 = hl.load(x, [tb.begin, t - 2, td], extra_mask=okm2[:, None]).to(torch.float32)
+            xm1 = hl.load(x, [tb.begin, t - 1, td], extra_mask=okm1[:, None]).to(torch.float32)
+            x00 = x[tb.begin, tt, td].to(torch.float32)
+            xp1 = hl.load(x, [tb.begin, t + 1, td], extra_mask=okp1[:, None]).to(torch.float32)
+            xp2 = hl.load(x, [tb.begin, t + 2, td], extra_mask=okp2[:, None]).to(torch.float32)
+            xp3 = hl.load(x, [tb.begin, t + 3, td], extra_mask=okp3[:, None]).to(torch.float32)
+            g0 = hl.load(dout, [tb.begin, t, td], extra_mask=(t < nl)[:, None]).to(torch.float32)
+            g1 = hl.load(dout, [tb.begin, t + 1, td], extra_mask=okp1[:, None]).to(torch.float32)
+            g2 = hl.load(dout, [tb.begin, t + 2, td], extra_mask=okp2[:, None]).to(torch.float32)
+            g3 = hl.load(dout, [tb.begin, t + 3, td], extra_mask=okp3[:, None]).to(torch.float32)
+            # same-sequence masks e(a, b) as floats, columns broadcast over channels
+            e_m3_0 = (sm3 == s00).to(torch.float32)[:, None]
+            e_m2_0 = (sm2 == s00).to(torch.float32)[:, None]
+            e_m1_0 = (sm1 == s00).to(torch.float32)[:, None]
+            e_p1_0 = (sp1 == s00).to(torch.float32)[:, None]
+            e_p2_0 = (sp2 == s00).to(torch.float32)[:, None]
+            e_p3_0 = (sp3 == s00).to(torch.float32)[:, None]
+            if silu:
+                e_m2_1 = (sm2 == sp1).to(torch.float32)[:, None]
+                e_m1_1 = (sm1 == sp1).to(torch.float32)[:, None]
+                e_0_1 = e_p1_0
+                e_m1_2 = (sm1 == sp2).to(torch.float32)[:, None]
+                e_0_2 = e_p2_0
+                e_1_2 = (sp1 == sp2).to(torch.float32)[:, None]
+                e_0_3 = e_p3_0
+                e_1_3 = (sp1 == sp3).to(torch.float32)[:, None]
+                e_2_3 = (sp2 == sp3).to(torch.float32)[:, None]
+                a0 = bb + w0 * xm3 * e_m3_0 + w1 * xm2 * e_m2_0 + w2 * xm1 * e_m1_0 + w3 * x00
+                a1 = bb + w0 * xm2 * e_m2_1 + w1 * xm1 * e_m1_1 + w2 * x00 * e_0_1 + w3 * xp1
+                a2 = bb + w0 * xm1 * e_m1_2 + w1 * x00 * e_0_2 + w2 * xp1 * e_1_2 + w3 * xp2
+                a3 = bb + w0 * x00 * e_0_3 + w1 * xp1 * e_1_3 + w2 * xp2 * e_2_3 + w3 * xp3
+                sg0 = torch.sigmoid(a0)
+                sg1 = torch.sigmoid(a1)
+                sg2 = torch.sigmoid(a2)
+                sg3 = torch.sigmoid(a3)
+                g0 = g0 * sg0 * (1.0 + a0 * (1.0 - sg0))
+                g1 = g1 * sg1 * (1.0 + a1 * (1.0 - sg1))
+                g2 = g2 * sg2 * (1.0 + a2 * (1.0 - sg2))
+                g3 = g3 * sg3 * (1.0 + a3 * (1.0 - sg3))
+            dxt = w3 * g0 + w2 * g1 * e_p1_0 + w1 * g2 * e_p2_0 + w0 * g3 * e_p3_0
+            hl.store(dx, [tb.begin, t, td], dxt.to(dx.dtype), extra_mask=(t < nl)[:, None])
+            # elementwise accumulation; rows past the end carry g0 = 0 (masked load)
+            dw0 = dw0 + g0 * xm3 * e_m3_0
+            dw1 = dw1 + g0 * xm2 * e_m2_0
+            dw2 = dw2 + g0 * xm1 * e_m1_0
+            dw3 = dw3 + g0 * x00
+            db = db + g0
+        # one cross-row reduction per program instead of five per inner tile
+        dw_part[tb.begin, tp.id, 0, td] = torch.sum(dw0, dim=0)
+        dw_part[tb.begin, tp.id, 1, td] = torch.sum(dw1, dim=0)
+        dw_part[tb.begin, tp.id, 2, td] = torch.sum(dw2, dim=0)
+        dw_part[tb.begin, tp.id, 3, td] = torch.sum(dw3, dim=0)
+        db_part[tb.begin, tp.id, td] = torch.sum(db, dim=0)
+    return dw_part, db_part
+
+
 CONV_FWD_DEFAULT = helion.Config(block_sizes=[64, 64], num_warps=4)  # [seqlen, channels]
 CONV_BWD_DEFAULT = helion.Config(block_sizes=[64, 32], num_warps=4, l_per_program=512)  # [channels, seqlen]
+CONV_BWD_V2_DEFAULT = helion.Config(block_sizes=[32, 64], num_warps=4, l_per_program=512)  # [seqlen, channels]
+
+# backward kernel variant: "v1" (committed, tuned) or "v2" (causal_conv1d_bwd_kernel_v2, not yet measured)
+_BWD_VARIANTS = {"v1": ("conv1d_bwd", None, CONV_BWD_DEFAULT), "v2": ("conv1d_bwd_v2", None, CONV_BWD_V2_DEFAULT)}
+_BWD_VARIANT = "v1"
+
+
+def set_bwd_variant(variant: str) -> None:
+    """Module-wide conv1d backward kernel: "v1" (default) or "v2"."""
+    global _BWD_VARIANT
+    if variant not in _BWD_VARIANTS:
+        raise ValueError(f"unknown conv1d backward variant {variant!r} (known: {sorted(_BWD_VARIANTS)})")
+    _BWD_VARIANT = variant
+
+
+def get_bwd_variant() -> str:
+    return _BWD_VARIANT
+
+
+def _bwd_kernel(variant: str):
+    name, _, default = _BWD_VARIANTS[variant]
+    kernel = causal_conv1d_bwd_kernel if variant == "v1" else causal_conv1d_bwd_kernel_v2
+    return name, kernel, default
 
 
 def _conv_prep(x, weight, bias, seq_idx, activation):
@@ -264,8 +397,8 @@ def causal_conv1d_bwd_helion(x, weight, bias, dout, seq_idx=None, activation=Non
     elif dx.shape != x.shape:
         raise ValueError(f"dx must be {tuple(x.shape)}, got {tuple(dx.shape)}")
     args = (x.transpose(1, 2), w4, bias, dout.transpose(1, 2), seq, dx.transpose(1, 2), silu)
-    dw_part, db_part = tuning.tuned_call("conv1d_bwd", causal_conv1d_bwd_kernel, args, dims, CONV_BWD_DEFAULT,
-                                         finalize=conv_bwd_final, prepare=conv_bwd_poison)
+    name, kernel, default = _bwd_kernel(_BWD_VARIANT)
+    dw_part, db_part = tuning.tuned_call(name, kernel, args, dims, default, finalize=conv_bwd_final, prepare=conv_bwd_poison)
     width = weight.shape[1]
     dweight = dw_part.sum(dim=(0, 1)).t()[:, 4 - width:].to(weight.dtype)
     dbias = None if bias is None else db_part.sum(dim=(0, 1)).to(bias.dtype)
@@ -303,7 +436,7 @@ def causal_conv1d_helion(x, weight, bias=None, seq_idx=None, activation=None):
     return CausalConv1dHelionFn.apply(x, weight, bias, seq_idx, activation)
 
 
-def _conv_case(kind: str):
+def _conv_case(kind: str, variant: str = "v1"):
     def build(dims: dict, device) -> tuning.TuneCase:
         b, l = dims["b"], dims["l"]
         d = dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"]  # conv channels (x, B, C)
@@ -323,14 +456,19 @@ def _conv_case(kind: str):
         dout = torch.randn(b, l, d, generator=gen).to(device=device, dtype=torch.bfloat16)
         dxb = torch.empty(b, l, d, dtype=torch.bfloat16, device=device)
         args = (x.transpose(1, 2), w4, bias, dout, seq, dxb, silu)
-        # block_sizes = [channel block, inner seqlen block]
-        seeds = tuning.grid_seeds(l_per_program=[128, 256, 512, 1024, 2048], block_sizes=[[64, 16], [64, 32], [128, 16], [128, 32], [256, 16]], num_warps=[4, 8])
+        _, kernel, default = _bwd_kernel(variant)
+        if variant == "v1":  # block_sizes = [channel block, inner seqlen block]
+            bs = [[64, 16], [64, 32], [128, 16], [128, 32], [256, 16]]
+        else:  # v2: block_sizes = [inner seqlen block, channel block]
+            bs = [[16, 64], [32, 64], [16, 128], [32, 128], [8, 256], [64, 64]]
+        seeds = tuning.grid_seeds(l_per_program=[128, 256, 512, 1024, 2048], block_sizes=bs, num_warps=[4, 8])
         # Compared on the final results (dx written into its buffer, summed dweight/dbias): the
         # partials' count depends on l_per_program. dx is poisoned before each checked run.
-        return tuning.TuneCase(causal_conv1d_bwd_kernel, args, kd, CONV_BWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2,
+        return tuning.TuneCase(kernel, args, kd, default, seeds, atol=2e-2, rtol=2e-2,
                                n_random=16, finalize=conv_bwd_final, prepare=conv_bwd_poison)
 
     return build
 
 
-TUNABLE_KERNELS = {"conv1d_fwd": _conv_case("fwd"), "conv1d_bwd": _conv_case("bwd")}
+TUNABLE_KERNELS = {"conv1d_fwd": _conv_case("fwd"), "conv1d_bwd": _conv_case("bwd"),
+                   "conv1d_bwd_v2": _conv_case("bwd", "v2")}

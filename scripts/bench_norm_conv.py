@@ -90,18 +90,31 @@ def bench_rmsnorm(dims, rounds, rep_ms):
         y = f(xi, wi)
         graphs[tag] = (y, [xi, wi])
     res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
+    if bwd_v2:  # the opt-in v2 backward kernel against the same causal-conv1d arm
+        from kernels import causal_conv1d as cc
+
+        old = cc.get_bwd_variant()
+        cc.set_bwd_variant("v2")
+        try:
+            zl = zx.clone().requires_grad_()
+            wi, bi = w.clone().requires_grad_(), bias.clone().requires_grad_()
+            y = fb(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi)
+            graphs["B_v2"] = (y, [zl, wi, bi])
+            res["bwd_v2"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B_v2"], dy), rounds, rep_ms)
+        finally:
+            cc.set_bwd_variant(old)
     x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
     y32 = rmsnorm_gated_ref(x32, w32, **kw)
     ref = (y32, *torch.autograd.grad(y32, [x32, w32], dy.float()))
     names = ["y", "dx", "dweight"]
-    for tag in ("A", "B"):
+    for tag in graphs:
         y, ins = graphs[tag]
         outs = (y, *torch.autograd.grad(y, ins, dy, retain_graph=True))
         res[f"correctness_{tag}"] = _errs(outs, ref, names)
     return res
 
 
-def bench_conv(dims, rounds, rep_ms):
+def bench_conv(dims, rounds, rep_ms, bwd_v2=False):
     from causal_conv1d import causal_conv1d_fn
 
     b, l, hp, gn = dims["b"], dims["l"], dims["h"] * dims["p"], dims["g"] * dims["n"]
@@ -125,11 +138,24 @@ def bench_conv(dims, rounds, rep_ms):
         y = f(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi)
         graphs[tag] = (y, [zl, wi, bi])
     res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
+    if bwd_v2:  # the opt-in v2 backward kernel against the same causal-conv1d arm
+        from kernels import causal_conv1d as cc
+
+        old = cc.get_bwd_variant()
+        cc.set_bwd_variant("v2")
+        try:
+            zl = zx.clone().requires_grad_()
+            wi, bi = w.clone().requires_grad_(), bias.clone().requires_grad_()
+            y = fb(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi)
+            graphs["B_v2"] = (y, [zl, wi, bi])
+            res["bwd_v2"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B_v2"], dy), rounds, rep_ms)
+        finally:
+            cc.set_bwd_variant(old)
     zl32 = zx.float().requires_grad_()
     w32, b32 = w.float().requires_grad_(), bias.float().requires_grad_()
     y32 = causal_conv1d_ref(zl32[:, :, hp:hp + d].transpose(1, 2), w32, b32, None, "silu")
     ref = (y32, *torch.autograd.grad(y32, [zl32, w32, b32], dy.float()))
-    for tag in ("A", "B"):
+    for tag in graphs:
         y, ins = graphs[tag]
         outs = (y, *torch.autograd.grad(y, ins, dy, retain_graph=True))
         res[f"correctness_{tag}"] = _errs(outs, ref, ["out", "dx", "dweight", "dbias"])
@@ -141,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="nano,nano_tp2,nano_b4_l4096")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=float, default=50.0)
+    ap.add_argument("--conv-bwd-v2", action="store_true", help="also time the opt-in v2 conv1d backward kernel")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
@@ -171,7 +198,8 @@ def main(argv=None) -> int:
         entry = {"model_dims": dims}
         for op, fn in (("rmsnorm", bench_rmsnorm), ("conv1d", bench_conv)):
             try:
-                entry[op] = fn(dims, args.rounds, args.rep_ms)
+                entry[op] = (fn(dims, args.rounds, args.rep_ms, bwd_v2=args.conv_bwd_v2) if op == "conv1d"
+                             else fn(dims, args.rounds, args.rep_ms))
                 r = entry[op]
                 print(f"{shape:14s} {op:8s} fwd {r['fwd']['A']['median_ms']*1e3:8.1f} -> {r['fwd']['B']['median_ms']*1e3:8.1f} us "
                       f"(x{r['fwd']['speedup_B_over_A']:.2f}, ctl {r['fwd']['control_ratio_A_over_A']:.2f})  "

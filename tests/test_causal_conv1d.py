@@ -58,9 +58,20 @@ def _fwd_bwd(fn, x, wt, bias, seq, act, dy, lo=1, hi=1):
     return (y, *torch.autograd.grad(y, ins, dy))
 
 
+@pytest.fixture(params=["v1", "v2"])
+def bwd_variant(request):
+    """Run a test with each conv1d backward kernel variant (module default restored afterwards)."""
+    from kernels import causal_conv1d as cc
+
+    old = cc.get_bwd_variant()
+    cc.set_bwd_variant(request.param)
+    yield request.param
+    cc.set_bwd_variant(old)
+
+
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
 @pytest.mark.parametrize("b,d,l,w,useseq,act,cl,hasb", CASES)
-def test_fwd_bwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb):
+def test_fwd_bwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb, bwd_variant):
     x, wt, bias, seq = _make(b, d, l, w, useseq, cl, hasb, torch.float64)
     dy = torch.randn(b, d, l, dtype=torch.float64)
     got = _fwd_bwd(causal_conv1d_helion, x, wt, bias, seq, act, dy)
@@ -71,7 +82,7 @@ def test_fwd_bwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb):
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-def test_seq_idx_blocks_cross_sequence_flow():
+def test_seq_idx_blocks_cross_sequence_flow(bwd_variant):
     """Changing x in sequence 0 must not change outputs (or dx) in sequence 1."""
     x, wt, bias, _ = _make(1, 3, 10, 4, False, True, True, torch.float64)
     seq = torch.tensor([[0] * 5 + [1] * 5], dtype=torch.int32)
@@ -140,7 +151,11 @@ def test_gpu_vs_causal_conv1d(b, d, l, useseq):
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-def test_tuner_compares_final_results_across_l_per_program():
+@pytest.mark.parametrize("name,c1,c2", [
+    ("conv1d_bwd", dict(block_sizes=[64, 16], l_per_program=16), dict(block_sizes=[32, 32], l_per_program=64)),
+    ("conv1d_bwd_v2", dict(block_sizes=[16, 64], l_per_program=16), dict(block_sizes=[8, 32], l_per_program=64)),
+])
+def test_tuner_compares_final_results_across_l_per_program(name, c1, c2):
     """The conv1d_bwd TuneCase compares dx (written into its argument buffer, poisoned with NaN before
     each checked run) and the summed dweight/dbias, so different l_per_program configs (different
     partial counts) pass the tuner's check."""
@@ -149,10 +164,10 @@ def test_tuner_compares_final_results_across_l_per_program():
 
     import helion
 
-    case = TUNABLE_KERNELS["conv1d_bwd"](dict(b=1, l=64, h=2, p=8, g=1, n=8, w=4), torch.device("cpu"))
+    case = TUNABLE_KERNELS[name](dict(b=1, l=64, h=2, p=8, g=1, n=8, w=4), torch.device("cpu"))
     assert case.finalize is not None and case.prepare is not None
-    c1 = helion.Config(block_sizes=[64, 16], num_warps=4, l_per_program=16)
-    c2 = helion.Config(block_sizes=[32, 32], num_warps=8, l_per_program=64)
+    c1 = helion.Config(num_warps=4, **c1)
+    c2 = helion.Config(num_warps=8, **c2)
 
     def run(cfg):
         return tuning.checked_outputs(lambda *a: tuning.run_with_config(case.kernel, a, cfg), case.args,
@@ -189,3 +204,6 @@ def test_triton_codegen(useseq, hasb, monkeypatch):
     dx = torch.empty_like(zx)[:, :, 64:64 + d]
     code = bwd.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_DEFAULT)
     assert "@triton.jit" in code and code.count("def _helion_") == 1
+    bwd2 = helion.kernel(cc.causal_conv1d_bwd_kernel_v2.fn, static_shapes=True)
+    code2 = bwd2.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_V2_DEFAULT)
+    assert "@triton.jit" in code2 and code2.count("def _helion_") == 1
