@@ -18,6 +18,7 @@ dweight/dbias.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -114,6 +115,20 @@ def bench_rmsnorm(dims, rounds, rep_ms):
     return res
 
 
+@contextlib.contextmanager
+def _conv_bwd_variant(variant):
+    """Run the block with kernels.causal_conv1d's backward variant set to ``variant`` (None: unchanged)."""
+    from kernels import causal_conv1d as cc
+
+    old = cc.get_bwd_variant()
+    if variant is not None:
+        cc.set_bwd_variant(variant)
+    try:
+        yield
+    finally:
+        cc.set_bwd_variant(old)
+
+
 def bench_conv(dims, rounds, rep_ms, bwd_v2=False):
     from causal_conv1d import causal_conv1d_fn
 
@@ -131,33 +146,26 @@ def bench_conv(dims, rounds, rep_ms, bwd_v2=False):
     res = {"shape": {"batch": b, "seqlen": l, "channels": d, "width": dims["w"], "x_layout": f"channel-last view of (b, l, {width_total})", "activation": "silu", "dtype": "bf16"}}
     with torch.no_grad():
         res["fwd"] = _bench_pair(lambda: fa(xv, w, bias), lambda: fb(xv, w, bias), rounds, rep_ms)
-    graphs = {}
-    for tag, f in (("A", fa), ("B", fb)):
+    # conv1d backward variant per arm: the autograd Function picks its kernel when backward runs
+    variants = {"A": None, "B": None, **({"B_v2": "v2"} if bwd_v2 else {})}
+
+    def graph(f):
         zl = zx.clone().requires_grad_()
         wi, bi = w.clone().requires_grad_(), bias.clone().requires_grad_()
-        y = f(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi)
-        graphs[tag] = (y, [zl, wi, bi])
+        return f(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi), [zl, wi, bi]
+
+    graphs = {tag: graph(fa if tag == "A" else fb) for tag in variants}
     res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
     if bwd_v2:  # the opt-in v2 backward kernel against the same causal-conv1d arm
-        from kernels import causal_conv1d as cc
-
-        old = cc.get_bwd_variant()
-        cc.set_bwd_variant("v2")
-        try:
-            zl = zx.clone().requires_grad_()
-            wi, bi = w.clone().requires_grad_(), bias.clone().requires_grad_()
-            y = fb(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi)
-            graphs["B_v2"] = (y, [zl, wi, bi])
+        with _conv_bwd_variant("v2"):
             res["bwd_v2"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B_v2"], dy), rounds, rep_ms)
-        finally:
-            cc.set_bwd_variant(old)
     zl32 = zx.float().requires_grad_()
     w32, b32 = w.float().requires_grad_(), bias.float().requires_grad_()
     y32 = causal_conv1d_ref(zl32[:, :, hp:hp + d].transpose(1, 2), w32, b32, None, "silu")
     ref = (y32, *torch.autograd.grad(y32, [zl32, w32, b32], dy.float()))
-    for tag in graphs:
-        y, ins = graphs[tag]
-        outs = (y, *torch.autograd.grad(y, ins, dy, retain_graph=True))
+    for tag, (y, ins) in graphs.items():
+        with _conv_bwd_variant(variants[tag]):
+            outs = (y, *torch.autograd.grad(y, ins, dy, retain_graph=True))
         res[f"correctness_{tag}"] = _errs(outs, ref, ["out", "dx", "dweight", "dbias"])
     return res
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 warnings.filterwarnings("ignore")
 
 TARGET_MS = {"attention": 11.0, "moe": 22.0}
@@ -132,20 +133,10 @@ def _sdpa_ctx(backends):
 
 
 def _profile_top(step, n_iters=2, top=20) -> list:
-    """Top CUDA kernels of ``step`` by device time per iteration (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Top CUDA kernels of ``step`` by device time per iteration (benchlib's torch.profiler table)."""
+    import benchlib as bl
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n_iters):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t > 0 and e.count > 0:
-            rows.append({"name": e.key[:140], "us_per_iter": t / n_iters, "calls_per_iter": e.count / n_iters})
-    rows.sort(key=lambda r: -r["us_per_iter"])
-    return rows[:top]
+    return bl.profile_device_table(step, n_iters)["rows"][:top]
 
 
 def time_layer(overrides, idx, mb, seq, iters, warmup=3, sdpa_backends=None, profile_top=0) -> dict:
@@ -190,7 +181,7 @@ def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top) -> dict:
     if profile_top:
         res["profile_top_kernels"] = _profile_top(step, top=profile_top)
         for r in res["profile_top_kernels"]:
-            print(f"  {r['us_per_iter']:9.1f} us  x{r['calls_per_iter']:.0f}  {r['name']}", flush=True)
+            print(f"  {r['us_per_iter']:9.1f} us  x{r['calls_per_iter']:.0f}  {r['kernel']}", flush=True)
     del model, layer, x, g
     torch.cuda.empty_cache()
     return res

@@ -18,6 +18,8 @@ global shape [E, ffn, hidden]), so the two implementations load each other's che
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -46,14 +48,12 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def _act_scale_eager(h: torch.Tensor, probs: torch.Tensor, act) -> torch.Tensor:
+    return (act(h) * probs.unsqueeze(-1)).to(h.dtype)
+
+
+# activation function -> its compiled act_scale (None once compiling it has failed)
 _ACT_SCALE: dict = {}
-
-
-def _act_scale_eager(act):
-    def f(h, p):
-        return (act(h) * p.unsqueeze(-1)).to(h.dtype)
-
-    return f
 
 
 def act_scale(h: torch.Tensor, probs: torch.Tensor, act) -> torch.Tensor:
@@ -64,23 +64,20 @@ def act_scale(h: torch.Tensor, probs: torch.Tensor, act) -> torch.Tensor:
     Nano shapes on an H200. On CUDA the same expression runs as one ``torch.compile`` kernel forward and
     one backward (fp32 math in registers, same rounding as eager). If compiling fails the eager
     expression is used, with one warning."""
-    eager = _act_scale_eager(act)
     if not h.is_cuda:
-        return eager(h, probs)
+        return _act_scale_eager(h, probs, act)
     if act not in _ACT_SCALE:
-        _ACT_SCALE[act] = torch.compile(eager, dynamic=True)
+        _ACT_SCALE[act] = torch.compile(functools.partial(_act_scale_eager, act=act), dynamic=True)
     fn = _ACT_SCALE[act]
     if fn is None:  # compiling failed before
-        return eager(h, probs)
+        return _act_scale_eager(h, probs, act)
     try:
         return fn(h, probs)
     except Exception as e:  # noqa: BLE001 - an optimisation only: fall back to the same math, say so once
-        import warnings
-
         warnings.warn(f"nano_hybrid MoE: torch.compile of the expert activation failed ({type(e).__name__}: "
                       f"{str(e)[:200]}); using the eager expression", stacklevel=2)
         _ACT_SCALE[act] = None
-        return eager(h, probs)
+        return _act_scale_eager(h, probs, act)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
