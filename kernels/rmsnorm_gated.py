@@ -275,14 +275,25 @@ def _rmsnorm_case(kind: str):
         kd = _norm_dims(m, g, d, False, False, torch.bfloat16)
         if kind == "fwd":
             args = (x, w, x, 1e-5, False, False)
-            seeds = tuning.grid_seeds(block_sizes=[[1], [2], [4], [8], [16]], num_warps=[2, 4, 8])
-            return tuning.TuneCase(rmsnorm_gated_fwd_kernel, args, kd, RMSNORM_FWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2)
+            seeds = tuning.grid_seeds(block_sizes=[[1], [2], [4], [8], [16]], num_warps=[1, 2, 4, 8])
+            # seeds only: on the H200 one random candidate hung inside Triton's native compile (which
+            # no Python-level time limit interrupts), so the search stays on this grid
+            return tuning.TuneCase(rmsnorm_gated_fwd_kernel, args, kd, RMSNORM_FWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2,
+                                   n_random=0)
         rstd = torch.rsqrt(x.float().square().mean(-1) + 1e-5)
         dy = torch.randn(m, g, d, generator=gen).to(device=device, dtype=torch.bfloat16)
         args = (dy, x, w, x, rstd, False, False)
         # rows per program: 2601 row groups was the best forced count in the baseline (~6 rows each
         # at M=16384); seed the powers of two around it and around the 33..1056 sweep.
+        # Software-pipelined inner row loop first (range_num_stages of the inner loop > 0: the next
+        # rows' loads are in flight while this tile computes; the first H200 search, which had none
+        # of these, ended at 2.7x mamba-ssm), then the plain grid.
         seeds = tuning.grid_seeds(
+            rows_per_program=[32, 64, 128],
+            block_sizes=[[2], [4], [8]],
+            num_warps=[2, 4],
+            range_num_stages=[[0, 2], [0, 3]],
+        ) + tuning.grid_seeds(
             rows_per_program=[4, 8, 16, 32, 64, 128, 256, 512],
             block_sizes=[[1], [2], [4], [8]],
             num_warps=[2, 4, 8],

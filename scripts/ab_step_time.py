@@ -118,6 +118,11 @@ def parse_args(argv=None):
     p.add_argument("--block-steps", type=int, default=5, help="steps per arm per round (default 5)")
     p.add_argument("--discard", type=int, default=1, help="steps after each switch not counted (default 1)")
     p.add_argument("--profile-steps", type=int, default=3, help="profiled steps per arm on CUDA (0: skip)")
+    p.add_argument("--trace-dir", default=None,
+                   help="also write the chrome trace of each arm's profiled steps there (CUDA)")
+    p.add_argument("--isolated-op", action="store_true",
+                   help="diagnostic (CUDA): after each arm's step profile, profile the mixer op alone "
+                        "(scripts/bench_kernels.py MixerOp, fwd+bwd at the model's mixer shape) in this process")
     p.add_argument("--n-boot", type=int, default=2000)
     p.add_argument("--out", default=None, help="output dir (default $OUT or benchmarks/results/<gpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output files")
@@ -166,6 +171,33 @@ def compose_cfg(a):
 
 
 # ------------------------------------------------------------------------------------------ run
+def isolated_op_profile(cfg, plan, backend, iters: int) -> dict:
+    """The mixer op (fused split-conv1d-scan + gated norm, fwd+bwd) alone at the model's mixer shape,
+    profiled in the step's process: separates "the kernel is slow in this process" from "the kernel
+    is slow inside the step" (see docs/GPU_RUNBOOK.md, the step/op gap)."""
+    import torch
+
+    import bench_kernels as bk
+
+    m = cfg.model
+    shape = bk.MixerShape(batch=int(cfg.train.micro_batch_size), seqlen=int(plan.seq_length),
+                          nheads=int(m.mamba_num_heads), headdim=int(m.mamba_head_dim),
+                          ngroups=int(m.mamba_num_groups), d_state=int(m.mamba_state_dim),
+                          d_conv=int(m.mamba_conv_width), chunk_size=int(m.mamba_chunk_size))
+    params = bk.make_params(shape, plan.device, plan.dtype, seed=0)
+    op = bk.MixerOp(backend, shape, params, plan.device, plan.dtype)
+    for _ in range(3):
+        op.mixer_fwdbwd()
+    torch.cuda.synchronize()
+    table = bl.profile_device_table(op.mixer_fwdbwd, max(iters, 1), overlap_categories=("ssd", "norm"))
+    del op, params
+    torch.cuda.empty_cache()
+    return {"shape": {k: getattr(shape, k) for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "d_state")},
+            "device_us_per_iter": table["total_us_per_iter"],
+            "kernels": [r for r in table["rows"] if r["us_per_iter"] > 1.0],
+            "cross_stream_overlap": table.get("cross_stream_overlap")}
+
+
 def run(a) -> dict | None:
     import torch
     import torch.distributed as dist
@@ -227,7 +259,9 @@ def run(a) -> dict | None:
                 use(i)
                 replay.reset()
                 step_time()  # re-warm after the switch
-                table = bl.profile_device_table(lambda: T.train_step(ctx), a.profile_steps)
+                trace = None if a.trace_dir is None else Path(a.trace_dir) / f"step_trace_{lab}.json"
+                table = bl.profile_device_table(lambda: T.train_step(ctx), a.profile_steps, trace_path=trace,
+                                                overlap_categories=("ssd", "norm"))
                 per_step_ms = table["total_us_per_iter"] / 1e3
                 med = bl.median(times[lab]) * 1e3
                 profile[lab] = {
@@ -239,7 +273,12 @@ def run(a) -> dict | None:
                     "ssd_plus_norm_share_of_step": (table["by_category"].get("ssd", 0.0)
                                                     + table["by_category"].get("norm", 0.0)) / 1e3 / med,
                     "top_kernels": table["rows"][:25],
+                    "ssd_norm_kernels": [r for r in table["rows"] if r["category"] in ("ssd", "norm")],
+                    "cross_stream_overlap": table.get("cross_stream_overlap"),
+                    "streams": table.get("streams"),
                 }
+                if a.isolated_op:
+                    profile[lab]["isolated_op"] = isolated_op_profile(cfg, plan, backends[a.arms[i]], a.profile_steps)
         elif a.profile_steps:
             profile = {"skipped": "profiling needs CUDA"}
 
@@ -307,6 +346,22 @@ def markdown(res: dict) -> str:
             ["arm", "device ms/step", "SSD ms", "norm ms", "SSD+norm share of median step"],
             [[lab, f"{p['device_ms_per_step']:.1f}", f"{p['ssd_ms_per_step']:.2f}", f"{p['norm_ms_per_step']:.2f}",
               f"{100 * p['ssd_plus_norm_share_of_step']:.1f}%"] for lab, p in prof.items()]))
+        for lab, p in prof.items():
+            ov = p.get("cross_stream_overlap") or {}
+            iso = {r["kernel"]: r for r in (p.get("isolated_op") or {}).get("kernels", [])}
+            n_layers = max(1, str(c["pattern"]).count("M"))
+            rows = []
+            for r in p.get("ssd_norm_kernels", []):
+                k = r["kernel"]
+                o = ov.get(k, {})
+                rows.append([f"`{k}`", f"{r['us_per_iter'] / n_layers:.1f}",
+                             f"{o.get('overlapped_us_per_iter', 0.0) / n_layers:.1f}",
+                             f"{iso[k]['us_per_iter']:.1f}" if k in iso else "-"])
+            if rows:
+                lines += ["", f"{lab}: SSD/norm kernels, us per Mamba layer in the step (of which overlapped by "
+                          f"another stream) vs the op alone in this process ({len(p.get('streams') or [])} streams "
+                          "in the step):", ""]
+                lines.append(bl.md_table(["kernel", "in step", "overlapped", "op alone"], rows))
     elif prof:
         lines += ["", f"Profile: {prof['skipped']}"]
     return "\n".join(lines)

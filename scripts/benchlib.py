@@ -14,6 +14,7 @@ importing this module never touches CUDA.
 
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
 import json
 import math
@@ -415,7 +416,48 @@ def check_expected_kernels(table: dict, expected: dict[str, int] = MAMBA_SSM_EXP
             "wrong_calls": wrong_calls, "extra_kernels": extra}
 
 
-def profile_device_table(fn: Callable[[], object], iters: int, trace_path: Path | str | None = None) -> dict:
+def cross_stream_overlap(device_events: Sequence[dict], iters: int, categories: Sequence[str] = ("ssd", "norm")) -> dict:
+    """Per kernel of the given categories (classify_kernel): device time, and the part of it during
+    which a device event on ANOTHER stream was running too (a kernel sharing the GPU runs slower).
+
+    Returns {kernel: {'us_per_iter', 'overlapped_us_per_iter', 'streams'}} for the matching kernels.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    ev = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("args", {}).get("stream", e.get("tid")),
+           short_kernel_name(e["name"])) for e in device_events if "ts" in e]
+    by_stream: dict = defaultdict(list)
+    for s0, s1, st, _ in ev:
+        by_stream[st].append((s0, s1))
+    for v in by_stream.values():
+        v.sort()
+    out: dict[str, dict] = {}
+    for s0, s1, st, name in ev:
+        if classify_kernel(name) not in categories:
+            continue
+        ov = 0.0
+        for ost, spans in by_stream.items():
+            if ost == st:
+                continue
+            # spans on one stream do not overlap each other: start from the last one beginning before s0
+            i = max(bisect.bisect_left(spans, (s0, float("-inf"))) - 1, 0)
+            for a0, a1 in spans[i:]:
+                if a0 >= s1:
+                    break
+                lo, hi = max(s0, a0), min(s1, a1)
+                if hi > lo:
+                    ov += hi - lo
+        r = out.setdefault(name, {"us_per_iter": 0.0, "overlapped_us_per_iter": 0.0, "streams": set()})
+        r["us_per_iter"] += (s1 - s0) / iters
+        r["overlapped_us_per_iter"] += min(ov, s1 - s0) / iters
+        r["streams"].add(str(st))
+    for r in out.values():
+        r["streams"] = sorted(r["streams"])
+    return out
+
+
+def profile_device_table(fn: Callable[[], object], iters: int, trace_path: Path | str | None = None,
+                         overlap_categories: Sequence[str] | None = None) -> dict:
     """Run fn iters times under torch.profiler (CUDA) and return kernel_table() of the device events.
 
     The chrome trace is written to trace_path when given (else to a temporary file, then removed).
@@ -432,12 +474,19 @@ def profile_device_table(fn: Callable[[], object], iters: int, trace_path: Path 
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
+    def table(events):
+        t = kernel_table(events, iters)
+        if overlap_categories is not None:
+            t["cross_stream_overlap"] = cross_stream_overlap(events, iters, overlap_categories)
+            t["streams"] = sorted({str(e.get("args", {}).get("stream", e.get("tid"))) for e in events})
+        return t
+
     if trace_path is None:
         with tempfile.TemporaryDirectory() as d:
             p = Path(d) / "trace.json"
             prof.export_chrome_trace(str(p))
-            return kernel_table(load_trace_events(p), iters)
+            return table(load_trace_events(p))
     trace_path = Path(trace_path)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace_path))
-    return kernel_table(load_trace_events(trace_path), iters)
+    return table(load_trace_events(trace_path))

@@ -139,6 +139,9 @@ def _profile_top(step, n_iters=2, top=20) -> list:
     return bl.profile_device_table(step, n_iters)["rows"][:top]
 
 
+ROUNDS = 5  # --rounds
+
+
 def time_layer(overrides, idx, mb, seq, iters, warmup=3, sdpa_backends=None, profile_top=0) -> dict:
     with _sdpa_ctx(sdpa_backends):
         return _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top)
@@ -161,20 +164,25 @@ def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top) -> dict:
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    # ROUNDS rounds of `iters` back-to-back steps (the host enqueues ahead, as in training, so the
+    # per-layer Python launch latency is not added to every iteration); ms per step = round / iters
     times = []
-    for _ in range(iters):
+    for _ in range(ROUNDS):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        step()
+        for _ in range(iters):
+            step()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / iters)
     times.sort()
     res = {
         "median_ms": times[len(times) // 2],
         "min_ms": times[0],
         "max_ms": times[-1],
         "iters": iters,
+        "rounds": ROUNDS,
+        "round_ms": times,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
         "layer_params": sum(p.numel() for p in layer.parameters()),
     }
@@ -195,7 +203,8 @@ def _markdown(r: dict) -> str:
         "",
         f"torch {r['versions']['torch']}, triton {r['versions']['triton']}, megatron-core "
         f"{r['versions']['megatron_core']}; bf16, micro-batch {sh['micro_batch']}, seq {sh['seq']}, Nano dims; "
-        "`scripts/check_fast_modules_gpu.py` (CUDA events, median).",
+        "`scripts/check_fast_modules_gpu.py` (CUDA events around rounds of back-to-back fwd+bwd steps; "
+        "median of the rounds' ms per step).",
         "",
         "| layer | implementation | ms | peak GB | target ms |",
         "|---|---|---|---|---|",
@@ -218,7 +227,8 @@ def _markdown(r: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=10, help="back-to-back steps per timed round")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per layer (median reported)")
     ap.add_argument("--mb", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--smoke-cpu", action="store_true",
@@ -231,6 +241,8 @@ def main() -> int:
     ap.add_argument("--profile-top", type=int, default=0, help="profile each timed layer: top-N CUDA kernels")
     ap.add_argument("--skip-numerics", action="store_true")
     args = ap.parse_args()
+    global ROUNDS
+    ROUNDS = max(1, args.rounds)
     if args.smoke_cpu:
         global DEVICE
         DEVICE = "cpu"

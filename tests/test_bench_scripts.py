@@ -381,3 +381,39 @@ def test_bench_kernels_main_reports_unavailable_backend(tmp_path, capsys):
     assert bk.main(["--backend", "nope", "--shape", "tiny", "--out", str(tmp_path)]) == 2
     assert "unknown kernel backend 'nope'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_cross_stream_overlap_counts_only_other_streams():
+    ev = [dict(name="_helion_ssd_bwd_state_passing", ts=0, dur=10, args={"stream": 7}),
+          dict(name="ncclDevKernel_AllReduce", ts=5, dur=10, args={"stream": 20}),
+          dict(name="gemm_same_stream", ts=2, dur=3, args={"stream": 7}),
+          dict(name="_helion_ssd_bwd_state_passing", ts=20, dur=10, args={"stream": 7}),
+          dict(name="gemm_early", ts=0, dur=4, args={"stream": 20}),
+          dict(name="gemm_late", ts=100, dur=4, args={"stream": 20})]
+    r = bl.cross_stream_overlap(ev, iters=2)
+    assert set(r) == {"_helion_ssd_bwd_state_passing"}  # only ssd/norm kernels are reported
+    k = r["_helion_ssd_bwd_state_passing"]
+    assert k["us_per_iter"] == pytest.approx(10.0)  # 20 us over 2 iterations
+    assert k["overlapped_us_per_iter"] == pytest.approx(4.5)  # 4 (gemm_early) + 5 (nccl), halved
+    assert k["streams"] == ["7"]
+    with pytest.raises(ValueError):
+        bl.cross_stream_overlap(ev, iters=0)
+
+
+def test_ab_markdown_lists_step_vs_isolated_kernels():
+    k = "_helion_ssd_bwd_state_passing"
+    res = {"arms": ["a", "b"], "world_size": 1, "env": {"gpu": "X"}, "method": "m",
+           "config": {"model": "m", "pattern": "MEM", "micro_batch_size": 1, "global_batch_size": 1,
+                      "seq_length": 8, "dtype": "bf16", "data": "mock"},
+           "per_arm": {lab: {"step_time_s": {"median": 1.0, "p90": 1.0, "n": 3}, "tokens_per_s_per_gpu": 1.0,
+                             "tflops_per_gpu": 1.0} for lab in ("a", "b")},
+           "speedup_vs_first": {"b_vs_a": {"speedup": 1.0, "ci_lo": 0.9, "ci_hi": 1.1}},
+           "profile": {"b": {"device_ms_per_step": 1.0, "ssd_ms_per_step": 1.0, "norm_ms_per_step": 0.0,
+                             "ssd_plus_norm_share_of_step": 0.5,
+                             "ssd_norm_kernels": [{"kernel": k, "us_per_iter": 300.0, "category": "ssd"}],
+                             "cross_stream_overlap": {k: {"overlapped_us_per_iter": 100.0}}, "streams": ["7", "20"],
+                             "isolated_op": {"kernels": [{"kernel": k, "us_per_iter": 40.0}]}}}}
+    md = ab.markdown(res)
+    # 2 Mamba layers in "MEM": per-layer in-step 150, overlapped 50, alone 40
+    assert f"| `{k}` | 150.0 | 50.0 | 40.0 |" in md
+    assert "2 streams" in md
