@@ -3,17 +3,26 @@
 # reference with the same global batch, seed and data; then scripts/run_summary.py checks each run's
 # losses against the reference (JSON per layout in $OUT, exit 1 if any check fails).
 #
-#   OUT=benchmarks/results/h200 bash scripts/gpu_2gpu.sh          (about 4 minutes)
+#   OUT=benchmarks/results/h200 bash scripts/gpu_2gpu.sh          (about 5 minutes)
 #
 # Model: nano30b_slice dims (hidden 2688, Mamba 64x64, 32 experts top-6, GQA 32/2) with the 5-layer
 # pattern MEM*E, seq 4096, global batch 4: single (mbs 4), dp2 (mbs 2/rank), tp2+SP (mbs 4), ep2
 # (mbs 2/rank, 16 experts per rank), all bf16, kernels.backend=mamba_ssm, real data (data=default).
-# Tolerances (per-step relative loss difference |loss - ref| / ref over steps 1..50):
-#   dp2: the same initial weights as the reference (TP/EP rank 0 RNG streams), only the gradient
-#        reduction order differs -> max 2% over 50 steps, 0.5% at step 1.
-#   tp2, ep2: megatron initialises each TP/EP shard from its rank's RNG stream on GPU, so the
-#        initial weights differ from the reference's -> step 1 within 1% (init loss ~ ln V for any
-#        init at std 0.0173) and max 5% over 50 steps: a check of the training trajectory, not bitwise.
+# Same initial weights in all four runs: model.use_cpu_initialization=true draws every weight on the
+# host from the seed alone as a full-size master and each rank keeps its TP/EP slice (checked on CPU by
+# tests/test_parallel_equivalence.py), so the runs differ only in the order of bf16 reductions (TP
+# all-reduce/reduce-scatter of partial sums, DP gradient reduce-scatter, GEMM shapes of mbs 2 vs 4).
+# Schedule: optim.lr=2e-4 with optim.warmup_iters=20 (WSD, min_lr 2e-5 over steps 41-50), so the fast
+# phase (12 -> ~5.5: the 131k unused logits pushed down; ln 258 = 5.55) is spread over ~20 steps. The
+# earlier lr 1e-3 / warmup 5 made the first steps chaotic (12.1 -> 16.6 at step 3 -> 5.0 -> 10.0 at step 7),
+# which amplified bf16 noise into per-step differences of up to 10% at equal initial weights (DP2).
+# Tolerances, stated before the run, the same for dp2, tp2 and ep2 (scripts/run_summary.py, relative
+# loss difference |loss - ref| / ref per step, steps 1..50, same batches at every step):
+#   step 1        <= 2e-3: equal weights and batch, only bf16 forward rounding differs (~1e-4 expected;
+#                          the old per-rank GPU init gave 0.7% (EP2) and 1.7% (TP2), so this checks init);
+#   every step    <= 2%:   bf16 reduction-order noise only, not amplified by a non-monotone start;
+#   mean of steps <= 0.5%: a systematic error (a missed or doubled gradient reduction, experts or
+#                          shards that do not match) shifts the whole curve and fails this one.
 # Env: OUT, WHEELHOUSE, SKIP_SETUP=1, STEPS (default 50), EXTRA (extra Hydra overrides for every run).
 set -u
 cd "$(dirname "$0")/.."
@@ -27,9 +36,11 @@ if [ "$NGPU" -lt 2 ]; then
     echo "gpu_2gpu.sh needs 2 GPUs, torch sees $NGPU" | tee "$OUT/parallel_2gpu.FAILED"; exit 1
 fi
 
-COMMON=(model=nano30b_slice "model.hybrid_override_pattern=MEM*E" kernels.backend=mamba_ssm data=default
-        train.seq_length=4096 train.global_batch_size=4 train.train_iters="$STEPS" train.precision=bf16
-        train.device=cuda optim.warmup_iters=5 seed=1234 checkpoint.interval=0 checkpoint.save_on_exit=false
+RTOL_FIRST=2e-3 RTOL=0.02 MEAN_RTOL=0.005   # see the header: fixed before the runs
+COMMON=(model=nano30b_slice "model.hybrid_override_pattern=MEM*E" model.use_cpu_initialization=true
+        kernels.backend=mamba_ssm data=default train.seq_length=4096 train.global_batch_size=4
+        train.train_iters="$STEPS" train.precision=bf16 train.device=cuda optim=adamw_wsd optim.lr=2e-4
+        optim.min_lr=2e-5 optim.warmup_iters=20 seed=1234 checkpoint.interval=0 checkpoint.save_on_exit=false
         checkpoint.load=none logger.wandb.mode=disabled)
 # shellcheck disable=SC2206
 EXTRA_ARR=(${EXTRA:-})
@@ -42,10 +53,10 @@ run() {  # run NAME NPROC OVERRIDES...
     echo "=== $name ($nproc GPU): $*"
     local t0; t0=$(date +%s)
     if [ "$nproc" -eq 1 ]; then
-        timeout 150 python3 -m nano_hybrid.train "${COMMON[@]}" "$@" "${EXTRA_ARR[@]}" run_dir="$dir" \
+        timeout 240 python3 -m nano_hybrid.train "${COMMON[@]}" "$@" "${EXTRA_ARR[@]}" run_dir="$dir" \
             > "$OUT/logs/parallel_$name.log" 2>&1
     else
-        timeout 150 torchrun --standalone --nproc-per-node "$nproc" -m nano_hybrid.train "${COMMON[@]}" "$@" \
+        timeout 240 torchrun --standalone --nproc-per-node "$nproc" -m nano_hybrid.train "${COMMON[@]}" "$@" \
             "${EXTRA_ARR[@]}" run_dir="$dir" > "$OUT/logs/parallel_$name.log" 2>&1
     fi
     local rc=$?
@@ -62,17 +73,17 @@ run dp2 2 parallel=dp2 train.micro_batch_size=2
 run tp2 2 parallel=tp2 train.micro_batch_size=4
 run ep2 2 parallel=ep2 train.micro_batch_size=2
 
-check() {  # check NAME RTOL RTOL_FIRST
+check() {  # check NAME
     local name="$1"
     if [ ! -f "$OUT/parallel_$name/metrics.jsonl" ] || [ ! -f "$OUT/parallel_single/metrics.jsonl" ]; then
         echo "$name: no metrics to compare" | tee -a "$OUT/parallel_$name.FAILED"; FAILED=1; return
     fi
     python3 scripts/run_summary.py "$OUT/parallel_$name" --ref "$OUT/parallel_single" --steps "$STEPS" \
-        --rtol "$2" --rtol-first "$3" --label "$name vs single (global batch 4)" \
+        --rtol "$RTOL" --rtol-first "$RTOL_FIRST" --mean-rtol "$MEAN_RTOL" --label "$name vs single (global batch 4)" \
         --out "$OUT/parallel_${name}_vs_single.json" || FAILED=1
 }
-check dp2 0.02 0.005
-check tp2 0.05 0.01
-check ep2 0.05 0.01
+check dp2
+check tp2
+check ep2
 echo "total $(( $(date +%s) - START ))s; results in $OUT/parallel_*_vs_single.json"
 exit "$FAILED"

@@ -3,12 +3,14 @@
 
     python scripts/run_summary.py RUN_DIR [--out summary.json]
     python scripts/run_summary.py RUN_DIR --ref REF_RUN_DIR --steps 50 --rtol 0.02 --out check.json
+    python scripts/run_summary.py RUN_DIR --ref REF_RUN_DIR --rtol 0.02 --rtol-first 2e-3 --mean-rtol 5e-3
 
 Summary: steps run, first/last loss, NaN/inf losses, median step time (after --skip warm-up steps),
 median tokens/s/GPU and TFLOP/s/GPU, peak memory. With --ref (e.g. a DP2/TP2/EP2 run against the
 single-GPU run with the same global batch, seed and data): per-step relative loss difference
 |loss - ref| / |ref| over the first --steps steps; the check passes when every step has both losses,
-none is NaN, the largest difference is <= --rtol and the step-1 difference is <= --rtol-first.
+none is NaN, the largest difference is <= --rtol and the step-1 difference is <= --rtol-first (and,
+with --mean-rtol, the mean of the per-step differences is <= --mean-rtol).
 Exit code 1 when the check fails (the JSON is written either way).
 """
 
@@ -80,7 +82,8 @@ def summarize_run(recs: list[dict], skip: int = 5) -> dict:
     }
 
 
-def compare_losses(recs: list[dict], ref: list[dict], steps: int, rtol: float, rtol_first: float) -> dict:
+def compare_losses(recs: list[dict], ref: list[dict], steps: int, rtol: float, rtol_first: float,
+                   mean_rtol: float | None = None) -> dict:
     a = {int(r["step"]): r.get("loss") for r in recs}
     b = {int(r["step"]): r.get("loss") for r in ref}
     first = min(b)
@@ -95,9 +98,11 @@ def compare_losses(recs: list[dict], ref: list[dict], steps: int, rtol: float, r
                 continue
             diffs[s] = abs(a[s] - b[s]) / max(abs(b[s]), 1e-12)
     max_d = max(diffs.values()) if diffs else None
+    mean_d = sum(diffs.values()) / len(diffs) if diffs else None
     first_d = diffs.get(first)
     passed = (not missing and not nonfinite and max_d is not None and max_d <= rtol
-              and first_d is not None and first_d <= rtol_first)
+              and first_d is not None and first_d <= rtol_first
+              and (mean_rtol is None or mean_d <= mean_rtol))
     return {
         "steps_compared": len(diffs),
         "steps_wanted": steps,
@@ -105,10 +110,11 @@ def compare_losses(recs: list[dict], ref: list[dict], steps: int, rtol: float, r
         "nonfinite_steps": nonfinite,
         "rtol": rtol,
         "rtol_first": rtol_first,
+        "mean_rtol": mean_rtol,
         "first_step_rel_diff": first_d,
         "max_rel_diff": max_d,
         "max_rel_diff_step": max(diffs, key=diffs.get) if diffs else None,
-        "mean_rel_diff": sum(diffs.values()) / len(diffs) if diffs else None,
+        "mean_rel_diff": mean_d,
         "rel_diff_per_step": {str(s): d for s, d in diffs.items()},
         "passed": passed,
     }
@@ -121,12 +127,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=50, help="compare the first N steps (default 50)")
     p.add_argument("--rtol", type=float, default=0.02, help="max per-step relative loss difference (default 0.02)")
     p.add_argument("--rtol-first", type=float, default=5e-3, help="max relative difference at the first step")
+    p.add_argument("--mean-rtol", type=float, default=None,
+                   help="also require the mean per-step relative difference <= this (default: not checked)")
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of step-time medians")
     p.add_argument("--label", default=None)
     p.add_argument("--out", default=None, help="write the JSON here (default: print only)")
     a = p.parse_args(argv)
-    if a.steps < 1 or a.rtol <= 0 or a.rtol_first <= 0 or a.skip < 0:
-        p.error("--steps must be >= 1, --rtol/--rtol-first > 0, --skip >= 0")
+    if a.steps < 1 or a.rtol <= 0 or a.rtol_first <= 0 or a.skip < 0 or (a.mean_rtol is not None and a.mean_rtol <= 0):
+        p.error("--steps must be >= 1, --rtol/--rtol-first/--mean-rtol > 0, --skip >= 0")
     recs = load_metrics(a.run_dir)
     res = {"run_dir": str(a.run_dir), "label": a.label, "summary": summarize_run(recs, a.skip)}
     ok = res["summary"]["no_nan"]
@@ -134,7 +142,7 @@ def main(argv=None) -> int:
         ref = load_metrics(a.ref)
         res["ref_dir"] = str(a.ref)
         res["ref_summary"] = summarize_run(ref, a.skip)
-        res["loss_check"] = compare_losses(recs, ref, a.steps, a.rtol, a.rtol_first)
+        res["loss_check"] = compare_losses(recs, ref, a.steps, a.rtol, a.rtol_first, a.mean_rtol)
         ok = ok and res["loss_check"]["passed"]
     res["passed"] = ok
     text = json.dumps(res, indent=2)
@@ -149,7 +157,8 @@ def main(argv=None) -> int:
     if a.ref:
         c = res["loss_check"]
         line += (f"; vs ref over {c['steps_compared']}/{c['steps_wanted']} steps: max rel diff {c['max_rel_diff']} "
-                 f"(tol {c['rtol']}), first {c['first_step_rel_diff']} (tol {c['rtol_first']}) -> "
+                 f"(tol {c['rtol']}), first {c['first_step_rel_diff']} (tol {c['rtol_first']}), "
+                 f"mean {c['mean_rel_diff']} (tol {c['mean_rtol']}) -> "
                  f"{'PASS' if c['passed'] else 'FAIL'}")
     print(line)
     return 0 if ok else 1

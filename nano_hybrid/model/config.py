@@ -11,6 +11,16 @@ below is mostly 1:1. Keys that are not TransformerConfig fields:
 - ``squared_relu``: ``activation_func = squared_relu``, non-gated.
 - ``attention_impl`` (``sdpa`` | ``unfused``) and ``moe_experts_impl`` (``grouped`` | ``sequential``):
   which core-attention and expert modules the layer spec uses (see ``nano_hybrid.model.specs``).
+- ``use_cpu_initialization`` (default false): megatron's field of that name, but only ever switched
+  *on* by this key; CPU (and meta) builds always initialise on the host. When on, every weight is
+  drawn on the host from the seed alone (the global torch CPU generator, the same on every rank), as a
+  full-size master of which each rank keeps its TP/EP slice: megatron's ``_initialize_affine_weight_cpu``
+  for the linears/embeddings, ``GroupedGemmExperts`` for the experts, ``BackendMambaMixer`` for the
+  Mamba conv1d / dt_bias / A_log and the in_proj (split per z/x/B/C/dt component). The initial weights
+  are then the same for every TP/EP/DP layout (``moe_experts_impl=grouped``; megatron's
+  ``SequentialMLP`` draws only its local experts, so it is EP-invariant only at EP=1). Slower start
+  (the masters are drawn on one CPU thread: ~16 s for the 5-layer MEM*E slice of nano30b_slice),
+  same per-step cost.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ _MODEL_ONLY = (
     "name", "hybrid_override_pattern", "vocab_size", "make_vocab_size_divisible_by", "seq_length",
     "untie_embeddings_and_output_weights", "position_embedding_type", "mamba_chunk_size",
     "mamba_conv_width", "squared_relu", "norm_epsilon", "attention_impl", "moe_experts_impl",
+    "use_cpu_initialization",
 )
 REQUIRED = ("name", "hybrid_override_pattern", "hidden_size", "vocab_size", "seq_length")
 
@@ -69,6 +80,8 @@ def check_model_cfg(m: dict) -> None:
     if m.get("moe_experts_impl", "grouped") not in MOE_EXPERTS_IMPLS:
         raise ConfigError(
             f"model.moe_experts_impl={m.get('moe_experts_impl')!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
+    if not isinstance(m.get("use_cpu_initialization", False), bool):
+        raise ConfigError(f"model.use_cpu_initialization={m.get('use_cpu_initialization')!r} must be true or false")
     if "E" in pat and not m.get("num_moe_experts"):
         raise ConfigError(f"model.hybrid_override_pattern has MoE layers (E) but model.num_moe_experts={m.get('num_moe_experts')}")
     if "*" in pat and not m.get("num_attention_heads"):
@@ -116,8 +129,10 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        # CPU (and meta) builds initialise on the host; GPU builds directly on the device.
-        use_cpu_initialization=not on_cuda,
+        # CPU (and meta) builds initialise on the host; GPU builds directly on the device (per-rank
+        # RNG streams: fast, but the weights depend on the TP/EP layout) unless
+        # model.use_cpu_initialization=true (layout-invariant host init, see the module docstring).
+        use_cpu_initialization=not on_cuda or bool(m.get("use_cpu_initialization", False)),
         perform_initialization=device.type != "meta",
         # bias_dropout_fusion uses torch.compile (megatron/core/jit.py): 16 s first step on CPU.
         bias_dropout_fusion=on_cuda,

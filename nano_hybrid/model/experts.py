@@ -14,6 +14,10 @@ Parameters: ``weight1`` [E_local, ffn/ETP, hidden] (= the experts' ``linear_fc1.
 ``weight2`` [E_local, hidden, ffn/ETP] (= ``linear_fc2.weight`` stacked). The distributed-checkpoint
 keys and global shapes are the same as ``SequentialMLP``'s (``...experts.experts.linear_fc1.weight`` of
 global shape [E, ffn, hidden]), so the two implementations load each other's checkpoints.
+
+Init: on the device from the expert-parallel RNG stream (per-rank), or with ``use_cpu_initialization``
+from host masters of all E experts so that expert e's weights do not depend on the EP/ETP layout
+(``GroupedGemmExperts._init_layout_invariant``).
 """
 
 from __future__ import annotations
@@ -123,11 +127,14 @@ class GroupedGemmExperts(MegatronModule):
         self.weight2 = torch.nn.Parameter(
             torch.empty(num_local_experts, hidden, self.ffn_local, device=device, dtype=config.params_dtype))
         if config.perform_initialization:
-            # per-expert init under the expert-parallel RNG stream, like megatron's expert linears
-            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                for e in range(num_local_experts):
-                    config.init_method(self.weight1.data[e])
-                    config.output_layer_init_method(self.weight2.data[e])
+            if config.use_cpu_initialization:
+                self._init_layout_invariant(config)
+            else:
+                # per-expert init under the expert-parallel RNG stream, like megatron's expert linears
+                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                    for e in range(num_local_experts):
+                        config.init_method(self.weight1.data[e])
+                        config.output_layer_init_method(self.weight2.data[e])
         # the same attributes megatron's expert Column/RowParallelLinear weights carry (layers.py:886,
         # :1209): allreduce=False makes DDP reduce expert grads over the expert-data-parallel group;
         # the TP attributes mark the ffn axis as split over the expert-tensor-parallel group.
@@ -135,6 +142,30 @@ class GroupedGemmExperts(MegatronModule):
         for w, dim in ((self.weight1, 1), (self.weight2, 2)):
             setattr(w, "allreduce", not expert_parallel)
             set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=1)
+
+    @torch.no_grad()
+    def _init_layout_invariant(self, config) -> None:
+        """Host init that does not depend on the EP/ETP layout (``use_cpu_initialization``).
+
+        As megatron's ``_initialize_affine_weight_cpu``: for every *global* expert e = 0..E-1 in order,
+        a full fp32 master fc1 [ffn, hidden] (``init_method``) and fc2 [hidden, ffn]
+        (``output_layer_init_method``) are drawn from the global torch CPU generator (seeded from
+        ``cfg.seed`` identically on every rank); this rank keeps experts ``ep_rank * E_local + i`` and
+        their ffn slice ``etp_rank`` of ``ETP``. Every rank draws all E masters, so the generator is in
+        the same state afterwards whatever the layout, and expert e's weights equal the EP=1 model's.
+        """
+        ep_size, ep_rank = self.ep_group.size(), self.ep_group.rank()
+        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        first = ep_rank * self.num_local_experts
+        hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
+        for e in range(self.num_local_experts * ep_size):
+            m1 = torch.empty(ffn, hidden, dtype=torch.float32)
+            config.init_method(m1)
+            m2 = torch.empty(hidden, ffn, dtype=torch.float32)
+            config.output_layer_init_method(m2)
+            if first <= e < first + self.num_local_experts:
+                self.weight1.data[e - first].copy_(torch.chunk(m1, tp_size, dim=0)[tp_rank])
+                self.weight2.data[e - first].copy_(torch.chunk(m2, tp_size, dim=1)[tp_rank])
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states

@@ -7,6 +7,8 @@ patched to select it.
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Optional
 
 import torch
@@ -35,6 +37,54 @@ class BackendMambaMixer(MambaMixer):
             super().__init__(config, submodules, d_model, *args, **kwargs)
         # a plain attribute (not a module): the backend holds functions and a class
         self.kernel_backend = backend
+        if config.use_cpu_initialization and config.perform_initialization:
+            bound = inspect.signature(MambaMixer.__init__).bind(self, config, submodules, d_model, *args, **kwargs)
+            bound.apply_defaults()
+            self._init_layout_invariant(bound.arguments)
+
+    @torch.no_grad()
+    def _init_layout_invariant(self, a: dict) -> None:
+        """Re-draw the TP-split mixer weights from full-size host masters (``use_cpu_initialization``).
+
+        megatron's ``MambaMixer`` draws ``conv1d`` (weight, bias), ``dt_bias`` and ``A_log`` with this
+        rank's local shapes from the per-TP-rank RNG stream, and its ``in_proj`` (a ColumnParallelLinear)
+        keeps a contiguous 1/TP row block of the [z x B C dt] master, whereas the mixer uses the rank's
+        block of *each* component. Here each of them is drawn as a full master from the global torch
+        CPU generator (same on every rank; same distributions as megatron's) and this rank keeps its
+        per-component slice, so the weights are those of the TP=1 model for every TP size. The drawing
+        order (in_proj, conv weight, conv bias, dt, A) does not depend on TP.
+        """
+        tp, r = self.pg_collection.tp.size(), self.pg_collection.tp.rank()
+        d_inner, nh, gs = self.nheads * self.headdim, self.nheads, self.ngroups * self.d_state
+
+        def local(master: torch.Tensor, sizes: list[int], dim: int = 0) -> torch.Tensor:
+            parts = torch.split(master, sizes, dim=dim)
+            return torch.cat([torch.chunk(p, tp, dim=dim)[r] for p in parts], dim=dim)
+
+        w = torch.empty(2 * d_inner + 2 * gs + nh, self.d_model, dtype=torch.float32)
+        self.config.init_method(w)
+        self.in_proj.weight.data.copy_(local(w, [d_inner, d_inner, gs, gs, nh]))
+
+        conv_w = torch.empty(d_inner + 2 * gs, 1, self.d_conv, dtype=torch.float32)
+        if self.conv_init is not None:
+            torch.nn.init.uniform_(conv_w, -self.conv_init, self.conv_init)
+        else:
+            torch.nn.init.kaiming_uniform_(conv_w, a=math.sqrt(5))
+        self.conv1d.weight.data.copy_(local(conv_w, [d_inner, gs, gs]))
+        if self.conv1d.bias is not None:  # nn.Conv1d's default bias init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+            fan_in, _ = torch.nn.init._calculate_fan_in_and_fan_out(conv_w)
+            bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+            conv_b = torch.empty(d_inner + 2 * gs, dtype=torch.float32).uniform_(-bound, bound)
+            self.conv1d.bias.data.copy_(local(conv_b, [d_inner, gs, gs]))
+
+        dt_min, dt_max = float(a["dt_min"]), float(a["dt_max"])
+        dt = torch.exp(torch.rand(nh, dtype=torch.float32) * (math.log(dt_max) - math.log(dt_min))
+                       + math.log(dt_min)).clamp(min=float(a["dt_init_floor"]))
+        inv_dt = dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
+        self.dt_bias.data.copy_(torch.chunk(inv_dt, tp)[r])
+        A = torch.empty(nh, dtype=torch.float32).uniform_(*a["A_init_range"])
+        self.A_log.data.copy_(torch.chunk(torch.log(A), tp)[r])
+        # D and the norm weight are ones (layout-invariant already)
 
     def _ssm_training(
         self, zxBCdt: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None
