@@ -326,14 +326,43 @@ def _arg_signature(args: Sequence[object]) -> tuple:
 
 
 def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]) -> Callable:
-    """Compiled callable of ``kernel`` for this argument signature and config (cached)."""
+    """Compiled callable of ``kernel`` for this argument signature and config (cached).
+
+    With ``NANO_HELION_DUMP_DIR`` set, each compilation also writes the normalized config and the
+    generated Triton source there (``<kernel>_<sha>.py``): a diagnostic for comparing what two
+    processes actually run for the same kernel, config and argument signature."""
     cfg = _as_config(config)
     key = (id(kernel), _arg_signature(args), cfg.to_json())
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = kernel.bind(tuple(args)).compile_config(cfg, allow_print=False)
+        bound = kernel.bind(tuple(args))
+        fn = bound.compile_config(cfg, allow_print=False)
         _COMPILED[key] = fn
+        dump = os.environ.get("NANO_HELION_DUMP_DIR")
+        if dump:
+            _dump_code(Path(dump), kernel, bound, cfg, args)
     return fn
+
+
+def _dump_code(root: Path, kernel, bound, cfg: helion.Config, args: Sequence[object]) -> None:
+    import hashlib
+
+    try:
+        full = bound.config_spec.normalized_config(cfg)
+        code = bound.to_triton_code(full)
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not break the run
+        code, full = f"# codegen for the dump failed: {type(e).__name__}: {e}\n", cfg
+    name = getattr(kernel, "name", None) or getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+    sig = repr(_arg_signature(args))
+    sha = hashlib.sha1((sig + code).encode()).hexdigest()[:10]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{name}_{sha}.py").write_text(f"# config {config_to_dict(full)}\n# args {sig}\n{code}")
+
+
+def full_config(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]) -> helion.Config:
+    """``config`` with every key Helion would otherwise fill in at compile time made explicit
+    (what the tuner writes, so a committed config means the same kernel in every process)."""
+    return kernel.bind(tuple(args)).config_spec.normalized_config(_as_config(config))
 
 
 def run_with_config(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]):

@@ -113,6 +113,13 @@ def main(argv=None) -> int:
                     n_ok=len(ok), status_counts=_counts(results), candidates=results,
                 )
                 if not args.no_write:
+                    # the normalized config (every key explicit), so the committed file does not leave
+                    # anything for Helion to fill in differently in another process
+                    try:
+                        best = tuning.full_config(case.kernel, case.args, best)
+                    except Exception as e:  # noqa: BLE001 - keep the partial winner, say so
+                        run["full_config_error"] = f"{type(e).__name__}: {e}"
+                    run["written_config"] = tuning.config_to_dict(best)
                     path = tuning.record(name, case.dims, best, best_ms, {
                         "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"],
                         "generic_default_ms": run["generic_default_ms"], "search_s": round(time.monotonic() - t0, 1),

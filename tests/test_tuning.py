@@ -161,6 +161,7 @@ def test_search_on_gpu_picks_a_correct_config():
 _NANO_SSD = dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128)
 NANO_COMMITTED = {
     "rmsnorm_bwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
+    "rmsnorm_fwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
     "ssd_bmm_chunk": dict(b=2, l=8192, g=8, n=128, c=128),
     "ssd_bwd_dbc": _NANO_SSD,
     "ssd_bwd_dx": _NANO_SSD,
@@ -173,7 +174,6 @@ NANO_COMMITTED = {
 }
 NANO_UNTUNED = {
     "conv1d_bwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
-    "rmsnorm_fwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
 }
 
 
@@ -288,3 +288,20 @@ def test_time_limit_interrupts_a_slow_candidate():
     assert time.monotonic() - t0 < 3
     with tuning._time_limit(None):  # no limit: a no-op
         pass
+
+
+def test_full_config_makes_every_key_explicit_and_dump_writes_the_source(tmp_path):
+    from kernels import ssd_helion_bwd as B
+
+    args, _ = B._example_args("ssd_bwd_state_passing", dict(b=1, l=128, h=2, p=8, g=1, n=8, c=64), "cpu")
+    kernel = B._KERNELS["ssd_bwd_state_passing"]
+    partial = B._DEFAULTS["ssd_bwd_state_passing"]
+    full = tuning.full_config(kernel, args, partial)
+    d, p = tuning.config_to_dict(full), tuning.config_to_dict(partial)
+    assert {k: d[k] for k in p} == p  # what was given is kept
+    assert {"indexing", "pid_type", "load_eviction_policies", "range_num_stages"} <= set(d)  # the rest is explicit
+    bound = kernel.bind(tuple(args))
+    tuning._dump_code(tmp_path, kernel, bound, full, args)
+    (f,) = tmp_path.glob("*.py")
+    text = f.read_text()
+    assert text.startswith("# config ") and "@triton.jit" in text and "_helion_ssd_bwd_state_passing" in text
