@@ -127,6 +127,40 @@ def rmsnorm_gated_fwd_kernel(
     return y, rstd
 
 
+# v2 forward (opt-in, set_fwd_variant("v2")): like the backward, each program walks
+# `rows_per_program` rows of one group in tiles of block_sizes[0] rows with the weight row held in
+# registers, so the row loop can be software-pipelined (range_num_stages); v1 is one tile per program.
+@helion.kernel(static_shapes=True)
+def rmsnorm_gated_fwd_kernel_v2(
+    x: torch.Tensor,  # (M, G, D)
+    weight: torch.Tensor,  # (G, D)
+    z: torch.Tensor,  # (M, G, D); ignored unless has_z
+    eps: float,
+    has_z: hl.constexpr,
+    norm_before_gate: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m, g, d = x.size()
+    d = hl.specialize(d)
+    rows = hl.register_tunable("rows_per_program", PowerOfTwoFragment(1, 16384, 64))
+    y = torch.empty_like(x)
+    rstd = torch.empty([m, g], dtype=torch.float32, device=x.device)
+    for tp, tg in hl.tile([m, g], block_size=[rows, 1]):
+        wt = weight[tg, :].to(torch.float32)[None, :, :]
+        for tm in hl.tile(tp.begin, tp.end):
+            xt = x[tm, tg, :].to(torch.float32)
+            if has_z and not norm_before_gate:
+                zt = z[tm, tg, :].to(torch.float32)
+                xt = xt * (zt * torch.sigmoid(zt))
+            r = torch.rsqrt(torch.mean(xt * xt, dim=-1) + eps)
+            out = xt * r[:, :, None] * wt
+            if has_z and norm_before_gate:
+                zt2 = z[tm, tg, :].to(torch.float32)
+                out = out * (zt2 * torch.sigmoid(zt2))
+            y[tm, tg, :] = out.to(y.dtype)
+            rstd[tm, tg] = r
+    return y, rstd
+
+
 @helion.kernel(static_shapes=True)
 def rmsnorm_gated_bwd_kernel(
     dy: torch.Tensor,  # (M, G, D)
@@ -178,7 +212,29 @@ def rmsnorm_gated_bwd_kernel(
 
 # Generic configs used when no tuned file entry exists (also the search's reference).
 RMSNORM_FWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4)
+RMSNORM_FWD_V2_DEFAULT = helion.Config(block_sizes=[4], num_warps=2, rows_per_program=64, range_num_stages=[0, 2])
 RMSNORM_BWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4, rows_per_program=64)
+
+# forward kernel variant: "v1" (committed, tuned) or "v2" (rmsnorm_gated_fwd_kernel_v2; its own tuned
+# configs under the name rmsnorm_fwd_v2); selected by set_fwd_variant, default v1 until measured
+_FWD_VARIANTS = {"v1": ("rmsnorm_fwd", None, RMSNORM_FWD_DEFAULT), "v2": ("rmsnorm_fwd_v2", None, RMSNORM_FWD_V2_DEFAULT)}
+_FWD_VARIANT = "v1"
+
+
+def set_fwd_variant(variant: str) -> None:
+    """Select the RMSNorm forward kernel: "v1" or "v2" (see rmsnorm_gated_fwd_kernel_v2)."""
+    global _FWD_VARIANT
+    if variant not in _FWD_VARIANTS:
+        raise ValueError(f"unknown RMSNorm forward variant {variant!r}; choose one of {sorted(_FWD_VARIANTS)}")
+    _FWD_VARIANT = variant
+
+
+def get_fwd_variant() -> str:
+    return _FWD_VARIANT
+
+
+def _fwd_kernel(variant: str):
+    return rmsnorm_gated_fwd_kernel if variant == "v1" else rmsnorm_gated_fwd_kernel_v2
 
 
 def _norm_dims(m: int, g: int, d: int, has_z: bool, nbg: bool, dtype: torch.dtype) -> dict:
@@ -206,7 +262,8 @@ def rmsnorm_gated_fwd_helion(x, weight, z=None, eps=1e-5, group_size=None, norm_
     m = x3.shape[0]
     args = (x3, w2, x3 if z3 is None else z3, float(eps), z3 is not None, bool(norm_before_gate))
     dims = _norm_dims(m, g, d, z3 is not None, norm_before_gate, x.dtype)
-    y, rstd = tuning.tuned_call("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, args, dims, RMSNORM_FWD_DEFAULT)
+    name, _, default = _FWD_VARIANTS[_FWD_VARIANT]
+    y, rstd = tuning.tuned_call(name, _fwd_kernel(_FWD_VARIANT), args, dims, default)
     return y.reshape(x.shape), rstd
 
 
@@ -273,6 +330,13 @@ def _rmsnorm_case(kind: str):
         w = (1 + 0.1 * torch.randn(g, d, generator=gen)).to(device=device, dtype=torch.bfloat16)
         # Megatron's MambaMixer path: z=None, norm_before_gate=False
         kd = _norm_dims(m, g, d, False, False, torch.bfloat16)
+        if kind == "fwd_v2":
+            args = (x, w, x, 1e-5, False, False)
+            seeds = tuning.grid_seeds(rows_per_program=[16, 32, 64, 128], block_sizes=[[2], [4], [8]],
+                                      num_warps=[1, 2, 4], range_num_stages=[[0, 0], [0, 2], [0, 3]])
+            seeds = [s for s in seeds if s["block_sizes"][0] <= s["rows_per_program"]]
+            return tuning.TuneCase(rmsnorm_gated_fwd_kernel_v2, args, kd, RMSNORM_FWD_V2_DEFAULT, seeds, atol=2e-2,
+                                   rtol=2e-2, n_random=0)
         if kind == "fwd":
             args = (x, w, x, 1e-5, False, False)
             seeds = tuning.grid_seeds(block_sizes=[[1], [2], [4], [8], [16]], num_warps=[1, 2, 4, 8])
@@ -307,4 +371,5 @@ def _rmsnorm_case(kind: str):
     return build
 
 
-TUNABLE_KERNELS = {"rmsnorm_fwd": _rmsnorm_case("fwd"), "rmsnorm_bwd": _rmsnorm_case("bwd")}
+TUNABLE_KERNELS = {"rmsnorm_fwd": _rmsnorm_case("fwd"), "rmsnorm_fwd_v2": _rmsnorm_case("fwd_v2"),
+                   "rmsnorm_bwd": _rmsnorm_case("bwd")}
