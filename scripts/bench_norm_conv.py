@@ -1,6 +1,8 @@
 """Side-by-side on one GPU: mamba-ssm gated RMSNorm vs Helion, causal-conv1d CUDA vs Helion (fwd and bwd).
 
     OUT=benchmarks/results/h200 python scripts/bench_norm_conv.py --rounds 5
+    # conv1d only, backward kernel variants v1 (arm B) and v2, v3 each against causal-conv1d:
+    OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-bwd-variants v2,v3
 
 Shapes: kernels.tuning.SHAPE_PRESETS (nano = tuned; nano_tp2, nano_b4_l4096 use whatever config
 lookup gives, i.e. nearest tuned shape, without retuning). The RMSNorm call is Megatron's:
@@ -85,25 +87,32 @@ def bench_rmsnorm(dims, rounds, rep_ms):
     res = {"shape": {"rows": m, "hidden": n, "group_size": gs, "z": None, "norm_before_gate": False, "dtype": "bf16"}}
     with torch.no_grad():
         res["fwd"] = _bench_pair(lambda: fa(x, w), lambda: fb(x, w), rounds, rep_ms)
+    # the forward kernel variants (kernels.rmsnorm_gated.set_fwd_variant), each against mamba-ssm
+    from kernels import rmsnorm_gated as R
+
+    def fb_variant(variant):
+        def run():
+            old = R.get_fwd_variant()
+            R.set_fwd_variant(variant)
+            try:
+                return fb(x, w)
+            finally:
+                R.set_fwd_variant(old)
+        return run
+
+    res["fwd_variants"] = {}
+    with torch.no_grad():
+        y32 = rmsnorm_gated_ref(x.float(), w.float(), **kw)
+        for v in ("v1", "v2"):
+            yv = fb_variant(v)()
+            res["fwd_variants"][v] = dict(_bench_pair(lambda: fa(x, w), fb_variant(v), rounds, rep_ms),
+                                          correctness=_errs((yv,), (y32,), ["y"]))
     graphs = {}
     for tag, f in (("A", fa), ("B", fb)):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = f(xi, wi)
         graphs[tag] = (y, [xi, wi])
     res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
-    if bwd_v2:  # the opt-in v2 backward kernel against the same causal-conv1d arm
-        from kernels import causal_conv1d as cc
-
-        old = cc.get_bwd_variant()
-        cc.set_bwd_variant("v2")
-        try:
-            zl = zx.clone().requires_grad_()
-            wi, bi = w.clone().requires_grad_(), bias.clone().requires_grad_()
-            y = fb(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi)
-            graphs["B_v2"] = (y, [zl, wi, bi])
-            res["bwd_v2"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B_v2"], dy), rounds, rep_ms)
-        finally:
-            cc.set_bwd_variant(old)
     x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
     y32 = rmsnorm_gated_ref(x32, w32, **kw)
     ref = (y32, *torch.autograd.grad(y32, [x32, w32], dy.float()))
@@ -129,8 +138,13 @@ def _conv_bwd_variant(variant):
         cc.set_bwd_variant(old)
 
 
-def bench_conv(dims, rounds, rep_ms, bwd_v2=False):
+def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=()):
+    """causal-conv1d (A) vs Helion (B). ``bwd_variant``: the conv1d backward kernel of the B arm
+    (None: the module default). ``bwd_variants``: further backward variants, each timed against the
+    same causal-conv1d arm in this process (``bwd_<v>``) and checked (``correctness_B_<v>``)."""
     from causal_conv1d import causal_conv1d_fn
+
+    from kernels import causal_conv1d as cc
 
     b, l, hp, gn = dims["b"], dims["l"], dims["h"] * dims["p"], dims["g"] * dims["n"]
     d = hp + 2 * gn
@@ -147,7 +161,10 @@ def bench_conv(dims, rounds, rep_ms, bwd_v2=False):
     with torch.no_grad():
         res["fwd"] = _bench_pair(lambda: fa(xv, w, bias), lambda: fb(xv, w, bias), rounds, rep_ms)
     # conv1d backward variant per arm: the autograd Function picks its kernel when backward runs
-    variants = {"A": None, "B": None, **({"B_v2": "v2"} if bwd_v2 else {})}
+    variants = {"A": None, "B": bwd_variant}
+    variants.update({f"B_{v}": v for v in bwd_variants})
+    with _conv_bwd_variant(bwd_variant):
+        res["bwd_variant_B"] = cc.get_bwd_variant()
 
     def graph(f):
         zl = zx.clone().requires_grad_()
@@ -155,10 +172,15 @@ def bench_conv(dims, rounds, rep_ms, bwd_v2=False):
         return f(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi), [zl, wi, bi]
 
     graphs = {tag: graph(fa if tag == "A" else fb) for tag in variants}
-    res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
-    if bwd_v2:  # the opt-in v2 backward kernel against the same causal-conv1d arm
-        with _conv_bwd_variant("v2"):
-            res["bwd_v2"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B_v2"], dy), rounds, rep_ms)
+    for tag, (y, ins) in graphs.items():  # compile every backward kernel before any timing
+        with _conv_bwd_variant(variants[tag]):
+            _grad_fn(y, ins, dy)()
+    torch.cuda.synchronize()
+    with _conv_bwd_variant(bwd_variant):
+        res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
+    for v in bwd_variants:  # each further backward variant against the same causal-conv1d arm
+        with _conv_bwd_variant(v):
+            res[f"bwd_{v}"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs[f"B_{v}"], dy), rounds, rep_ms)
     zl32 = zx.float().requires_grad_()
     w32, b32 = w.float().requires_grad_(), bias.float().requires_grad_()
     y32 = causal_conv1d_ref(zl32[:, :, hp:hp + d].transpose(1, 2), w32, b32, None, "silu")
@@ -170,13 +192,36 @@ def bench_conv(dims, rounds, rep_ms, bwd_v2=False):
     return res
 
 
+def _variant_list(text):
+    from kernels import causal_conv1d as cc
+
+    out = [v.strip() for v in (text or "").split(",") if v.strip()]
+    for v in out:
+        if v not in cc._BWD_VARIANTS:
+            raise SystemExit(f"unknown conv1d backward variant {v!r} (known: {sorted(cc._BWD_VARIANTS)})")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="nano,nano_tp2,nano_b4_l4096")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=float, default=50.0)
-    ap.add_argument("--conv-bwd-v2", action="store_true", help="also time the opt-in v2 conv1d backward kernel")
+    ap.add_argument("--ops", default="rmsnorm,conv1d", help="which benchmarks: rmsnorm, conv1d or both")
+    ap.add_argument("--conv-bwd-variant", default=None,
+                    help="conv1d backward kernel of the Helion arm B: v1, v2 or v3 (default: the module default)")
+    ap.add_argument("--conv-bwd-variants", default="",
+                    help="comma list of further conv1d backward variants, each timed against causal-conv1d in the "
+                         "same process and checked against the reference (e.g. v1,v2,v3)")
+    ap.add_argument("--conv-bwd-v2", action="store_true", help="alias: add v2 to --conv-bwd-variants")
     args = ap.parse_args(argv)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    if set(ops) - {"rmsnorm", "conv1d"}:
+        ap.error(f"--ops: unknown {sorted(set(ops) - {'rmsnorm', 'conv1d'})}")
+    conv_variant = _variant_list(args.conv_bwd_variant)[0] if args.conv_bwd_variant else None
+    conv_variants = _variant_list(args.conv_bwd_variants)
+    if args.conv_bwd_v2 and "v2" not in conv_variants:
+        conv_variants.append("v2")
     if not torch.cuda.is_available():
         print("bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -205,15 +250,25 @@ def main(argv=None) -> int:
         dims = tuning.SHAPE_PRESETS[shape]
         entry = {"model_dims": dims}
         for op, fn in (("rmsnorm", bench_rmsnorm), ("conv1d", bench_conv)):
+            if op not in ops:
+                continue
             try:
-                entry[op] = (fn(dims, args.rounds, args.rep_ms, bwd_v2=args.conv_bwd_v2) if op == "conv1d"
-                             else fn(dims, args.rounds, args.rep_ms))
+                entry[op] = (fn(dims, args.rounds, args.rep_ms, bwd_variant=conv_variant, bwd_variants=conv_variants)
+                             if op == "conv1d" else fn(dims, args.rounds, args.rep_ms))
                 r = entry[op]
+                tag = f"[{r['bwd_variant_B']}]" if op == "conv1d" else ""
                 print(f"{shape:14s} {op:8s} fwd {r['fwd']['A']['median_ms']*1e3:8.1f} -> {r['fwd']['B']['median_ms']*1e3:8.1f} us "
                       f"(x{r['fwd']['speedup_B_over_A']:.2f}, ctl {r['fwd']['control_ratio_A_over_A']:.2f})  "
-                      f"bwd {r['bwd']['A']['median_ms']*1e3:8.1f} -> {r['bwd']['B']['median_ms']*1e3:8.1f} us "
+                      f"bwd{tag} {r['bwd']['A']['median_ms']*1e3:8.1f} -> {r['bwd']['B']['median_ms']*1e3:8.1f} us "
                       f"(x{r['bwd']['speedup_B_over_A']:.2f}, ctl {r['bwd']['control_ratio_A_over_A']:.2f})  "
                       f"helion within tol: {all(v['within_tol'] for v in r['correctness_B'].values())}", flush=True)
+                for v in (conv_variants if op == "conv1d" else []):
+                    rv, ok = r[f"bwd_{v}"], r[f"correctness_B_{v}"]
+                    print(f"{shape:14s} {op:8s} bwd[{v}] {rv['A']['median_ms']*1e3:8.1f} -> {rv['B']['median_ms']*1e3:8.1f} us "
+                          f"(x{rv['speedup_B_over_A']:.2f}, ctl {rv['control_ratio_A_over_A']:.2f})  "
+                          f"within tol: {all(e['within_tol'] for e in ok.values())}  "
+                          f"max err dx {ok['dx']['max_abs_err']:.2e} dweight {ok['dweight']['max_abs_err']:.2e} "
+                          f"dbias {ok['dbias']['max_abs_err']:.2e}", flush=True)
             except Exception:  # noqa: BLE001
                 entry[op] = {"error": traceback.format_exc()}
                 print(entry[op]["error"], file=sys.stderr, flush=True)

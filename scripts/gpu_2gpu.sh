@@ -23,7 +23,8 @@
 #   every step    <= 2%:   bf16 reduction-order noise only, not amplified by a non-monotone start;
 #   mean of steps <= 0.5%: a systematic error (a missed or doubled gradient reduction, experts or
 #                          shards that do not match) shifts the whole curve and fails this one.
-# Env: OUT, WHEELHOUSE, SKIP_SETUP=1, STEPS (default 50), EXTRA (extra Hydra overrides for every run).
+# Env: OUT, WHEELHOUSE, SKIP_SETUP=1, STEPS (default 50), EXTRA (extra Hydra overrides for every run),
+#      RUNS (default "single dp2 tp2 ep2").
 set -u
 cd "$(dirname "$0")/.."
 # shellcheck source=gpu_stages.sh
@@ -31,8 +32,9 @@ source scripts/gpu_stages.sh
 STEPS="${STEPS:-50}"
 gpu_stage_setup 2gpu_setup
 export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
+RUNS="${RUNS:-single dp2 tp2 ep2}"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ "$NGPU" -lt 2 ]; then
+if [ "$NGPU" -lt 2 ] && [ "$RUNS" != single ]; then
     echo "gpu_2gpu.sh needs 2 GPUs, torch sees $NGPU" | tee "$OUT/parallel_2gpu.FAILED"; exit 1
 fi
 
@@ -68,10 +70,17 @@ run() {  # run NAME NPROC OVERRIDES...
     rm -rf "$dir/checkpoints"
 }
 
-run single 1 parallel=single train.micro_batch_size=4
-run dp2 2 parallel=dp2 train.micro_batch_size=2
-run tp2 2 parallel=tp2 train.micro_batch_size=4
-run ep2 2 parallel=ep2 train.micro_batch_size=2
+# RUNS: which runs to make (default all four); e.g. RUNS=single CUDA_VISIBLE_DEVICES=1 first, then
+# RUNS="dp2 tp2 ep2" once both GPUs are free (the checks read $OUT/parallel_single either way)
+for r in $RUNS; do
+    case "$r" in
+        single) run single 1 parallel=single train.micro_batch_size=4 ;;
+        dp2) run dp2 2 parallel=dp2 train.micro_batch_size=2 ;;
+        tp2) run tp2 2 parallel=tp2 train.micro_batch_size=4 ;;
+        ep2) run ep2 2 parallel=ep2 train.micro_batch_size=2 ;;
+        *) echo "unknown run $r in RUNS"; exit 2 ;;
+    esac
+done
 
 check() {  # check NAME
     local name="$1"
@@ -82,8 +91,6 @@ check() {  # check NAME
         --rtol "$RTOL" --rtol-first "$RTOL_FIRST" --mean-rtol "$MEAN_RTOL" --label "$name vs single (global batch 4)" \
         --out "$OUT/parallel_${name}_vs_single.json" || FAILED=1
 }
-check dp2
-check tp2
-check ep2
+for r in $RUNS; do [ "$r" != single ] && check "$r"; done
 echo "total $(( $(date +%s) - START ))s; results in $OUT/parallel_*_vs_single.json"
 exit "$FAILED"

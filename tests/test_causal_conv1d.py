@@ -8,6 +8,11 @@ bf16 inputs, out/dx within 2e-2 abs + 2e-2 rel, dweight/dbias (sums over b*l = 1
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,7 +63,7 @@ def _fwd_bwd(fn, x, wt, bias, seq, act, dy, lo=1, hi=1):
     return (y, *torch.autograd.grad(y, ins, dy))
 
 
-@pytest.fixture(params=["v1", "v2"])
+@pytest.fixture(params=["v1", "v2", "v3"])
 def bwd_variant(request):
     """Run a test with each conv1d backward kernel variant (module default restored afterwards)."""
     from kernels import causal_conv1d as cc
@@ -154,6 +159,7 @@ def test_gpu_vs_causal_conv1d(b, d, l, useseq):
 @pytest.mark.parametrize("name,c1,c2", [
     ("conv1d_bwd", dict(block_sizes=[64, 16], l_per_program=16), dict(block_sizes=[32, 32], l_per_program=64)),
     ("conv1d_bwd_v2", dict(block_sizes=[16, 64], l_per_program=16), dict(block_sizes=[8, 32], l_per_program=64)),
+    ("conv1d_bwd_v3", dict(block_sizes=[2, 16], l_per_lane=16), dict(block_sizes=[4, 32], l_per_lane=64)),
 ])
 def test_tuner_compares_final_results_across_l_per_program(name, c1, c2):
     """The conv1d_bwd TuneCase compares dx (written into its argument buffer, poisoned with NaN before
@@ -207,3 +213,130 @@ def test_triton_codegen(useseq, hasb, monkeypatch):
     bwd2 = helion.kernel(cc.causal_conv1d_bwd_kernel_v2.fn, static_shapes=True)
     code2 = bwd2.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_V2_DEFAULT)
     assert "@triton.jit" in code2 and code2.count("def _helion_") == 1
+    bwd3 = helion.kernel(cc.causal_conv1d_bwd_kernel_v3.fn, static_shapes=True)
+    code3 = bwd3.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_V3_DEFAULT)
+    assert "@triton.jit" in code3 and code3.count("def _helion_") == 1
+
+
+# ------------------------------------------------------------------------------ v3 (rolling window)
+
+
+def _v3_grads(run, x, wt, bias, seq, act, dy):
+    """dx, dweight, dbias from ``causal_conv1d_bwd_kernel_v3`` run by ``run(kernel, args)`` (args as
+    ``causal_conv1d_bwd_helion`` builds them), summed as the wrapper does."""
+    from kernels import causal_conv1d as cc
+
+    xx, w4, bb, sq, silu, _ = cc._conv_prep(x, wt, bias, seq, act)
+    dx = torch.full_like(dy.transpose(1, 2), float("nan"))  # (b, l, d); poisoned: every element must be written
+    args = (xx.transpose(1, 2), w4, bb, dy.transpose(1, 2), sq, dx, silu)
+    dwp, dbp = run(cc.causal_conv1d_bwd_kernel_v3, args)
+    w = wt.shape[1]
+    dweight = dwp.sum(dim=(0, 1)).t()[:, 4 - w:].to(wt.dtype)
+    return dx.transpose(1, 2), dweight, None if bias is None else dbp.sum(dim=(0, 1)).to(bias.dtype)
+
+
+def _ref_grads(x, wt, bias, seq, act, dy):
+    ins = [x.detach().clone().requires_grad_(), wt.detach().clone().requires_grad_()]
+    if bias is not None:
+        ins.append(bias.detach().clone().requires_grad_())
+    y = causal_conv1d_ref(ins[0], ins[1], ins[2] if bias is not None else None, seq, act)
+    g = torch.autograd.grad(y, ins, dy)
+    return g[0], g[1], g[2] if bias is not None else None
+
+
+V3_LANE_CASES = [
+    # (batch, dim, seqlen, width, seq_idx ("sorted" / "random" / None), activation, bias)
+    (2, 5, 75, 4, None, "silu", True),  # 5 lanes of 16 rows, the last one partial
+    (1, 6, 64, 3, "sorted", "silu", False),  # lanes end exactly at seqlen
+    (2, 4, 37, 2, "random", None, True),  # seq ids in any order: only equality matters
+    (1, 3, 50, 4, "random", "silu", True),
+    (1, 7, 18, 4, "sorted", None, False),
+]
+
+
+def _lane_case(b, d, l, w, seqkind, act, hasb, dtype):
+    x, wt, bias, _ = _make(b, d, l, w, False, True, hasb, dtype)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    seq = None
+    if seqkind is not None:
+        seq = torch.randint(0, 3, (b, l), generator=g)
+        seq = (torch.sort(seq, dim=1).values if seqkind == "sorted" else seq).to(torch.int32)
+    dy = torch.randn(b, d, l, generator=g, dtype=dtype)
+    return x, wt, bias, seq, dy
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+@pytest.mark.parametrize("b,d,l,w,seqkind,act,hasb", V3_LANE_CASES)
+def test_v3_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
+    """v3 with 16-row lanes (the walk's halo rows cross lane boundaries) matches the reference,
+    also for seq_idx that is not sorted (an input counts only where its seq id equals the output's)."""
+    import helion
+
+    from kernels import tuning
+
+    x, wt, bias, seq, dy = _lane_case(b, d, l, w, seqkind, act, hasb, torch.float64)
+    cfg = helion.Config(block_sizes=[2, 4], num_warps=4, l_per_lane=16)
+    got = _v3_grads(lambda k, a: tuning.run_interpret(k, a, cfg), x, wt, bias, seq, act, dy)
+    ref = _ref_grads(x, wt, bias, seq, act, dy)
+    for name, a, r in zip(["dx", "dweight", "dbias"], got, ref):
+        if r is not None:
+            torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=f"{name} differs")
+
+
+def _v3_triton_interpreter_main(seqkind, act, hasb):
+    """Run in a fresh process with TRITON_INTERPRET=1 (Triton fixes interpret mode for its own
+    @jit helpers such as tl.sum at import): the Triton code Helion generates for v3, executed by
+    Triton's CPU interpreter, against the reference. This checks the compiled path (loop-carried
+    rolling window, masks), which Helion's eager interpret mode does not go through."""
+    import importlib.util
+    import tempfile
+
+    import helion
+
+    assert os.environ.get("TRITON_INTERPRET") == "1" and "HELION_INTERPRET" not in os.environ
+    x, wt, bias, seq, dy = _lane_case(1, 20, 45, 4, seqkind, act, hasb, torch.float32)
+    # 2 lanes x 16 channels per program: 3 programs along seqlen (the last one half empty), the
+    # second channel tile masked (20 channels)
+    cfg = helion.Config(block_sizes=[2, 16], num_warps=4, l_per_lane=16)
+    fns = {}
+
+    def run(kernel, args):
+        if "f" not in fns:
+            code = helion.kernel(kernel.fn, static_shapes=True).bind(args).to_triton_code(cfg)
+            # Triton 3.6's interpreter cannot turn a loop bound built from a constexpr argument (a
+            # 1-element numpy array there) into a Python int under numpy 2: give range plain ints.
+            code = code.replace("tl.range(", "_interp_range(")
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "v3_generated.py")
+                with open(path, "w") as f:
+                    f.write(code)
+                spec = importlib.util.spec_from_file_location("v3_generated", path)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+
+            def as_int(v):
+                return int(v.handle.data.item()) if hasattr(v, "handle") else int(v)
+
+            mod._interp_range = lambda *a: range(*[as_int(v) for v in a])
+            fns["f"] = getattr(mod, kernel.fn.__name__)
+        return fns["f"](*args)
+
+    got = _v3_grads(run, x, wt, bias, seq, act, dy)
+    ref = _ref_grads(x, wt, bias, seq, act, dy)
+    for name, a, r in zip(["dx", "dweight", "dbias"], got, ref):
+        if r is not None:
+            torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=f"{name} differs")
+    print("v3 generated Triton code matches the reference")
+
+
+@pytest.mark.skipif(not CPU, reason="Triton interpreter test (CPU)")
+@pytest.mark.parametrize("seqkind,act,hasb", [(None, "silu", True), ("random", "silu", False)])
+def test_v3_generated_triton_code_interpreted(seqkind, act, hasb):
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
+    env["TRITON_INTERPRET"] = "1"
+    cmd = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]; "
+           f"from test_causal_conv1d import _v3_triton_interpreter_main as m; m({seqkind!r}, {act!r}, {hasb!r})")
+    res = subprocess.run([sys.executable, "-c", cmd], check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
