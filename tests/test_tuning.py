@@ -171,6 +171,11 @@ NANO_COMMITTED = {
     "ssd_chunk_state_passing": _NANO_SSD,
     "conv1d_fwd": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "conv1d_bwd": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
+    "rmsnorm_fwd_v2": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
+    "ssd_bwd_state_passing": dict(_NANO_SSD, blk=512),
+    "ssd_bwd_dt": _NANO_SSD,
+    "ssd_chunk_state": _NANO_SSD,
+    "ssd_state_passing": dict(b=2, h=64, d=8192, nc=64),
 }
 NANO_UNTUNED = {
     "conv1d_bwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
@@ -321,3 +326,12 @@ def test_dump_code_writes_config_and_triton_source(tmp_path, monkeypatch):
     text = f.read_text()
     assert text.startswith("# config ") and "'block_sizes': [32]" in text.splitlines()[0]
     assert "@triton.jit" in text and "num_warps=2" in text
+
+
+def test_generic_configs_are_compiled_as_flat_grids():
+    """A config without pid_type gets "flat" (Helion would otherwise pick persistent_blocked in a
+    torch.distributed process); an explicit pid_type is kept."""
+    got = tuning.with_flat_pid(helion.Config(block_sizes=[64], num_warps=4))
+    assert got.config["pid_type"] == "flat" and got.config["block_sizes"] == [64] and got.config["num_warps"] == 4
+    keep = helion.Config(block_sizes=[64], pid_type="persistent_interleaved")
+    assert tuning.with_flat_pid(keep).config["pid_type"] == "persistent_interleaved"
