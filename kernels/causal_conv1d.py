@@ -66,6 +66,8 @@ def causal_conv1d_ref(
 # in tiles, recomputes the pre-activation at t..t+3 from x (no stored activations), writes dx, and
 # accumulates dweight (4 taps) and dbias in fp32 registers; the per-program partials
 # (batch * cdiv(seqlen, l_per_program), ...) are summed in fp32 by torch afterwards.
+# Forward v2 (opt-in, set_fwd_variant("v2")): the same rolling-window walk for the forward, each x
+# element loaded about once (see causal_conv1d_fwd_kernel_v2).
 # Backward v3 (opt-in): a per-row rolling-window walk that loads each x / dout element about once
 # (see causal_conv1d_bwd_kernel_v3).
 # ================================================================================================
@@ -469,7 +471,81 @@ def causal_conv1d_bwd_kernel_v3(
     return dw_part, db_part
 
 
+# fwd v2 (opt-in, set_fwd_variant("v2")): the forward as a rolling-window walk like the backward v3.
+# v1 loads 4 shifted x tiles per (rows, channels) tile; v2 loads each x element about once.
+#
+# Grid: (batch, tiles of `block_sizes[0]` lanes, channel tiles `block_sizes[1]`). A lane is a run of
+# `l_per_lane` consecutive rows [r0, r0 + l_per_lane); a program walks all its lanes together, one row
+# per step, as (lanes, channels) tensors. At step r it has x[r-3..r-1] in loop-carried registers,
+# takes x[r] (prefetched one step ahead: Triton does not pipeline a loop whose carried values are
+# yielded straight back), computes
+#   out[r] = act(bias + w0 x[r-3] + w1 x[r-2] + w2 x[r-1] + w3 x[r])
+# stores it and shifts the window. The walk starts with x[r0-3..r0-1] (zero before row 0; the
+# previous lane's rows, mostly cache hits). Loads per element: x (l_per_lane + 3) / l_per_lane, one
+# store. With seq_idx the window also carries the seq ids and x[r-k] counts only where
+# seq[r-k] == seq[r]; without it (``seq is None``, specialised at compile time) there is no mask math.
+@helion.kernel(static_shapes=True)
+def causal_conv1d_fwd_kernel_v2(
+    x: torch.Tensor,  # (B, L, D) view
+    w4: torch.Tensor,  # (D, 4) any float dtype (the weight itself for width 4)
+    bias: torch.Tensor | None,  # (D,) any float dtype
+    seq: torch.Tensor | None,  # (B, L) int32
+    silu: hl.constexpr,
+) -> torch.Tensor:
+    nb, nl, nd = x.size()
+    sl = hl.register_tunable("l_per_lane", PowerOfTwoFragment(16, 4096, 64))  # rows per lane (>= 3)
+    nlane = helion.cdiv(nl, sl)
+    nr = hl.register_block_size(1, 64)  # lanes per program
+    out = torch.empty([nb, nl, nd], dtype=x.dtype, device=x.device)
+    for tb, tj, td in hl.tile([nb, nlane, nd], block_size=[1, nr, None]):
+        w0 = w4[td, 0].to(torch.float32)[None, :]
+        w1 = w4[td, 1].to(torch.float32)[None, :]
+        w2 = w4[td, 2].to(torch.float32)[None, :]
+        w3 = w4[td, 3].to(torch.float32)[None, :]
+        if bias is not None:
+            bb = bias[td].to(torch.float32)[None, :]
+        r0 = tj.index * sl  # first row of each lane
+        r1 = r0 + sl  # first row past each lane
+        # halo: x[r0-3..r0-1] (zero before row 0)
+        xm3 = hl.load(x, [tb.begin, r0 - 3, td], extra_mask=(r0 >= 3)[:, None]).to(torch.float32)
+        xm2 = hl.load(x, [tb.begin, r0 - 2, td], extra_mask=(r0 >= 2)[:, None]).to(torch.float32)
+        xm1 = hl.load(x, [tb.begin, r0 - 1, td], extra_mask=(r0 >= 1)[:, None]).to(torch.float32)
+        if seq is not None:
+            sm3 = hl.load(seq, [tb.begin, r0 - 3], extra_mask=r0 >= 3)
+            sm2 = hl.load(seq, [tb.begin, r0 - 2], extra_mask=r0 >= 2)
+            sm1 = hl.load(seq, [tb.begin, r0 - 1], extra_mask=r0 >= 1)
+            sn = hl.load(seq, [tb.begin, r0], extra_mask=r0 < nl)
+        # row r0 prefetched; each step loads the next row of the lane before computing the current one
+        xn = hl.load(x, [tb.begin, r0, td], extra_mask=(r0 < nl)[:, None])
+        for s in hl.grid(sl):
+            r = r0 + s
+            x0 = xn.to(torch.float32)
+            okn = (r + 1 < nl) & (r + 1 < r1)
+            xn = hl.load(x, [tb.begin, r + 1, td], extra_mask=okn[:, None])
+            if seq is not None:
+                s0 = sn
+                sn = hl.load(seq, [tb.begin, r + 1], extra_mask=okn)
+                xe3 = xm3 * (sm3 == s0).to(torch.float32)[:, None]  # x[r-3+k] if in row r's sequence
+                xe2 = xm2 * (sm2 == s0).to(torch.float32)[:, None]
+                xe1 = xm1 * (sm1 == s0).to(torch.float32)[:, None]
+                sm3, sm2, sm1 = sm2, sm1, s0
+            else:
+                xe3, xe2, xe1 = xm3, xm2, xm1
+            a = w0 * xe3 + w1 * xe2 + w2 * xe1 + w3 * x0
+            if bias is not None:
+                a = a + bb
+            if silu:
+                a = a * torch.sigmoid(a)
+            hl.store(out, [tb.begin, r, td], a.to(out.dtype), extra_mask=(r < nl)[:, None])
+            xm3, xm2, xm1 = xm2, xm1, x0
+    return out
+
+
 CONV_FWD_DEFAULT = helion.Config(block_sizes=[64, 64], num_warps=4)  # [seqlen, channels]
+# fwd v2: [lanes per program, channels]; 4 lanes x 128 channels per step, 4 x 64 rows per program ->
+# 3072 programs at the Nano shape; the walk unrolled 2x (range_unroll_factors: [grid, walk]), as the
+# bwd v3 default. Not yet measured on an H200 (tune with scripts/tune_kernels.py conv1d_fwd_v2).
+CONV_FWD_V2_DEFAULT = helion.Config(block_sizes=[4, 128], num_warps=4, l_per_lane=64, range_unroll_factors=[0, 2])
 CONV_BWD_DEFAULT = helion.Config(block_sizes=[64, 32], num_warps=4, l_per_program=512)  # [channels, seqlen]
 CONV_BWD_V2_DEFAULT = helion.Config(block_sizes=[32, 64], num_warps=4, l_per_program=512)  # [seqlen, channels]
 # v3: [lanes per program, channels]; 4 lanes x 128 channels = 512 elements per step (4 per thread),
@@ -506,6 +582,31 @@ def _bwd_kernel(variant: str):
     return _BWD_VARIANTS[variant]
 
 
+# forward kernel variant: "v1" (causal_conv1d_fwd_kernel, 4 shifted loads per tile; the default) or
+# "v2" (causal_conv1d_fwd_kernel_v2, rolling window, each x element loaded about once)
+_FWD_VARIANTS = {
+    "v1": ("conv1d_fwd", causal_conv1d_fwd_kernel, CONV_FWD_DEFAULT),
+    "v2": ("conv1d_fwd_v2", causal_conv1d_fwd_kernel_v2, CONV_FWD_V2_DEFAULT),
+}
+_FWD_VARIANT = "v1"
+
+
+def set_fwd_variant(variant: str) -> None:
+    """Module-wide conv1d forward kernel: "v1" (default) or "v2"."""
+    global _FWD_VARIANT
+    if variant not in _FWD_VARIANTS:
+        raise ValueError(f"unknown conv1d forward variant {variant!r} (known: {sorted(_FWD_VARIANTS)})")
+    _FWD_VARIANT = variant
+
+
+def get_fwd_variant() -> str:
+    return _FWD_VARIANT
+
+
+def _fwd_kernel(variant: str):
+    return _FWD_VARIANTS[variant]
+
+
 def _conv_prep(x, weight, bias, seq_idx, activation):
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
@@ -539,7 +640,8 @@ def causal_conv1d_fwd_helion(x, weight, bias=None, seq_idx=None, activation=None
     channel-last (``out.stride(1) == 1``), like causal-conv1d's channel-last path."""
     x, w4, bias, seq, silu, dims = _conv_prep(x, weight, bias, seq_idx, activation)
     args = (x.transpose(1, 2), w4, bias, seq, silu)
-    out = tuning.tuned_call("conv1d_fwd", causal_conv1d_fwd_kernel, args, dims, CONV_FWD_DEFAULT)
+    name, kernel, default = _fwd_kernel(_FWD_VARIANT)
+    out = tuning.tuned_call(name, kernel, args, dims, default)
     return out.transpose(1, 2)
 
 
@@ -609,9 +711,17 @@ def _conv_case(kind: str, variant: str = "v1"):
         x, w4, bias, seq, silu, kd = _conv_prep(xbc, w, bias, None, "silu")
         if kind == "fwd":
             args = (x.transpose(1, 2), w4, bias, seq, silu)
-            # block_sizes = [seqlen block, channel block]
-            seeds = tuning.grid_seeds(block_sizes=[[16, 128], [32, 128], [64, 64], [64, 128], [128, 64], [32, 256], [16, 256]], num_warps=[4, 8])
-            return tuning.TuneCase(causal_conv1d_fwd_kernel, args, kd, CONV_FWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2)
+            _, kernel, default = _fwd_kernel(variant)
+            if variant == "v2":  # block_sizes = [lanes per program, channel block]; l_per_lane rows per lane
+                seeds = (tuning.grid_seeds(l_per_lane=[32, 64, 128], block_sizes=[[2, 128], [4, 128], [2, 256]],
+                                           num_warps=[4])
+                         + tuning.grid_seeds(l_per_lane=[64], block_sizes=[[8, 256], [4, 512]], num_warps=[8])
+                         # unrolled walk (range_unroll_factors: [grid, walk])
+                         + tuning.grid_seeds(l_per_lane=[64, 128], block_sizes=[[4, 128], [2, 256], [8, 64]],
+                                             num_warps=[4], range_unroll_factors=[[0, 2], [0, 4]]))
+            else:  # block_sizes = [seqlen block, channel block]
+                seeds = tuning.grid_seeds(block_sizes=[[16, 128], [32, 128], [64, 64], [64, 128], [128, 64], [32, 256], [16, 256]], num_warps=[4, 8])
+            return tuning.TuneCase(kernel, args, kd, default, seeds, atol=2e-2, rtol=2e-2)
         dout = torch.randn(b, l, d, generator=gen).to(device=device, dtype=torch.bfloat16)
         dxb = torch.empty(b, l, d, dtype=torch.bfloat16, device=device)
         args = (x.transpose(1, 2), w4, bias, dout, seq, dxb, silu)
@@ -638,5 +748,6 @@ def _conv_case(kind: str, variant: str = "v1"):
     return build
 
 
-TUNABLE_KERNELS = {"conv1d_fwd": _conv_case("fwd"), "conv1d_bwd": _conv_case("bwd"),
+TUNABLE_KERNELS = {"conv1d_fwd": _conv_case("fwd"), "conv1d_fwd_v2": _conv_case("fwd", "v2"),
+                   "conv1d_bwd": _conv_case("bwd"),
                    "conv1d_bwd_v2": _conv_case("bwd", "v2"), "conv1d_bwd_v3": _conv_case("bwd", "v3")}

@@ -3,6 +3,8 @@
     OUT=benchmarks/results/h200 python scripts/bench_norm_conv.py --rounds 5
     # conv1d only, backward kernel variants v1 (arm B) and v2, v3 each against causal-conv1d:
     OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-bwd-variants v2,v3
+    # conv1d forward kernel variants v1, v2 each against causal-conv1d (no_grad forward, checked):
+    OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-fwd-variants v1,v2
 
 Shapes: kernels.tuning.SHAPE_PRESETS (nano = tuned; nano_tp2, nano_b4_l4096 use whatever config
 lookup gives, i.e. nearest tuned shape, without retuning). The RMSNorm call is Megatron's:
@@ -138,10 +140,26 @@ def _conv_bwd_variant(variant):
         cc.set_bwd_variant(old)
 
 
-def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=()):
+@contextlib.contextmanager
+def _conv_fwd_variant(variant):
+    """Run the block with kernels.causal_conv1d's forward variant set to ``variant`` (None: unchanged)."""
+    from kernels import causal_conv1d as cc
+
+    old = cc.get_fwd_variant()
+    if variant is not None:
+        cc.set_fwd_variant(variant)
+    try:
+        yield
+    finally:
+        cc.set_fwd_variant(old)
+
+
+def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=(), fwd_variants=()):
     """causal-conv1d (A) vs Helion (B). ``bwd_variant``: the conv1d backward kernel of the B arm
     (None: the module default). ``bwd_variants``: further backward variants, each timed against the
-    same causal-conv1d arm in this process (``bwd_<v>``) and checked (``correctness_B_<v>``)."""
+    same causal-conv1d arm in this process (``bwd_<v>``) and checked (``correctness_B_<v>``).
+    ``fwd_variants``: forward kernel variants, each timed (no_grad forward) against the same
+    causal-conv1d arm (``fwd_<v>``) and its output checked (``correctness_fwd_<v>``)."""
     from causal_conv1d import causal_conv1d_fn
 
     from kernels import causal_conv1d as cc
@@ -160,6 +178,14 @@ def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=()):
     res = {"shape": {"batch": b, "seqlen": l, "channels": d, "width": dims["w"], "x_layout": f"channel-last view of (b, l, {width_total})", "activation": "silu", "dtype": "bf16"}}
     with torch.no_grad():
         res["fwd"] = _bench_pair(lambda: fa(xv, w, bias), lambda: fb(xv, w, bias), rounds, rep_ms)
+        if fwd_variants:
+            y32f = causal_conv1d_ref(xv.float(), w.float(), bias.float(), None, "silu")
+        for v in fwd_variants:  # each forward variant against the same causal-conv1d arm
+            with _conv_fwd_variant(v):
+                yv = fb(xv, w, bias)  # compiles before timing
+                torch.cuda.synchronize()
+                res[f"fwd_{v}"] = _bench_pair(lambda: fa(xv, w, bias), lambda: fb(xv, w, bias), rounds, rep_ms)
+            res[f"correctness_fwd_{v}"] = _errs([yv], [y32f], ["out"])
     # conv1d backward variant per arm: the autograd Function picks its kernel when backward runs
     variants = {"A": None, "B": bwd_variant}
     variants.update({f"B_{v}": v for v in bwd_variants})
@@ -192,13 +218,14 @@ def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=()):
     return res
 
 
-def _variant_list(text):
+def _variant_list(text, kind="backward"):
     from kernels import causal_conv1d as cc
 
+    known = cc._BWD_VARIANTS if kind == "backward" else cc._FWD_VARIANTS
     out = [v.strip() for v in (text or "").split(",") if v.strip()]
     for v in out:
-        if v not in cc._BWD_VARIANTS:
-            raise SystemExit(f"unknown conv1d backward variant {v!r} (known: {sorted(cc._BWD_VARIANTS)})")
+        if v not in known:
+            raise SystemExit(f"unknown conv1d {kind} variant {v!r} (known: {sorted(known)})")
     return out
 
 
@@ -214,12 +241,16 @@ def main(argv=None) -> int:
                     help="comma list of further conv1d backward variants, each timed against causal-conv1d in the "
                          "same process and checked against the reference (e.g. v1,v2,v3)")
     ap.add_argument("--conv-bwd-v2", action="store_true", help="alias: add v2 to --conv-bwd-variants")
+    ap.add_argument("--conv-fwd-variants", default="",
+                    help="comma list of conv1d forward variants (v1, v2), each timed against causal-conv1d in the "
+                         "same process and its output checked against the reference (e.g. v1,v2)")
     args = ap.parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if set(ops) - {"rmsnorm", "conv1d"}:
         ap.error(f"--ops: unknown {sorted(set(ops) - {'rmsnorm', 'conv1d'})}")
     conv_variant = _variant_list(args.conv_bwd_variant)[0] if args.conv_bwd_variant else None
     conv_variants = _variant_list(args.conv_bwd_variants)
+    conv_fwd_variants = _variant_list(args.conv_fwd_variants, "forward")
     if args.conv_bwd_v2 and "v2" not in conv_variants:
         conv_variants.append("v2")
     if not torch.cuda.is_available():
@@ -253,7 +284,8 @@ def main(argv=None) -> int:
             if op not in ops:
                 continue
             try:
-                entry[op] = (fn(dims, args.rounds, args.rep_ms, bwd_variant=conv_variant, bwd_variants=conv_variants)
+                entry[op] = (fn(dims, args.rounds, args.rep_ms, bwd_variant=conv_variant, bwd_variants=conv_variants,
+                                fwd_variants=conv_fwd_variants)
                              if op == "conv1d" else fn(dims, args.rounds, args.rep_ms))
                 r = entry[op]
                 tag = f"[{r['bwd_variant_B']}]" if op == "conv1d" else ""
@@ -262,6 +294,11 @@ def main(argv=None) -> int:
                       f"bwd{tag} {r['bwd']['A']['median_ms']*1e3:8.1f} -> {r['bwd']['B']['median_ms']*1e3:8.1f} us "
                       f"(x{r['bwd']['speedup_B_over_A']:.2f}, ctl {r['bwd']['control_ratio_A_over_A']:.2f})  "
                       f"helion within tol: {all(v['within_tol'] for v in r['correctness_B'].values())}", flush=True)
+                for v in (conv_fwd_variants if op == "conv1d" else []):
+                    rv, ok = r[f"fwd_{v}"], r[f"correctness_fwd_{v}"]["out"]
+                    print(f"{shape:14s} {op:8s} fwd[{v}] {rv['A']['median_ms']*1e3:8.1f} -> {rv['B']['median_ms']*1e3:8.1f} us "
+                          f"(x{rv['speedup_B_over_A']:.2f}, ctl {rv['control_ratio_A_over_A']:.2f})  "
+                          f"within tol: {ok['within_tol']}  max err out {ok['max_abs_err']:.2e}", flush=True)
                 for v in (conv_variants if op == "conv1d" else []):
                     rv, ok = r[f"bwd_{v}"], r[f"correctness_B_{v}"]
                     print(f"{shape:14s} {op:8s} bwd[{v}] {rv['A']['median_ms']*1e3:8.1f} -> {rv['B']['median_ms']*1e3:8.1f} us "

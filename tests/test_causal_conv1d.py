@@ -86,8 +86,46 @@ def test_fwd_bwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb, 
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=f"{name} differs")
 
 
+@pytest.fixture(params=["v1", "v2"])
+def fwd_variant(request):
+    """Run a test with each conv1d forward kernel variant (module default restored afterwards)."""
+    from kernels import causal_conv1d as cc
+
+    old = cc.get_fwd_variant()
+    cc.set_fwd_variant(request.param)
+    yield request.param
+    cc.set_fwd_variant(old)
+
+
+FWD_CASES = CASES + [
+    # (batch, dim, seqlen, width, seq_idx, activation, channel_last, bias)
+    (1, 5, 67, 4, True, "silu", True, True),  # 67 rows: the default 64-row lanes plus a partial one
+    (2, 3, 130, 3, False, None, True, False),
+    (1, 4, 66, 2, True, "silu", False, False),
+]
+
+
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-def test_seq_idx_blocks_cross_sequence_flow(bwd_variant):
+@pytest.mark.parametrize("b,d,l,w,useseq,act,cl,hasb", FWD_CASES)
+def test_fwd_variants_match_reference_interpret(b, d, l, w, useseq, act, cl, hasb, fwd_variant):
+    x, wt, bias, seq = _make(b, d, l, w, useseq, cl, hasb, torch.float64)
+    got = causal_conv1d_fwd_helion(x, wt, bias, seq, act)
+    ref = causal_conv1d_ref(x, wt, bias, seq, act)
+    assert got.shape == (b, d, l) and got.stride(1) == 1  # channel-last output
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fwd_variant_switch():
+    from kernels import causal_conv1d as cc
+
+    assert cc.get_fwd_variant() == "v1"  # module default
+    with pytest.raises(ValueError, match="unknown conv1d forward variant"):
+        cc.set_fwd_variant("v9")
+    assert cc.get_fwd_variant() == "v1"
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+def test_seq_idx_blocks_cross_sequence_flow(bwd_variant, fwd_variant):
     """Changing x in sequence 0 must not change outputs (or dx) in sequence 1."""
     x, wt, bias, _ = _make(1, 3, 10, 4, False, True, True, torch.float64)
     seq = torch.tensor([[0] * 5 + [1] * 5], dtype=torch.int32)
@@ -213,6 +251,9 @@ def test_triton_codegen(useseq, hasb, monkeypatch):
     bwd2 = helion.kernel(cc.causal_conv1d_bwd_kernel_v2.fn, static_shapes=True)
     code2 = bwd2.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_V2_DEFAULT)
     assert "@triton.jit" in code2 and code2.count("def _helion_") == 1
+    fwd2 = helion.kernel(cc.causal_conv1d_fwd_kernel_v2.fn, static_shapes=True)
+    codef2 = fwd2.bind((x, w, bias, seq, True)).to_triton_code(cc.CONV_FWD_V2_DEFAULT)
+    assert "@triton.jit" in codef2 and codef2.count("def _helion_") == 1
     bwd3 = helion.kernel(cc.causal_conv1d_bwd_kernel_v3.fn, static_shapes=True)
     code3 = bwd3.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_V3_DEFAULT)
     assert "@triton.jit" in code3 and code3.count("def _helion_") == 1
@@ -283,7 +324,31 @@ def test_v3_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
             torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=f"{name} differs")
 
 
-def _v3_triton_interpreter_main(seqkind, act, hasb):
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+@pytest.mark.parametrize("b,d,l,w,seqkind,act,hasb", V3_LANE_CASES)
+def test_fwd_v2_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
+    """fwd v2 with 16-row lanes (each lane's 3 halo rows are the previous lane's) matches the
+    reference, also for unsorted seq_idx; every output element is written."""
+    import helion
+
+    from kernels import causal_conv1d as cc
+    from kernels import tuning
+
+    x, wt, bias, seq, _ = _lane_case(b, d, l, w, seqkind, act, hasb, torch.float64)
+    xx, w4, bb, sq, silu, _ = cc._conv_prep(x, wt, bias, seq, act)
+    cfg = helion.Config(block_sizes=[2, 4], num_warps=4, l_per_lane=16)
+    got = tuning.run_interpret(cc.causal_conv1d_fwd_kernel_v2, (xx.transpose(1, 2), w4, bb, sq, silu), cfg)
+    torch.testing.assert_close(got.transpose(1, 2), causal_conv1d_ref(x, wt, bias, seq, act), atol=1e-5, rtol=1e-5)
+
+
+def _fwd_v2_out(run, x, wt, bias, seq, act):
+    from kernels import causal_conv1d as cc
+
+    xx, w4, bb, sq, silu, _ = cc._conv_prep(x, wt, bias, seq, act)
+    return run(cc.causal_conv1d_fwd_kernel_v2, (xx.transpose(1, 2), w4, bb, sq, silu)).transpose(1, 2)
+
+
+def _v3_triton_interpreter_main(seqkind, act, hasb, kind="bwd_v3"):
     """Run in a fresh process with TRITON_INTERPRET=1 (Triton fixes interpret mode for its own
     @jit helpers such as tl.sum at import): the Triton code Helion generates for v3, executed by
     Triton's CPU interpreter, against the reference. This checks the compiled path (loop-carried
@@ -321,6 +386,11 @@ def _v3_triton_interpreter_main(seqkind, act, hasb):
             fns["f"] = getattr(mod, kernel.fn.__name__)
         return fns["f"](*args)
 
+    if kind == "fwd_v2":
+        out = _fwd_v2_out(run, x, wt, bias, seq, act)
+        torch.testing.assert_close(out, causal_conv1d_ref(x, wt, bias, seq, act), atol=1e-4, rtol=1e-4)
+        print("fwd v2 generated Triton code matches the reference")
+        return
     got = _v3_grads(run, x, wt, bias, seq, act, dy)
     ref = _ref_grads(x, wt, bias, seq, act, dy)
     for name, a, r in zip(["dx", "dweight", "dbias"], got, ref):
@@ -330,13 +400,14 @@ def _v3_triton_interpreter_main(seqkind, act, hasb):
 
 
 @pytest.mark.skipif(not CPU, reason="Triton interpreter test (CPU)")
+@pytest.mark.parametrize("kind", ["bwd_v3", "fwd_v2"])
 @pytest.mark.parametrize("seqkind,act,hasb", [(None, "silu", True), ("random", "silu", False)])
-def test_v3_generated_triton_code_interpreted(seqkind, act, hasb):
+def test_v3_generated_triton_code_interpreted(seqkind, act, hasb, kind):
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
     env["TRITON_INTERPRET"] = "1"
     cmd = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]; "
-           f"from test_causal_conv1d import _v3_triton_interpreter_main as m; m({seqkind!r}, {act!r}, {hasb!r})")
+           f"from test_causal_conv1d import _v3_triton_interpreter_main as m; m({seqkind!r}, {act!r}, {hasb!r}, {kind!r})")
     res = subprocess.run([sys.executable, "-c", cmd], check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

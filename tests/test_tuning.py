@@ -178,6 +178,7 @@ NANO_COMMITTED = {
     "ssd_state_passing": dict(b=2, h=64, d=8192, nc=64),
 }
 NANO_UNTUNED = {
+    "conv1d_fwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "conv1d_bwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "conv1d_bwd_v3": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
 }
