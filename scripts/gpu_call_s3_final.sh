@@ -40,7 +40,8 @@ track1() {
     run_stage norm_conv 120 python3 scripts/bench_norm_conv.py --rounds 5 --conv-bwd-variants v1,v3 \
         --conv-fwd-variants "$CONV_FWD_VARIANTS"
     run_stage ssd_fwd 90 python3 scripts/bench_ssd_fwd.py --rounds 4 --iters 8
-    run_stage gpu_tests 80 python3 -m pytest -q -m gpu -rf --tb=short tests/test_causal_conv1d.py tests/test_rmsnorm_gated.py
+    run_stage gpu_tests 110 python3 -m pytest -q -m gpu -rf --tb=short tests/test_causal_conv1d.py tests/test_rmsnorm_gated.py \
+        tests/test_ssd_helion.py tests/test_ssd_helion_bwd.py tests/test_mamba_split_helion.py
     run_stage loss_match 110 python3 scripts/backend_loss_match.py --backends torch,helion,mamba_ssm,torch --steps 50 --quiet
 }
 
