@@ -95,6 +95,11 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
             share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
             position_embedding_type=m.get("position_embedding_type", "none"),
         )
+    # megatron's SequentialMLP expert linears: reduce their grads over the expert-DP group whenever the
+    # expert grid is not the dense one (e.g. TP2 with ETP1; see experts.experts_allreduce_with_dense)
+    from nano_hybrid.model.experts import mark_expert_params
+
+    mark_expert_params(model)
     if device.type == "cuda":
         # Some megatron-core local modules (e.g. the torch-norm wrappers) allocate without a device
         # argument; like Megatron-LM's get_model(), move the whole module to the current GPU.

@@ -36,6 +36,38 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 
+def experts_allreduce_with_dense(config) -> bool:
+    """The ``allreduce`` attribute expert weights need: True (reduce with the dense params) only when
+    the expert grid is the dense one, i.e. EP == 1 and ETP == TP (CP is 1 here).
+
+    Megatron's expert linears use ``allreduce = not (is_expert and EP > 1)`` (layers.py:886, :1209),
+    which is wrong for TP > 1 with ETP = 1 and EP = 1 (``parallel=tp2``): the TP ranks then hold whole,
+    identical experts but, under sequence parallelism, route *different* tokens (their sequence
+    shards) through them, so expert grads must be summed over the TP ranks (= the expert-data-parallel
+    group). With allreduce=True DDP reduces them over the dense DP group only (size 1 for tp2): each TP
+    rank applied the gradient of its half of the tokens, the replicas drifted apart, and the grad
+    norm counted the experts once per TP rank (they carry tensor_model_parallel=True). allreduce=False
+    sends them to the expert-DP group (sum over TP ranks) and megatron's expert optimizer, whose grad
+    norm is reduced over ETP x EP x PP (counted once).
+    """
+    return config.expert_model_parallel_size == 1 and (
+        (config.expert_tensor_parallel_size or config.tensor_model_parallel_size) == config.tensor_model_parallel_size)
+
+
+def mark_expert_params(model: torch.nn.Module) -> int:
+    """Apply ``experts_allreduce_with_dense`` to megatron's own expert linears (``SequentialMLP``'s
+    ``is_expert`` Column/RowParallelLinear, ``moe_experts_impl=sequential``); returns how many params
+    were marked. ``GroupedGemmExperts`` sets it itself."""
+    n = 0
+    for mod in model.modules():
+        if getattr(mod, "is_expert", False) and hasattr(mod, "config"):
+            dense = experts_allreduce_with_dense(mod.config)
+            for p in mod.parameters(recurse=False):
+                setattr(p, "allreduce", dense)
+                n += 1
+    return n
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 
@@ -135,12 +167,12 @@ class GroupedGemmExperts(MegatronModule):
                     for e in range(num_local_experts):
                         config.init_method(self.weight1.data[e])
                         config.output_layer_init_method(self.weight2.data[e])
-        # the same attributes megatron's expert Column/RowParallelLinear weights carry (layers.py:886,
-        # :1209): allreduce=False makes DDP reduce expert grads over the expert-data-parallel group;
-        # the TP attributes mark the ffn axis as split over the expert-tensor-parallel group.
-        expert_parallel = config.expert_model_parallel_size > 1
+        # allreduce=False makes DDP reduce expert grads over the expert-data-parallel group (and puts
+        # them in megatron's expert optimizer); see experts_allreduce_with_dense() for when that is
+        # needed. The TP attributes mark the ffn axis as split over the expert-tensor-parallel group.
+        dense = experts_allreduce_with_dense(config)
         for w, dim in ((self.weight1, 1), (self.weight2, 2)):
-            setattr(w, "allreduce", not expert_parallel)
+            setattr(w, "allreduce", dense)
             set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=1)
 
     @torch.no_grad()
