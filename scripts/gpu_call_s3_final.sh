@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 # shellcheck source=gpu_stages.sh
 source scripts/gpu_stages.sh
-TOTAL_S="${TOTAL_S:-530}"
+TOTAL_S="${TOTAL_S:-525}"
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
 stage_table setup_stages.tsv
 gpu_stage_setup || exit 1
@@ -20,19 +20,24 @@ export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/logs/nvidia_smi.csv" 2>&1
 CONV_FWD_VARIANTS="${CONV_FWD_VARIANTS:-v1,v2}"
 
+# the tracks stop starting stages PHASE2_S before the end: phase 2 (both GPUs) needs that much
+PHASE2_S="${PHASE2_S:-110}"
+
 track0() {
     export CUDA_VISIBLE_DEVICES=0
+    TOTAL_S=$(( TOTAL_S - PHASE2_S ))
     stage_table track0_stages.tsv
     run_stage ab_step 230 python3 scripts/ab_step_time.py --backends mamba_ssm,helion,mamba_ssm --warmup 3 --blocks 4 \
         --block-steps 4 --discard 1 --profile-steps 2 --isolated-op
     run_stage layers 130 python3 scripts/bench_layers.py --backends mamba_ssm,helion --rounds 3 --iters 4
     run_stage ab_tp2 80 python3 scripts/bench_kernels.py --backend mamba_ssm --compare helion --shape tp2 --rounds 3 --iters 8
-    run_stage ssd_variants 90 python3 scripts/bench_ssd_variants.py --shape nano --rounds 4 --iters 8
     run_stage ab_l4096b4 70 python3 scripts/bench_kernels.py --backend mamba_ssm --compare helion --shape l4096b4 --rounds 3 --iters 8
+    run_stage ssd_variants 90 python3 scripts/bench_ssd_variants.py --shape nano --rounds 4 --iters 8
 }
 
 track1() {
     export CUDA_VISIBLE_DEVICES=1
+    TOTAL_S=$(( TOTAL_S - PHASE2_S ))
     stage_table track1_stages.tsv
     run_stage tune_conv_fwd 110 python3 scripts/tune_kernels.py --kernels conv1d_fwd_v2 --shapes nano --budget-s 45
     mkdir -p "$OUT/configs" && cp -r kernels/configs/sm* "$OUT/configs/"
@@ -50,6 +55,11 @@ P0=$!
 track1 > "$OUT/logs/track1.out" 2>&1 &
 P1=$!
 wait $P0 $P1
+# phase 2, both GPUs: TP2 again after the expert-gradient fix (4df0b56: experts' grads were not reduced
+# across TP ranks), checked against the single-GPU run of call 2 (committed; the fix does not touch it)
+mkdir -p "$OUT/parallel_single" && cp benchmarks/results/h200/parallel_2gpu/single/metrics.jsonl "$OUT/parallel_single/"
+stage_table phase2_stages.tsv
+run_stage parallel_tp2 105 env RUNS=tp2 SKIP_SETUP=1 bash scripts/gpu_2gpu.sh
 mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
 tail -n 20 "$OUT/logs/track0.out"; echo; tail -n 20 "$OUT/logs/track1.out"
-cat "$OUT"/track*_stages.tsv
+cat "$OUT"/track*_stages.tsv "$OUT/phase2_stages.tsv"
