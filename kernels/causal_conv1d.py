@@ -582,13 +582,14 @@ def _bwd_kernel(variant: str):
     return _BWD_VARIANTS[variant]
 
 
-# forward kernel variant: "v1" (causal_conv1d_fwd_kernel, 4 shifted loads per tile; the default) or
-# "v2" (causal_conv1d_fwd_kernel_v2, rolling window, each x element loaded about once)
+# forward kernel variant: "v2" (causal_conv1d_fwd_kernel_v2, rolling window, one load per x; the
+# default: 133 us vs causal-conv1d's 135 us and v1's 143 us at the Nano shape on an H200,
+# benchmarks/results/h200/bench_norm_conv.json) or "v1" (causal_conv1d_fwd_kernel, 4 shifted loads per tile)
 _FWD_VARIANTS = {
     "v1": ("conv1d_fwd", causal_conv1d_fwd_kernel, CONV_FWD_DEFAULT),
     "v2": ("conv1d_fwd_v2", causal_conv1d_fwd_kernel_v2, CONV_FWD_V2_DEFAULT),
 }
-_FWD_VARIANT = "v1"
+_FWD_VARIANT = "v2"
 
 
 def set_fwd_variant(variant: str) -> None:

@@ -336,12 +336,49 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
     fn = _COMPILED.get(key)
     if fn is None:
         bound = kernel.bind(tuple(args))
+        cfg = fit_access_lists(bound, cfg)
         fn = bound.compile_config(cfg, allow_print=False)
         _COMPILED[key] = fn
         dump = os.environ.get("NANO_HELION_DUMP_DIR")
         if dump:
             _dump_code(Path(dump), kernel, bound, cfg, args)
     return fn
+
+
+_ACCESS_LISTS = ("indexing", "load_eviction_policies", "atomic_indexing")
+
+
+def fit_access_lists(bound, cfg: helion.Config) -> helion.Config:
+    """``cfg`` with its per-memory-access lists fitted to this specialisation of the kernel.
+
+    A committed config is keyed by shape only, but its ``indexing`` / ``load_eviction_policies`` /
+    ``atomic_indexing`` lists have one entry per load/store of the specialisation it was tuned on.
+    Another specialisation of the same shape (e.g. with ``seq_idx`` or initial states, which add loads)
+    needs lists of another length, and Helion refuses a list that is too short. A list whose length
+    does not match is replaced: ``indexing`` by its single strategy when all entries agree (Helion
+    applies a string to every access), else by the kernel's defaults for this specialisation, as are
+    the other two lists. Matching lists are kept."""
+    d = dict(cfg.config)
+    if not any(isinstance(d.get(k), list) for k in _ACCESS_LISTS):
+        return cfg
+    want = bound.config_spec.default_config().config
+    changed = []
+    for k in _ACCESS_LISTS:
+        v = d.get(k)
+        if not isinstance(v, list) or not isinstance(want.get(k), list) or len(v) == len(want[k]):
+            continue
+        if k == "indexing" and v and all(x == v[0] for x in v):
+            d[k] = v[0]
+        else:
+            d[k] = list(want[k])
+        changed.append(k)
+    if not changed:
+        return cfg
+    name = getattr(getattr(bound, "kernel", None), "name", None) or "kernel"
+    _warn_once(name, "access-lists:" + ",".join(changed),
+               f"nano_hybrid kernels: the config's {', '.join(changed)} list(s) do not fit this specialisation of "
+               f"{name} (another argument set than the tuned one, e.g. with seq_idx); using the kernel's defaults there")
+    return helion.Config(**d)
 
 
 def with_flat_pid(cfg: helion.Config) -> helion.Config:

@@ -118,10 +118,10 @@ def test_fwd_variants_match_reference_interpret(b, d, l, w, useseq, act, cl, has
 def test_fwd_variant_switch():
     from kernels import causal_conv1d as cc
 
-    assert cc.get_fwd_variant() == "v1"  # module default
+    assert cc.get_fwd_variant() == "v2"  # module default (measured faster than v1 on the H200)
     with pytest.raises(ValueError, match="unknown conv1d forward variant"):
         cc.set_fwd_variant("v9")
-    assert cc.get_fwd_variant() == "v1"
+    assert cc.get_fwd_variant() == "v2"
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")

@@ -172,13 +172,13 @@ NANO_COMMITTED = {
     "conv1d_fwd": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "conv1d_bwd": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "rmsnorm_fwd_v2": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
+    "conv1d_fwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "ssd_bwd_state_passing": dict(_NANO_SSD, blk=512),
     "ssd_bwd_dt": _NANO_SSD,
     "ssd_chunk_state": _NANO_SSD,
     "ssd_state_passing": dict(b=2, h=64, d=8192, nc=64),
 }
 NANO_UNTUNED = {
-    "conv1d_fwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "conv1d_bwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "conv1d_bwd_v3": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
 }
@@ -336,3 +336,40 @@ def test_generic_configs_are_compiled_as_flat_grids():
     assert got.config["pid_type"] == "flat" and got.config["block_sizes"] == [64] and got.config["num_warps"] == 4
     keep = helion.Config(block_sizes=[64], pid_type="persistent_interleaved")
     assert tuning.with_flat_pid(keep).config["pid_type"] == "persistent_interleaved"
+
+
+_FIT_SCRIPT = r"""
+import json, torch, helion
+from kernels import ssd_helion as S, tuning
+entry = json.load(open("kernels/configs/sm90/ssd_chunk_state.json"))["entries"]["b2_l8192_h64_p64_g8_n128_c128"]
+cfg = dict(entry["config"]); cfg.pop("host_tensor_descriptors", None)  # a GPU-only key
+args, _ = S._kernel_args("ssd_chunk_state", dict(b=1, l=256, h=4, p=16, g=2, n=16, c=64), "cpu")
+a = list(args); a[-1] = torch.zeros(1, 256, dtype=torch.int32)  # with seq_idx: more loads than tuned for
+bound = S.get_kernel("ssd_chunk_state").bind(tuple(a))
+try:
+    bound.to_triton_code(helion.Config(**cfg)); raise SystemExit("the committed config unexpectedly fits")
+except SystemExit:
+    raise
+except Exception as e:
+    assert "exceeds indexing config length" in str(e), e
+fitted = tuning.fit_access_lists(bound, helion.Config(**cfg))
+assert "@triton.jit" in bound.to_triton_code(fitted)
+plain = S.get_kernel("ssd_chunk_state").bind(tuple(args))  # the tuned specialisation keeps its lists
+assert tuning.fit_access_lists(plain, helion.Config(**cfg)).config["indexing"] == cfg["indexing"]
+print("OK")
+"""
+
+
+def test_committed_config_fits_other_specialisations_of_its_shape():
+    """The committed ssd_chunk_state config (tuned without seq_idx) compiles with seq_idx once its
+    per-access lists are fitted (Helion code generation, no GPU; outside interpret mode: subprocess)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _FIT_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-3000:]
