@@ -215,118 +215,8 @@ def causal_conv1d_bwd_kernel(
     return dw_part, db_part
 
 
-# v2 (opt-in, set_bwd_variant("v2")): the same math with (rows, channels) dweight/dbias accumulators
-# reduced once per program; v1 reduces over rows five times per inner tile.
-@helion.kernel(static_shapes=True)
-def causal_conv1d_bwd_kernel_v2(
-    x: torch.Tensor,  # (B, L, D) view
-    w4: torch.Tensor,  # (D, 4) any float dtype (the weight itself for width 4)
-    bias: torch.Tensor | None,  # (D,) any float dtype
-    dout: torch.Tensor,  # (B, L, D) view
-    seq: torch.Tensor | None,  # (B, L) int32
-    dx: torch.Tensor,  # (B, L, D) view, written
-    silu: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    nb, nl, nd = x.size()
-    lp = hl.register_tunable("l_per_program", PowerOfTwoFragment(16, 16384, 512))
-    bt = hl.register_block_size(8, 128)  # rows per inner tile; the dweight/dbias accumulators are (bt, channels)
-    nlp = helion.cdiv(nl, lp)
-    dw_part = torch.empty([nb, nlp, 4, nd], dtype=torch.float32, device=x.device)
-    db_part = torch.empty([nb, nlp, nd], dtype=torch.float32, device=x.device)
-    for tb, tp, td in hl.tile([nb, nl, nd], block_size=[1, lp, None]):
-        w0 = w4[td, 0].to(torch.float32)[None, :]
-        w1 = w4[td, 1].to(torch.float32)[None, :]
-        w2 = w4[td, 2].to(torch.float32)[None, :]
-        w3 = w4[td, 3].to(torch.float32)[None, :]
-        if bias is not None:
-            bb = bias[td].to(torch.float32)[None, :]
-        else:
-            bb = hl.zeros([td], dtype=torch.float32)[None, :]
-        dw0 = hl.zeros([bt, td], dtype=torch.float32)
-        dw1 = hl.zeros([bt, td], dtype=torch.float32)
-        dw2 = hl.zeros([bt, td], dtype=torch.float32)
-        dw3 = hl.zeros([bt, td], dtype=torch.float32)
-        db = hl.zeros([bt, td], dtype=torch.float32)
-        for tt in hl.tile(tp.begin, tp.end, block_size=bt):
-            t = tt.index
-            # seq ids and x at offsets -3..+3 around t (zero outside [0, L))
-            okm3, okm2, okm1 = t >= 3, t >= 2, t >= 1
-            okp1, okp2, okp3 = t + 1 < nl, t + 2 < nl, t + 3 < nl
-            if seq is not None:
-                sm3 = hl.load(seq, [tb.begin, t - 3], extra_mask=okm3)
-                sm2 = hl.load(seq, [tb.begin, t - 2], extra_mask=okm2)
-                sm1 = hl.load(seq, [tb.begin, t - 1], extra_mask=okm1)
-                s00 = seq[tb.begin, tt]
-                sp1 = hl.load(seq, [tb.begin, t + 1], extra_mask=okp1)
-                sp2 = hl.load(seq, [tb.begin, t + 2], extra_mask=okp2)
-                sp3 = hl.load(seq, [tb.begin, t + 3], extra_mask=okp3)
-            else:  # one sequence: every same-sequence mask below is 1 (no seq loads)
-                sm3 = hl.zeros([tt], dtype=torch.int32)
-                sm2 = hl.zeros([tt], dtype=torch.int32)
-                sm1 = hl.zeros([tt], dtype=torch.int32)
-                s00 = hl.zeros([tt], dtype=torch.int32)
-                sp1 = hl.zeros([tt], dtype=torch.int32)
-                sp2 = hl.zeros([tt], dtype=torch.int32)
-                sp3 = hl.zeros([tt], dtype=torch.int32)
-            xm3 = hl.load(x, [tb.begin, t - 3, td], extra_mask=okm3[:, None]).to(torch.float32)
-            xm2 = hl.load(x, [tb.begin, t - 2, td], extra_mask=okm2[:, None]).to(torch.float32)
-            xm1 = hl.load(x, [tb.begin, t - 1, td], extra_mask=okm1[:, None]).to(torch.float32)
-            x00 = x[tb.begin, tt, td].to(torch.float32)
-            xp1 = hl.load(x, [tb.begin, t + 1, td], extra_mask=okp1[:, None]).to(torch.float32)
-            xp2 = hl.load(x, [tb.begin, t + 2, td], extra_mask=okp2[:, None]).to(torch.float32)
-            xp3 = hl.load(x, [tb.begin, t + 3, td], extra_mask=okp3[:, None]).to(torch.float32)
-            g0 = hl.load(dout, [tb.begin, t, td], extra_mask=(t < nl)[:, None]).to(torch.float32)
-            g1 = hl.load(dout, [tb.begin, t + 1, td], extra_mask=okp1[:, None]).to(torch.float32)
-            g2 = hl.load(dout, [tb.begin, t + 2, td], extra_mask=okp2[:, None]).to(torch.float32)
-            g3 = hl.load(dout, [tb.begin, t + 3, td], extra_mask=okp3[:, None]).to(torch.float32)
-            # same-sequence masks e(a, b) as floats, columns broadcast over channels
-            e_m3_0 = (sm3 == s00).to(torch.float32)[:, None]
-            e_m2_0 = (sm2 == s00).to(torch.float32)[:, None]
-            e_m1_0 = (sm1 == s00).to(torch.float32)[:, None]
-            e_p1_0 = (sp1 == s00).to(torch.float32)[:, None]
-            e_p2_0 = (sp2 == s00).to(torch.float32)[:, None]
-            e_p3_0 = (sp3 == s00).to(torch.float32)[:, None]
-            if silu:
-                e_m2_1 = (sm2 == sp1).to(torch.float32)[:, None]
-                e_m1_1 = (sm1 == sp1).to(torch.float32)[:, None]
-                e_0_1 = e_p1_0
-                e_m1_2 = (sm1 == sp2).to(torch.float32)[:, None]
-                e_0_2 = e_p2_0
-                e_1_2 = (sp1 == sp2).to(torch.float32)[:, None]
-                e_0_3 = e_p3_0
-                e_1_3 = (sp1 == sp3).to(torch.float32)[:, None]
-                e_2_3 = (sp2 == sp3).to(torch.float32)[:, None]
-                a0 = bb + w0 * xm3 * e_m3_0 + w1 * xm2 * e_m2_0 + w2 * xm1 * e_m1_0 + w3 * x00
-                a1 = bb + w0 * xm2 * e_m2_1 + w1 * xm1 * e_m1_1 + w2 * x00 * e_0_1 + w3 * xp1
-                a2 = bb + w0 * xm1 * e_m1_2 + w1 * x00 * e_0_2 + w2 * xp1 * e_1_2 + w3 * xp2
-                a3 = bb + w0 * x00 * e_0_3 + w1 * xp1 * e_1_3 + w2 * xp2 * e_2_3 + w3 * xp3
-                sg0 = torch.sigmoid(a0)
-                sg1 = torch.sigmoid(a1)
-                sg2 = torch.sigmoid(a2)
-                sg3 = torch.sigmoid(a3)
-                g0 = g0 * sg0 * (1.0 + a0 * (1.0 - sg0))
-                g1 = g1 * sg1 * (1.0 + a1 * (1.0 - sg1))
-                g2 = g2 * sg2 * (1.0 + a2 * (1.0 - sg2))
-                g3 = g3 * sg3 * (1.0 + a3 * (1.0 - sg3))
-            dxt = w3 * g0 + w2 * g1 * e_p1_0 + w1 * g2 * e_p2_0 + w0 * g3 * e_p3_0
-            hl.store(dx, [tb.begin, t, td], dxt.to(dx.dtype), extra_mask=(t < nl)[:, None])
-            # elementwise accumulation; rows past the end carry g0 = 0 (masked load)
-            dw0 = dw0 + g0 * xm3 * e_m3_0
-            dw1 = dw1 + g0 * xm2 * e_m2_0
-            dw2 = dw2 + g0 * xm1 * e_m1_0
-            dw3 = dw3 + g0 * x00
-            db = db + g0
-        # one cross-row reduction per program instead of five per inner tile
-        dw_part[tb.begin, tp.id, 0, td] = torch.sum(dw0, dim=0)
-        dw_part[tb.begin, tp.id, 1, td] = torch.sum(dw1, dim=0)
-        dw_part[tb.begin, tp.id, 2, td] = torch.sum(dw2, dim=0)
-        dw_part[tb.begin, tp.id, 3, td] = torch.sum(dw3, dim=0)
-        db_part[tb.begin, tp.id, td] = torch.sum(db, dim=0)
-    return dw_part, db_part
-
-
-# v3 (opt-in, set_bwd_variant("v3")): a rolling-window walk that reads each x / dout element about
-# once. v1/v2 load 7 shifted x and 4 shifted dout tiles per row tile and recompute the
+# v3 (the default backward): a rolling-window walk that reads each x / dout element about
+# once. v1 loads 7 shifted x and 4 shifted dout tiles per row tile and recomputes the
 # pre-activation (and its sigmoid) at 4 positions per row; v3 computes it once per row.
 #
 # Grid: (batch, tiles of `block_sizes[0]` lanes, channel tiles `block_sizes[1]`). A lane is a run of
@@ -547,7 +437,6 @@ CONV_FWD_DEFAULT = helion.Config(block_sizes=[64, 64], num_warps=4)  # [seqlen, 
 # bwd v3 default. Not yet measured on an H200 (tune with scripts/tune_kernels.py conv1d_fwd_v2).
 CONV_FWD_V2_DEFAULT = helion.Config(block_sizes=[4, 128], num_warps=4, l_per_lane=64, range_unroll_factors=[0, 2])
 CONV_BWD_DEFAULT = helion.Config(block_sizes=[64, 32], num_warps=4, l_per_program=512)  # [channels, seqlen]
-CONV_BWD_V2_DEFAULT = helion.Config(block_sizes=[32, 64], num_warps=4, l_per_program=512)  # [seqlen, channels]
 # v3: [lanes per program, channels]; 4 lanes x 128 channels = 512 elements per step (4 per thread),
 # 4 x 64 rows per program -> 2 x 32 x 48 = 3072 programs at the Nano shape (b 2, l 8192, d 6144);
 # the main walk unrolled 2x (range_unroll_factors: [grid, main walk, 3-row tail]). H200, Nano shape,
@@ -556,18 +445,18 @@ CONV_BWD_V2_DEFAULT = helion.Config(block_sizes=[32, 64], num_warps=4, l_per_pro
 CONV_BWD_V3_DEFAULT = helion.Config(block_sizes=[4, 128], num_warps=4, l_per_lane=64, range_unroll_factors=[0, 2, 0])
 
 # backward kernel variant: "v3" (causal_conv1d_bwd_kernel_v3, rolling window; the default: 0.25 ms
-# against v1's 1.11 ms and causal-conv1d's 0.30 ms at the Nano shape on an H200), "v1" (the first
-# kernel, 11 shifted loads per row tile) or "v2" (v1 with per-program reductions; not faster)
+# against v1's 1.11 ms and causal-conv1d's 0.30 ms at the Nano shape on an H200) or "v1" (the first
+# kernel, 11 shifted loads per row tile). A v2 (v1 with one reduction per program) was dropped untimed
+# once v3 replaced both.
 _BWD_VARIANTS = {
     "v1": ("conv1d_bwd", causal_conv1d_bwd_kernel, CONV_BWD_DEFAULT),
-    "v2": ("conv1d_bwd_v2", causal_conv1d_bwd_kernel_v2, CONV_BWD_V2_DEFAULT),
     "v3": ("conv1d_bwd_v3", causal_conv1d_bwd_kernel_v3, CONV_BWD_V3_DEFAULT),
 }
 _BWD_VARIANT = "v3"
 
 
 def set_bwd_variant(variant: str) -> None:
-    """Module-wide conv1d backward kernel: "v1" (default), "v2" or "v3"."""
+    """Module-wide conv1d backward kernel: "v3" (default) or "v1"."""
     global _BWD_VARIANT
     if variant not in _BWD_VARIANTS:
         raise ValueError(f"unknown conv1d backward variant {variant!r} (known: {sorted(_BWD_VARIANTS)})")
@@ -593,7 +482,7 @@ _FWD_VARIANT = "v2"
 
 
 def set_fwd_variant(variant: str) -> None:
-    """Module-wide conv1d forward kernel: "v1" (default) or "v2"."""
+    """Module-wide conv1d forward kernel: "v2" (default) or "v1"."""
     global _FWD_VARIANT
     if variant not in _FWD_VARIANTS:
         raise ValueError(f"unknown conv1d forward variant {variant!r} (known: {sorted(_FWD_VARIANTS)})")
@@ -729,8 +618,6 @@ def _conv_case(kind: str, variant: str = "v1"):
         _, kernel, default = _bwd_kernel(variant)
         if variant == "v1":  # block_sizes = [channel block, inner seqlen block]
             bs = [[64, 16], [64, 32], [128, 16], [128, 32], [256, 16]]
-        elif variant == "v2":  # block_sizes = [inner seqlen block, channel block]
-            bs = [[16, 64], [32, 64], [16, 128], [32, 128], [8, 256], [64, 64]]
         if variant == "v3":  # block_sizes = [lanes per program, channel block]; l_per_lane rows per lane
             seeds = (tuning.grid_seeds(l_per_lane=[32, 64, 128], block_sizes=[[2, 128], [4, 128], [2, 256], [1, 512]],
                                        num_warps=[4])
@@ -750,5 +637,4 @@ def _conv_case(kind: str, variant: str = "v1"):
 
 
 TUNABLE_KERNELS = {"conv1d_fwd": _conv_case("fwd"), "conv1d_fwd_v2": _conv_case("fwd", "v2"),
-                   "conv1d_bwd": _conv_case("bwd"),
-                   "conv1d_bwd_v2": _conv_case("bwd", "v2"), "conv1d_bwd_v3": _conv_case("bwd", "v3")}
+                   "conv1d_bwd": _conv_case("bwd"), "conv1d_bwd_v3": _conv_case("bwd", "v3")}

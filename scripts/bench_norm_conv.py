@@ -1,8 +1,8 @@
 """Side-by-side on one GPU: mamba-ssm gated RMSNorm vs Helion, causal-conv1d CUDA vs Helion (fwd and bwd).
 
     OUT=benchmarks/results/h200 python scripts/bench_norm_conv.py --rounds 5
-    # conv1d only, backward kernel variants v1 (arm B) and v2, v3 each against causal-conv1d:
-    OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-bwd-variants v2,v3
+    # conv1d only, backward kernel variants v1 and v3 each against causal-conv1d:
+    OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-bwd-variants v1,v3
     # conv1d forward kernel variants v1, v2 each against causal-conv1d (no_grad forward, checked):
     OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-fwd-variants v1,v2
 
@@ -236,11 +236,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rep-ms", type=float, default=50.0)
     ap.add_argument("--ops", default="rmsnorm,conv1d", help="which benchmarks: rmsnorm, conv1d or both")
     ap.add_argument("--conv-bwd-variant", default=None,
-                    help="conv1d backward kernel of the Helion arm B: v1, v2 or v3 (default: the module default)")
+                    help="conv1d backward kernel of the Helion arm B: v1 or v3 (default: the module default)")
     ap.add_argument("--conv-bwd-variants", default="",
                     help="comma list of further conv1d backward variants, each timed against causal-conv1d in the "
-                         "same process and checked against the reference (e.g. v1,v2,v3)")
-    ap.add_argument("--conv-bwd-v2", action="store_true", help="alias: add v2 to --conv-bwd-variants")
+                         "same process and checked against the reference (e.g. v1,v3)")
     ap.add_argument("--conv-fwd-variants", default="",
                     help="comma list of conv1d forward variants (v1, v2), each timed against causal-conv1d in the "
                          "same process and its output checked against the reference (e.g. v1,v2)")
@@ -251,8 +250,6 @@ def main(argv=None) -> int:
     conv_variant = _variant_list(args.conv_bwd_variant)[0] if args.conv_bwd_variant else None
     conv_variants = _variant_list(args.conv_bwd_variants)
     conv_fwd_variants = _variant_list(args.conv_fwd_variants, "forward")
-    if args.conv_bwd_v2 and "v2" not in conv_variants:
-        conv_variants.append("v2")
     if not torch.cuda.is_available():
         print("bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -63,7 +63,7 @@ def _fwd_bwd(fn, x, wt, bias, seq, act, dy, lo=1, hi=1):
     return (y, *torch.autograd.grad(y, ins, dy))
 
 
-@pytest.fixture(params=["v1", "v2", "v3"])
+@pytest.fixture(params=["v1", "v3"])
 def bwd_variant(request):
     """Run a test with each conv1d backward kernel variant (module default restored afterwards)."""
     from kernels import causal_conv1d as cc
@@ -196,7 +196,6 @@ def test_gpu_vs_causal_conv1d(b, d, l, useseq):
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
 @pytest.mark.parametrize("name,c1,c2", [
     ("conv1d_bwd", dict(block_sizes=[64, 16], l_per_program=16), dict(block_sizes=[32, 32], l_per_program=64)),
-    ("conv1d_bwd_v2", dict(block_sizes=[16, 64], l_per_program=16), dict(block_sizes=[8, 32], l_per_program=64)),
     ("conv1d_bwd_v3", dict(block_sizes=[2, 16], l_per_lane=16), dict(block_sizes=[4, 32], l_per_lane=64)),
 ])
 def test_tuner_compares_final_results_across_l_per_program(name, c1, c2):
@@ -248,9 +247,6 @@ def test_triton_codegen(useseq, hasb, monkeypatch):
     dx = torch.empty_like(zx)[:, :, 64:64 + d]
     code = bwd.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_DEFAULT)
     assert "@triton.jit" in code and code.count("def _helion_") == 1
-    bwd2 = helion.kernel(cc.causal_conv1d_bwd_kernel_v2.fn, static_shapes=True)
-    code2 = bwd2.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_V2_DEFAULT)
-    assert "@triton.jit" in code2 and code2.count("def _helion_") == 1
     fwd2 = helion.kernel(cc.causal_conv1d_fwd_kernel_v2.fn, static_shapes=True)
     codef2 = fwd2.bind((x, w, bias, seq, True)).to_triton_code(cc.CONV_FWD_V2_DEFAULT)
     assert "@triton.jit" in codef2 and codef2.count("def _helion_") == 1

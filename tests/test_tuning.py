@@ -179,7 +179,6 @@ NANO_COMMITTED = {
     "ssd_state_passing": dict(b=2, h=64, d=8192, nc=64),
 }
 NANO_UNTUNED = {
-    "conv1d_bwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "conv1d_bwd_v3": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
 }
 
@@ -199,7 +198,7 @@ def test_committed_sm90_configs_resolve_at_nano_shape():
 
 
 def test_untuned_kernels_fall_back_with_one_warning():
-    """conv1d_bwd_v2 / rmsnorm_fwd have no sm90 file yet: the generic default, one warning each."""
+    """Kernels with no sm90 file yet (conv1d_bwd_v3): the generic default, one warning each."""
     for name, dims in NANO_UNTUNED.items():
         assert not (tuning.CONFIG_ROOT / "sm90" / f"{name}.json").exists(), f"{name} is tuned now: move it"
         with warnings.catch_warnings(record=True) as w:
