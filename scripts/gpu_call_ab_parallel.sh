@@ -31,17 +31,13 @@ track1() {
     run_stage ab_nano 70 python3 scripts/bench_kernels.py --backend mamba_ssm --compare helion --shape nano --rounds 4 --iters 8
     run_stage norm_conv 70 python3 scripts/bench_norm_conv.py --shapes nano --rounds 4
 }
-track0 > "$OUT/logs/track0.out" 2>&1 &
-P0=$!
-track1 > "$OUT/logs/track1.out" 2>&1 &
-P1=$!
-wait $P0 $P1
+run_tracks
 tail -n 45 "$OUT/logs/track0.out"; echo; tail -n 60 "$OUT/logs/track1.out"
 TOTAL_S=$SAVED_TOTAL
 echo "=== phase 2 at $(( $(date +%s) - START ))s"
 LEFT=$(( SAVED_TOTAL - ($(date +%s) - START) ))
 SKIP_SETUP=1 timeout --signal=TERM --kill-after=10 "$LEFT" bash scripts/gpu_2gpu.sh > "$OUT/logs/2gpu.out" 2>&1
 echo "gpu_2gpu.sh rc $?"; tail -n 60 "$OUT/logs/2gpu.out"
-mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
+save_triton_autotune
 cat "$OUT"/ab_track*_stages.tsv
 echo "total $(( $(date +%s) - START ))s"

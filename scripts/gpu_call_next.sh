@@ -39,14 +39,10 @@ track1() {
     run_stage ab_nano 80 python3 scripts/bench_kernels.py --backend mamba_ssm --compare helion --shape nano --rounds 4 --iters 8
 }
 
-track0 > "$OUT/logs/track0.out" 2>&1 &
-P0=$!
-track1 > "$OUT/logs/track1.out" 2>&1 &
-P1=$!
-wait $P0 $P1
+run_tracks
 mkdir -p "$OUT/parallel_single" && cp benchmarks/results/h200/parallel_2gpu/single/metrics.jsonl "$OUT/parallel_single/"
 stage_table phase2_stages.tsv
 run_stage parallel_dp2_ep2 160 env RUNS="dp2 ep2" SKIP_SETUP=1 bash scripts/gpu_2gpu.sh
-mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
+save_triton_autotune
 tail -n 20 "$OUT/logs/track0.out"; echo; tail -n 20 "$OUT/logs/track1.out"
 cat "$OUT"/track*_stages.tsv "$OUT/phase2_stages.tsv"

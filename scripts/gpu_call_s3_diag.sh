@@ -37,11 +37,7 @@ track1() {
         --rounds 4 --iters 8
 }
 
-track0 > "$OUT/logs/track0.out" 2>&1 &
-P0=$!
-track1 > "$OUT/logs/track1.out" 2>&1 &
-P1=$!
-wait $P0 $P1
-mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
+run_tracks
+save_triton_autotune
 tail -n 30 "$OUT/logs/track0.out"; echo; tail -n 30 "$OUT/logs/track1.out"
 cat "$OUT"/track*_stages.tsv

@@ -50,16 +50,12 @@ track1() {
     run_stage loss_match 110 python3 scripts/backend_loss_match.py --backends torch,helion,mamba_ssm,torch --steps 50 --quiet
 }
 
-track0 > "$OUT/logs/track0.out" 2>&1 &
-P0=$!
-track1 > "$OUT/logs/track1.out" 2>&1 &
-P1=$!
-wait $P0 $P1
+run_tracks
 # phase 2, both GPUs: TP2 again after the expert-gradient fix (4df0b56: experts' grads were not reduced
 # across TP ranks), checked against the single-GPU run of call 2 (committed; the fix does not touch it)
 mkdir -p "$OUT/parallel_single" && cp benchmarks/results/h200/parallel_2gpu/single/metrics.jsonl "$OUT/parallel_single/"
 stage_table phase2_stages.tsv
 run_stage parallel_tp2 105 env RUNS=tp2 SKIP_SETUP=1 bash scripts/gpu_2gpu.sh
-mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
+save_triton_autotune
 tail -n 20 "$OUT/logs/track0.out"; echo; tail -n 20 "$OUT/logs/track1.out"
 cat "$OUT"/track*_stages.tsv "$OUT/phase2_stages.tsv"

@@ -35,14 +35,10 @@ track1() {
         --kernels ssd_bwd_state_passing,ssd_bwd_dt,rmsnorm_fwd_v2,ssd_chunk_state,ssd_state_passing --shapes nano --budget-s 150
 }
 
-track0 > "$OUT/logs/track0.out" 2>&1 &
-P0=$!
-track1 > "$OUT/logs/track1.out" 2>&1 &
-P1=$!
-wait $P0 $P1
+run_tracks
 mkdir -p "$OUT/configs" && cp -r kernels/configs/sm* "$OUT/configs/"
 stage_table phase2_stages.tsv
 run_stage parallel_2gpu 300 env RUNS="dp2 tp2 ep2" SKIP_SETUP=1 bash scripts/gpu_2gpu.sh
-mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
+save_triton_autotune
 tail -n 25 "$OUT/logs/track0.out"; echo; tail -n 25 "$OUT/logs/track1.out"
 cat "$OUT"/track*_stages.tsv "$OUT/phase2_stages.tsv"

@@ -25,5 +25,5 @@ run_stage tune 200 python3 scripts/tune_kernels.py --kernels rmsnorm_fwd,conv1d_
 mkdir -p "$OUT/configs" && cp -r kernels/configs/sm* "$OUT/configs/" 2>/dev/null
 run_stage ab 170 python3 scripts/bench_kernels.py --backend mamba_ssm --compare helion --shape nano --rounds 4 --iters 8
 run_stage layers 90 python3 scripts/check_fast_modules_gpu.py --skip-numerics --no-reference-timing --iters 8 --profile-top 25 --sdpa-backends 'cudnn_attention,flash_attention,efficient_attention'
-mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
+save_triton_autotune
 cat "$STAGE_TSV"

@@ -39,12 +39,8 @@ track1() {
     run_stage bench_layers 200 python3 scripts/bench_layers.py --backends mamba_ssm,helion --rounds 3 --iters 4
 }
 
-track0 > "$OUT/logs/track0.out" 2>&1 &
-P0=$!
-track1 > "$OUT/logs/track1.out" 2>&1 &
-P1=$!
-wait $P0 $P1
+run_tracks
 rm -rf "$OUT/train200/checkpoints"
-mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
+save_triton_autotune
 tail -n 60 "$OUT/logs/track0.out"; echo; tail -n 40 "$OUT/logs/track1.out"
 cat "$OUT"/track*_stages.tsv

@@ -68,3 +68,20 @@ run_stage() {
     fi
     return "$rc"
 }
+
+# run_tracks: run the caller's shell functions track0 and track1 at once (one GPU each), logging to
+# $OUT/logs/track0.out and track1.out, and wait for both
+run_tracks() {
+    track0 > "$OUT/logs/track0.out" 2>&1 &
+    local p0=$!
+    track1 > "$OUT/logs/track1.out" 2>&1 &
+    local p1=$!
+    wait "$p0" "$p1"
+}
+
+# save_triton_autotune: copy mamba-ssm's Triton autotune results (TRITON_CACHE_AUTOTUNING=1) from
+# $TRITON_CACHE_DIR to $OUT/triton_autotune/, so the next host can start from them (carry .triton_cache)
+save_triton_autotune() {
+    mkdir -p "$OUT/triton_autotune" && (cd "$TRITON_CACHE_DIR" 2>/dev/null && \
+        find . -name '*.autotune.json' -exec cp --parents {} "$OUT/triton_autotune/" \;)
+}
