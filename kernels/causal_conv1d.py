@@ -361,7 +361,7 @@ def causal_conv1d_bwd_kernel_v3(
     return dw_part, db_part
 
 
-# fwd v2 (opt-in, set_fwd_variant("v2")): the forward as a rolling-window walk like the backward v3.
+# fwd v2 (the default forward): the forward as a rolling-window walk like the backward v3.
 # v1 loads 4 shifted x tiles per (rows, channels) tile; v2 loads each x element about once.
 #
 # Grid: (batch, tiles of `block_sizes[0]` lanes, channel tiles `block_sizes[1]`). A lane is a run of

@@ -396,7 +396,8 @@ def ssd_bwd_dbc_v2(
 # ssd_bwd_dz_dstates_v2: the row scale is applied to dout_x (c*p = 8 K multiplies per head, folded
 #   into the bf16 rounding that dout_x needs anyway), C goes from memory straight into tl.dot, exp2.
 #   Same bytes and FLOPs, ~1/3 fewer ALU ops per element and one fewer fp32 (bk x n) live tile.
-#   Expected: 1.1-1.2x over v1 (-> ~340-360 us, ~1.0x mamba); the rest of the gap is bytes.
+#   Measured (H200, untuned generic config, scripts/bench_ssd_variants.py, session 3): 365 us vs v1's
+#   402 us (1.10x), still 0.96x mamba-ssm's 352 us; the rest of the gap is bytes.
 
 
 @helion.kernel(static_shapes=True)
