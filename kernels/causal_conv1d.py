@@ -434,18 +434,19 @@ def causal_conv1d_fwd_kernel_v2(
 CONV_FWD_DEFAULT = helion.Config(block_sizes=[64, 64], num_warps=4)  # [seqlen, channels]
 # fwd v2: [lanes per program, channels]; 4 lanes x 128 channels per step, 4 x 64 rows per program ->
 # 3072 programs at the Nano shape; the walk unrolled 2x (range_unroll_factors: [grid, walk]), as the
-# bwd v3 default. Not yet measured on an H200 (tune with scripts/tune_kernels.py conv1d_fwd_v2).
+# bwd v3 default. The sm90 search kept it (133 us at the Nano shape; kernels/configs/sm90/conv1d_fwd_v2.json).
 CONV_FWD_V2_DEFAULT = helion.Config(block_sizes=[4, 128], num_warps=4, l_per_lane=64, range_unroll_factors=[0, 2])
 CONV_BWD_DEFAULT = helion.Config(block_sizes=[64, 32], num_warps=4, l_per_program=512)  # [channels, seqlen]
 # v3: [lanes per program, channels]; 4 lanes x 128 channels = 512 elements per step (4 per thread),
 # 4 x 64 rows per program -> 2 x 32 x 48 = 3072 programs at the Nano shape (b 2, l 8192, d 6144);
-# the main walk unrolled 2x (range_unroll_factors: [grid, main walk, 3-row tail]). H200, Nano shape,
-# kernel alone (2026-11-30, one sweep of 14 configs): 0.25 ms with this config, 0.27-0.37 ms for the
-# others, v1 (committed config) 1.11 ms.
+# the main walk unrolled 2x (range_unroll_factors: [grid, main walk, 3-row tail]). Not yet tuned: the
+# session-3 search ran out of time (benchmarks/results/h200/logs/session3/call2_tune_conv.log: 248 us
+# for this config, 222 us for the best of 35 candidates).
 CONV_BWD_V3_DEFAULT = helion.Config(block_sizes=[4, 128], num_warps=4, l_per_lane=64, range_unroll_factors=[0, 2, 0])
 
-# backward kernel variant: "v3" (causal_conv1d_bwd_kernel_v3, rolling window; the default: 0.25 ms
-# against v1's 1.11 ms and causal-conv1d's 0.30 ms at the Nano shape on an H200) or "v1" (the first
+# backward kernel variant: "v3" (causal_conv1d_bwd_kernel_v3, rolling window; the default: 0.24 ms
+# against causal-conv1d's 0.30 ms at the Nano shape on an H200, kernels_mamba_ssm_vs_helion_nano.md,
+# and v1's 1.13 ms in kernels_mamba_ssm_vs_helion_nano_concurrent.md) or "v1" (the first
 # kernel, 11 shifted loads per row tile). A v2 (v1 with one reduction per program) was dropped untimed
 # once v3 replaced both.
 _BWD_VARIANTS = {
