@@ -567,6 +567,37 @@ def candidate_configs(
     return uniq
 
 
+def neighbour_configs(cfg: helion.Config | Mapping[str, Any]) -> list[dict]:
+    """Configs one step away from ``cfg`` (a committed winner), for a search that starts from it:
+    every access through TMA (``indexing="tensor_descriptor"``, Hopper and newer) or block pointers,
+    every load with eviction policy "first" / "last", num_warps halved / doubled, num_stages -1 / +1.
+    Per-access lists are replaced by one string (Helion applies it to every access)."""
+    base = config_to_dict(cfg)
+    out: list[dict] = []
+
+    def add(**kw):
+        d = dict(base)
+        d.update(kw)
+        if d != base and d not in out:
+            out.append(d)
+
+    add(indexing="tensor_descriptor")
+    add(indexing="block_ptr")
+    ev = base.get("load_eviction_policies")
+    if isinstance(ev, list) and ev:
+        add(load_eviction_policies=["first"] * len(ev))
+        add(load_eviction_policies=["last"] * len(ev))
+    w = int(base.get("num_warps", 4))
+    for nw in (w // 2, w * 2):
+        if 1 <= nw <= 16:
+            add(num_warps=nw)
+    st = int(base.get("num_stages", 1))
+    for ns in (st - 1, st + 1):
+        if 1 <= ns <= 5:
+            add(num_stages=ns)
+    return out
+
+
 def _flatten_outputs(out) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]

@@ -354,6 +354,7 @@ def short_kernel_name(name: str) -> str:
     n = name.strip()
     if n.startswith("void "):
         n = n[5:]
+    n = n.replace("(anonymous namespace)::", "")
     n = n.split("(", 1)[0]
     n = n.split("<", 1)[0]
     return n.strip() or name

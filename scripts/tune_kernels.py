@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rep-ms", type=float, default=40.0, help="timing window per candidate (ms)")
     ap.add_argument("--no-write", action="store_true", help="do not update kernels/configs/")
     ap.add_argument("--list", action="store_true", help="list tunable kernels and exit")
+    ap.add_argument("--from-scratch", action="store_true",
+                    help="do not start from the committed config and its neighbours (tuning.neighbour_configs)")
     args = ap.parse_args(argv)
     if args.budget_s is not None:
         args.budget_min = args.budget_s / 60.0
@@ -98,6 +100,15 @@ def main(argv=None) -> int:
                 cands = tuning.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
                 # the generic default the wrappers fall back to goes first after the spec default
                 cands.insert(1, tuning._as_config(case.default))
+                # then the committed winner for this exact shape and its neighbours (TMA / block-pointer
+                # indexing, eviction policies, num_warps and num_stages one step away): a search with a
+                # short budget starts from what is known to be good and can only improve on it
+                how, _, entry = tuning.lookup(name, case.dims)
+                if how == "exact" and not args.from_scratch:
+                    committed = tuning._as_config(entry["config"])
+                    near = [committed] + [tuning._as_config(d) for d in tuning.neighbour_configs(committed)]
+                    run["committed_ms"] = entry.get("time_ms")
+                    cands[2:2] = near
                 best, results = tuning.search(
                     case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
                     log=lambda s: print(s, flush=True), finalize=case.finalize, prepare=case.prepare,

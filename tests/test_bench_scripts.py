@@ -143,6 +143,9 @@ def test_short_kernel_name():
     assert bl.short_kernel_name("void causal_conv1d_channellast_fwd_kernel<Ktraits<128, 4, true>>(ConvParamsBase)") \
         == "causal_conv1d_channellast_fwd_kernel"
     assert bl.short_kernel_name("_chunk_scan_fwd_kernel") == "_chunk_scan_fwd_kernel"
+    # aten kernels in an anonymous namespace keep their own name (not just "at::native::")
+    assert bl.short_kernel_name("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, "
+                                "float>(int, float, c10::BFloat16 const*)") == "at::native::vectorized_layer_norm_kernel"
 
 
 def test_write_results_schema(tmp_path):

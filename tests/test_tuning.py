@@ -372,3 +372,16 @@ def test_committed_config_fits_other_specialisations_of_its_shape():
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", _FIT_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_neighbour_configs_change_one_knob_of_the_committed_config():
+    base = {"block_sizes": [64], "num_warps": 8, "num_stages": 1, "indexing": ["pointer"] * 3,
+            "load_eviction_policies": ["", ""]}
+    near = tuning.neighbour_configs(base)
+    changed = [sorted(k for k in d if d[k] != base.get(k)) for d in near]
+    assert all(len(c) == 1 for c in changed), changed
+    assert {"indexing": "tensor_descriptor"}.items() <= near[0].items()
+    assert {"num_warps": 4}.items() <= next(d for d in near if d["num_warps"] != 8).items()
+    assert all(d["num_stages"] >= 1 and 1 <= d["num_warps"] <= 16 for d in near)
+    assert any(d["load_eviction_policies"] == ["last", "last"] for d in near)
+    assert base not in near and len({json.dumps(d, sort_keys=True) for d in near}) == len(near)
