@@ -178,8 +178,10 @@ NANO_COMMITTED = {
     "ssd_chunk_state": _NANO_SSD,
     "ssd_state_passing": dict(b=2, h=64, d=8192, nc=64),
 }
+NANO_COMMITTED["conv1d_bwd_v3"] = dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16")
 NANO_UNTUNED = {
-    "conv1d_bwd_v3": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
+    "ssd_chunk_scan_v2": _NANO_SSD,
+    "ssd_bwd_dbc_v2": _NANO_SSD,
 }
 
 
@@ -198,7 +200,7 @@ def test_committed_sm90_configs_resolve_at_nano_shape():
 
 
 def test_untuned_kernels_fall_back_with_one_warning():
-    """Kernels with no sm90 file yet (conv1d_bwd_v3): the generic default, one warning each."""
+    """Kernels with no sm90 file yet (the opt-in SSD v2 variants): the generic default, one warning each."""
     for name, dims in NANO_UNTUNED.items():
         assert not (tuning.CONFIG_ROOT / "sm90" / f"{name}.json").exists(), f"{name} is tuned now: move it"
         with warnings.catch_warnings(record=True) as w:
