@@ -5,6 +5,8 @@
     OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-bwd-variants v1,v3
     # conv1d forward kernel variants v1, v2 each against causal-conv1d (no_grad forward, checked):
     OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-fwd-variants v1,v2
+    # RMSNorm with a per-call profile of each side (device time, kernels, wall time per call):
+    OUT=/tmp/bench python scripts/bench_norm_conv.py --ops rmsnorm --shapes nano --profile
 
 Shapes: kernels.tuning.SHAPE_PRESETS (nano = tuned; nano_tp2, nano_b4_l4096 use whatever config
 lookup gives, i.e. nearest tuned shape, without retuning). The RMSNorm call is Megatron's:
@@ -17,6 +19,9 @@ A/B (>1 = Helion faster) and the A/A control ratio are reported.
 Correctness: each side's outputs and grads vs an fp32 torch reference from the same bf16 inputs;
 tolerance (bf16): max abs error <= 2e-2 + 2e-2*|ref| for y/dx, and <= 1e-3 * max|ref| + 1e-2 for
 dweight/dbias.
+--profile (RMSNorm): per side and direction, torch.profiler over N calls gives the device time per call
+(sum of kernel durations / N) and the kernels; the wall time per call of N back-to-back calls (between two
+torch.cuda.synchronize, no L2 flush) shows whether the host keeps up (wall > device: host gaps).
 """
 
 from __future__ import annotations
@@ -74,7 +79,39 @@ def _grad_fn(y, ins, dy):
     return lambda: torch.autograd.grad(y, ins, dy, retain_graph=True)
 
 
-def bench_rmsnorm(dims, rounds, rep_ms):
+def _profile_summary(table, wall_s, n_calls):
+    """Per-call device time (sum of kernel durations / N), kernels (short names, us per call) and
+    wall time per call of N back-to-back calls; host_gap = wall - device (>0: the GPU waited on the host)."""
+    dev = table["total_us_per_iter"]
+    wall = wall_s * 1e6 / n_calls
+    return {"n_calls": n_calls, "device_us_per_call": dev, "wall_us_per_call": wall, "host_gap_us_per_call": wall - dev,
+            "kernels": [{"kernel": r["kernel"], "us_per_call": r["us_per_iter"], "calls_per_call": r["calls_per_iter"]}
+                        for r in table["rows"]]}
+
+
+def profile_calls(fn, n_calls):
+    """torch.profiler over ``n_calls`` calls of ``fn`` (device events), then the wall time of ``n_calls``
+    back-to-back calls between two torch.cuda.synchronize (no L2 flush, no profiler). CUDA only."""
+    import time
+
+    if not torch.cuda.is_available():
+        return {"skipped": "needs a CUDA GPU"}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchlib
+
+    fn()
+    torch.cuda.synchronize()
+    table = benchlib.profile_device_table(fn, n_calls)
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n_calls):
+        fn()
+    torch.cuda.synchronize()
+    return _profile_summary(table, time.perf_counter() - t0, n_calls)
+
+
+def bench_rmsnorm(dims, rounds, rep_ms, profile_n=0):
     from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
 
     m, n = dims["b"] * dims["l"], dims["h"] * dims["p"]
@@ -115,6 +152,13 @@ def bench_rmsnorm(dims, rounds, rep_ms):
         y = f(xi, wi)
         graphs[tag] = (y, [xi, wi])
     res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
+    if profile_n > 0:  # --profile: device time vs wall time per call, per side and direction
+        prof = {}
+        for tag, f in (("A", fa), ("B", fb)):
+            with torch.no_grad():
+                fwd = profile_calls(lambda f=f: f(x, w), profile_n)
+            prof[tag] = {"fwd": fwd, "bwd": profile_calls(_grad_fn(*graphs[tag], dy), profile_n)}
+        res["profile"] = prof
     x32, w32 = x.float().requires_grad_(), w.float().requires_grad_()
     y32 = rmsnorm_gated_ref(x32, w32, **kw)
     ref = (y32, *torch.autograd.grad(y32, [x32, w32], dy.float()))
@@ -243,7 +287,13 @@ def main(argv=None) -> int:
     ap.add_argument("--conv-fwd-variants", default="",
                     help="comma list of conv1d forward variants (v1, v2), each timed against causal-conv1d in the "
                          "same process and its output checked against the reference (e.g. v1,v2)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile the RMSNorm fwd/bwd of both sides (torch.profiler, CUDA only): device time and "
+                         "kernels per call, and wall time per call of back-to-back calls; under results.<shape>.rmsnorm.profile")
+    ap.add_argument("--profile-calls", type=int, default=50, help="calls per profiled side/direction (--profile)")
     args = ap.parse_args(argv)
+    if args.profile_calls < 1:
+        ap.error("--profile-calls must be >= 1")
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if set(ops) - {"rmsnorm", "conv1d"}:
         ap.error(f"--ops: unknown {sorted(set(ops) - {'rmsnorm', 'conv1d'})}")
@@ -283,7 +333,8 @@ def main(argv=None) -> int:
             try:
                 entry[op] = (fn(dims, args.rounds, args.rep_ms, bwd_variant=conv_variant, bwd_variants=conv_variants,
                                 fwd_variants=conv_fwd_variants)
-                             if op == "conv1d" else fn(dims, args.rounds, args.rep_ms))
+                             if op == "conv1d" else fn(dims, args.rounds, args.rep_ms,
+                                                       profile_n=args.profile_calls if args.profile else 0))
                 r = entry[op]
                 tag = f"[{r['bwd_variant_B']}]" if op == "conv1d" else ""
                 print(f"{shape:14s} {op:8s} fwd {r['fwd']['A']['median_ms']*1e3:8.1f} -> {r['fwd']['B']['median_ms']*1e3:8.1f} us "
@@ -291,6 +342,12 @@ def main(argv=None) -> int:
                       f"bwd{tag} {r['bwd']['A']['median_ms']*1e3:8.1f} -> {r['bwd']['B']['median_ms']*1e3:8.1f} us "
                       f"(x{r['bwd']['speedup_B_over_A']:.2f}, ctl {r['bwd']['control_ratio_A_over_A']:.2f})  "
                       f"helion within tol: {all(v['within_tol'] for v in r['correctness_B'].values())}", flush=True)
+                for side, dirs in (r.get("profile") or {}).items():
+                    for dname, pr in dirs.items():
+                        if "device_us_per_call" in pr:
+                            print(f"{shape:14s} {op:8s} profile {side} {dname}: device {pr['device_us_per_call']:7.1f} us, "
+                                  f"wall {pr['wall_us_per_call']:7.1f} us/call, kernels "
+                                  + ", ".join(f"{k['kernel']} {k['us_per_call']:.1f}" for k in pr["kernels"]), flush=True)
                 for v in (conv_fwd_variants if op == "conv1d" else []):
                     rv, ok = r[f"fwd_{v}"], r[f"correctness_fwd_{v}"]["out"]
                     print(f"{shape:14s} {op:8s} fwd[{v}] {rv['A']['median_ms']*1e3:8.1f} -> {rv['B']['median_ms']*1e3:8.1f} us "

@@ -420,3 +420,36 @@ def test_ab_markdown_lists_step_vs_isolated_kernels():
     # 2 Mamba layers in "MEM": per-layer in-step 150, overlapped 50, alone 40
     assert f"| `{k}` | 150.0 | 50.0 | 40.0 |" in md
     assert "2 streams" in md
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_norm_conv --profile
+# ---------------------------------------------------------------------------------------------
+def test_bench_norm_conv_help_lists_profile_on_cpu():
+    r = subprocess.run([sys.executable, str(SCRIPTS / "bench_norm_conv.py"), "--help"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--profile" in r.stdout and "--profile-calls" in r.stdout
+
+
+def test_bench_norm_conv_profile_summary_and_cpu_skip():
+    import bench_norm_conv as bnc
+
+    events = [{"name": "void _helion_rmsnorm_gated_bwd_kernel(float*)", "dur": 100.0},
+              {"name": "_helion_rmsnorm_dweight_sum_kernel", "dur": 3.0},
+              {"name": "void _helion_rmsnorm_gated_bwd_kernel(float*)", "dur": 110.0},
+              {"name": "_helion_rmsnorm_dweight_sum_kernel", "dur": 5.0}]
+    s = bnc._profile_summary(bl.kernel_table(events, 2), wall_s=260e-6, n_calls=2)
+    assert s["n_calls"] == 2
+    assert s["device_us_per_call"] == pytest.approx(109.0)
+    assert s["wall_us_per_call"] == pytest.approx(130.0)
+    assert s["host_gap_us_per_call"] == pytest.approx(21.0)
+    assert [(k["kernel"], k["us_per_call"], k["calls_per_call"]) for k in s["kernels"]] == [
+        ("_helion_rmsnorm_gated_bwd_kernel", pytest.approx(105.0), 1.0),
+        ("_helion_rmsnorm_dweight_sum_kernel", pytest.approx(4.0), 1.0)]
+    import torch
+
+    if not torch.cuda.is_available():
+        calls = []
+        assert bnc.profile_calls(lambda: calls.append(1), 3) == {"skipped": "needs a CUDA GPU"} and not calls
+        assert bnc.main(["--ops", "rmsnorm", "--profile"]) == 2

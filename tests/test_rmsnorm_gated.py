@@ -197,3 +197,107 @@ def test_fwd_variant_switch_rejects_unknown():
     with pytest.raises(ValueError, match="unknown RMSNorm forward variant"):
         R.set_fwd_variant("v9")
     assert R.get_fwd_variant() in ("v1", "v2")
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+@pytest.mark.parametrize("p,g,d", [(1, 1, 8), (3, 3, 8), (13, 5, 8), (128, 8, 64)])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dweight_sum_one_launch_equals_fp32_sum_cast(p, g, d, wdtype):
+    """rmsnorm_dweight_sum: the fp32 sum of the (P, G, D) partials over P, written in weight's dtype
+    as (G*D,), by one kernel; bitwise repeatable, and any block shape gives the same values."""
+    gen = torch.Generator().manual_seed(p * g)
+    part = 100 * torch.randn(p, g, d, generator=gen)
+    w = torch.empty(g * d, dtype=wdtype)
+    got = R.rmsnorm_dweight_sum(part, w)
+    want = part.sum(0).reshape(-1).to(wdtype)
+    assert got.dtype == wdtype and got.shape == (g * d,)
+    assert torch.equal(got, want), (got.double() - want.double()).abs().max()
+    assert torch.equal(R.rmsnorm_dweight_sum(part, w), got)
+    other = tuning.run_with_config(R.rmsnorm_dweight_sum_kernel, (part.reshape(p, -1), w),
+                                   helion.Config(block_sizes=[3, 2], num_warps=1))
+    assert torch.equal(other, got)
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+@pytest.mark.parametrize("has_z", [False, True])
+def test_bwd_wrapper_dweight_is_the_finalised_partials(has_z, monkeypatch):
+    """The wrapper's dweight is rmsnorm_dweight_sum of the kernel's partials (weight's dtype); without z
+    the kernel gets the (1, 1, 1) z dummy (no full-size dz buffer) and the wrapper returns dz None."""
+    m, n, gs = 29, 24, 8
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, n, generator=gen)
+    z = torch.randn(m, n, generator=gen) if has_z else None
+    w = (1 + 0.3 * torch.randn(n, generator=gen)).bfloat16()
+    dy = torch.randn(m, n, generator=gen)
+    seen = []
+    real = tuning.tuned_call
+
+    def spy(name, kernel, args, *a, **kw):
+        out = real(name, kernel, args, *a, **kw)
+        if name == "rmsnorm_bwd":
+            seen.append((args, out))
+        return out
+
+    monkeypatch.setattr(tuning, "tuned_call", spy)
+    _, rstd = R.rmsnorm_gated_fwd_helion(x, w, z, 1e-5, gs, False)
+    dx, dz, dw = R.rmsnorm_gated_bwd_helion(dy, x, w, rstd, z, gs, False)
+    (args, (_, dz_raw, dw_partial)), = seen
+    assert dw.dtype == torch.bfloat16 and dw.shape == (n,)
+    assert torch.equal(dw, dw_partial.sum(0).reshape(-1).to(torch.bfloat16))
+    if has_z:
+        assert dz is not None and dz.shape == x.shape and args[3].shape == (m, n // gs, gs)
+    else:
+        assert dz is None and args[3].shape == (1, 1, 1) and dz_raw.shape == (1, 1, 1)
+    xr, wr = x.clone().requires_grad_(), w.float().requires_grad_()
+    zr = None if z is None else z.clone().requires_grad_()
+    yr = rmsnorm_gated_ref(xr, wr, z=zr, eps=1e-5, group_size=gs, norm_before_gate=False)
+    grads = torch.autograd.grad(yr, [xr, wr] + ([zr] if has_z else []), dy)
+    torch.testing.assert_close(dx, grads[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw.float(), grads[1], atol=2e-2, rtol=1e-2)
+    if has_z:
+        torch.testing.assert_close(dz, grads[2], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+def test_shape_plans_cached_per_shape_and_results_right():
+    """Per-shape plans (dims, views) are cached: alternating shapes and group sizes, each call is right."""
+    gen = torch.Generator().manual_seed(4)
+    calls = [((7, 24), 8, True), ((2, 5, 32), 16, False), ((7, 24), 8, True), ((7, 24), 12, False), ((9, 24), 8, True)]
+    for shape, gs, nbg in calls:
+        n = shape[-1]
+        x = torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        z = torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        w = (1 + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).requires_grad_()
+        dy = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        kw = dict(eps=1e-5, group_size=gs, norm_before_gate=nbg)
+        got = _grads(lambda a, b, c, kw=kw: rmsnorm_fn_helion(a, b, z=c, **kw), x, w, z, dy)
+        ref = _grads(lambda a, b, c, kw=kw: rmsnorm_gated_ref(a, b, z=c, **kw), x, w, z, dy)
+        for name, a, b in zip(["y", "dx", "dw", "dz"], got, ref):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{shape} gs={gs}: {name} differs")
+        assert R._PLANS[(x.shape, x.dtype, x.device, w.shape, gs, True, nbg)].shape3 == (x.numel() // n, n // gs, gs)
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+def test_row_strided_input_is_not_copied(monkeypatch):
+    """x a column slice of a wider tensor (rows strided, last dim contiguous): the kernels read it in
+    place (no .contiguous() copy) and the results are right."""
+    m, n, gs = 11, 16, 8
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(m, 3 * n, generator=gen, dtype=torch.float64)
+    x = big[:, n:2 * n].requires_grad_()
+    w = (1 + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).requires_grad_()
+    dy = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    ptrs = []
+    real = tuning.tuned_call
+
+    def spy(name, kernel, args, *a, **kw):
+        ptrs.append((name, args[1 if name == "rmsnorm_bwd" else 0].data_ptr()))
+        return real(name, kernel, args, *a, **kw)
+
+    monkeypatch.setattr(tuning, "tuned_call", spy)
+    got = _grads(lambda a, b, c: rmsnorm_fn_helion(a, b, eps=1e-5, group_size=gs, norm_before_gate=False), x, w, None, dy)
+    assert [p for _, p in ptrs] == [x.data_ptr(), x.data_ptr()] and not x.is_contiguous()
+    ref = _grads(lambda a, b, c: rmsnorm_gated_ref(a, b, eps=1e-5, group_size=gs, norm_before_gate=False), x, w, None, dy)
+    for name, a, b in zip(["y", "dx", "dw"], got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} differs")
