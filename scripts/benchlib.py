@@ -403,7 +403,29 @@ def kernel_table(device_events: Sequence[dict], iters: int) -> dict:
     by_cat: dict[str, float] = defaultdict(float)
     for r in rows:
         by_cat[r["category"]] += r["us_per_iter"]
-    return {"total_us_per_iter": total / iters, "rows": rows, "by_category": dict(by_cat)}
+    out = {"total_us_per_iter": total / iters, "rows": rows, "by_category": dict(by_cat)}
+    out.update(device_busy(device_events, iters))
+    return out
+
+
+def device_busy(device_events: Sequence[dict], iters: int) -> dict:
+    """Span (first kernel start to last kernel end) and busy time (union of kernel intervals, any
+    stream) per iteration, in us; span - busy is time the device sat idle between kernels (launch
+    gaps, host-bound stretches, synchronisations). Empty dict when events carry no timestamps."""
+    iv = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in device_events if "ts" in e)
+    if not iv:
+        return {}
+    busy, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
+    for s, e in iv[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e in iv) - iv[0][0]
+    return {"span_us_per_iter": span / iters, "busy_us_per_iter": busy / iters,
+            "idle_us_per_iter": (span - busy) / iters}
 
 
 def check_expected_kernels(table: dict, expected: dict[str, int] = MAMBA_SSM_EXPECTED_KERNELS) -> dict:

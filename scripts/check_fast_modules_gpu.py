@@ -132,11 +132,14 @@ def _sdpa_ctx(backends):
     return sdpa_kernel(order, set_priority=True)
 
 
-def _profile_top(step, n_iters=2, top=20) -> list:
-    """Top CUDA kernels of ``step`` by device time per iteration (benchlib's torch.profiler table)."""
+def _profile_top(step, n_iters=2, top=20) -> dict:
+    """Top CUDA kernels of ``step`` by device time per iteration (benchlib's torch.profiler table),
+    plus the device span / busy / idle time per iteration over back-to-back steps."""
     import benchlib as bl
 
-    return bl.profile_device_table(step, n_iters)["rows"][:top]
+    t = bl.profile_device_table(step, n_iters)
+    return {"rows": t["rows"][:top], **{k: t.get(k) for k in ("total_us_per_iter", "span_us_per_iter",
+                                                             "busy_us_per_iter", "idle_us_per_iter")}}
 
 
 ROUNDS = 5  # --rounds
@@ -187,9 +190,13 @@ def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top) -> dict:
         "layer_params": sum(p.numel() for p in layer.parameters()),
     }
     if profile_top:
-        res["profile_top_kernels"] = _profile_top(step, top=profile_top)
+        prof = _profile_top(step, n_iters=3, top=profile_top)
+        res["profile_top_kernels"] = prof.pop("rows")
+        res["profile_device"] = prof
         for r in res["profile_top_kernels"]:
             print(f"  {r['us_per_iter']:9.1f} us  x{r['calls_per_iter']:.0f}  {r['kernel']}", flush=True)
+        print(f"  device per step: kernels {prof['total_us_per_iter']:.0f} us, busy {prof.get('busy_us_per_iter') or 0:.0f} us, "
+              f"span {prof.get('span_us_per_iter') or 0:.0f} us, idle {prof.get('idle_us_per_iter') or 0:.0f} us", flush=True)
     del model, layer, x, g
     torch.cuda.empty_cache()
     return res
@@ -240,6 +247,7 @@ def main() -> int:
                          "e.g. 'cudnn_attention,flash_attention;flash_attention'")
     ap.add_argument("--profile-top", type=int, default=0, help="profile each timed layer: top-N CUDA kernels")
     ap.add_argument("--skip-numerics", action="store_true")
+    ap.add_argument("--kinds", default="attention,moe", help="layer kinds to time: attention, moe or both")
     args = ap.parse_args()
     global ROUNDS
     ROUNDS = max(1, args.rounds)
@@ -287,6 +295,10 @@ def main() -> int:
     if not args.no_reference_timing:
         variants += [("attention", "unfused", ["model.hybrid_override_pattern='*'", "model.attention_impl=unfused"], None),
                      ("moe", "sequential", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=sequential"], None)]
+    kinds = {k.strip() for k in args.kinds.split(",") if k.strip()}
+    if not kinds <= {"attention", "moe"}:
+        ap.error(f"--kinds: choose from attention, moe; got {sorted(kinds)}")
+    variants = [v for v in variants if v[0] in kinds]
     for kind, impl, ov, be in variants:
         try:
             r = time_layer(nano + ov, 0, args.mb, args.seq, args.iters, sdpa_backends=be,

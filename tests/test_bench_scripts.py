@@ -453,3 +453,14 @@ def test_bench_norm_conv_profile_summary_and_cpu_skip():
         calls = []
         assert bnc.profile_calls(lambda: calls.append(1), 3) == {"skipped": "needs a CUDA GPU"} and not calls
         assert bnc.main(["--ops", "rmsnorm", "--profile"]) == 2
+
+
+def test_device_busy_counts_overlap_once_and_idle_gaps():
+    # two iterations; kernels [0,10] and [5,12] overlap (busy 12), then a gap to [20,30]
+    ev = [{"name": "a", "ts": 0.0, "dur": 10.0}, {"name": "b", "ts": 5.0, "dur": 7.0},
+          {"name": "c", "ts": 20.0, "dur": 10.0}]
+    r = bl.device_busy(ev, 2)
+    assert r == {"span_us_per_iter": 15.0, "busy_us_per_iter": 11.0, "idle_us_per_iter": 4.0}
+    assert bl.device_busy([{"name": "a", "dur": 3.0}], 1) == {}
+    t = bl.kernel_table(ev, 2)
+    assert t["idle_us_per_iter"] == 4.0 and t["total_us_per_iter"] == 13.5
