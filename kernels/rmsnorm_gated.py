@@ -88,7 +88,7 @@ class RMSNormGatedRef(_RMSNormGatedModule):
 # group (a tuned integer, the knob mamba-ssm fixes at ceil(SMs*ceil(4/num_warps)/ngroups) programs),
 # each program walks its rows in tiles of `block_sizes[0]`, accumulating its share of dweight in fp32
 # registers and writing one partial row; the partials (cdiv(M, rows_per_program), G, D) are summed
-# by a second kernel (rmsnorm_dweight_sum_kernel: fp32, fixed order, writes weight's dtype). Every
+# by torch in a fixed order (rmsnorm_dweight_sum: fp32 sum, then weight's dtype). Every
 # row belongs to exactly one program and no atomics are used, so the result is deterministic
 # (bitwise repeatable for a given config) and correct under every config.
 # ================================================================================================
@@ -211,28 +211,10 @@ def rmsnorm_gated_bwd_kernel(
     return dx, dz, dw_partial
 
 
-@helion.kernel(static_shapes=True)
-def rmsnorm_dweight_sum_kernel(
-    dw_partial: torch.Tensor,  # (P, N) fp32: the backward's partials viewed as (P, G*D)
-    weight: torch.Tensor,  # only its dtype is used
-) -> torch.Tensor:
-    p, n = dw_partial.size()
-    dw = torch.empty([n], dtype=weight.dtype, device=dw_partial.device)
-    for tn in hl.tile(n):
-        acc = hl.zeros([tn], dtype=torch.float32)
-        for tp in hl.tile(p):
-            acc = acc + torch.sum(dw_partial[tp, tn], dim=0)
-        dw[tn] = acc.to(dw.dtype)
-    return dw
-
-
 # Generic configs used when no tuned file entry exists (also the search's reference).
 RMSNORM_FWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4)
 RMSNORM_FWD_V2_DEFAULT = helion.Config(block_sizes=[4], num_warps=2, rows_per_program=64, range_num_stages=[0, 2])
 RMSNORM_BWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4, rows_per_program=64)
-# dweight finalisation: fixed config, not looked up in the tuned files (reads ~2 MB at Nano:
-# 128 partials x 4096 fp32; [32 columns, 32 partials] gives 128 programs of 4 steps each)
-RMSNORM_DW_SUM_CONFIG = helion.Config(block_sizes=[32, 32], num_warps=2)
 
 # forward kernel variant: "v1" (committed, tuned) or "v2" (rmsnorm_gated_fwd_kernel_v2; its own tuned
 # configs under the name rmsnorm_fwd_v2); selected by set_fwd_variant, default v1 until measured
@@ -307,16 +289,12 @@ def _fwd(x3, w2, z3, eps, nbg, p: _Plan):
 
 
 def rmsnorm_dweight_sum(dw_partial: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """dweight (G*D,) in weight's dtype (weight: any shape, only its dtype is used) from the backward's
-    (P, G, D) fp32 partials: one launch, fixed summation order, no atomics (rmsnorm_dweight_sum_kernel
-    with RMSNORM_DW_SUM_CONFIG)."""
-    args = (dw_partial.reshape(dw_partial.shape[0], -1), weight)
-    key, fn = tuning.fast_lookup("rmsnorm_dw_sum", rmsnorm_dweight_sum_kernel, args)
-    if fn is None:
-        if tuning.kernel_in_ref_mode(rmsnorm_dweight_sum_kernel):
-            return tuning.run_interpret(rmsnorm_dweight_sum_kernel, args, RMSNORM_DW_SUM_CONFIG)
-        fn = tuning.fast_store(key, tuning.compiled(rmsnorm_dweight_sum_kernel, args, RMSNORM_DW_SUM_CONFIG))
-    return fn(*args)
+    """dweight (G*D,) in weight's dtype from the backward's (P, G, D) fp32 partials (fixed-order torch
+    sum, no atomics). Two torch ops rather than a second Helion kernel: measured on the H200
+    (session 4, bench_norm_conv --profile), a one-launch Helion reduction saved ~1 us of device time
+    but its Triton launch added more host time than the two torch launches, and the backward was
+    host-bound (230 us wall per call vs 107 us of device time)."""
+    return dw_partial.sum(0).reshape(-1).to(weight.dtype)
 
 
 def _bwd(dy, x3, w2, z3, rstd, nbg, p: _Plan):

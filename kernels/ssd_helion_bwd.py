@@ -160,7 +160,10 @@ def ssd_bwd_dx(
             act = dA_cumsum[ib, ih, ic, tt]
             seg = act[None, :] - acs[:, None]  # (c, bk): dAcs[t] - dAcs[s]
             causal = tt.index[None, :] >= hl.arange(c)[:, None]
-            mt = CB[ib, ic, ig, tt, :].T * torch.exp(torch.where(causal, seg, float("-inf")))  # (s, t)
+            # clamp: valid causal entries are <= 0 already (dA_cumsum does not increase within a chunk); lanes
+            # of a tile past the chunk end (block size > chunk, e.g. a config tuned at another shape) load
+            # dA_cumsum = 0 and would give exp(-dAcs[s]) = inf for long chunks, and inf * 0 = NaN
+            mt = CB[ib, ic, ig, tt, :].T * torch.exp(torch.clamp(torch.where(causal, seg, float("-inf")), max=0.0))
             a1 = hl.dot(mt.to(x.dtype), dot_, acc=a1)
             gt = hl.dot(xs, dot_.T)  # (s, t): x[s] . dout_x[t]
             w = mt * dts[:, None] * gt
@@ -228,7 +231,7 @@ def ssd_bwd_dbc(
                 # dCB[t, s] += exp(dAcs[t] - dAcs[s]) dt[s] (dout_x[t] . x[s]), causal
                 gts = hl.dot(dot_, x[ib, ic, :, ih, :].T)  # (bk, c)
                 causal = tt.index[:, None] >= hl.arange(c)[None, :]
-                seg = torch.where(causal, act[:, None] - acs[None, :], float("-inf"))
+                seg = torch.clamp(torch.where(causal, act[:, None] - acs[None, :], float("-inf")), max=0.0)  # see ssd_bwd_dx
                 dcb = dcb + gts * torch.exp(seg) * dt[ib, ih, ic, :][None, :]
             dcb = dcb * same_seq[ib, ic, tt, :]
             dcb_c = dcb.to(x.dtype)
@@ -364,7 +367,7 @@ def ssd_bwd_dbc_v2(
                 acs_k = dA_cumsum[ib, ih, ic, tk]
                 gts = hl.dot(dout_x[ib, ic, ti, ih, :], x[ib, ic, tk, ih, :].T)  # (bm, bk)
                 causal = ti.index[:, None] >= tk.index[None, :]
-                seg = torch.where(causal, acs_i[:, None] - acs_k[None, :], float("-inf"))
+                seg = torch.clamp(torch.where(causal, acs_i[:, None] - acs_k[None, :], float("-inf")), max=0.0)
                 dcb = dcb + gts * torch.exp2(seg * _LOG2E) * dt[ib, ih, ic, tk][None, :]
             dcb = dcb * same_seq[ib, ic, ti, tk]
             dc = hl.dot(dcb.to(x.dtype), B[ib, ic, tk, ig, :], acc=dc)
@@ -378,7 +381,7 @@ def ssd_bwd_dbc_v2(
                 acs_k = dA_cumsum[ib, ih, ic, tk]
                 gst = hl.dot(x[ib, ic, ti, ih, :], dout_x[ib, ic, tk, ih, :].T)  # (bm, bk): x[s] . dout_x[t]
                 causal = tk.index[None, :] >= ti.index[:, None]
-                seg = torch.where(causal, acs_k[None, :] - acs_i[:, None], float("-inf"))
+                seg = torch.clamp(torch.where(causal, acs_k[None, :] - acs_i[:, None], float("-inf")), max=0.0)
                 dcbt = dcbt + gst * torch.exp2(seg * _LOG2E) * dt[ib, ih, ic, ti][:, None]
             dcbt = dcbt * same_seq[ib, ic, ti, tk]
             db = hl.dot(dcbt.to(x.dtype), C[ib, ic, tk, ig, :], acc=db)

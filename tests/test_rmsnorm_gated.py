@@ -200,25 +200,6 @@ def test_fwd_variant_switch_rejects_unknown():
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-@pytest.mark.parametrize("p,g,d", [(1, 1, 8), (3, 3, 8), (13, 5, 8), (128, 8, 64)])
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_dweight_sum_one_launch_equals_fp32_sum_cast(p, g, d, wdtype):
-    """rmsnorm_dweight_sum: the fp32 sum of the (P, G, D) partials over P, written in weight's dtype
-    as (G*D,), by one kernel; bitwise repeatable, and any block shape gives the same values."""
-    gen = torch.Generator().manual_seed(p * g)
-    part = 100 * torch.randn(p, g, d, generator=gen)
-    w = torch.empty(g * d, dtype=wdtype)
-    got = R.rmsnorm_dweight_sum(part, w)
-    want = part.sum(0).reshape(-1).to(wdtype)
-    assert got.dtype == wdtype and got.shape == (g * d,)
-    assert torch.equal(got, want), (got.double() - want.double()).abs().max()
-    assert torch.equal(R.rmsnorm_dweight_sum(part, w), got)
-    other = tuning.run_with_config(R.rmsnorm_dweight_sum_kernel, (part.reshape(p, -1), w),
-                                   helion.Config(block_sizes=[3, 2], num_warps=1))
-    assert torch.equal(other, got)
-
-
-@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
 @pytest.mark.parametrize("has_z", [False, True])
 def test_bwd_wrapper_dweight_is_the_finalised_partials(has_z, monkeypatch):
     """The wrapper's dweight is rmsnorm_dweight_sum of the kernel's partials (weight's dtype); without z
