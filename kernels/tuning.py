@@ -336,7 +336,7 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
     fn = _COMPILED.get(key)
     if fn is None:
         bound = kernel.bind(tuple(args))
-        cfg = fit_access_lists(bound, cfg)
+        cfg = fit_block_sizes(bound, fit_access_lists(bound, cfg))
         fn = bound.compile_config(cfg, allow_print=False)
         _COMPILED[key] = fn
         dump = os.environ.get("NANO_HELION_DUMP_DIR")
@@ -346,6 +346,38 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
 
 
 _ACCESS_LISTS = ("indexing", "load_eviction_policies", "atomic_indexing")
+
+
+def fit_block_sizes(bound, cfg: helion.Config) -> helion.Config:
+    """``cfg`` with every block size clamped to the dimension it tiles (its next power of two).
+
+    A config found at one shape is also used at others (nearest-shape fallback, generic defaults), and
+    Helion compiles a block larger than its dimension as a tile whose extra lanes are masked: wasted
+    work, and lanes that load 0 where the kernel's math assumes real data. On the H200 that turned a
+    Nano config (row block 128) at a model with chunk 64 into exp(-dA_cumsum) = inf on those lanes and
+    NaN gradients after 16 steps (session 4). Clamping keeps the same tiling of the real elements."""
+    bs = cfg.config.get("block_sizes")
+    if not isinstance(bs, list) or not bs:
+        return cfg
+    spec = getattr(bound, "config_spec", None)
+    specs = getattr(spec, "block_sizes", None)
+    if specs is None or len(bs) != len(specs):
+        return cfg
+    fit = []
+    for b, sp in zip(bs, specs):
+        cap = max(int(sp.min_size), min(int(sp.max_size), _next_pow2(int(sp.size_hint))))
+        fit.append(min(int(b), cap) if isinstance(b, int) else b)
+    if fit == bs:
+        return cfg
+    name = getattr(getattr(bound, "kernel", None), "name", None) or "kernel"
+    _warn_once(name, f"block-sizes:{bs}->{fit}",
+               f"nano_hybrid kernels: block sizes {bs} of the config exceed this shape's dimensions in {name}; "
+               f"using {fit}")
+    return helion.Config(**dict(cfg.config, block_sizes=fit))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def fit_access_lists(bound, cfg: helion.Config) -> helion.Config:
