@@ -290,10 +290,10 @@ def _fwd(x3, w2, z3, eps, nbg, p: _Plan):
 
 def rmsnorm_dweight_sum(dw_partial: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dweight (G*D,) in weight's dtype from the backward's (P, G, D) fp32 partials (fixed-order torch
-    sum, no atomics). Two torch ops rather than a second Helion kernel: measured on the H200
-    (session 4, bench_norm_conv --profile), a one-launch Helion reduction saved ~1 us of device time
-    but its Triton launch added more host time than the two torch launches, and the backward was
-    host-bound (230 us wall per call vs 107 us of device time)."""
+    sum, no atomics). A one-launch Helion reduction was tried on the H200 (session 4, call 2,
+    bench_norm_conv --profile): it saves ~1 us of device time, while the backward there is host-bound
+    (230 us wall per call back to back vs 107 us of device time), so it stays two torch ops; the two
+    versions were not timed under the same host load."""
     return dw_partial.sum(0).reshape(-1).to(weight.dtype)
 
 
