@@ -12,10 +12,7 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_stages.sh
 TOTAL_S="${TOTAL_S:-560}"
 P1_S="${P1_S:-230}"   # phase 1 budget (s); phase 2 gets the rest
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
-stage_table setup_stages.tsv
-gpu_stage_setup || exit 1
-nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/logs/nvidia_smi.csv" 2>&1
+gpu_call_begin || exit 1
 SAVED_TOTAL=$TOTAL_S; TOTAL_S=$P1_S   # run_stage caps each stage at what is left of phase 1
 
 track0() {

@@ -15,10 +15,7 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_stages.sh
 TOTAL_S="${TOTAL_S:-555}"
 PHASE2_S="${PHASE2_S:-150}"
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
-stage_table setup_stages.tsv
-gpu_stage_setup || exit 1
-export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
+gpu_call_begin || exit 1
 
 track0() {
     export CUDA_VISIBLE_DEVICES=0

@@ -13,11 +13,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=gpu_stages.sh
 source scripts/gpu_stages.sh
 TOTAL_S="${TOTAL_S:-525}"
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
-stage_table setup_stages.tsv
-gpu_stage_setup || exit 1
-export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
-nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/logs/nvidia_smi.csv" 2>&1
+gpu_call_begin || exit 1
 CONV_FWD_VARIANTS="${CONV_FWD_VARIANTS:-v1,v2}"
 
 # the tracks stop starting stages PHASE2_S before the end: phase 2 (both GPUs) needs that much

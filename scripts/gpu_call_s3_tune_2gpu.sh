@@ -13,11 +13,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=gpu_stages.sh
 source scripts/gpu_stages.sh
 TOTAL_S="${TOTAL_S:-575}"
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
-stage_table setup_stages.tsv
-gpu_stage_setup || exit 1
-export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
-nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/logs/nvidia_smi.csv" 2>&1
+gpu_call_begin || exit 1
 
 track0() {
     export CUDA_VISIBLE_DEVICES=0

@@ -9,9 +9,7 @@ set -u
 cd "$(dirname "$0")/.."
 # shellcheck source=gpu_stages.sh
 source scripts/gpu_stages.sh
-gpu_stage_setup || exit 1
-export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
+gpu_call_begin || exit 1
 RUNS=/tmp/s4_conv
 rm -rf "$RUNS"; mkdir -p "$RUNS"
 OUT="$RUNS" GPUS="0 1" STOP_AT=1000 COMPARE=0 timeout --signal=TERM --kill-after=10 "${LIMIT_S:-290}" \

@@ -11,10 +11,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=gpu_stages.sh
 source scripts/gpu_stages.sh
 TOTAL_S="${TOTAL_S:-560}"
-export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
-stage_table setup_stages.tsv
-gpu_stage_setup || exit 1
-nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv > "$OUT/logs/nvidia_smi.csv" 2>&1
+gpu_call_begin || exit 1
 DONE="$OUT/.tune_done"; rm -f "$DONE"
 
 track0() {

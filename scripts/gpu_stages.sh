@@ -42,6 +42,19 @@ gpu_stage_setup() {
     fi
 }
 
+# gpu_call_begin: the common start of a scripts/gpu_call_*.sh job: Triton's cache (mamba-ssm autotune results
+# kept, TRITON_CACHE_DIR defaults to .triton_cache), the setup stage table and offline install (returns 1 on
+# failure), PYTHONPATH (./site:.) and the GPUs' clocks/power in $OUT/logs/nvidia_smi.csv
+gpu_call_begin() {
+    export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
+    stage_table setup_stages.tsv
+    gpu_stage_setup || return 1
+    export PYTHONPATH="${PYTHONPATH:-$REPO/site:$REPO}"
+    nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv \
+        > "$OUT/logs/nvidia_smi.csv" 2>&1
+    return 0
+}
+
 # run_stage NAME CAP_SECONDS CMD...: run CMD with a timeout of min(CAP, time left - 10 s)
 run_stage() {
     local name="$1" cap="$2"; shift 2

@@ -4,6 +4,7 @@ and tiny CPU runs (torch backend, A-vs-A)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -464,3 +465,28 @@ def test_device_busy_counts_overlap_once_and_idle_gaps():
     assert bl.device_busy([{"name": "a", "dur": 3.0}], 1) == {}
     t = bl.kernel_table(ev, 2)
     assert t["idle_us_per_iter"] == 4.0 and t["total_us_per_iter"] == 13.5
+
+
+def test_gpu_job_scripts_parse_and_share_one_preamble(tmp_path):
+    """Every scripts/*.sh parses (bash -n); the GPU call scripts start through gpu_stages.sh's gpu_call_begin,
+    which (setup skipped here) sets Triton's cache and PYTHONPATH and writes the setup stage table."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    for sh in sorted((root / "scripts").glob("*.sh")):
+        r = subprocess.run(["bash", "-n", str(sh)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{sh.name}: {r.stderr}"
+    calls = sorted((root / "scripts").glob("gpu_call_*.sh"))
+    assert calls and all("gpu_call_begin || exit 1" in p.read_text() for p in calls
+                         if "gpu_stage_setup" not in p.read_text()), [p.name for p in calls]
+    out = tmp_path / "out"
+    cmd = ("source scripts/gpu_stages.sh && gpu_call_begin && "
+           "echo \"$TRITON_CACHE_AUTOTUNING|$TRITON_CACHE_DIR|$PYTHONPATH\"")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_CACHE_DIR")}
+    r = subprocess.run(["bash", "-c", cmd], cwd=root, capture_output=True, text=True,
+                       env={**env, "OUT": str(out), "SKIP_SETUP": "1"})
+    assert r.returncode == 0, r.stderr
+    auto, cache, pypath = r.stdout.strip().splitlines()[-1].split("|")
+    assert auto == "1" and cache == f"{root}/.triton_cache" and pypath == f"{root}/site:{root}"
+    assert (out / "setup_stages.tsv").read_text().startswith("stage\trc\tseconds")
+    assert (out / "logs" / "nvidia_smi.csv").exists()
