@@ -403,6 +403,108 @@ def ssd_bwd_dbc_v2(
 #   402 us (1.10x), still 0.96x mamba-ssm's 352 us; the rest of the gap is bytes.
 
 
+# ssd_bwd_dbc_v3 (opt-in, variant "v3"; not yet timed on a GPU): two kernels with dCB written to memory
+#   in between, as mamba-ssm does, instead of v1's one program per (b, chunk, group) that keeps the whole-chunk
+#   dB accumulator, dC and dCB tiles live across serial head x tile loops (1024 programs, ~8 per SM, one CTA
+#   each: memory latency is not hidden; 813 us against mamba-ssm's 588 us for the four kernels).
+#   ssd_bwd_dc_dcb: grid (row tiles of c, g, nc, b), 2048 programs at bm 64. Per head: ds = dout_x[ti] @ S
+#     (dC state part, ddacs_prev) and the dCB row block gts * decay * dt over the whole chunk. Then
+#     dC[ti] += dCB[ti, :] @ B, and dCB is stored in bf16 (both v1 and v2 round it to bf16 before their
+#     dots, so the values are the same): (b, nc, g, c, c) is 34 MB at the Nano shape.
+#   ssd_bwd_db_v3: grid (row tiles of c as s, g, nc, b). dB[s] = sum_h decay dt x_h[s] @ dL_h
+#     + sum_{t >= s} dCB[t, s]^T C[t]. Registers: (bm x n) fp32 accumulators and one (bm x c) block.
+@helion.kernel(static_shapes=True)
+def ssd_bwd_dc_dcb(
+    x: torch.Tensor,  # (b, nc, c, h, p)
+    dout_x: torch.Tensor,  # (b, nc, c, h, p)
+    B: torch.Tensor,  # (b, nc, c, g, n)
+    C: torch.Tensor,  # (b, nc, c, g, n)
+    dt: torch.Tensor,  # (b, h, nc, c) fp32
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    states_in: torch.Tensor,  # (b, nc, h, p, n) fp32 or x.dtype
+    same_seq: torch.Tensor,  # (b, nc, c, c) fp32
+    prev_keep: torch.Tensor,  # (b, nc, c) fp32
+    dC: torch.Tensor,  # (b, nc, c, g, n) written (may be a strided view)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, nc, c, h, p = x.shape
+    g = B.shape[3]
+    n = B.shape[4]
+    hpg = h // g
+    ddacs_prev = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
+    dCB = torch.empty([b, nc, g, c, c], dtype=x.dtype, device=x.device)
+    bm = hl.register_block_size(16, 128)
+    for ti, tg, tc, tb in hl.tile([c, g, nc, b], block_size=[bm, 1, 1, 1]):
+        ib = tb.begin
+        ic = tc.begin
+        ig = tg.begin
+        C_i = C[ib, ic, ti, ig, :].to(torch.float32)
+        dc = hl.zeros([ti, n], dtype=torch.float32)
+        dcb = hl.zeros([ti, c], dtype=torch.float32)
+        for hh in hl.grid(hpg):
+            ih = ig * hpg + hh
+            acs_i = dA_cumsum[ib, ih, ic, ti]
+            acs = dA_cumsum[ib, ih, ic, :]
+            dot_i = dout_x[ib, ic, ti, ih, :]
+            ds = hl.dot(dot_i, states_in[ib, ic, ih, :, :].to(x.dtype))  # (bm, n)
+            pscale = torch.exp2(acs_i * _LOG2E) * prev_keep[ib, ic, ti]
+            dc = dc + ds * pscale[:, None]
+            ddacs_prev[ib, ih, ic, ti] = torch.sum(ds * C_i, dim=1) * pscale
+            gts = hl.dot(dot_i, x[ib, ic, :, ih, :].T)  # (bm, c): dout_x[t] . x[s]
+            causal = ti.index[:, None] >= hl.arange(c)[None, :]
+            seg = torch.clamp(torch.where(causal, acs_i[:, None] - acs[None, :], float("-inf")), max=0.0)  # see ssd_bwd_dx
+            dcb = dcb + gts * torch.exp2(seg * _LOG2E) * dt[ib, ih, ic, :][None, :]
+        dcb_c = (dcb * same_seq[ib, ic, ti, :]).to(x.dtype)
+        dCB[ib, ic, ig, ti, :] = dcb_c
+        dc = hl.dot(dcb_c, B[ib, ic, :, ig, :], acc=dc)
+        dC[ib, ic, ti, ig, :] = dc.to(dC.dtype)
+    return ddacs_prev, dCB
+
+
+@helion.kernel(static_shapes=True)
+def ssd_bwd_db_v3(
+    x: torch.Tensor,  # (b, nc, c, h, p)
+    dCB: torch.Tensor,  # (b, nc, g, c, c) x.dtype, from ssd_bwd_dc_dcb
+    C: torch.Tensor,  # (b, nc, c, g, n)
+    dt: torch.Tensor,  # (b, h, nc, c) fp32
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    dL: torch.Tensor,  # (b, nc, h, p, n) fp32 or x.dtype
+    last_keep: torch.Tensor,  # (b, nc, c) fp32
+    dB: torch.Tensor,  # (b, nc, c, g, n) written (may be a strided view)
+) -> torch.Tensor:
+    b, nc, c, h, p = x.shape
+    g = C.shape[3]
+    n = C.shape[4]
+    hpg = h // g
+    bm = hl.register_block_size(16, 128)
+    bk = hl.register_block_size(16, 128)
+    for si, tg, tc, tb in hl.tile([c, g, nc, b], block_size=[bm, 1, 1, 1]):
+        ib = tb.begin
+        ic = tc.begin
+        ig = tg.begin
+        db = hl.zeros([si, n], dtype=torch.float32)
+        for hh in hl.grid(hpg):
+            ih = ig * hpg + hh
+            acs_s = dA_cumsum[ib, ih, ic, si]
+            a_last = dA_cumsum[ib, ih, ic, c - 1]
+            sc = torch.exp2(torch.clamp(a_last - acs_s, max=0.0) * _LOG2E) * dt[ib, ih, ic, si] * last_keep[ib, ic, si]
+            xsc = (x[ib, ic, si, ih, :].to(torch.float32) * sc[:, None]).to(x.dtype)
+            db = hl.dot(xsc, dL[ib, ic, ih, :, :].to(x.dtype), acc=db)
+        # dCB[t, s] is zero for t < s (causal): only the row tiles from this tile's start on
+        for tt in hl.tile(si.begin, c, block_size=bk):
+            db = hl.dot(dCB[ib, ic, ig, tt, si].T, C[ib, ic, tt, ig, :], acc=db)
+        dB[ib, ic, si, ig, :] = db.to(dB.dtype)
+    return dB
+
+
+def ssd_bwd_dbc_v3(args: tuple, dims: dict) -> torch.Tensor:
+    """Variant "v3" of ssd_bwd_dbc: the same arguments and results (dB, dC written, ddacs_prev returned) from
+    ssd_bwd_dc_dcb then ssd_bwd_db_v3."""
+    x, dout_x, B, C, dt, dA_cumsum, states_in, dL, same_seq, prev_keep, last_keep, dB, dC = args
+    ddacs_prev, dCB = _call("ssd_bwd_dc_dcb", (x, dout_x, B, C, dt, dA_cumsum, states_in, same_seq, prev_keep, dC), dims)
+    _call("ssd_bwd_db_v3", (x, dCB, C, dt, dA_cumsum, dL, last_keep, dB), dims)
+    return ddacs_prev
+
+
 @helion.kernel(static_shapes=True)
 def ssd_bwd_dz_dstates_v2(
     dout: torch.Tensor,  # (b, nc, c, h, p)
@@ -451,15 +553,19 @@ _DEFAULTS = {
     "ssd_bwd_dt": helion.Config(block_sizes=[], num_warps=4, num_stages=1),
     "ssd_bwd_dz_dstates_v2": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
     "ssd_bwd_dbc_v2": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
+    "ssd_bwd_dc_dcb": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
+    "ssd_bwd_db_v3": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
 }
 # block-size seeds of kernels with more than one block size (others use _BLOCK_SEEDS)
 _MULTI_BLOCK_SEEDS = {
     "ssd_bwd_dbc_v2": [[64, 64], [32, 32], [32, 64], [64, 32], [128, 64], [64, 128], [32, 128], [16, 64]],
+    "ssd_bwd_db_v3": [[64, 64], [32, 32], [32, 64], [64, 32], [128, 64], [64, 128], [32, 128], [16, 64]],
 }
 # variant name -> {base kernel: kernel that replaces it}
 VARIANTS = {
     "v1": {},
     "v2": {"ssd_bwd_dbc": "ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"},
+    "v3": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3"},
 }
 _VARIANT = "v1"
 
@@ -469,7 +575,7 @@ def _variant_map(variant: str | dict | None) -> dict[str, str]:
     v = _VARIANT if variant is None else variant
     if isinstance(v, dict):
         for base, k in v.items():
-            if k not in _KERNELS or base not in _KERNELS:
+            if (k not in _KERNELS and k not in _COMPOSITE) or base not in _KERNELS:
                 raise ValueError(f"unknown kernel in variant map {v!r} (known: {sorted(_KERNELS)})")
         return dict(v)
     if v not in VARIANTS:
@@ -496,7 +602,11 @@ _KERNELS = {
     "ssd_bwd_dt": ssd_bwd_dt,
     "ssd_bwd_dz_dstates_v2": ssd_bwd_dz_dstates_v2,
     "ssd_bwd_dbc_v2": ssd_bwd_dbc_v2,
+    "ssd_bwd_dc_dcb": ssd_bwd_dc_dcb,
+    "ssd_bwd_db_v3": ssd_bwd_db_v3,
 }
+# variants made of several kernels: name -> function(args, dims) with the replaced kernel's arguments/results
+_COMPOSITE = {"ssd_bwd_dbc_v3": ssd_bwd_dbc_v3}
 
 
 def _block_seeds(name: str) -> list[list[int]]:
@@ -597,7 +707,7 @@ def ssd_backward_helion(
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     dA_cumsum = dA_cumsum.contiguous()
     dt_out = dt_out.contiguous()
-    # v1's ssd_bwd_dbc was tuned on fp32 states_in; ssd_bwd_dbc_v2 reads states_in in its own dtype
+    # v1's ssd_bwd_dbc was tuned on fp32 states_in; v2 / v3 read states_in in its own dtype
     states_in = states_in.contiguous() if "ssd_bwd_dbc" in vmap else states_in.float().contiguous()
 
     def buf(name, like_c, dtype=None):
@@ -634,9 +744,9 @@ def ssd_backward_helion(
     ddt_out, ddacs_row, ddacs_col, dD_part = _call(
         "ssd_bwd_dx", (xc, doxc, Bc, CB, dt_out, dA_cumsum, dL, m["last_keep"], Dw, dxc), dims)
     dBc, dCc = buf("dB", Bc), buf("dC", Cc)
-    ddacs_prev = _call(
-        vmap.get("ssd_bwd_dbc", "ssd_bwd_dbc"), (xc, doxc, Bc, Cc, dt_out, dA_cumsum, states_in, dL, m["same_seq"], m["prev_keep"],
-                        m["last_keep"], dBc, dCc), dims)
+    dbc_name = vmap.get("ssd_bwd_dbc", "ssd_bwd_dbc")
+    dbc_args = (xc, doxc, Bc, Cc, dt_out, dA_cumsum, states_in, dL, m["same_seq"], m["prev_keep"], m["last_keep"], dBc, dCc)
+    ddacs_prev = (_COMPOSITE[dbc_name](dbc_args, dims) if dbc_name in _COMPOSITE else _call(dbc_name, dbc_args, dims))
 
     ddtc = buf("ddt", dtc, dtype=torch.float32 if "ddt" not in out else None)
     dA_part, ddtb_part = _call(
@@ -698,6 +808,12 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
         return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n, dtype=f32),
                 r(b, nc, h, p, n, dtype=f32), torch.ones(b, nc, c, c, device=device), ones, ones, r(b, nc, c, g, n),
                 r(b, nc, c, g, n)), kd
+    if name == "ssd_bwd_dc_dcb":
+        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n, dtype=f32),
+                torch.ones(b, nc, c, c, device=device), ones, r(b, nc, c, g, n)), kd
+    if name == "ssd_bwd_db_v3":
+        dcb = torch.tril(torch.randn(b, nc, g, c, c, device=device)).to(bf)
+        return (r(*xs), dcb, r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n, dtype=f32), ones, r(b, nc, c, g, n)), kd
     if name == "ssd_bwd_dt":
         q = lambda: r(b, h, nc, c, dtype=f32)  # noqa: E731
         return (q(), q(), q(), r(b, h, nc, dtype=f32), q(), dt, r(b, nc, c, h), r(h, dtype=f32),
@@ -707,7 +823,7 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
 
 # argument positions of the result buffers each kernel writes (compared by the tuner)
 _OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dbc": (11, 12), "ssd_bwd_dt": (9,),
-             "ssd_bwd_dz_dstates_v2": (6,), "ssd_bwd_dbc_v2": (11, 12)}
+             "ssd_bwd_dz_dstates_v2": (6,), "ssd_bwd_dbc_v2": (11, 12), "ssd_bwd_dc_dcb": (9,), "ssd_bwd_db_v3": (7,)}
 
 
 def _tune_builder(name: str):

@@ -365,7 +365,8 @@ def fit_block_sizes(bound, cfg: helion.Config) -> helion.Config:
         return cfg
     fit = []
     for b, sp in zip(bs, specs):
-        cap = max(int(sp.min_size), min(int(sp.max_size), _next_pow2(int(sp.size_hint))))
+        # size_hint is the tiled dimension (max_size is not: Helion's config generation can raise it)
+        cap = max(int(sp.min_size), _next_pow2(int(sp.size_hint)))
         fit.append(min(int(b), cap) if isinstance(b, int) else b)
     if fit == bs:
         return cfg

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""SSD kernel variants side by side on one GPU: mamba-ssm vs Helion v1 (committed kernels) vs Helion v2.
+"""SSD kernel variants side by side on one GPU: mamba-ssm vs Helion v1 (committed kernels) vs a candidate
+variant (``--variant v2``, the default, or ``v3``: ssd_bwd_dbc as ssd_bwd_dc_dcb + ssd_bwd_db_v3).
 
 Arms run in alternating order over ``--rounds`` rounds of ``--iters`` calls (CUDA events), with an
 A-vs-A control of v1. Rows:
@@ -10,13 +11,14 @@ A-vs-A control of v1. Rows:
   588 us and dz+dstates = 352 us, come from the profiler table in
   kernels_mamba_ssm_vs_helion_nano.md and are reported as the reference column)
 - ``ssd_backward``: ``ssd_backward_helion`` v1 | v2 (whole Helion SSD backward)
-Correctness: v2 vs v1 outputs (max abs err / max |v1|) on the same inputs for every row.
+With ``--variant v3`` only the rows v3 changes run (bwd_dbc, ssd_backward).
+Correctness: candidate vs v1 outputs (max abs err / max |v1|) on the same inputs for every row.
 Configs: v1 uses kernels/configs/<arch>/, v2 its tuned file if present, else its generic default
 (tune first: ``python scripts/tune_kernels.py --kernels ssd_bwd_dbc_v2,ssd_bwd_dz_dstates_v2,ssd_chunk_scan_v2``).
 
-    OUT=benchmarks/results/h200 python scripts/bench_ssd_variants.py [--shape nano] [--rounds 5 --iters 10]
+    OUT=benchmarks/results/h200 python scripts/bench_ssd_variants.py [--shape nano] [--rounds 5 --iters 10] [--variant v3]
 
-Writes $OUT/ssd_variants_bench.json and .md.
+Writes $OUT/ssd_variants_bench.json and .md (``ssd_variants_bench_v3.*`` for v3).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def _outs(r):
     return [t for t in (r if isinstance(r, (tuple, list)) else (r,)) if torch.is_tensor(t)]
 
 
-def rows(md: dict) -> dict:
-    """name -> {arm: fn}; v1/v2 fns return comparable outputs."""
+def rows(md: dict, cand: str = "v2") -> dict:
+    """name -> {arm: fn} with arms mamba_ssm (where one op matches), "v1" and ``cand``; their fns return
+    comparable outputs."""
     import bench_ssd_fwd
 
     m = bench_ssd_fwd._mamba()
@@ -84,7 +87,13 @@ def rows(md: dict) -> dict:
                 return [args[i] for i in outs] + _outs(raw)
             return f
 
-        out[row] = {"v1": mk(base), "v2": mk(base + "_v2")}
+        name = sb._variant_map(cand).get(base)
+        if name in sb._COMPOSITE:
+            def comp(fn=sb._COMPOSITE[name], args=args, dims=dims, outs=outs):
+                return lambda: [args[i] for i in outs] + _outs(fn(args, dims))
+            out[row] = {"v1": mk(base), cand: comp()}
+        elif name is not None:
+            out[row] = {"v1": mk(base), cand: mk(name)}
     # whole Helion SSD backward (forward pieces from the v1 forward)
     o, ox, dto2, dac2, st2, _ = sh.ssd_forward_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True,
                                                     state_dtype=torch.float32)
@@ -94,16 +103,16 @@ def rows(md: dict) -> dict:
     def bwd(v):
         return lambda: sb.ssd_backward_helion(dout, x, z, ox, dt, A, B, C, D, dtb, dto2, dac2, st2, CB2, c, variant=v)
 
-    out["ssd_backward"] = {"v1": bwd("v1"), "v2": bwd("v2")}
-    return out
+    out["ssd_backward"] = {"v1": bwd("v1"), cand: bwd(cand)}
+    return {k: v for k, v in out.items() if cand in v}
 
 
-def bench(md: dict, rounds: int, iters: int) -> dict:
-    res = {"dims": md, "rows": {}, "errors": {}}
-    for name, arms in rows(md).items():
+def bench(md: dict, rounds: int, iters: int, cand: str = "v2") -> dict:
+    res = {"dims": md, "candidate": cand, "rows": {}, "errors": {}}
+    for name, arms in rows(md, cand).items():
         try:
             r1 = [o.clone() for o in _outs(arms["v1"]())]  # bwd kernels write into shared buffers
-            r2 = _outs(arms["v2"]())
+            r2 = _outs(arms[cand]())
             err = max(_err(a, b) for a, b in zip(r2, r1))
             arms = dict(arms, **{"v1#2": arms["v1"]})
             for f in arms.values():
@@ -114,17 +123,17 @@ def bench(md: dict, rounds: int, iters: int) -> dict:
             for order in bl.alternating_order(len(labels), rounds):
                 for i in order:
                     samples[labels[i]] += bl.time_calls(arms[labels[i]], iters, "cuda")
-            r = {"ms": {k: bl.summarize(v) for k, v in samples.items()}, "v2_vs_v1_rel_err": err,
-                 "speedup_v2_vs_v1": bl.ratio_summary(samples["v1"], samples["v2"]),
+            r = {"ms": {k: bl.summarize(v) for k, v in samples.items()}, f"{cand}_vs_v1_rel_err": err,
+                 f"speedup_{cand}_vs_v1": bl.ratio_summary(samples["v1"], samples[cand]),
                  "control_v1_vs_v1": bl.ratio_summary(samples["v1"], samples["v1#2"])}
             if "mamba_ssm" in samples:
                 r["speedup_v1_vs_mamba"] = bl.ratio_summary(samples["mamba_ssm"], samples["v1"])
-                r["speedup_v2_vs_mamba"] = bl.ratio_summary(samples["mamba_ssm"], samples["v2"])
+                r[f"speedup_{cand}_vs_mamba"] = bl.ratio_summary(samples["mamba_ssm"], samples[cand])
             elif name in MAMBA_REF_US:
                 r["mamba_ref_us"] = MAMBA_REF_US[name]
             res["rows"][name] = r
             print(f"{name:16s} " + "  ".join(f"{k} {v['median'] * 1e3:8.1f} us" for k, v in r["ms"].items())
-                  + f"  v2/v1 {r['speedup_v2_vs_v1']['speedup']:.3f}x  err {err:.2e}", flush=True)
+                  + f"  {cand}/v1 {r[f'speedup_{cand}_vs_v1']['speedup']:.3f}x  err {err:.2e}", flush=True)
         except Exception:  # noqa: BLE001 - one row failing must not hide the others
             res["errors"][name] = traceback.format_exc()
             print(f"{name} FAILED\n{res['errors'][name]}", flush=True)
@@ -132,19 +141,20 @@ def bench(md: dict, rounds: int, iters: int) -> dict:
 
 
 def markdown(res: dict, env: dict) -> str:
+    cand = res.get("candidate", "v2")
     body = []
     for name, r in res["rows"].items():
         ms = r["ms"]
         mam = ms["mamba_ssm"]["median"] * 1e3 if "mamba_ssm" in ms else r.get("mamba_ref_us")
-        v1, v2 = ms["v1"]["median"] * 1e3, ms["v2"]["median"] * 1e3
-        sp = r["speedup_v2_vs_v1"]
+        v1, v2 = ms["v1"]["median"] * 1e3, ms[cand]["median"] * 1e3
+        sp = r[f"speedup_{cand}_vs_v1"]
         body.append([name, f"{mam:.1f}" + ("" if "mamba_ssm" in ms else " (ref)") if mam else "-", f"{v1:.1f}", f"{v2:.1f}",
                      f"{sp['speedup']:.3f} [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]",
                      f"{mam / v1:.2f}" if mam else "-", f"{mam / v2:.2f}" if mam else "-",
-                     f"{r['control_v1_vs_v1']['speedup']:.3f}", f"{r['v2_vs_v1_rel_err']:.1e}"])
-    txt = "# SSD kernel variants: mamba-ssm vs Helion v1 vs v2\n\n" + bl.env_markdown(env) + "\n\n" + bl.md_table(
-        ["row", "mamba-ssm us", "v1 us", "v2 us", "v2/v1 speedup [95% CI]", "v1 vs mamba", "v2 vs mamba",
-         "A-vs-A (v1)", "v2 vs v1 err"], body)
+                     f"{r['control_v1_vs_v1']['speedup']:.3f}", f"{r[f'{cand}_vs_v1_rel_err']:.1e}"])
+    txt = f"# SSD kernel variants: mamba-ssm vs Helion v1 vs {cand}\n\n" + bl.env_markdown(env) + "\n\n" + bl.md_table(
+        ["row", "mamba-ssm us", "v1 us", f"{cand} us", f"{cand}/v1 speedup [95% CI]", "v1 vs mamba", f"{cand} vs mamba",
+         "A-vs-A (v1)", f"{cand} vs v1 err"], body)
     for k, e in res["errors"].items():
         txt += f"\n\nERROR {k}:\n```\n{e[-1500:]}\n```"
     return txt
@@ -155,14 +165,17 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="nano", choices=sorted(tuning.SHAPE_PRESETS))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--variant", default="v2", choices=[v for v in sb.VARIANTS if v != "v1"],
+                    help="the candidate compared with v1")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_ssd_variants.py needs a CUDA GPU")
     env = bl.env_info()
-    res = bench(tuning.SHAPE_PRESETS[a.shape], a.rounds, a.iters)
+    res = bench(tuning.SHAPE_PRESETS[a.shape], a.rounds, a.iters, a.variant)
     data = {"env": env, "shape": a.shape, "rounds": a.rounds, "iters": a.iters, **res}
     txt = markdown(res, env)
-    jp, mp = bl.write_results(bl.default_out_dir(), "ssd_variants_bench", data, txt)
+    stem = "ssd_variants_bench" if a.variant == "v2" else f"ssd_variants_bench_{a.variant}"
+    jp, mp = bl.write_results(bl.default_out_dir(), stem, data, txt)
     print(txt)
     print(f"wrote {jp} and {mp}")
     return 1 if res["errors"] else 0

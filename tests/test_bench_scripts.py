@@ -490,3 +490,17 @@ def test_gpu_job_scripts_parse_and_share_one_preamble(tmp_path):
     assert auto == "1" and cache == f"{root}/.triton_cache" and pypath == f"{root}/site:{root}"
     assert (out / "setup_stages.tsv").read_text().startswith("stage\trc\tseconds")
     assert (out / "logs" / "nvidia_smi.csv").exists()
+
+
+def test_ssd_variants_markdown_names_the_candidate():
+    import bench_ssd_variants as bsv
+
+    s = {"median": 1.0, "p10": 1.0, "p90": 1.0}  # ms
+    sp = {"speedup": 1.25, "ci_lo": 1.2, "ci_hi": 1.3}
+    res = {"candidate": "v3", "errors": {}, "rows": {"bwd_dbc": {
+        "ms": {"v1": s, "v3": {**s, "median": 0.8}, "v1#2": s}, "v3_vs_v1_rel_err": 1e-3,
+        "speedup_v3_vs_v1": sp, "control_v1_vs_v1": {"speedup": 1.0}, "mamba_ref_us": 588.0}}}
+    md = bsv.markdown(res, {"gpu": "x"})
+    assert "Helion v1 vs v3" in md and "v3/v1 speedup" in md and "| bwd_dbc | 588.0 (ref) | 1000.0 | 800.0 | 1.250" in md
+    with pytest.raises(SystemExit):
+        bsv.main(["--variant", "v9"])

@@ -116,7 +116,7 @@ def test_bad_inputs_fail_early():
 def test_tunable_kernels_registered():
     assert set(bwd.TUNABLE_KERNELS) == set(bwd._KERNELS)
     for kernels in bwd.VARIANTS.values():
-        assert set(kernels) | set(kernels.values()) <= set(bwd._KERNELS)
+        assert set(kernels) | set(kernels.values()) <= set(bwd._KERNELS) | set(bwd._COMPOSITE)
 
 
 def _min_blocks(monkeypatch):
@@ -164,7 +164,7 @@ def test_variant_selection():
     assert bwd.get_variant() == "v1"
 
 
-@pytest.mark.parametrize("name", ["ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates_v2"])
+@pytest.mark.parametrize("name", ["ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates_v2", "ssd_bwd_dc_dcb", "ssd_bwd_db_v3"])
 def test_v2_triton_codegen_nano_shape(name, monkeypatch):
     """The variants generate one Triton kernel with tl.dot at the Nano chunk shape (p 64, n 128,
     c 128) for their default config and a sample of their tuning seeds."""
@@ -238,7 +238,7 @@ def test_vs_mamba_ssm_nano_shape_bf16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: interpret mode clips tiles to the range, "
                     "so the lanes past the chunk end that broke this exist only in the compiled Triton kernel")
-@pytest.mark.parametrize("name", ["ssd_bwd_dx", "ssd_bwd_dbc", "ssd_bwd_dbc_v2"])
+@pytest.mark.parametrize("name", ["ssd_bwd_dx", "ssd_bwd_dbc", "ssd_bwd_dbc_v2", "ssd_bwd_dc_dcb"])
 def test_block_larger_than_chunk_stays_finite_with_long_decay(name):
     """A config whose row block is larger than the chunk (a Nano config used at a smaller chunk through
     the nearest-shape fallback) leaves tile lanes past the chunk end, which load dA_cumsum = 0 (masked
@@ -267,3 +267,30 @@ def test_block_larger_than_chunk_stays_finite_with_long_decay(name):
     for small, big in zip(*outs):
         assert torch.isfinite(big.float()).all()
         torch.testing.assert_close(big.float(), small.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "shape,kw,small_blocks",
+    [
+        ((2, 45, 4, 8, 2, 16, 16), dict(seq=True, init=True, D2=True), False),
+        ((2, 37, 6, 8, 3, 16, 16), dict(init=True), False),
+        ((1, 40, 3, 16, 1, 32, 32), dict(seq=True), True),  # 2 row tiles per chunk
+        ((2, 75, 4, 8, 2, 16, 64), dict(seq=True, init=True), True),  # 4 row tiles per chunk
+    ],
+)
+def test_v3_grads_match_reference_fp32(shape, kw, small_blocks, monkeypatch):
+    """variant="v3" (ssd_bwd_dbc as ssd_bwd_dc_dcb + ssd_bwd_db_v3, dCB through memory) gives the
+    reference gradients, and the same dB/dC as v1 within bf16 rounding of dCB."""
+    if small_blocks:
+        _min_blocks(monkeypatch)
+    ref, v1, _ = _ref_and_helion(*shape, **kw)
+    bwd.set_variant("v3")
+    try:
+        _, got, _ = _ref_and_helion(*shape, **kw)
+    finally:
+        bwd.set_variant("v1")
+    for k, r in ref.items():
+        err = (got[k].float() - r.float()).abs().max().item()
+        tol = 1e-4 * max(1.0, r.abs().max().item())
+        assert err <= tol, f"{k}: max err {err:.3e} > {tol:.3e}"
+        assert torch.allclose(got[k].float(), v1[k].float(), atol=tol, rtol=0), k
