@@ -1,45 +1,40 @@
 #!/usr/bin/env bash
-# Session 4, call 1 (docs/GPU_RUNBOOK.md, "Session 4"). Two H200s (<= 9.5 min), two single-GPU tracks,
-# then both GPUs:
-#   GPU 0: SSD / fused-op GPU tests (checks tuning.fit_access_lists: the initial-states / seq_idx cases
-#          failed in session 3) -> 50-step tiny loss match torch, helion, mamba_ssm, torch -> the 2-GPU
-#          check's single-GPU reference run
-#   GPU 1: config search starting from the committed winners and their neighbours (TMA indexing,
-#          eviction policies, warps/stages +-1) for conv1d_bwd_v3, ssd_bwd_dx, ssd_bwd_dbc, ssd_chunk_scan
-#          -> the single-GPU run again (A-vs-A control for the 2-GPU loss check)
-#   both:  DP2 and EP2 against this call's single run
+# The next GPU call, prepared at the end of session 4 (docs/GPU_RUNBOOK.md, "Where session 4 stopped"); not yet run.
+# Two H200s (<= 9.5 min), two single-GPU tracks:
+#   GPU 0: ssd_bwd_dbc v3 (ssd_bwd_dc_dcb + ssd_bwd_db_v3: dCB through memory) -> its GPU test with a block
+#          larger than the chunk -> config search for both kernels -> bench_ssd_variants --variant v3 (v1 vs v3
+#          and the whole backward) -> the mixer-op A/B
+#   GPU 1: searches cut by job limits in session 4 (ssd_chunk_scan, rmsnorm_fwd_v2) -> RMSNorm per-call timing
+#          and profile, on a GPU whose neighbour is not running a training step
+# Then the convergence pair is a call of its own: scripts/gpu_call_convergence.sh (LIMIT_S=420), and the A-vs-A
+# pair another (BACKENDS="mamba_ssm mamba_ssm" TAG=ava).
 #     OUT=/tmp/o WHEELHOUSE=.gpu bash scripts/gpu_call_next.sh
 set -u
 cd "$(dirname "$0")/.."
 # shellcheck source=gpu_stages.sh
 source scripts/gpu_stages.sh
-TOTAL_S="${TOTAL_S:-555}"
-PHASE2_S="${PHASE2_S:-150}"
+TOTAL_S="${TOTAL_S:-540}"
 gpu_call_begin || exit 1
 
 track0() {
     export CUDA_VISIBLE_DEVICES=0
-    TOTAL_S=$(( TOTAL_S - PHASE2_S ))
     stage_table track0_stages.tsv
-    run_stage gpu_tests_ssd 100 python3 -m pytest -q -m gpu -rf --tb=short tests/test_ssd_helion.py \
-        tests/test_ssd_helion_bwd.py tests/test_mamba_split_helion.py
-    run_stage loss_match 150 python3 scripts/backend_loss_match.py --backends torch,helion,mamba_ssm,torch --steps 50 --quiet
-    run_stage ref_single 90 env RUNS=single CHECKS= SKIP_SETUP=1 bash scripts/gpu_2gpu.sh
+    run_stage gpu_test_v3 90 python3 -m pytest -v -m gpu -rA --tb=short tests/test_ssd_helion_bwd.py -k block_larger
+    run_stage tune_v3 170 python3 scripts/tune_kernels.py --kernels ssd_bwd_dc_dcb,ssd_bwd_db_v3 --shapes nano --budget-s 140
+    mkdir -p "$OUT/configs" && cp -r kernels/configs/sm* "$OUT/configs/"
+    run_stage ssd_v3 100 python3 scripts/bench_ssd_variants.py --shape nano --variant v3 --rounds 4 --iters 8
+    run_stage ab_nano 100 python3 scripts/bench_kernels.py --backend mamba_ssm --compare helion --shape nano --rounds 4 --iters 8
 }
 
 track1() {
     export CUDA_VISIBLE_DEVICES=1
-    TOTAL_S=$(( TOTAL_S - PHASE2_S ))
     stage_table track1_stages.tsv
-    run_stage tune 300 python3 scripts/tune_kernels.py --kernels conv1d_bwd_v3,ssd_bwd_dx,ssd_bwd_dbc,ssd_chunk_scan \
-        --shapes nano --budget-s 250
-    mkdir -p "$OUT/configs" && cp -r kernels/configs/sm* "$OUT/configs/"
-    run_stage ref_single_b 90 env RUNS=single_b CHECKS= SKIP_SETUP=1 bash scripts/gpu_2gpu.sh
+    run_stage tune_rest 200 python3 scripts/tune_kernels.py --kernels ssd_chunk_scan,rmsnorm_fwd_v2 --shapes nano --budget-s 150
+    mkdir -p "$OUT/configs1" && cp -r kernels/configs/sm* "$OUT/configs1/"
+    run_stage norm_profile 60 python3 scripts/bench_norm_conv.py --ops rmsnorm --shapes nano --rounds 5 --profile
 }
 
 run_tracks
-stage_table phase2_stages.tsv
-run_stage parallel_dp2_ep2 150 env RUNS="dp2 ep2" CHECKS="dp2 ep2 single_b" SKIP_SETUP=1 bash scripts/gpu_2gpu.sh
 save_triton_autotune
-tail -n 20 "$OUT/logs/track0.out"; echo; tail -n 20 "$OUT/logs/track1.out"
-cat "$OUT"/track*_stages.tsv "$OUT/phase2_stages.tsv"
+tail -n 25 "$OUT/logs/track0.out"; echo; tail -n 25 "$OUT/logs/track1.out"
+cat "$OUT"/track*_stages.tsv
