@@ -320,6 +320,7 @@ def main(argv=None) -> int:
         "targets_h200_nano": {"rmsnorm_bwd_speedup": 3.5, "rmsnorm_fwd_speedup": 1.2, "conv1d_fwd_speedup": 1.0, "conv1d_bwd_speedup": 1.0},
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "arch": tuning.current_arch(), "versions": versions,
+        "helion_fast_launch": tuning._FAST_LAUNCH,  # NANO_HELION_FAST_LAUNCH=1: tuning.FastLauncher
         "results": {},
     }
     path = out_dir / "bench_norm_conv.json"

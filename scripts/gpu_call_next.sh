@@ -4,8 +4,10 @@
 #   GPU 0: ssd_bwd_dbc v3 (ssd_bwd_dc_dcb + ssd_bwd_db_v3: dCB through memory) -> its GPU test with a block
 #          larger than the chunk -> config search for both kernels -> bench_ssd_variants --variant v3 (v1 vs v3
 #          and the whole backward) -> the mixer-op A/B
-#   GPU 1: searches cut by job limits in session 4 (ssd_chunk_scan, rmsnorm_fwd_v2) -> RMSNorm per-call timing
-#          and profile, on a GPU whose neighbour is not running a training step
+#   GPU 1: searches cut by job limits in session 4 (ssd_chunk_scan, rmsnorm_fwd_v2) and the untuned
+#          ssd_bwd_dz_dstates_v2 (1.10x v1 untuned in session 3) -> RMSNorm per-call timing and profile, on a GPU
+#          whose neighbour is not running a training step -> the opt-in direct Triton launch (FastLauncher):
+#          bitwise check and the same RMSNorm timing with it -> the v2 variants tuned, against v1
 # Then the convergence pair is a call of its own: scripts/gpu_call_convergence.sh (LIMIT_S=420), and the A-vs-A
 # pair another (BACKENDS="mamba_ssm mamba_ssm" TAG=ava).
 #     OUT=/tmp/o WHEELHOUSE=.gpu bash scripts/gpu_call_next.sh
@@ -29,9 +31,15 @@ track0() {
 track1() {
     export CUDA_VISIBLE_DEVICES=1
     stage_table track1_stages.tsv
-    run_stage tune_rest 200 python3 scripts/tune_kernels.py --kernels ssd_chunk_scan,rmsnorm_fwd_v2 --shapes nano --budget-s 150
+    run_stage tune_rest 230 python3 scripts/tune_kernels.py --kernels ssd_chunk_scan,rmsnorm_fwd_v2,ssd_bwd_dz_dstates_v2 \
+        --shapes nano --budget-s 180
     mkdir -p "$OUT/configs1" && cp -r kernels/configs/sm* "$OUT/configs1/"
     run_stage norm_profile 60 python3 scripts/bench_norm_conv.py --ops rmsnorm --shapes nano --rounds 5 --profile
+    # the opt-in direct Triton launch (tuning.FastLauncher): bitwise check, then the same RMSNorm timing with it
+    run_stage fast_launch_test 90 python3 -m pytest -v -m gpu -rA --tb=short tests/test_mamba_split_helion.py -k fast_launch
+    mkdir -p "$OUT/fast_launch" && run_stage norm_profile_fast 60 env NANO_HELION_FAST_LAUNCH=1 OUT="$OUT/fast_launch" \
+        python3 scripts/bench_norm_conv.py --ops rmsnorm --shapes nano --rounds 5 --profile
+    run_stage ssd_v2 100 python3 scripts/bench_ssd_variants.py --shape nano --variant v2 --rounds 4 --iters 8
 }
 
 run_tracks

@@ -123,3 +123,43 @@ def test_op_count_fused_path():
         r = res[part]
         print(f"\n{part}: {r['n_work']} work ops, {r['n_alloc']} allocs, {r['n_view']} views, "
               f"{r['n_helion']} Helion kernels\n  work: {r['work']}\n  helion: {r['helion']}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_launch_gives_bitwise_equal_results():
+    """kernels.tuning.set_fast_launch(True) (FastLauncher) launches the same binaries with the same arguments:
+    the fused op's output and gradients at a small and the Nano shape equal those of Helion's launcher
+    bitwise, over repeated calls, and the repeated calls take the fast path."""
+    from kernels import rmsnorm_gated as R
+    from kernels import tuning
+
+    def run(shape, fast):
+        tuning.clear_caches()
+        tuning.set_fast_launch(fast)
+        try:
+            t = _case(*shape[:6], device="cuda", dtype=torch.bfloat16)
+            t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
+            kw = dict(chunk_size=shape[6], headdim=shape[3], ngroups=shape[4], norm_before_gate=False)
+            outs = []
+            for _ in range(3):
+                leaves = {k: v.detach().requires_grad_(True) for k, v in t.items()}
+                out = msh.mamba_split_conv1d_scan_combined_helion(*leaves.values(), **kw)
+                x = out.reshape(-1, out.shape[-1])
+                w = torch.ones(x.shape[-1], device="cuda", dtype=x.dtype)
+                y = R.rmsnorm_fn_helion(x, w, None, eps=1e-5, group_size=x.shape[-1] // shape[4], norm_before_gate=False)
+                grads = torch.autograd.grad(y.float().square().sum(), list(leaves.values()))
+                outs.append([y] + list(grads))
+            launchers = [f.keywords["_launcher"] for f in tuning._COMPILED.values() if hasattr(f, "keywords")]
+            return outs, launchers
+        finally:
+            tuning.set_fast_launch(False)
+            tuning.clear_caches()
+
+    for shape in ((2, 300, 8, 32, 2, 32, 64), (2, 8192, 64, 64, 8, 128, 128)):
+        base, none = run(shape, False)
+        fast, launchers = run(shape, True)
+        assert not none and launchers and sum(fl.n_fast for fl in launchers) > 0
+        for a_call, b_call in zip(base, fast):
+            for a, b in zip(a_call, b_call):
+                assert torch.equal(a, b)

@@ -412,3 +412,81 @@ def test_block_sizes_are_clamped_to_the_dimension_they_tile(monkeypatch):
     # a config without block sizes, or with fewer than the kernel has, is left alone
     bare = helion.Config(num_warps=4)
     assert tuning.fit_block_sizes(dx.bind(tuple(args)), bare) is bare
+
+
+def test_fast_launcher_reuses_the_binary_only_for_the_same_launch_key(monkeypatch):
+    """FastLauncher: the first call goes through Helion's launcher and keeps the CompiledKernel it returns;
+    calls with the same launch key (tensor dtype/device/16-byte alignment, exact other values) call that
+    binary's launcher with JITFunction.run's arguments; another alignment, scalar value, JIT function or
+    an extra launcher keyword goes through Helion's launcher again."""
+    import types
+
+    import helion.runtime
+
+    slow, runs = [], []
+
+    class FakeCompiled:
+        function, packed_metadata = "fn", "meta"
+        src = types.SimpleNamespace(fn=types.SimpleNamespace(arg_names=["x", "y", "n", "eps"]))
+
+        def run(self, *a):
+            runs.append(a)
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+    compiled_kernel = FakeCompiled()
+
+    def fake_default(jit, grid, *args, num_warps, num_stages, **kw):
+        slow.append((jit, grid, args, kw))
+        return compiled_kernel
+
+    monkeypatch.setattr(helion.runtime, "default_launcher", fake_default)
+    monkeypatch.setattr(tuning, "_current_stream", lambda: 7)
+    monkeypatch.setattr(tuning, "_launch_hooks", lambda: (None, None))
+    jit = object()
+    buf = torch.zeros(64)
+    x, y = buf[:16], buf[16:32]  # both 16-byte aligned (offset 64 bytes)
+    fl = tuning.FastLauncher()
+    assert fl(jit, (4,), x, y, 3, 1e-5, num_warps=4, num_stages=1) is compiled_kernel
+    assert len(slow) == 1 and not runs
+    fl(jit, (4, 2), x, y, 3, 1e-5, num_warps=4, num_stages=1)
+    assert len(slow) == 1 and runs == [(4, 2, 1, 7, "fn", "meta", None, None, None, x, y, 3, 1e-5)]
+    fl(jit, (4,), buf[1:17], y, 3, 1e-5, num_warps=4, num_stages=1)  # 4-byte offset: not 16-byte aligned
+    fl(jit, (4,), x, y, 4, 1e-5, num_warps=4, num_stages=1)  # another int
+    fl(object(), (4,), x, y, 4, 1e-5, num_warps=4, num_stages=1)  # another JIT function
+    fl(jit, (4,), x, y, 4, 1e-5, num_warps=4, num_stages=1, launch_cooperative_grid=True)
+    assert len(slow) == 5 and len(runs) == 1 and (fl.n_fast, fl.n_slow) == (1, 5)
+    # a kernel whose binary takes other arguments than passed (defaults) never takes the fast path
+    compiled_kernel.src = types.SimpleNamespace(fn=types.SimpleNamespace(arg_names=["x", "y", "n", "eps", "extra"]))
+    fl2 = tuning.FastLauncher()
+    for _ in range(3):
+        fl2(jit, (4,), x, y, 3, 1e-5, num_warps=4, num_stages=1)
+    assert fl2.n_fast == 0 and fl2.n_slow == 3
+
+
+def test_fast_launch_is_opt_in_and_wraps_compiled_kernels(monkeypatch):
+    calls = []
+
+    class FakeBound:
+        config_spec = None
+
+        def compile_config(self, cfg, allow_print=False):
+            def fn(*a, _launcher=None):
+                calls.append(_launcher)
+            return fn
+
+    class FakeKernel:
+        def bind(self, args):
+            return FakeBound()
+
+    tuning.clear_caches()
+    monkeypatch.setattr(tuning, "_FAST_LAUNCH", False)
+    tuning.compiled(FakeKernel(), (torch.zeros(2),), helion.Config(num_warps=4))()
+    tuning.set_fast_launch(True)
+    try:
+        tuning.compiled(FakeKernel(), (torch.zeros(3),), helion.Config(num_warps=4))()
+    finally:
+        tuning.set_fast_launch(False)
+        tuning.clear_caches()
+    assert calls[0] is None and isinstance(calls[1], tuning.FastLauncher)
