@@ -524,3 +524,33 @@ def test_convergence_ab_script_a_vs_a_pair_with_resume(tmp_path):
     diff = json.loads((tmp_path / "compare_convergence" / "summary.json").read_text())["loss_diff"][0]
     assert diff["run"] == "convergence_torch_b" and diff["matching_steps"] == 12
     assert diff["all"]["max_abs_diff"] == 0.0
+
+
+def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
+    import math
+
+    import kernel_counterparts as kc
+
+    def table(d):
+        return {"rows": [{"kernel": k, "us_per_iter": v} for k, v in d.items()]}
+
+    mamba = {k: 100.0 for ks in kc.GROUPS.values() for k in ks}
+    helion = {k: 50.0 for ks in kc.GROUPS for k in ks}
+    helion["_helion_ssd_bwd_dbc"] = 800.0  # replaces 4 x 100 us: 0.5x
+    res = kc.counterparts(table(mamba), table(helion))
+    by = {tuple(r["helion"]): r for r in res["groups"]}
+    assert by[("_helion_ssd_bwd_dbc",)]["ratio"] == 0.5 and by[("_helion_ssd_bwd_dbc",)]["mamba_us"] == 400.0
+    # dx + dt together against dx + ddAcs_stable + cumsum_bwd: 300 / 100
+    assert by[("_helion_ssd_bwd_dx", "_helion_ssd_bwd_dt")]["ratio"] == 3.0
+    assert res["slower_than_counterpart"] == ["_helion_ssd_bwd_dbc"] and not res["missing_groups"]
+    want = [r["ratio"] for k in kc.BASELINE_TOP10 for r in res["groups"] if k in r["replaces"]]
+    assert len(want) == 10 and [t["ratio"] for t in res["top10"]] == want
+    assert res["top10_complete"] and math.isclose(res["top10_geomean"], math.exp(sum(map(math.log, want)) / 10))
+    # a missing Helion kernel drops its group and is named
+    del helion["_helion_ssd_bwd_dt"]
+    res2 = kc.counterparts(table(mamba), table(helion))
+    assert ["_helion_ssd_bwd_dx", "_helion_ssd_bwd_dt"] in res2["missing_groups"] and not res2["top10_complete"]
+    # the CLI on a file without kernel tables stops with one message
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps({"kernels": {}}))
+    assert kc.main([str(p)]) == 2
