@@ -439,9 +439,9 @@ CONV_FWD_V2_DEFAULT = helion.Config(block_sizes=[4, 128], num_warps=4, l_per_lan
 CONV_BWD_DEFAULT = helion.Config(block_sizes=[64, 32], num_warps=4, l_per_program=512)  # [channels, seqlen]
 # v3: [lanes per program, channels]; 4 lanes x 128 channels = 512 elements per step (4 per thread),
 # 4 x 64 rows per program -> 2 x 32 x 48 = 3072 programs at the Nano shape (b 2, l 8192, d 6144);
-# the main walk unrolled 2x (range_unroll_factors: [grid, main walk, 3-row tail]). Not yet tuned: the
-# session-3 search ran out of time (benchmarks/results/h200/logs/session3/call2_tune_conv.log: 248 us
-# for this config, 222 us for the best of 35 candidates).
+# the main walk unrolled 2x (range_unroll_factors: [grid, main walk, 3-row tail]). The generic default:
+# 250 us at the Nano shape on an H200, where the committed sm90 config takes 224 us
+# (benchmarks/results/h200/tune_sm90_20261130_040858.json).
 CONV_BWD_V3_DEFAULT = helion.Config(block_sizes=[4, 128], num_warps=4, l_per_lane=64, range_unroll_factors=[0, 2, 0])
 
 # backward kernel variant: "v3" (causal_conv1d_bwd_kernel_v3, rolling window; the default: 0.24 ms
@@ -449,53 +449,23 @@ CONV_BWD_V3_DEFAULT = helion.Config(block_sizes=[4, 128], num_warps=4, l_per_lan
 # and v1's 1.13 ms in kernels_mamba_ssm_vs_helion_nano_concurrent.md) or "v1" (the first
 # kernel, 11 shifted loads per row tile). A v2 (v1 with one reduction per program) was dropped untimed
 # once v3 replaced both.
-_BWD_VARIANTS = {
+_BWD = tuning.KernelVariants("conv1d backward", {
     "v1": ("conv1d_bwd", causal_conv1d_bwd_kernel, CONV_BWD_DEFAULT),
     "v3": ("conv1d_bwd_v3", causal_conv1d_bwd_kernel_v3, CONV_BWD_V3_DEFAULT),
-}
-_BWD_VARIANT = "v3"
-
-
-def set_bwd_variant(variant: str) -> None:
-    """Module-wide conv1d backward kernel: "v3" (default) or "v1"."""
-    global _BWD_VARIANT
-    if variant not in _BWD_VARIANTS:
-        raise ValueError(f"unknown conv1d backward variant {variant!r} (known: {sorted(_BWD_VARIANTS)})")
-    _BWD_VARIANT = variant
-
-
-def get_bwd_variant() -> str:
-    return _BWD_VARIANT
-
-
-def _bwd_kernel(variant: str):
-    return _BWD_VARIANTS[variant]
+}, default="v3")
+set_bwd_variant = _BWD.set  # module-wide conv1d backward kernel: "v3" (default) or "v1"
+get_bwd_variant = _BWD.get
 
 
 # forward kernel variant: "v2" (causal_conv1d_fwd_kernel_v2, rolling window, one load per x; the
 # default: 133 us vs causal-conv1d's 135 us and v1's 143 us at the Nano shape on an H200,
 # benchmarks/results/h200/bench_norm_conv.json) or "v1" (causal_conv1d_fwd_kernel, 4 shifted loads per tile)
-_FWD_VARIANTS = {
+_FWD = tuning.KernelVariants("conv1d forward", {
     "v1": ("conv1d_fwd", causal_conv1d_fwd_kernel, CONV_FWD_DEFAULT),
     "v2": ("conv1d_fwd_v2", causal_conv1d_fwd_kernel_v2, CONV_FWD_V2_DEFAULT),
-}
-_FWD_VARIANT = "v2"
-
-
-def set_fwd_variant(variant: str) -> None:
-    """Module-wide conv1d forward kernel: "v2" (default) or "v1"."""
-    global _FWD_VARIANT
-    if variant not in _FWD_VARIANTS:
-        raise ValueError(f"unknown conv1d forward variant {variant!r} (known: {sorted(_FWD_VARIANTS)})")
-    _FWD_VARIANT = variant
-
-
-def get_fwd_variant() -> str:
-    return _FWD_VARIANT
-
-
-def _fwd_kernel(variant: str):
-    return _FWD_VARIANTS[variant]
+}, default="v2")
+set_fwd_variant = _FWD.set  # module-wide conv1d forward kernel: "v2" (default) or "v1"
+get_fwd_variant = _FWD.get
 
 
 def _conv_prep(x, weight, bias, seq_idx, activation):
@@ -531,7 +501,7 @@ def causal_conv1d_fwd_helion(x, weight, bias=None, seq_idx=None, activation=None
     channel-last (``out.stride(1) == 1``), like causal-conv1d's channel-last path."""
     x, w4, bias, seq, silu, dims = _conv_prep(x, weight, bias, seq_idx, activation)
     args = (x.transpose(1, 2), w4, bias, seq, silu)
-    name, kernel, default = _fwd_kernel(_FWD_VARIANT)
+    name, kernel, default = _FWD.current()
     out = tuning.tuned_call(name, kernel, args, dims, default)
     return out.transpose(1, 2)
 
@@ -549,7 +519,7 @@ def causal_conv1d_bwd_helion(x, weight, bias, dout, seq_idx=None, activation=Non
     elif dx.shape != x.shape:
         raise ValueError(f"dx must be {tuple(x.shape)}, got {tuple(dx.shape)}")
     args = (x.transpose(1, 2), w4, bias, dout.transpose(1, 2), seq, dx.transpose(1, 2), silu)
-    name, kernel, default = _bwd_kernel(_BWD_VARIANT)
+    name, kernel, default = _BWD.current()
     dw_part, db_part = tuning.tuned_call(name, kernel, args, dims, default, finalize=conv_bwd_final, prepare=conv_bwd_poison)
     width = weight.shape[1]
     dweight = dw_part.sum(dim=(0, 1)).t()[:, 4 - width:].to(weight.dtype)
@@ -602,7 +572,7 @@ def _conv_case(kind: str, variant: str = "v1"):
         x, w4, bias, seq, silu, kd = _conv_prep(xbc, w, bias, None, "silu")
         if kind == "fwd":
             args = (x.transpose(1, 2), w4, bias, seq, silu)
-            _, kernel, default = _fwd_kernel(variant)
+            _, kernel, default = _FWD[variant]
             if variant == "v2":  # block_sizes = [lanes per program, channel block]; l_per_lane rows per lane
                 seeds = (tuning.grid_seeds(l_per_lane=[32, 64, 128], block_sizes=[[2, 128], [4, 128], [2, 256]],
                                            num_warps=[4])
@@ -616,7 +586,7 @@ def _conv_case(kind: str, variant: str = "v1"):
         dout = torch.randn(b, l, d, generator=gen).to(device=device, dtype=torch.bfloat16)
         dxb = torch.empty(b, l, d, dtype=torch.bfloat16, device=device)
         args = (x.transpose(1, 2), w4, bias, dout, seq, dxb, silu)
-        _, kernel, default = _bwd_kernel(variant)
+        _, kernel, default = _BWD[variant]
         if variant == "v1":  # block_sizes = [channel block, inner seqlen block]
             bs = [[64, 16], [64, 32], [128, 16], [128, 32], [256, 16]]
         if variant == "v3":  # block_sizes = [lanes per program, channel block]; l_per_lane rows per lane

@@ -218,24 +218,12 @@ RMSNORM_BWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4, rows_per_progr
 
 # forward kernel variant: "v1" (committed, tuned) or "v2" (rmsnorm_gated_fwd_kernel_v2; its own tuned
 # configs under the name rmsnorm_fwd_v2); selected by set_fwd_variant, default v1 until measured
-_FWD_VARIANTS = {"v1": ("rmsnorm_fwd", None, RMSNORM_FWD_DEFAULT), "v2": ("rmsnorm_fwd_v2", None, RMSNORM_FWD_V2_DEFAULT)}
-_FWD_VARIANT = "v1"
-
-
-def set_fwd_variant(variant: str) -> None:
-    """Select the RMSNorm forward kernel: "v1" or "v2" (see rmsnorm_gated_fwd_kernel_v2)."""
-    global _FWD_VARIANT
-    if variant not in _FWD_VARIANTS:
-        raise ValueError(f"unknown RMSNorm forward variant {variant!r}; choose one of {sorted(_FWD_VARIANTS)}")
-    _FWD_VARIANT = variant
-
-
-def get_fwd_variant() -> str:
-    return _FWD_VARIANT
-
-
-def _fwd_kernel(variant: str):
-    return rmsnorm_gated_fwd_kernel if variant == "v1" else rmsnorm_gated_fwd_kernel_v2
+_FWD = tuning.KernelVariants("RMSNorm forward", {
+    "v1": ("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, RMSNORM_FWD_DEFAULT),
+    "v2": ("rmsnorm_fwd_v2", rmsnorm_gated_fwd_kernel_v2, RMSNORM_FWD_V2_DEFAULT),
+}, default="v1")
+set_fwd_variant = _FWD.set  # the RMSNorm forward kernel: "v1" or "v2" (see rmsnorm_gated_fwd_kernel_v2)
+get_fwd_variant = _FWD.get
 
 
 def _norm_dims(m: int, g: int, d: int, has_z: bool, nbg: bool, dtype: torch.dtype) -> dict:
@@ -284,8 +272,8 @@ def _view3(t, shape3):
 
 def _fwd(x3, w2, z3, eps, nbg, p: _Plan):
     args = (x3, w2, x3 if z3 is None else z3, eps, z3 is not None, nbg)
-    name, _, default = _FWD_VARIANTS[_FWD_VARIANT]
-    return tuning.tuned_call(name, _fwd_kernel(_FWD_VARIANT), args, p.dims, default)
+    name, kernel, default = _FWD.current()
+    return tuning.tuned_call(name, kernel, args, p.dims, default)
 
 
 def rmsnorm_dweight_sum(dw_partial: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

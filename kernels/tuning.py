@@ -633,6 +633,48 @@ class TuneCase:
     prepare: Callable[[tuple], None] | None = None
 
 
+class KernelVariants:
+    """A module-wide choice among interchangeable kernels of one op (e.g. the conv1d backward "v1" / "v3").
+
+    ``variants`` maps a variant name to ``(config-file name, helion kernel, generic default config)``;
+    ``current()`` is the selected triple, ``[name]`` any one; ``set`` refuses unknown names with one clear
+    error; ``using(name)`` selects a variant for a ``with`` block (None: leave the selection as it is)."""
+
+    def __init__(self, what: str, variants: Mapping[str, tuple], default: str):
+        self.what = what
+        self.variants = dict(variants)
+        self.selected = default
+        self.set(default)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.variants)
+
+    def set(self, variant: str) -> None:
+        if variant not in self.variants:
+            raise ValueError(f"unknown {self.what} variant {variant!r}; choose one of {self.names}")
+        self.selected = variant
+
+    def get(self) -> str:
+        return self.selected
+
+    def __getitem__(self, variant: str) -> tuple:
+        return self.variants[variant]
+
+    def current(self) -> tuple:
+        return self.variants[self.selected]
+
+    @contextlib.contextmanager
+    def using(self, variant: str | None):
+        old = self.selected
+        if variant is not None:
+            self.set(variant)
+        try:
+            yield self
+        finally:
+            self.selected = old
+
+
 def grid_seeds(**axes: Iterable[Any]) -> list[dict]:
     """Cartesian product of partial-config values, e.g. ``grid_seeds(block_sizes=[[8],[16]], num_warps=[4,8])``."""
     names = list(axes)

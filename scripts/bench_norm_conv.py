@@ -27,7 +27,6 @@ torch.cuda.synchronize, no L2 flush) shows whether the host keeps up (wall > dev
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
@@ -131,12 +130,8 @@ def bench_rmsnorm(dims, rounds, rep_ms, profile_n=0):
 
     def fb_variant(variant):
         def run():
-            old = R.get_fwd_variant()
-            R.set_fwd_variant(variant)
-            try:
+            with R._FWD.using(variant):
                 return fb(x, w)
-            finally:
-                R.set_fwd_variant(old)
         return run
 
     res["fwd_variants"] = {}
@@ -170,32 +165,18 @@ def bench_rmsnorm(dims, rounds, rep_ms, profile_n=0):
     return res
 
 
-@contextlib.contextmanager
 def _conv_bwd_variant(variant):
-    """Run the block with kernels.causal_conv1d's backward variant set to ``variant`` (None: unchanged)."""
+    """Run a block with kernels.causal_conv1d's backward variant set to ``variant`` (None: unchanged)."""
     from kernels import causal_conv1d as cc
 
-    old = cc.get_bwd_variant()
-    if variant is not None:
-        cc.set_bwd_variant(variant)
-    try:
-        yield
-    finally:
-        cc.set_bwd_variant(old)
+    return cc._BWD.using(variant)
 
 
-@contextlib.contextmanager
 def _conv_fwd_variant(variant):
-    """Run the block with kernels.causal_conv1d's forward variant set to ``variant`` (None: unchanged)."""
+    """Run a block with kernels.causal_conv1d's forward variant set to ``variant`` (None: unchanged)."""
     from kernels import causal_conv1d as cc
 
-    old = cc.get_fwd_variant()
-    if variant is not None:
-        cc.set_fwd_variant(variant)
-    try:
-        yield
-    finally:
-        cc.set_fwd_variant(old)
+    return cc._FWD.using(variant)
 
 
 def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=(), fwd_variants=()):
@@ -265,7 +246,7 @@ def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=(), fwd_vari
 def _variant_list(text, kind="backward"):
     from kernels import causal_conv1d as cc
 
-    known = cc._BWD_VARIANTS if kind == "backward" else cc._FWD_VARIANTS
+    known = (cc._BWD if kind == "backward" else cc._FWD).names
     out = [v.strip() for v in (text or "").split(",") if v.strip()]
     for v in out:
         if v not in known:

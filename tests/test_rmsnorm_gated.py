@@ -47,7 +47,7 @@ def _grads(fn, x, w, z, dy):
 @pytest.mark.parametrize("m,n,gs,has_z,nbg", CASES)
 def test_fwd_bwd_matches_reference_interpret(m, n, gs, has_z, nbg, fwd_variant, monkeypatch):
     assert os.environ.get("HELION_INTERPRET") == "1"
-    monkeypatch.setattr(R, "_FWD_VARIANT", fwd_variant)
+    monkeypatch.setattr(R._FWD, "selected", fwd_variant)
     g = torch.Generator().manual_seed(m * n)
     x = torch.randn(m, n, generator=g, dtype=torch.float64, requires_grad=True)
     z = torch.randn(m, n, generator=g, dtype=torch.float64, requires_grad=True) if has_z else None

@@ -490,3 +490,19 @@ def test_fast_launch_is_opt_in_and_wraps_compiled_kernels(monkeypatch):
         tuning.set_fast_launch(False)
         tuning.clear_caches()
     assert calls[0] is None and isinstance(calls[1], tuning.FastLauncher)
+
+
+def test_kernel_variants_select_refuse_and_restore():
+    v = tuning.KernelVariants("demo", {"v1": ("a", None, None), "v2": ("b", None, None)}, default="v1")
+    assert v.get() == "v1" and v.current() == ("a", None, None) and v["v2"][0] == "b" and v.names == ["v1", "v2"]
+    with pytest.raises(ValueError, match=r"unknown demo variant 'v9'; choose one of \['v1', 'v2'\]"):
+        v.set("v9")
+    with pytest.raises(RuntimeError):
+        with v.using("v2"):
+            assert v.current()[0] == "b"
+            raise RuntimeError
+    assert v.get() == "v1"
+    with v.using(None):
+        assert v.get() == "v1"
+    with pytest.raises(ValueError):
+        tuning.KernelVariants("demo", {"v1": ("a", None, None)}, default="v2")
