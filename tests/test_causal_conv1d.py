@@ -68,10 +68,8 @@ def bwd_variant(request):
     """Run a test with each conv1d backward kernel variant (module default restored afterwards)."""
     from kernels import causal_conv1d as cc
 
-    old = cc.get_bwd_variant()
-    cc.set_bwd_variant(request.param)
-    yield request.param
-    cc.set_bwd_variant(old)
+    with cc._BWD.using(request.param):
+        yield request.param
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
@@ -91,10 +89,8 @@ def fwd_variant(request):
     """Run a test with each conv1d forward kernel variant (module default restored afterwards)."""
     from kernels import causal_conv1d as cc
 
-    old = cc.get_fwd_variant()
-    cc.set_fwd_variant(request.param)
-    yield request.param
-    cc.set_fwd_variant(old)
+    with cc._FWD.using(request.param):
+        yield request.param
 
 
 FWD_CASES = CASES + [
