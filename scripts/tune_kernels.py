@@ -109,6 +109,8 @@ def main(argv=None) -> int:
                     near = [committed] + [tuning._as_config(d) for d in tuning.neighbour_configs(committed)]
                     run["committed_ms"] = entry.get("time_ms")
                     cands[2:2] = near
+                    seen: set[str] = set()  # a neighbour can equal a seed: time each config once
+                    cands = [c for c in cands if not (c.to_json() in seen or seen.add(c.to_json()))]
                 best, results = tuning.search(
                     case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
                     log=lambda s: print(s, flush=True), finalize=case.finalize, prepare=case.prepare,
