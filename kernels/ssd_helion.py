@@ -796,7 +796,12 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
     L = math.ceil(l / c) * c
     nc = L // c
     if name == "ssd_chunk_cumsum":
-        return (_pad_seq(inp["dt"], L).contiguous(), inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
+        # dt as the fused op passes it: the last h columns of the in_proj output zxBCdt (rows of
+        # 2*h*p + 2*g*n + h elements), read in place
+        row = 2 * h * p + 2 * g * n + h
+        zx = torch.zeros(b, L, row, device=device, dtype=inp["dt"].dtype)
+        zx[:, :l, row - h:] = inp["dt"]
+        return (zx[..., row - h:], inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
     dA, dto = ssd_chunk_cumsum_helion(inp["dt"], inp["A"], c, dt_bias=inp["dt_bias"], dt_softplus=True) if not tuning.interpret_mode() and device != "cpu" else (None, None)
     if dA is None:  # CPU (code generation checks): values do not matter
         dto = torch.rand(b, h, nc, c, device=device) * 0.1
@@ -823,7 +828,7 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
 # Seeds: partial configs layered over Helion's default by tuning.candidate_configs; each list
 # includes the conservative defaults above, so a safe config is always among the candidates.
 _SEEDS: dict[str, list[dict]] = {
-    "ssd_chunk_cumsum": [dict(block_sizes=[bh], num_warps=w) for bh in (1, 2, 4, 8, 16) for w in (1, 2, 4)],
+    "ssd_chunk_cumsum": [dict(block_sizes=[bh], num_warps=w) for bh in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8)],
     "ssd_chunk_state": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((64, 64), (64, 128), (32, 64), (64, 32), (32, 128))

@@ -34,6 +34,7 @@ CB (b, nc, g, c, c) fp32, seq_idx (b, l) int. ``seqlen % chunk_size != 0`` is ha
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -567,7 +568,11 @@ VARIANTS = {
     "v2": {"ssd_bwd_dbc": "ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"},
     "v3": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3"},
 }
-_VARIANT = "v1"
+# NANO_HELION_SSD_BWD_VARIANT picks the module default for whole processes (benchmarks, training runs);
+# an unknown name fails at import with the known names.
+_VARIANT = os.environ.get("NANO_HELION_SSD_BWD_VARIANT", "v1")
+if _VARIANT not in VARIANTS:
+    raise ValueError(f"NANO_HELION_SSD_BWD_VARIANT={_VARIANT!r}: unknown SSD backward variant (known: {sorted(VARIANTS)})")
 
 
 def _variant_map(variant: str | dict | None) -> dict[str, str]:
