@@ -567,10 +567,13 @@ VARIANTS = {
     "v1": {},
     "v2": {"ssd_bwd_dbc": "ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"},
     "v3": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3"},
+    # the default since session 5 (H200, Nano shape, bench_ssd_variants): dbc v3 557.9 us vs v1 801.0 us
+    # (mamba-ssm's dc+dcb+db: 588.0), dz_dstates v2 324.8 vs v1 405.7 us (mamba-ssm 352.0)
+    "v4": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"},
 }
 # NANO_HELION_SSD_BWD_VARIANT picks the module default for whole processes (benchmarks, training runs);
 # an unknown name fails at import with the known names.
-_VARIANT = os.environ.get("NANO_HELION_SSD_BWD_VARIANT", "v1")
+_VARIANT = os.environ.get("NANO_HELION_SSD_BWD_VARIANT", "v4")
 if _VARIANT not in VARIANTS:
     raise ValueError(f"NANO_HELION_SSD_BWD_VARIANT={_VARIANT!r}: unknown SSD backward variant (known: {sorted(VARIANTS)})")
 
@@ -589,7 +592,7 @@ def _variant_map(variant: str | dict | None) -> dict[str, str]:
 
 
 def set_variant(variant: str | dict) -> None:
-    """Module-wide default kernel variant for ``ssd_backward_helion`` ("v1" = the committed kernels)."""
+    """Module-wide default kernel variant for ``ssd_backward_helion`` ("v4" by default, "v1" = session 3's kernels)."""
     global _VARIANT
     _variant_map(variant)  # validate
     _VARIANT = variant
@@ -681,7 +684,7 @@ def ssd_backward_helion(
     ddt (b,l,h)} (strided views allowed, e.g. slices of dzxbcdt; ddt may be bf16): the kernels write
     into them directly when seqlen is a multiple of chunk_size (otherwise the padded results are
     copied in).
-    ``variant``: "v1" (the committed kernels), "v2" (``VARIANTS["v2"]``: ssd_bwd_dbc_v2,
+    ``variant``: a name in ``VARIANTS`` ("v1": session 3's kernels; "v4", the default: ssd_bwd_dbc_v3 and
     ssd_bwd_dz_dstates_v2), a {base kernel: variant kernel} dict, or None for ``set_variant``'s default.
     Returns dict: dx, dz (b,l,h,p), ddt (b,l,h) (fp32 unless given), dA (h), dB, dC (b,l,g,n),
     dD (like D or None), ddt_bias (h or None), dinitial_states (b,h,p,n fp32, or None).

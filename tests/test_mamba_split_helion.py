@@ -128,7 +128,7 @@ def test_op_count_fused_path():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fast_launch_gives_bitwise_equal_results():
-    """kernels.tuning.set_fast_launch(True) (FastLauncher) launches the same binaries with the same arguments:
+    """kernels.tuning's FastLauncher (on by default) launches the same binaries with the same arguments:
     the fused op's output and gradients at a small and the Nano shape equal those of Helion's launcher
     bitwise, over repeated calls, and the repeated calls take the fast path."""
     from kernels import rmsnorm_gated as R
@@ -136,6 +136,7 @@ def test_fast_launch_gives_bitwise_equal_results():
 
     def run(shape, fast):
         tuning.clear_caches()
+        prev = tuning._FAST_LAUNCH
         tuning.set_fast_launch(fast)
         try:
             t = _case(*shape[:6], device="cuda", dtype=torch.bfloat16)
@@ -153,7 +154,7 @@ def test_fast_launch_gives_bitwise_equal_results():
             launchers = [f.keywords["_launcher"] for f in tuning._COMPILED.values() if hasattr(f, "keywords")]
             return outs, launchers
         finally:
-            tuning.set_fast_launch(False)
+            tuning.set_fast_launch(prev)
             tuning.clear_caches()
 
     for shape in ((2, 300, 8, 32, 2, 32, 64), (2, 8192, 64, 64, 8, 128, 128)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -465,7 +466,17 @@ def test_fast_launcher_reuses_the_binary_only_for_the_same_launch_key(monkeypatc
     assert fl2.n_fast == 0 and fl2.n_slow == 3
 
 
-def test_fast_launch_is_opt_in_and_wraps_compiled_kernels(monkeypatch):
+def test_fast_launch_is_on_by_default_and_env_turns_it_off():
+    import subprocess, sys
+    code = "from kernels import tuning; print(tuning._FAST_LAUNCH)"
+    env = {k: v for k, v in os.environ.items() if k != "NANO_HELION_FAST_LAUNCH"}
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "NANO_HELION_FAST_LAUNCH": "0"},
+                         capture_output=True, text=True, check=True)
+    assert on.stdout.split()[-1] == "True" and off.stdout.split()[-1] == "False"
+
+
+def test_fast_launch_switch_wraps_compiled_kernels(monkeypatch):
     calls = []
 
     class FakeBound:
@@ -481,13 +492,15 @@ def test_fast_launch_is_opt_in_and_wraps_compiled_kernels(monkeypatch):
             return FakeBound()
 
     tuning.clear_caches()
+    assert not tuning._launches_on_cuda((torch.zeros(2), 3))  # CPU tensors never take Triton's CUDA launcher
+    monkeypatch.setattr(tuning, "_launches_on_cuda", lambda args: True)
     monkeypatch.setattr(tuning, "_FAST_LAUNCH", False)
     tuning.compiled(FakeKernel(), (torch.zeros(2),), helion.Config(num_warps=4))()
     tuning.set_fast_launch(True)
     try:
         tuning.compiled(FakeKernel(), (torch.zeros(3),), helion.Config(num_warps=4))()
     finally:
-        tuning.set_fast_launch(False)
+        monkeypatch.setattr(tuning, "_FAST_LAUNCH", tuning._FAST_LAUNCH)  # restored at teardown
         tuning.clear_caches()
     assert calls[0] is None and isinstance(calls[1], tuning.FastLauncher)
 
