@@ -828,7 +828,8 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
 # Seeds: partial configs layered over Helion's default by tuning.candidate_configs; each list
 # includes the conservative defaults above, so a safe config is always among the candidates.
 _SEEDS: dict[str, list[dict]] = {
-    "ssd_chunk_cumsum": [dict(block_sizes=[bh], num_warps=w) for bh in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8)],
+    # dt arrives strided (zxBCdt rows of ~20 KB): head blocks of 16+ read whole 32-byte sectors, so they go first
+    "ssd_chunk_cumsum": [dict(block_sizes=[bh], num_warps=w) for bh in (16, 32, 8, 64, 4, 2, 1) for w in (1, 2, 4, 8)],
     "ssd_chunk_state": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((64, 64), (64, 128), (32, 64), (64, 32), (32, 128))
