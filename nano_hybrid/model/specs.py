@@ -8,9 +8,10 @@ Layer structure is megatron-core's (``MambaLayer``, ``TransformerLayer`` + ``Sel
   renames them to the TE-spec names (``mixer.in_proj.layer_norm_``, ...), so dist checkpoints use the
   same keys as megatron's TE spec;
 - the Mamba mixer is ``BackendMambaMixer`` with the kernel backend passed as a spec param;
-- core attention is ``SDPAttention`` (``attention_impl=sdpa``) or megatron's ``DotProductAttention``
-  (``unfused``); experts are ``GroupedGemmExperts`` (``moe_experts_impl=grouped``) or megatron's
-  ``SequentialMLP`` (``sequential``).
+- core attention is ``SDPAttention`` (``attention_impl=sdpa``) inside ``GroupedQuerySelfAttention`` (a
+  ``SelfAttention`` that hands it the GQA query without megatron's reshape copy) or megatron's
+  ``DotProductAttention`` (``unfused``) inside megatron's ``SelfAttention``; experts are
+  ``GroupedGemmExperts`` (``moe_experts_impl=grouped``) or megatron's ``SequentialMLP`` (``sequential``).
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from nano_hybrid import mcore_compat
-from nano_hybrid.model.attention import SDPAttention
+from nano_hybrid.model.attention import GroupedQuerySelfAttention, SDPAttention
 from nano_hybrid.model.config import ATTENTION_IMPLS, MOE_EXPERTS_IMPLS
 from nano_hybrid.model.experts import GroupedGemmExperts
 from nano_hybrid.model.mixer import BackendMambaMixer
 from nano_hybrid.model.moe import TopKPermuteMoELayer
 
 CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
+# the self-attention module around each core attention: the grouped-query one needs SDPAttention's 5-D input
+SELF_ATTENTION = {"sdpa": GroupedQuerySelfAttention, "unfused": SelfAttention}
 
 
 def moe_spec(num_experts: int, experts_impl: str) -> ModuleSpec:
@@ -86,7 +89,7 @@ def hybrid_stack_spec(
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=SELF_ATTENTION[attention_impl],
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
