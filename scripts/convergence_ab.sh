@@ -5,7 +5,7 @@
 #   GPUS="0 1" bash scripts/convergence_ab.sh [extra Hydra overrides]    (both arms at once on two GPUs)
 #   GPUS="0"   bash scripts/convergence_ab.sh ...                          (one after the other on one GPU)
 # Env: OUT (default runs/), RECIPE (default convergence_ab_h200), BACKENDS (default "mamba_ssm helion"),
-#      STOP_AT (default 400), GPUS, COMPARE=0 (skip the comparison). BACKENDS="mamba_ssm mamba_ssm" is the A-vs-A
+#      STOP_AT (default 400; 0: no interruption, no resume), GPUS, COMPARE=0 (skip the comparison). BACKENDS="mamba_ssm mamba_ssm" is the A-vs-A
 #      pair: its second run goes to convergence_mamba_ssm_b.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,6 +22,12 @@ one_arm() {  # one_arm BACKEND LABEL GPU EXTRA...  (LABEL names the run dir and 
     rm -rf "$dir"
     local cmd=("$PY" -m nano_hybrid.train "recipe=$RECIPE" "kernels.backend=$be" "run_dir=$dir" "$@")
     export CUDA_VISIBLE_DEVICES="$gpu"
+    if [ "$STOP_AT" = "0" ]; then  # one uninterrupted run (an A-vs-A control needs no resume)
+        "${cmd[@]}" > "$OUT/logs/convergence_${label}_part1.log" 2>&1 || { echo "$label: run failed" >&2; return 1; }
+        rm -rf "$dir/checkpoints"
+        echo "$be: done, $(wc -l < "$dir/metrics.jsonl") metric lines"
+        return 0
+    fi
     setsid "${cmd[@]}" > "$OUT/logs/convergence_${label}_part1.log" 2>&1 &
     local pid=$!
     steps() { if [ -f "$dir/metrics.jsonl" ]; then wc -l < "$dir/metrics.jsonl"; else echo 0; fi; }

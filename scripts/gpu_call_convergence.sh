@@ -5,6 +5,9 @@
 # even when the limit cuts a run; compare with scripts/compare_runs.py afterwards.
 # Session 4 ran it with the defaults below and LIMIT_S=285: cut at step 1289/1365 (steps take 95 ms at seq
 # 1024, each checkpoint save about 48 s). A full 2000-step pair needs LIMIT_S of about 420.
+# Session 5 ran the A/B with LIMIT_S=475: both arms 2000 steps with a resume at ~1000 (468 s of wall time).
+# The A-vs-A control without a resume and without checkpoints (about 300 s):
+#     STOP_AT=0 EXTRA="checkpoint.interval=0 checkpoint.save_on_exit=false" BACKENDS="mamba_ssm mamba_ssm" TAG=ava
 #     OUT=/tmp/o WHEELHOUSE=.gpu [BACKENDS="mamba_ssm mamba_ssm" TAG=ava] bash scripts/gpu_call_convergence.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -16,7 +19,8 @@ RUNS=/tmp/convergence_runs
 rm -rf "$RUNS"; mkdir -p "$RUNS"
 OUT="$RUNS" GPUS="0 1" STOP_AT="${STOP_AT:-1000}" COMPARE=0 BACKENDS="$BACKENDS" \
     timeout --signal=TERM --kill-after=10 "${LIMIT_S:-420}" \
-    bash scripts/convergence_ab.sh train.train_iters="${STEPS:-2000}" train.seq_length="${SEQ:-1024}" train.log_interval=100
+    bash scripts/convergence_ab.sh train.train_iters="${STEPS:-2000}" train.seq_length="${SEQ:-1024}" train.log_interval=100 \
+    ${EXTRA:-}
 echo "convergence_ab.sh rc $?"
 for d in "$RUNS"/convergence_*/; do
     d="${d%/}"; arm="${d##*/convergence_}"
