@@ -10,7 +10,10 @@ checked against the default config's output and timed in-process (``kernels.tuni
 Kernels whose raw outputs depend on the config (per-program partial sums of rmsnorm_bwd / conv1d_bwd)
 are compared on their final results (``TuneCase.finalize``: dx, dz, summed dweight/dbias).
 A JSON log with every candidate's outcome goes to $OUT (default benchmarks/results/h200).
-A failing (kernel, shape) is logged with its traceback and the next one still runs.
+A failing (kernel, shape) is logged with its traceback and the next one still runs. With more than one
+(kernel, shape) pair each pair is searched in a child process of its own (``--no-isolate`` turns that off): a
+candidate that leaves a sticky CUDA error (e.g. "misaligned address", session 5) ends only its own search, where
+in one process it ended every search after it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import datetime as dt
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 import traceback
@@ -43,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list tunable kernels and exit")
     ap.add_argument("--from-scratch", action="store_true",
                     help="do not start from the committed config and its neighbours (tuning.neighbour_configs)")
+    ap.add_argument("--no-isolate", action="store_true",
+                    help="search every (kernel, shape) pair in this process (default: one child process per pair "
+                    "when there is more than one)")
     args = ap.parse_args(argv)
     if args.budget_s is not None:
         args.budget_min = args.budget_s / 60.0
@@ -67,10 +74,13 @@ def main(argv=None) -> int:
         print("unset HELION_INTERPRET to tune", file=sys.stderr)
         return 2
 
+    per_budget = args.budget_min * 60.0 / (len(names) * len(shapes))
+    if not args.no_isolate and len(names) * len(shapes) > 1:
+        return _run_isolated(args, names, shapes, per_budget)
+
     out_dir = Path(os.environ.get("OUT", "benchmarks/results/h200"))
     out_dir.mkdir(parents=True, exist_ok=True)
     arch = tuning.current_arch()
-    per_budget = args.budget_min * 60.0 / (len(names) * len(shapes))
     log = {
         "what": "Helion config search (kernels/tuning.py search): per (kernel, shape) the default config is the "
         "reference; every candidate is compiled as a fixed config, its output compared to the reference, then timed "
@@ -149,6 +159,45 @@ def main(argv=None) -> int:
             log_path.write_text(json.dumps(log, indent=1, default=str))
     print(f"log: {log_path}")
     return 0 if all("error" not in r for r in log["runs"]) else 1
+
+
+# seconds a child spends outside its search (imports, CUDA start, building the case): taken off each pair's
+# share so that an isolated run keeps to the total budget
+ISOLATE_OVERHEAD_S = 15.0
+
+
+def child_commands(args, names: list[str], shapes: list[str], per_budget: float) -> list[list[str]]:
+    """One ``tune_kernels.py --no-isolate`` command per (kernel, shape) pair, each with that pair's budget
+    less the child's start-up time."""
+    per_budget = max(10.0, per_budget - ISOLATE_OVERHEAD_S)
+    cmds = []
+    for shape in shapes:
+        for name in names:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--kernels", name, "--shapes", shape,
+                   "--budget-s", f"{per_budget:.1f}", "--rep-ms", str(args.rep_ms), "--no-isolate"]
+            cmd += ["--no-write"] if args.no_write else []
+            cmd += ["--from-scratch"] if args.from_scratch else []
+            cmds.append(cmd)
+    return cmds
+
+
+def _run_isolated(args, names: list[str], shapes: list[str], per_budget: float) -> int:
+    """Each pair in its own process (fresh CUDA context); each child writes its own JSON log and config file.
+    A child is stopped after its share of the budget plus 75 s (start-up, the reference compile, one candidate's
+    time limit)."""
+    failed = []
+    for cmd in child_commands(args, names, shapes, per_budget):
+        pair = f"{cmd[cmd.index('--kernels') + 1]} @ {cmd[cmd.index('--shapes') + 1]}"
+        try:
+            rc = subprocess.run(cmd, timeout=per_budget + 75.0).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        if rc != 0:
+            failed.append(f"{pair} (exit {rc})")
+            print(f"   {pair}: child process failed (exit {rc}); the next pair still runs", flush=True)
+    print(f"isolated searches: {len(names) * len(shapes) - len(failed)} ok"
+          + (f", failed: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
 
 
 def _counts(results):

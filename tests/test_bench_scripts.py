@@ -554,3 +554,25 @@ def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
     p = tmp_path / "r.json"
     p.write_text(json.dumps({"kernels": {}}))
     assert kc.main([str(p)]) == 2
+
+
+def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget():
+    """tune_kernels.py with several (kernel, shape) pairs runs one --no-isolate child per pair, so a sticky CUDA
+    error in one search cannot end the others; each child gets its share of the budget less its start-up time
+    and keeps the write / from-scratch choices."""
+    import argparse
+
+    import tune_kernels as tk
+
+    args = argparse.Namespace(rep_ms=40.0, no_write=True, from_scratch=False)
+    cmds = tk.child_commands(args, ["ssd_bwd_dc_dcb", "ssd_bwd_db_v3"], ["nano", "tp2"], per_budget=70.0)
+    pairs = [(c[c.index("--kernels") + 1], c[c.index("--shapes") + 1]) for c in cmds]
+    assert pairs == [("ssd_bwd_dc_dcb", "nano"), ("ssd_bwd_db_v3", "nano"), ("ssd_bwd_dc_dcb", "tp2"),
+                     ("ssd_bwd_db_v3", "tp2")]
+    for c in cmds:
+        assert c[1].endswith("tune_kernels.py") and "--no-isolate" in c and "--no-write" in c
+        assert "--from-scratch" not in c
+        assert float(c[c.index("--budget-s") + 1]) == 70.0 - tk.ISOLATE_OVERHEAD_S
+    args.no_write, args.from_scratch = False, True
+    (c,) = tk.child_commands(args, ["rmsnorm_fwd"], ["nano"], per_budget=5.0)
+    assert "--no-write" not in c and "--from-scratch" in c and float(c[c.index("--budget-s") + 1]) == 10.0
