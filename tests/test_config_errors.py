@@ -70,3 +70,23 @@ def test_command_line_exit_code_and_single_line(tmp_path):
     errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: data path not found: /nonexistent/corpus.bin/.idx"], p.stderr[-2000:]
     assert "Traceback" not in p.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["convergence_ab_h200", "convergence_ab_h200_2000", "nano30b_slice_h200", "tiny_cpu"])
+def test_every_recipe_composes_with_its_overrides(name):
+    """Each committed recipe expands to overrides Hydra accepts, and they land in the config."""
+    import yaml
+
+    from nano_hybrid.config import compose, expand_recipe, list_recipes
+
+    assert name in list_recipes()
+    overrides = expand_recipe([f"recipe={name}"])
+    cfg = compose([f"recipe={name}"])
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if "." in key and not key.startswith("+"):
+            node = cfg
+            for part in key.split("."):
+                node = node[part]
+            want = yaml.safe_load(value)
+            assert node == want or str(node) == value, f"{name}: {key} is {node!r}, recipe says {value!r}"
