@@ -3,8 +3,9 @@
 ``mamba_split_conv1d_scan_combined_helion`` has mamba-ssm 2.3.2's ``mamba_split_conv1d_scan_combined``
 signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward saves only zxbcdt,
 the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx); the backward recomputes
-the conv and the forward pieces it needs (chunk_cumsum, chunk_state+state_passing in fp32, C.B^T)
-and runs the Helion backward of ``kernels/ssd_helion_bwd.py``.
+the conv and the forward pieces it needs (chunk_cumsum, chunk_state+state_passing in fp32, C.B^T; with
+the SSD forward variant "v5" the first two are one kernel) and runs the Helion backward of
+``kernels/ssd_helion_bwd.py``.
 
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
 runs as its own module); those raise NotImplementedError here.
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from kernels import ssd_helion
 from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
 from kernels.ssd_helion import (
     ssd_bmm_chunk_helion,
-    ssd_chunk_cumsum_helion,
-    ssd_chunk_state_passing_helion,
+    ssd_cumsum_states_helion,
     ssd_forward_helion,
 )
 from kernels.ssd_helion_bwd import ssd_backward_helion
@@ -50,11 +51,15 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+        # the SSD forward variant (ssd_helion.set_variant / NANO_HELION_SSD_FWD_VARIANT), kept for the backward's
+        # recompute: "v5" computes the chunk cumsum inside chunk_state_passing in both
+        variant = ssd_helion.get_variant()
         out, out_x, _, _, _, final_states = ssd_forward_helion(
             x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),
             chunk_size, D=D, z=z.reshape(b, l, nheads, headdim), dt_bias=dt_bias, initial_states=initial_states,
-            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit, variant=variant,
         )
+        ctx.variant = variant
         ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx)
         ctx.dims = (nheads, headdim, dim, dstate, ngroups, chunk_size)
         ctx.dt_limit = dt_limit
@@ -78,10 +83,9 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         x = x.reshape(b, l, nheads, headdim)
         B = B.reshape(b, l, ngroups, dstate)
         C = C.reshape(b, l, ngroups, dstate)
-        dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True,
-                                                    dt_limit=ctx.dt_limit)
-        states_in, _ = ssd_chunk_state_passing_helion(B, x, dt_out, dA_cumsum, initial_states=initial_states,
-                                                      seq_idx=seq_idx, state_dtype=torch.float32)
+        dA_cumsum, dt_out, states_in, _ = ssd_cumsum_states_helion(
+            B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
+            initial_states=initial_states, seq_idx=seq_idx, state_dtype=torch.float32, variant=ctx.variant)
         CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx)
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)

@@ -9,6 +9,8 @@ g ngroups, n dstate, c chunk_size, nc = ceil(l / c)):
 ``ssd_state_passing_helion(states, dAlast..)`` -> (states_in (b, nc, h, p, n), final (b, h, p, n) fp32)
 ``ssd_chunk_state_passing_helion(...)``        chunk_state + state_passing fused (serial over chunks,
                                                the fp32 per-chunk states never reach memory)
+``ssd_chunk_cumsum_state_passing_helion(..)``  chunk_cumsum + chunk_state + state_passing in one kernel
+                                               -> (dA_cumsum, dt_out, states_in, final_states) (variant "v5")
 ``ssd_bmm_chunk_helion(C, B, c, seq_idx)``     -> CB (b, nc, g, c, c) fp32
 ``ssd_chunk_scan_helion(CB, x, dt, dA, C, ..)`` -> (out, out_x) (b, l, h, p) in x.dtype
 ``ssd_forward_helion(...)``                    -> (out, out_x, dt_out, dA_cumsum, states_in, final_states)
@@ -34,6 +36,7 @@ Each (kernel, config) pair is one ``helion.kernel`` with a fixed config: no auto
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable
 
 import torch
@@ -202,6 +205,98 @@ def _chunk_state_passing_kernel(
     return states_in, final_states
 
 
+# ssd_chunk_cumsum_state_passing (forward variant "v5"): chunk_cumsum folded into chunk_state_passing.
+# The separate cumsum launch took 16.5 us vs mamba-ssm's 10.5 us on the H200 (a one-launch kernel that
+# reads dt strided from zxBCdt); here every program recomputes its head's cumsum inside the chunk loop
+# (c elements per chunk, next to a bm x bn x c GEMM) from the raw dt, exactly as _chunk_cumsum_kernel
+# does it (dt_bias, softplus, clamp, zero past seqlen, dA = dt * A, cumsum within the chunk). dt_out and
+# dA_cumsum (chunk_scan and the backward need them) are stored by one program per (b, h, chunk): the one
+# whose p-block and n-block both begin at 0 (a scalar `if` in the generated Triton). No program reads
+# them back, so there is no ordering between programs to respect.
+# The k-loop walks the chunk in blocks of block_k with a running carry (the cumsum at the end of the
+# previous blocks): the cumsum of a block is carry + cumsum(block), and the state accumulator, weighted
+# to the end of the previous block, is rescaled by exp(end - carry) before the block's GEMM, so no value
+# of the chunk's end is needed before the loop. With block_k = c (the tuned chunk_state_passing config)
+# there is one block, carry = 0, and every value (dt_out, dA_cumsum, the GEMM operands, the states) is
+# what the two-kernel path computes.
+def _chunk_cumsum_state_passing_kernel(
+    B: torch.Tensor,  # (b, L, g, n)
+    x: torch.Tensor,  # (b, L, h, p)
+    dt: torch.Tensor,  # (b, L, h) raw dt, any float dtype (a strided zxBCdt slice is read in place)
+    A: torch.Tensor,  # (h,)
+    dt_bias: torch.Tensor | None,  # (h,)
+    initial_states: torch.Tensor | None,  # (b, h, p, n)
+    seq_idx: torch.Tensor | None,  # (b, L) int32
+    seq_end: torch.Tensor | None,  # (b, nc + 1) int32
+    state_dtype_like: torch.Tensor,  # empty tensor whose dtype is states_in's
+    chunk_size: int,
+    seqlen: int,
+    dt_min: float,
+    dt_max: float,
+    dt_softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, L, g, n = B.shape
+    _, _, h, p = x.shape
+    c = hl.specialize(chunk_size)
+    nc = L // c
+    dA_cumsum = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
+    dt_out = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
+    states_in = torch.empty([b, nc, h, p, n], dtype=state_dtype_like.dtype, device=x.device)
+    final_states = torch.empty([b, h, p, n], dtype=torch.float32, device=x.device)
+    ratio = h // g
+    block_m = hl.register_block_size(16, p)
+    block_n = hl.register_block_size(16, n)
+    block_k = hl.register_block_size(16, c)
+    for tb, th, tm, tn in hl.tile([b, h, p, n], block_size=[1, 1, block_m, block_n]):
+        a_h = A[th.begin].to(torch.float32)
+        if dt_bias is not None:
+            bias_h = dt_bias[th.begin].to(torch.float32)
+        if initial_states is not None:
+            s = initial_states[tb.begin, th.begin, tm, tn].to(torch.float32)
+        else:
+            s = hl.zeros([tm, tn], dtype=torch.float32)
+        for tc in hl.tile(nc, block_size=1):
+            states_in[tb.begin, tc.begin, th.begin, tm, tn] = s.to(states_in.dtype)
+            acc = hl.zeros([tm, tn], dtype=torch.float32)  # weighted to the end of the blocks done so far
+            carry = hl.zeros([], dtype=torch.float32)  # dA cumsum at the end of the blocks done so far
+            if seq_idx is not None:
+                seq_last = seq_idx[tb.begin, tc.begin * c + c - 1]
+            for tk in hl.tile(c, block_size=block_k):
+                pos = tc.begin * c + tk.index
+                # _chunk_cumsum_kernel's math, one head
+                d = dt[tb.begin, pos, th.begin].to(torch.float32)  # (K,)
+                if dt_bias is not None:
+                    d = d + bias_h
+                if dt_softplus:
+                    d = torch.where(d <= 20.0, torch.log1p(torch.exp(d)), d)
+                d = torch.clamp(d, min=dt_min, max=dt_max)
+                d = torch.where(pos < seqlen, d, 0.0)
+                dA_k = carry + torch.cumsum(d * a_h, dim=0)
+                blk_end = torch.sum(torch.where(tk.index == tk.end - 1, dA_k, 0.0))  # dA_k's last entry
+                if tm.begin == 0 and tn.begin == 0:  # one writer per (b, h, chunk)
+                    dt_out[tb.begin, th.begin, tc.begin, tk] = d
+                    dA_cumsum[tb.begin, th.begin, tc.begin, tk] = dA_k
+                x_t = x[tb.begin, pos, th.begin, tm]  # (K, M)
+                b_t = B[tb.begin, pos, th.begin // ratio, tn].to(torch.float32)  # (K, N)
+                scale = torch.exp2(torch.clamp(blk_end - dA_k, max=0.0) * _LOG2E) * d
+                if seq_idx is not None:
+                    same = seq_idx[tb.begin, pos] == seq_last
+                    scale = torch.where(same, scale, 0.0)
+                b_s = (b_t * scale[:, None]).to(x.dtype)
+                # the blocks before this one, reweighted to its end, plus this block (the dot starts from a
+                # zero accumulator, so the rescale does not wait on it; with one block, acc = 0 + dot)
+                acc = acc * torch.exp2(torch.clamp(blk_end - carry, max=0.0) * _LOG2E) + hl.dot(
+                    x_t.permute(1, 0), b_s, out_dtype=torch.float32)
+                carry = blk_end
+            decay = torch.exp2(carry * _LOG2E)
+            if seq_end is not None:
+                keep = seq_end[tb.begin, tc.begin + 1] == seq_end[tb.begin, tc.begin]
+                decay = torch.where(keep, decay, 0.0)
+            s = decay * s + acc
+        final_states[tb.begin, th.begin, tm, tn] = s
+    return dA_cumsum, dt_out, states_in, final_states
+
+
 def _bmm_chunk_kernel(
     C: torch.Tensor,  # (b, L, g, n)
     B: torch.Tensor,  # (b, L, g, n)
@@ -363,6 +458,7 @@ _BODIES: dict[str, Callable[..., Any]] = {
     "ssd_chunk_state": _chunk_state_kernel,
     "ssd_state_passing": _state_passing_kernel,
     "ssd_chunk_state_passing": _chunk_state_passing_kernel,
+    "ssd_chunk_cumsum_state_passing": _chunk_cumsum_state_passing_kernel,
     "ssd_bmm_chunk": _bmm_chunk_kernel,
     "ssd_chunk_scan": _chunk_scan_kernel,
     "ssd_chunk_scan_v2": _chunk_scan_v2_kernel,
@@ -374,13 +470,26 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "ssd_chunk_state": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
     "ssd_state_passing": dict(block_sizes=[512], num_warps=4, num_stages=3),
     "ssd_chunk_state_passing": dict(block_sizes=[32, 64, 64], num_warps=4, num_stages=3),
+    # no sm90 file yet: its generic default is chunk_state_passing's tuned Nano config (bk = c: one k-block)
+    "ssd_chunk_cumsum_state_passing": dict(block_sizes=[64, 64, 128], num_warps=8, num_stages=3),
     "ssd_bmm_chunk": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
     "ssd_chunk_scan": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=2),
     "ssd_chunk_scan_v2": dict(block_sizes=[64, 64], num_warps=4, num_stages=2),
 }
-# variant name -> {base kernel: kernel that replaces it} (``set_variant`` / ``variant=``)
-VARIANTS: dict[str, dict[str, str]] = {"v1": {}, "v2": {"ssd_chunk_scan": "ssd_chunk_scan_v2"}}
-_VARIANT: str = "v1"
+# variant name -> {base kernel: kernel that replaces it} (``set_variant`` / ``variant=``). "v5" (numbered
+# after the backward's v3/v4, since scripts/bench_ssd_variants.py takes one name for both modules): the
+# chunk cumsum computed inside chunk_state_passing, one launch instead of two.
+VARIANTS: dict[str, dict[str, str]] = {
+    "v1": {},
+    "v2": {"ssd_chunk_scan": "ssd_chunk_scan_v2"},
+    "v5": {"ssd_chunk_cumsum": "ssd_chunk_cumsum_state_passing",
+           "ssd_chunk_state_passing": "ssd_chunk_cumsum_state_passing"},
+}
+# NANO_HELION_SSD_FWD_VARIANT picks the module default for whole processes (benchmarks, training runs, kernel
+# profiles); an unknown name fails at import with the known names.
+_VARIANT: str = os.environ.get("NANO_HELION_SSD_FWD_VARIANT", "v1")
+if _VARIANT not in VARIANTS:
+    raise ValueError(f"NANO_HELION_SSD_FWD_VARIANT={_VARIANT!r}: unknown SSD forward variant (known: {sorted(VARIANTS)})")
 
 
 def _variant_map(variant: str | None) -> dict[str, str]:
@@ -622,6 +731,83 @@ def ssd_chunk_state_passing_helion(
     )
 
 
+def ssd_chunk_cumsum_state_passing_helion(
+    B: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    chunk_size: int,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chunk_cumsum + chunk_state + state_passing in one kernel (forward variant "v5"):
+    -> (dA_cumsum, dt_out (both (b, h, nc, c) fp32), states_in (b, nc, h, p, n) in ``state_dtype``
+    (default B.dtype), final_states (b, h, p, n) fp32), the values of ``ssd_chunk_cumsum_helion``
+    followed by ``ssd_chunk_state_passing_helion``.
+
+    dt (b, l, h) is the raw dt (strided slices are read in place); its length l is the sequence length.
+    B, x and seq_idx may have length l or already be padded to nc * c (as ``ssd_forward_helion`` passes them)."""
+    _check_chunk(chunk_size)
+    if dt.dim() != 3:
+        raise ValueError(f"dt must be (batch, seqlen, nheads), got {tuple(dt.shape)}")
+    b, l, h = dt.shape
+    nc = math.ceil(l / chunk_size)
+    L = nc * chunk_size
+    _, lx, hx, p, g, n = _check_xbc(x, B)
+    if x.shape[0] != b or lx not in (l, L) or hx != h:
+        raise ValueError(f"x {tuple(x.shape)} does not match dt {tuple(dt.shape)} (length {l} or {L})")
+    if A.shape != (h,):
+        raise ValueError(f"A must be ({h},), got {tuple(A.shape)}")
+    if dt_bias is not None and dt_bias.shape != (h,):
+        raise ValueError(f"dt_bias must be ({h},), got {tuple(dt_bias.shape)}")
+    _check_initial_states(initial_states, b, h, p, n)
+    if seq_idx is not None and seq_idx.shape not in ((b, l), (b, L)):
+        raise ValueError(f"seq_idx must be {(b, l)} or {(b, L)}, got {tuple(seq_idx.shape)}")
+    sidx = _pad_seq_idx(seq_idx, L)
+    like = torch.empty(0, device=x.device, dtype=state_dtype or B.dtype)
+    dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=chunk_size)
+    return _run(
+        "ssd_chunk_cumsum_state_passing", dims, [p, n, chunk_size],
+        (_pad_seq(B, L), _pad_seq(x, L), _pad_seq(dt, L), A.contiguous(), _contig(dt_bias), _contig(initial_states),
+         sidx, _seq_end(sidx, chunk_size), like, chunk_size, l, float(dt_limit[0]), float(dt_limit[1]),
+         bool(dt_softplus)),
+        config,
+    )
+
+
+def ssd_cumsum_states_helion(
+    B: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    chunk_size: int,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    variant: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dA_cumsum, dt_out, states_in, final_states): chunk_cumsum then chunk_state_passing, as two kernels or,
+    where ``variant`` (None: ``set_variant``'s default) maps them to ssd_chunk_cumsum_state_passing ("v5"), one.
+    Arguments as ``ssd_chunk_cumsum_state_passing_helion``."""
+    if _variant_map(variant).get("ssd_chunk_state_passing") == "ssd_chunk_cumsum_state_passing":
+        return ssd_chunk_cumsum_state_passing_helion(
+            B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
+    dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                                dt_limit=dt_limit)
+    states_in, final_states = ssd_chunk_state_passing_helion(
+        B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
+    return dA_cumsum, dt_out, states_in, final_states
+
+
 def ssd_bmm_chunk_helion(
     C: torch.Tensor,
     B: torch.Tensor,
@@ -714,7 +900,9 @@ def ssd_forward_helion(
     x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), D (h,) or (h, p), z like x,
     dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
-    ``variant``: kernel variant ("v1", "v2"; None = ``set_variant``'s default, "v1" unless changed)."""
+    ``variant``: kernel variant ("v1", "v2", "v5"; None = ``set_variant``'s default, "v1" unless changed or set
+    by NANO_HELION_SSD_FWD_VARIANT). "v5" computes the chunk cumsum inside chunk_state_passing; with
+    ``fuse_state_passing=False`` (chunk_state and state_passing as two kernels) the cumsum stays separate."""
     b, l, h, p, g, n = _check_xbc(x, B)
     if C.shape != B.shape:
         raise ValueError(f"C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
@@ -728,13 +916,16 @@ def ssd_forward_helion(
     # Pad once here so the pieces below see l == nc * c and copy nothing.
     xp, Bp, Cp, zp = (_pad_seq(t, L) for t in (x, B, C, z))
     sidx = _pad_seq_idx(seq_idx, L)
-    dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     sdtype = state_dtype or C.dtype
     if fuse_state_passing:
-        states_in, final_states = ssd_chunk_state_passing_helion(
-            Bp, xp, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype
+        # two kernels (cumsum, chunk_state_passing), or one where the variant fuses them ("v5")
+        dA_cumsum, dt_out, states_in, final_states = ssd_cumsum_states_helion(
+            Bp, xp, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, variant=variant,
         )
     else:
+        dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                                    dt_limit=dt_limit)
         states = ssd_chunk_state_helion(Bp, xp, dt_out, dA_cumsum, seq_idx=sidx)
         states_in, final_states = ssd_state_passing_helion(
             states, dA_cumsum[..., -1], initial_states=initial_states, seq_idx=sidx, chunk_size=chunk_size,
@@ -795,13 +986,19 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
     b, l, h, p, g, n = (md[k] for k in ("b", "l", "h", "p", "g", "n"))
     L = math.ceil(l / c) * c
     nc = L // c
-    if name == "ssd_chunk_cumsum":
+    if name in ("ssd_chunk_cumsum", "ssd_chunk_cumsum_state_passing"):
         # dt as the fused op passes it: the last h columns of the in_proj output zxBCdt (rows of
         # 2*h*p + 2*g*n + h elements), read in place
         row = 2 * h * p + 2 * g * n + h
         zx = torch.zeros(b, L, row, device=device, dtype=inp["dt"].dtype)
         zx[:, :l, row - h:] = inp["dt"]
-        return (zx[..., row - h:], inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
+        dts = zx[..., row - h:]
+        if name == "ssd_chunk_cumsum":
+            return (dts, inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
+        Bp, xp = (_pad_seq(inp[k], L).contiguous() for k in ("B", "x"))
+        like = torch.empty(0, device=device, dtype=inp["C"].dtype)
+        return ((Bp, xp, dts, inp["A"], inp["dt_bias"], None, None, None, like, c, l, 0.0, float("inf"), True),
+                dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c))
     dA, dto = ssd_chunk_cumsum_helion(inp["dt"], inp["A"], c, dt_bias=inp["dt_bias"], dt_softplus=True) if not tuning.interpret_mode() and device != "cpu" else (None, None)
     if dA is None:  # CPU (code generation checks): values do not matter
         dto = torch.rand(b, h, nc, c, device=device) * 0.1
@@ -840,6 +1037,14 @@ _SEEDS: dict[str, list[dict]] = {
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((32, 64), (64, 64), (16, 64), (32, 32), (16, 128), (32, 128), (64, 128))
         for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+    ],
+    # chunk_state_passing's seeds, the whole chunk as one k-block first (its tuned Nano config has bk = c; a
+    # smaller bk adds a rescale of the accumulator per block here)
+    "ssd_chunk_cumsum_state_passing": [
+        dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
+        for bk in (128, 64, 32)
+        for bm, bn in ((64, 64), (32, 64), (64, 128), (16, 64), (32, 32), (16, 128), (32, 128))
+        for w in (8, 4) for st in (3, 2)
     ],
     "ssd_bmm_chunk": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """SSD kernel variants side by side on one GPU: mamba-ssm vs Helion v1 (committed kernels) vs a candidate
-variant (``--variant v2``, the default, or ``v3``: ssd_bwd_dbc as ssd_bwd_dc_dcb + ssd_bwd_db_v3).
+variant (``--variant v2``, the default; ``v3``/``v4``: backward variants of ``kernels.ssd_helion_bwd``; ``v5``:
+the forward variant of ``kernels.ssd_helion`` that computes the chunk cumsum inside chunk_state_passing).
 
 Arms run in alternating order over ``--rounds`` rounds of ``--iters`` calls (CUDA events), with an
 A-vs-A control of v1. Rows:
@@ -11,7 +12,11 @@ A-vs-A control of v1. Rows:
   588 us and dz+dstates = 352 us, come from the profiler table in
   kernels_mamba_ssm_vs_helion_nano.md and are reported as the reference column)
 - ``ssd_backward``: ``ssd_backward_helion`` v1 | v2 (whole Helion SSD backward)
-With ``--variant v3`` only the rows v3 changes run (bwd_dbc, ssd_backward).
+- ``cumsum_state_passing`` (v5): mamba-ssm ``_chunk_cumsum_fwd`` + ``_chunk_state_fwd`` + ``_state_passing_fwd`` |
+  ``ssd_chunk_cumsum`` + ``ssd_chunk_state_passing`` (v1) | ``ssd_chunk_cumsum_state_passing``, with dt read
+  strided from a zxBCdt-shaped buffer as the fused op passes it
+Only the rows a candidate changes run (``row_names``): v2 all but cumsum_state_passing; v3, v4 bwd_dbc /
+bwd_dz_dstates and ssd_backward; v5 cumsum_state_passing and ssd_forward.
 Correctness: candidate vs v1 outputs (max abs err / max |v1|) on the same inputs for every row.
 Configs: v1 uses kernels/configs/<arch>/, v2 its tuned file if present, else its generic default
 (tune first: ``python scripts/tune_kernels.py --kernels ssd_bwd_dbc_v2,ssd_bwd_dz_dstates_v2,ssd_chunk_scan_v2``).
@@ -52,11 +57,35 @@ def _outs(r):
     return [t for t in (r if isinstance(r, (tuple, list)) else (r,)) if torch.is_tensor(t)]
 
 
+def variant_names() -> list[str]:
+    """Candidates: every forward (kernels.ssd_helion) and backward (kernels.ssd_helion_bwd) variant but v1."""
+    return sorted((set(sh.VARIANTS) | set(sb.VARIANTS)) - {"v1"})
+
+
+def row_names(cand: str) -> list[str]:
+    """The rows ``cand`` changes, in the order they run."""
+    names = []
+    fwd = sh.VARIANTS.get(cand, {})
+    if "ssd_chunk_scan" in fwd:
+        names.append("chunk_scan")
+    if "ssd_chunk_state_passing" in fwd:
+        names.append("cumsum_state_passing")
+    if fwd:
+        names.append("ssd_forward")
+    bwd = sb.VARIANTS.get(cand)
+    if bwd is not None:
+        names += [row for row, base in (("bwd_dbc", "ssd_bwd_dbc"), ("bwd_dz_dstates", "ssd_bwd_dz_dstates"))
+                  if base in sb._variant_map(cand)]
+        names.append("ssd_backward")
+    return names
+
+
 def rows(md: dict, cand: str = "v2") -> dict:
     """name -> {arm: fn} with arms mamba_ssm (where one op matches), "v1" and ``cand``; their fns return
-    comparable outputs."""
+    comparable outputs. Only the rows of ``row_names(cand)``."""
     import bench_ssd_fwd
 
+    want = row_names(cand)
     m = bench_ssd_fwd._mamba()
     c = md["c"]
     t = sh.example_inputs(md, "cuda")
@@ -64,18 +93,38 @@ def rows(md: dict, cand: str = "v2") -> dict:
     dA, dto = m.cumsum(dt, A, c, dt_bias=dtb, dt_softplus=True)
     sin, _ = sh.ssd_chunk_state_passing_helion(B, x, dto, dA)
     CB = sh.ssd_bmm_chunk_helion(C, B, c)
-    out = {
-        "chunk_scan": {
+    out = {}
+    if "chunk_scan" in want:
+        out["chunk_scan"] = {
             "mamba_ssm": lambda: m.chunk_scan(CB, x, dto, dA, C, sin, D=D, z=z),
             "v1": lambda: sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, sin, D=D, z=z, variant="v1"),
-            "v2": lambda: sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, sin, D=D, z=z, variant="v2"),
-        },
-        "ssd_forward": {
+            cand: lambda: sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, sin, D=D, z=z, variant=cand),
+        }
+    if "cumsum_state_passing" in want:
+        # dt as the fused op reads it: the last h columns of a zxBCdt-shaped buffer
+        (Bs, xs, dts, *_), _ = sh._kernel_args("ssd_chunk_cumsum_state_passing", md, "cuda")
+        Bs, xs, dts = (v[:, : md["l"]] for v in (Bs, xs, dts))
+        p, n = md["p"], md["n"]
+
+        def m_csp():
+            dA_, dto_ = m.cumsum(dts, A, c, dt_bias=dtb, dt_softplus=True)
+            st = m.chunk_state(Bs, xs, dto_, dA_, states_in_fp32=True)
+            si, fin = m.state_passing(st.flatten(-2), dA_[..., -1], chunk_size=c, out_dtype=C.dtype)
+            return dA_, dto_, si.unflatten(-1, (p, n)), fin.unflatten(-1, (p, n))
+
+        out["cumsum_state_passing"] = {
+            "mamba_ssm": m_csp,
+            "v1": lambda: sh.ssd_cumsum_states_helion(Bs, xs, dts, A, c, dt_bias=dtb, dt_softplus=True, variant="v1"),
+            cand: lambda: sh.ssd_cumsum_states_helion(Bs, xs, dts, A, c, dt_bias=dtb, dt_softplus=True, variant=cand),
+        }
+    if "ssd_forward" in want:
+        out["ssd_forward"] = {
             "mamba_ssm": lambda: m.combined_fwd(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True),
             "v1": lambda: sh.ssd_forward_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True, variant="v1")[:2],
-            "v2": lambda: sh.ssd_forward_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True, variant="v2")[:2],
-        },
-    }
+            cand: lambda: sh.ssd_forward_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True, variant=cand)[:2],
+        }
+    if "ssd_backward" not in want:
+        return {k: out[k] for k in want}
     kd = dict(md)
     for row, base in (("bwd_dbc", "ssd_bwd_dbc"), ("bwd_dz_dstates", "ssd_bwd_dz_dstates")):
         args, dims = sb._example_args(base, kd, "cuda")
@@ -104,7 +153,7 @@ def rows(md: dict, cand: str = "v2") -> dict:
         return lambda: sb.ssd_backward_helion(dout, x, z, ox, dt, A, B, C, D, dtb, dto2, dac2, st2, CB2, c, variant=v)
 
     out["ssd_backward"] = {"v1": bwd("v1"), cand: bwd(cand)}
-    return {k: v for k, v in out.items() if cand in v}
+    return {k: out[k] for k in want}
 
 
 def bench(md: dict, rounds: int, iters: int, cand: str = "v2") -> dict:
@@ -165,7 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="nano", choices=sorted(tuning.SHAPE_PRESETS))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--variant", default="v2", choices=[v for v in sb.VARIANTS if v != "v1"],
+    ap.add_argument("--variant", default="v2", choices=variant_names(),
                     help="the candidate compared with v1")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

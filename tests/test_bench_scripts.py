@@ -506,6 +506,18 @@ def test_ssd_variants_markdown_names_the_candidate():
         bsv.main(["--variant", "v9"])
 
 
+def test_ssd_variants_rows_per_candidate():
+    """Each candidate times the rows it changes: v5 (forward: cumsum inside chunk_state_passing) the fused kernel
+    against cumsum + chunk_state_passing and the whole forward; the backward variants only backward rows."""
+    import bench_ssd_variants as bsv
+
+    assert bsv.variant_names() == ["v2", "v3", "v4", "v5"]
+    assert bsv.row_names("v5") == ["cumsum_state_passing", "ssd_forward"]
+    assert bsv.row_names("v2") == ["chunk_scan", "ssd_forward", "bwd_dbc", "bwd_dz_dstates", "ssd_backward"]
+    assert bsv.row_names("v3") == ["bwd_dbc", "ssd_backward"]
+    assert bsv.row_names("v4") == ["bwd_dbc", "bwd_dz_dstates", "ssd_backward"]
+
+
 @pytest.mark.slow
 def test_convergence_ab_script_a_vs_a_pair_with_resume(tmp_path):
     """scripts/convergence_ab.sh with BACKENDS="torch torch" (the A-vs-A pair) on CPU: both arms are
@@ -543,9 +555,28 @@ def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
     # dx + dt together against dx + ddAcs_stable + cumsum_bwd: 300 / 100
     assert by[("_helion_ssd_bwd_dx", "_helion_ssd_bwd_dt")]["ratio"] == 3.0
     assert res["slower_than_counterpart"] == ["_helion_ssd_bwd_dbc"] and not res["missing_groups"]
-    want = [r["ratio"] for k in kc.BASELINE_TOP10 for r in res["groups"] if k in r["replaces"]]
+    # one ratio per top-10 kernel; a kernel that alternative groups replace (variants, here all profiled at once)
+    # counts with the last of them in GROUPS
+    ratio_of = {tuple(r["helion"]): r["ratio"] for r in res["groups"]}
+    want = [[ratio_of[hks] for hks, mks in kc.GROUPS.items() if k in mks][-1] for k in kc.BASELINE_TOP10]
     assert len(want) == 10 and [t["ratio"] for t in res["top10"]] == want
     assert res["top10_complete"] and math.isclose(res["top10_geomean"], math.exp(sum(map(math.log, want)) / 10))
+    # a profile of the forward variant v5: the fused cumsum + chunk_state_passing kernel replaces three mamba-ssm
+    # kernels, and the two Helion kernels it replaces are absent (their groups drop out, nothing is missing)
+    v5 = {k: v for k, v in helion.items() if k not in ("_helion__chunk_cumsum_kernel", "_helion__chunk_state_passing_kernel")}
+    v5["_helion__chunk_cumsum_state_passing_kernel"] = 120.0  # vs 3 x 100 us: 2.5x
+    res5 = kc.counterparts(table(mamba), table(v5))
+    by5 = {tuple(r["helion"]): r for r in res5["groups"]}
+    fused = by5[("_helion__chunk_cumsum_state_passing_kernel",)]
+    assert fused["mamba_us"] == 300.0 and fused["ratio"] == 2.5
+    assert ("_helion__chunk_cumsum_kernel",) not in by5 and ("_helion__chunk_state_passing_kernel",) not in by5
+    assert not res5["missing_groups"] and res5["top10_complete"]
+    top5 = {t["mamba_kernel"]: t["ratio"] for t in res5["top10"]}
+    assert top5["_chunk_state_fwd_kernel"] == top5["_state_passing_fwd_kernel"] == 2.5
+    # without the fused kernel either, the cumsum and chunk_state_passing groups are missing
+    del v5["_helion__chunk_cumsum_state_passing_kernel"]
+    res6 = kc.counterparts(table(mamba), table(v5))
+    assert ["_helion__chunk_cumsum_kernel"] in res6["missing_groups"] and not res6["top10_complete"]
     # a missing Helion kernel drops its group and is named
     del helion["_helion_ssd_bwd_dt"]
     res2 = kc.counterparts(table(mamba), table(helion))

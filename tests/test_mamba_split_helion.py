@@ -32,7 +32,16 @@ def _case(b, l, h, p, g, n, D2=False, seed=0, device="cpu", dtype=torch.float32)
         ((2, 40, 6, 8, 3, 16, 16), True, False, True),  # ngroups 3, D per head-dim
     ],
 )
-def test_fused_op_grads_match_reference(shape, seq, init, D2):
+@pytest.mark.parametrize("fwd_variant", ["v1", "v5"])
+def test_fused_op_grads_match_reference(shape, seq, init, D2, fwd_variant, monkeypatch):
+    """Output, final states and every gradient vs the autograd reference, with the SSD forward variant v1 and v5
+    (chunk cumsum inside chunk_state_passing, in the forward and in the backward's recompute)."""
+    from kernels import ssd_helion as sh
+
+    monkeypatch.setattr(sh, "_VARIANT", fwd_variant)
+    launched = []
+    real_run = sh._run
+    monkeypatch.setattr(sh, "_run", lambda name, *a, **kw: launched.append(name) or real_run(name, *a, **kw))
     b, l, h, p, g, n, c = shape
     t = _case(b, l, h, p, g, n, D2=D2)
     for v in t.values():
@@ -59,6 +68,12 @@ def test_fused_op_grads_match_reference(shape, seq, init, D2):
     for nm, a, bb in zip(names, g1, g2):
         err = (a - bb).abs().max().item()
         assert err <= 1e-4 * max(1.0, a.abs().max().item()), f"{nm}: max err {err:.3e}"
+    # forward and backward recompute: one fused launch each with v5, the two kernels with v1
+    fused = "ssd_chunk_cumsum_state_passing"
+    if fwd_variant == "v5":
+        assert launched.count(fused) == 2 and "ssd_chunk_cumsum" not in launched, launched
+    else:
+        assert launched.count("ssd_chunk_cumsum") == 2 and fused not in launched, launched
 
 
 def test_saves_only_small_tensors():

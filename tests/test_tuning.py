@@ -183,6 +183,7 @@ NANO_COMMITTED["conv1d_bwd_v3"] = dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, ac
 NANO_UNTUNED = {
     "ssd_chunk_scan_v2": _NANO_SSD,
     "ssd_bwd_dbc_v2": _NANO_SSD,
+    "ssd_chunk_cumsum_state_passing": _NANO_SSD,  # forward variant v5
 }
 
 
