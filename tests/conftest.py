@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 # Without CUDA, Helion kernels can only run in interpret mode, and Helion fixes a kernel's mode when
@@ -19,3 +20,19 @@ if not torch.cuda.is_available():
         )
     except RuntimeError:  # already registered by another conftest/plugin in this process
         pass
+
+
+@pytest.fixture(scope="module")
+def mp():
+    """Megatron's single-rank parallel state (model=tiny, parallel=single) for tests that build megatron modules;
+    torn down after the module unless another test had already initialized it."""
+    from megatron.core import parallel_state as ps
+
+    from nano_hybrid.config import compose
+    from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+
+    created = not ps.model_parallel_is_initialized()
+    initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
+    yield
+    if created:
+        destroy_parallel()

@@ -29,18 +29,6 @@ from nano_hybrid.config import compose  # noqa: E402
 from nano_hybrid.model import build_model  # noqa: E402
 from nano_hybrid.model.attention import SDPAttention  # noqa: E402
 from nano_hybrid.model.experts import GroupedGemmExperts, copy_grouped_weights  # noqa: E402
-from nano_hybrid.parallel import destroy_parallel, initialize_parallel  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def mp():
-    from megatron.core import parallel_state as ps
-
-    created = not ps.model_parallel_is_initialized()
-    initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
-    yield
-    if created:
-        destroy_parallel()
 
 
 def _cfg(**kw):

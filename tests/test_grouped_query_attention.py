@@ -34,21 +34,9 @@ from nano_hybrid import mcore_compat  # noqa: E402
 from nano_hybrid.config import compose  # noqa: E402
 from nano_hybrid.model import build_model  # noqa: E402
 from nano_hybrid.model.attention import GroupedQuerySelfAttention, SDPAttention  # noqa: E402
-from nano_hybrid.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 HN = 16
-
-
-@pytest.fixture(scope="module")
-def mp():
-    from megatron.core import parallel_state as ps
-
-    created = not ps.model_parallel_is_initialized()
-    initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
-    yield
-    if created:
-        destroy_parallel()
 
 
 def _cfg(heads=8, groups=2, **kw):

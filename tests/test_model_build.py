@@ -13,21 +13,9 @@ from kernels.registry import BackendUnavailableError, UnknownBackendError, get_b
 from nano_hybrid.config import CONFIG_DIR, ConfigError, compose  # noqa: E402
 from nano_hybrid.model import build_model, count_params  # noqa: E402
 from nano_hybrid.model.mixer import BackendMambaMixer  # noqa: E402
-from nano_hybrid.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 
 MODEL_CONFIGS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
 NANO30B_TOTAL = 31.58e9
-
-
-@pytest.fixture(scope="module")
-def mp():
-    from megatron.core import parallel_state as ps
-
-    created = not ps.model_parallel_is_initialized()
-    initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
-    yield
-    if created:
-        destroy_parallel()
 
 
 def _batch(b, s, vocab, seed=0):
