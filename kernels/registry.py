@@ -132,6 +132,8 @@ def _helion_backend() -> KernelBackend:
             parts[field] = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
             missing.append(f"{mod}.{attr} ({type(e).__name__}: {e})")
+        except ValueError as e:  # a bad NANO_HELION_* variant setting, checked when the module loads
+            raise BackendUnavailableError(f"kernel backend 'helion': {e}") from None
     if missing:
         raise BackendUnavailableError("kernel backend 'helion' is incomplete: missing " + "; ".join(missing))
     return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs", **parts)

@@ -50,3 +50,31 @@ def test_helion_switches_reach_the_kernels():
     finally:
         tuning.set_autotune(False)
         ssd_helion_bwd.set_deterministic(False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpret-mode test")
+@pytest.mark.parametrize("var,what", [("NANO_HELION_SSD_BWD_VARIANT", "backward"), ("NANO_HELION_SSD_FWD_VARIANT", "forward")])
+def test_bad_helion_variant_setting_is_one_backend_error(var, what):
+    """An unknown kernel variant in the environment fails the helion backend with one BackendUnavailableError
+    that names the setting and the known variants (train.py prints it as one line), not an import traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        "import torch\n"
+        "lib = torch.library.Library('aten', 'IMPL')\n"  # the test-only hl.dot shim of tests/conftest.py
+        "lib.impl('mm.dtype', lambda a, b, out_dtype: torch.mm(a.float(), b.float()).to(out_dtype), 'CPU')\n"
+        "from kernels import registry\n"
+        "try:\n"
+        "    registry.get_backend('helion')\n"
+        "except registry.BackendUnavailableError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = {**os.environ, var: "bogus", "HELION_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("ERR kernel backend 'helion': ") and f"{var}='bogus'" in r.stdout
+    assert f"unknown SSD {what} variant" in r.stdout and "'v1'" in r.stdout
