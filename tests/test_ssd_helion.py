@@ -486,12 +486,10 @@ def _mamba_ssm():
 NANO = dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("with_seq", [False, True])
-def test_gpu_nano_vs_fp32_reference_and_mamba_ssm(with_seq):
-    """bf16 inputs at the Nano shape. Tolerances (max abs error relative to max |ref|):
-    out/out_x 2e-2 vs the fp32 torch reference and vs mamba-ssm; final_states 1e-2; dt/dA 1e-5."""
+
+def _nano_gpu_case(with_seq: bool) -> tuple[dict, dict]:
+    """Nano-shape bf16 inputs on CUDA and the forward's keyword arguments: D, z, dt_bias, softplus, random
+    initial states and, with ``with_seq``, three packed sequences (boundaries at 3000 and 5123)."""
     md = NANO
     inp = sh.example_inputs(md, "cuda")
     seq_idx = None
@@ -500,7 +498,18 @@ def test_gpu_nano_vs_fp32_reference_and_mamba_ssm(with_seq):
         seq_idx[:, 3000:] = 1
         seq_idx[:, 5123:] = 2
     init = torch.randn(md["b"], md["h"], md["p"], md["n"], device="cuda") * 0.1
-    kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], initial_states=init, seq_idx=seq_idx, dt_softplus=True)
+    return inp, dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], initial_states=init, seq_idx=seq_idx,
+                     dt_softplus=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("with_seq", [False, True])
+def test_gpu_nano_vs_fp32_reference_and_mamba_ssm(with_seq):
+    """bf16 inputs at the Nano shape. Tolerances (max abs error relative to max |ref|):
+    out/out_x 2e-2 vs the fp32 torch reference and vs mamba-ssm; final_states 1e-2; dt/dA 1e-5."""
+    md = NANO
+    inp, kw = _nano_gpu_case(with_seq)
     args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], md["c"])
     got = sh.ssd_forward_helion(*args, **kw)
     ref = ssd.ssd_forward_ref(*(a.float() if torch.is_tensor(a) else a for a in args), **{
@@ -531,16 +540,9 @@ def test_gpu_nano_variant_v5_matches_v1(with_seq):
     zxBCdt-shaped buffer (as the fused op passes it): v1's outputs (dt_out 1e-6, dA_cumsum 1e-5, final_states
     1e-3, states_in (bf16) / out / out_x 1e-2 of their scale) and the fp32 reference (as the v1 test)."""
     md = NANO
-    inp = sh.example_inputs(md, "cuda")
+    inp, kw = _nano_gpu_case(with_seq)
     (_, _, dts, *_), _ = sh._kernel_args("ssd_chunk_cumsum_state_passing", md, "cuda")
     assert not dts.is_contiguous()
-    seq_idx = None
-    if with_seq:
-        seq_idx = torch.zeros(md["b"], md["l"], dtype=torch.int32, device="cuda")
-        seq_idx[:, 3000:] = 1
-        seq_idx[:, 5123:] = 2
-    init = torch.randn(md["b"], md["h"], md["p"], md["n"], device="cuda") * 0.1
-    kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], initial_states=init, seq_idx=seq_idx, dt_softplus=True)
     args = (inp["x"], dts, inp["A"], inp["B"], inp["C"], md["c"])
     v1 = sh.ssd_forward_helion(*args, variant="v1", **kw)
     v5 = sh.ssd_forward_helion(*args, variant="v5", **kw)
