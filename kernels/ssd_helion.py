@@ -598,6 +598,18 @@ def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
 # ----------------------------------------------------------------------------------------------
 
 
+def _check_dt(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """dt (b, l, h) with A (h,) and dt_bias (h,) or None -> (b, l, h); the cumsum wrappers' input checks."""
+    if dt.dim() != 3:
+        raise ValueError(f"dt must be (batch, seqlen, nheads), got {tuple(dt.shape)}")
+    b, l, h = dt.shape
+    if A.shape != (h,):
+        raise ValueError(f"A must be ({h},), got {tuple(A.shape)}")
+    if dt_bias is not None and dt_bias.shape != (h,):
+        raise ValueError(f"dt_bias must be ({h},), got {tuple(dt_bias.shape)}")
+    return b, l, h
+
+
 def ssd_chunk_cumsum_helion(
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -609,13 +621,7 @@ def ssd_chunk_cumsum_helion(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dt (b, l, h), A (h,) -> (dA_cumsum, dt_out), both (b, h, nc, c) fp32 (as ``chunk_cumsum_ref``)."""
     _check_chunk(chunk_size)
-    if dt.dim() != 3:
-        raise ValueError(f"dt must be (batch, seqlen, nheads), got {tuple(dt.shape)}")
-    b, l, h = dt.shape
-    if A.shape != (h,):
-        raise ValueError(f"A must be ({h},), got {tuple(A.shape)}")
-    if dt_bias is not None and dt_bias.shape != (h,):
-        raise ValueError(f"dt_bias must be ({h},), got {tuple(dt_bias.shape)}")
+    b, l, h = _check_dt(dt, A, dt_bias)
     nc = math.ceil(l / chunk_size)
     dtp = _pad_seq(dt, nc * chunk_size)  # strided zxbcdt slices are read in place
     dims = dict(b=b, l=l, h=h, c=chunk_size)
@@ -753,18 +759,12 @@ def ssd_chunk_cumsum_state_passing_helion(
     dt (b, l, h) is the raw dt (strided slices are read in place); its length l is the sequence length.
     B, x and seq_idx may have length l or already be padded to nc * c (as ``ssd_forward_helion`` passes them)."""
     _check_chunk(chunk_size)
-    if dt.dim() != 3:
-        raise ValueError(f"dt must be (batch, seqlen, nheads), got {tuple(dt.shape)}")
-    b, l, h = dt.shape
+    b, l, h = _check_dt(dt, A, dt_bias)
     nc = math.ceil(l / chunk_size)
     L = nc * chunk_size
     _, lx, hx, p, g, n = _check_xbc(x, B)
     if x.shape[0] != b or lx not in (l, L) or hx != h:
         raise ValueError(f"x {tuple(x.shape)} does not match dt {tuple(dt.shape)} (length {l} or {L})")
-    if A.shape != (h,):
-        raise ValueError(f"A must be ({h},), got {tuple(A.shape)}")
-    if dt_bias is not None and dt_bias.shape != (h,):
-        raise ValueError(f"dt_bias must be ({h},), got {tuple(dt_bias.shape)}")
     _check_initial_states(initial_states, b, h, p, n)
     if seq_idx is not None and seq_idx.shape not in ((b, l), (b, L)):
         raise ValueError(f"seq_idx must be {(b, l)} or {(b, L)}, got {tuple(seq_idx.shape)}")

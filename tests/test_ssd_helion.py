@@ -502,6 +502,12 @@ def _nano_gpu_case(with_seq: bool) -> tuple[dict, dict]:
                      dt_softplus=True)
 
 
+def _fp32_forward_ref(args: tuple, kw: dict):
+    """The torch reference forward on fp32 copies of the floating-point inputs (the GPU tests' fp32 baseline)."""
+    return ssd.ssd_forward_ref(*(a.float() if torch.is_tensor(a) else a for a in args), **{
+        k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("with_seq", [False, True])
@@ -512,8 +518,7 @@ def test_gpu_nano_vs_fp32_reference_and_mamba_ssm(with_seq):
     inp, kw = _nano_gpu_case(with_seq)
     args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], md["c"])
     got = sh.ssd_forward_helion(*args, **kw)
-    ref = ssd.ssd_forward_ref(*(a.float() if torch.is_tensor(a) else a for a in args), **{
-        k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
+    ref = _fp32_forward_ref(args, kw)
     _close(got[2], ref[2], 1e-5, "dt_out")
     _close(got[3], ref[3], 1e-4, "dA_cumsum")
     _close(got[5], ref[5], 1e-2, "final_states vs fp32")
@@ -549,8 +554,7 @@ def test_gpu_nano_variant_v5_matches_v1(with_seq):
     for i, tol in ((2, 1e-6), (3, 1e-5), (5, 1e-3), (4, 1e-2), (0, 1e-2), (1, 1e-2)):
         assert v5[i].dtype == v1[i].dtype and v5[i].shape == v1[i].shape, _FWD_NAMES[i]
         _close(v5[i], v1[i], tol, f"{_FWD_NAMES[i]} v5 vs v1")
-    ref = ssd.ssd_forward_ref(*(a.float() if torch.is_tensor(a) else a for a in args), **{
-        k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
+    ref = _fp32_forward_ref(args, kw)
     _close(v5[2], ref[2], 1e-5, "dt_out vs fp32")
     _close(v5[3], ref[3], 1e-4, "dA_cumsum vs fp32")
     _close(v5[5], ref[5], 1e-2, "final_states vs fp32")
