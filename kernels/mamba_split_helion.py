@@ -4,7 +4,7 @@
 signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward saves only zxbcdt,
 the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx); the backward recomputes
 the conv and the forward pieces it needs (chunk_cumsum, chunk_state+state_passing in fp32, C.B^T; with
-the SSD forward variant "v5" the first two are one kernel) and runs the Helion backward of
+the SSD forward variant "v5" the first two are one kernel, with "v6" the first and the last) and runs the Helion backward of
 ``kernels/ssd_helion_bwd.py``.
 
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
@@ -27,11 +27,7 @@ import torch
 from kernels import ssd_helion
 from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
-from kernels.ssd_helion import (
-    ssd_bmm_chunk_helion,
-    ssd_cumsum_states_helion,
-    ssd_forward_helion,
-)
+from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
 from kernels.ssd_helion_bwd import ssd_backward_helion
 
 
@@ -52,7 +48,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         # the SSD forward variant (ssd_helion.set_variant / NANO_HELION_SSD_FWD_VARIANT), kept for the backward's
-        # recompute: "v5" computes the chunk cumsum inside chunk_state_passing in both
+        # recompute: "v5" computes the chunk cumsum inside chunk_state_passing in both, "v6" beside C.B^T
         variant = ssd_helion.get_variant()
         out, out_x, _, _, _, final_states = ssd_forward_helion(
             x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),
@@ -83,10 +79,9 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         x = x.reshape(b, l, nheads, headdim)
         B = B.reshape(b, l, ngroups, dstate)
         C = C.reshape(b, l, ngroups, dstate)
-        dA_cumsum, dt_out, states_in, _ = ssd_cumsum_states_helion(
-            B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
+        dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
+            B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
             initial_states=initial_states, seq_idx=seq_idx, state_dtype=torch.float32, variant=ctx.variant)
-        CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx)
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)
         dz, dxBC_given, ddt = torch.split(dzxbcdt, splits, dim=-1)

@@ -47,6 +47,8 @@ GROUPS: dict[tuple[str, ...], tuple[str, ...]] = {
     # the forward variant "v5" (kernels.ssd_helion.VARIANTS): chunk_cumsum computed inside chunk_state_passing
     ("_helion__chunk_cumsum_state_passing_kernel",): ("_chunk_cumsum_fwd_kernel", "_chunk_state_fwd_kernel",
                                                       "_state_passing_fwd_kernel"),
+    # the forward variant "v6": chunk_cumsum and C.B^T in one launch
+    ("_helion__bmm_chunk_cumsum_kernel",): ("_bmm_chunk_fwd_kernel", "_chunk_cumsum_fwd_kernel"),
 }
 
 # the baseline table's kernels by time, largest first, without the benchmark's adds and torch reductions

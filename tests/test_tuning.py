@@ -184,6 +184,7 @@ NANO_UNTUNED = {
     "ssd_chunk_scan_v2": _NANO_SSD,
     "ssd_bwd_dbc_v2": _NANO_SSD,
     "ssd_chunk_cumsum_state_passing": _NANO_SSD,  # forward variant v5
+    "ssd_bmm_chunk_cumsum": dict(b=2, l=8192, h=64, g=8, n=128, c=128),  # forward variant v6
 }
 
 
