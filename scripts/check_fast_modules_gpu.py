@@ -160,6 +160,12 @@ def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top) -> dict:
     mask = None
 
     def step():
+        # grads set to None first, as bench_layers.py does: the layer's own fwd+bwd, without adding each grad to
+        # the last step's (x.grad and the parameters: five elementwise adds, ~150 us per step at Nano dims; in
+        # training x.grad is never accumulated and the parameter grads go to megatron DDP's buffer, which the
+        # step time, not the layer time, counts)
+        model.zero_grad(set_to_none=True)
+        x.grad = None
         out = layer(x, attention_mask=mask)[0]
         out.backward(g)
 
