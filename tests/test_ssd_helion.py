@@ -132,7 +132,7 @@ def test_forward_variant_v2_matches_reference(case, small_blocks, monkeypatch):
     got = sh.ssd_forward_helion(t["x"], t["dt"], t["A"], t["B"], t["C"], c, variant="v2", **kw)
     for name, a, r in zip(["out", "out_x"], got, ref):
         _close(a, r, 1e-4, name)
-    assert sh.get_variant() == "v1"
+    assert sh.get_variant() == sh.DEFAULT_VARIANT
     with pytest.raises(ValueError, match="unknown SSD forward variant"):
         sh.set_variant("v3")
 
@@ -193,7 +193,7 @@ def test_forward_variant_matches_v1(variant, case, small_blocks, monkeypatch):
         else:
             assert torch.equal(a, r1), f"{name}: {variant} differs from v1 (max {(a.float() - r1.float()).abs().max():.3g})"
         _close(a, r, 1e-4, f"{name} {variant} vs reference")
-    assert sh.get_variant() == "v1"
+    assert sh.get_variant() == sh.DEFAULT_VARIANT
 
 
 @pytest.mark.parametrize("small_blocks", [False, True])
@@ -301,10 +301,12 @@ def test_variant_v5_launches_the_fused_kernel(monkeypatch):
     args, kw = _v5_args("g1")
     names.clear()
     names.clear()
-    sh.ssd_forward_helion(*args, **kw)
+    sh.ssd_forward_helion(*args, variant="v1", **kw)
     assert names == ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"], names
     names.clear()
-    sh.ssd_forward_helion(*args, variant="v6", **kw)
+    # the default (v6): cumsum and bmm in one launch
+    assert sh.DEFAULT_VARIANT == "v6"
+    sh.ssd_forward_helion(*args, **kw)
     assert names == ["ssd_bmm_chunk_cumsum", "ssd_chunk_state_passing", "ssd_chunk_scan"], names
     names.clear()
     try:
@@ -315,7 +317,7 @@ def test_variant_v5_launches_the_fused_kernel(monkeypatch):
         sh.ssd_forward_helion(*args, fuse_state_passing=False, **kw)
         assert names[:3] == ["ssd_chunk_cumsum", "ssd_chunk_state", "ssd_state_passing"], names
     finally:
-        sh.set_variant("v1")
+        sh.set_variant(sh.DEFAULT_VARIANT)
 
 
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
