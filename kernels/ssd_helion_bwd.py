@@ -506,6 +506,91 @@ def ssd_bwd_dbc_v3(args: tuple, dims: dict) -> torch.Tensor:
     return ddacs_prev
 
 
+# ssd_bwd_dx_v2 (backward variant "v7", with v4's kernels): ssd_bwd_dx split over row tiles of the chunk.
+#   ssd_bwd_dx (v1) runs one program per (b, chunk, head), 8192 programs, each holding (c x c) fp32 tiles (the
+#   decayed CB^T, the causal mask, x . dout^T and their product: 64 registers per thread each at 8 warps) over
+#   the whole chunk: 729 us on the H200 against mamba-ssm's dx + ddAcs_stable + cumsum_bwd 720 us, for ~52
+#   GFLOP and ~0.8 GB (~75 / ~190 us). Here a program owns the rows s of one tile (bm rows: 16384 programs at
+#   bm 64) and walks the column tiles t >= s only (the causal half: 3/4 of the c x c products at bm = bk = c/2),
+#   with (bm x bk) tiles. The per-column sums over s (ddacs_row) span the row tiles, so each program writes its
+#   partial into its own slot of a (b, h, nc, c / bm, c) buffer (zeros below its diagonal) that the caller sums;
+#   the whole-chunk sum of the state term st (v1 adds it to ddacs_col[c - 1]) goes into that partial at
+#   t = c - 1, which ssd_bwd_dt adds to the same place. dD is summed per row tile, (b, nc, c / bm, h, p). Row
+#   tiles of one (chunk, head) are adjacent program ids, so dL[h] (p x n fp32) and the group's CB tile come
+#   from L2 for all but the first.
+@helion.kernel(static_shapes=True)
+def ssd_bwd_dx_v2(
+    x: torch.Tensor,  # (b, nc, c, h, p)
+    dout_x: torch.Tensor,  # (b, nc, c, h, p)
+    B: torch.Tensor,  # (b, nc, c, g, n)
+    CB: torch.Tensor,  # (b, nc, g, c, c) fp32, CB[t, s], zero across sequences
+    dt: torch.Tensor,  # (b, h, nc, c) fp32
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    dL: torch.Tensor,  # (b, nc, h, p, n) fp32: gradient of the chunk's local state
+    last_keep: torch.Tensor,  # (b, nc, c) fp32: 1 where the token is in the chunk's last sequence
+    Dw: torch.Tensor,  # (h, p) fp32 (zeros when there is no D)
+    dx: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, nc, c, h, p = x.shape
+    g = B.shape[3]
+    hpg = h // g
+    bm = hl.register_block_size(16, 128)
+    bk = hl.register_block_size(16, 128)
+    nst = (c + bm - 1) // bm  # row tiles per chunk (1 when a config's bm exceeds the chunk)
+    ddt = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
+    ddacs_row_part = torch.zeros([b, h, nc, nst, c], dtype=torch.float32, device=x.device)
+    ddacs_col = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
+    dD_part = torch.empty([b, nc, nst, h, p], dtype=torch.float32, device=x.device)
+    for ts, th, tc, tb in hl.tile([c, h, nc, b], block_size=[bm, 1, 1, 1]):
+        ib = tb.begin
+        ic = tc.begin
+        ih = th.begin
+        ig = ih // hpg
+        js = ts.id
+        xs = x[ib, ic, ts, ih, :]  # (bm, p)
+        xf = xs.to(torch.float32)
+        dts = dt[ib, ih, ic, ts]
+        acs = dA_cumsum[ib, ih, ic, ts]
+        a_last = dA_cumsum[ib, ih, ic, c - 1]
+        decay_s = torch.exp(torch.clamp(a_last - acs, max=0.0)) * last_keep[ib, ic, ts]
+        dls = dL[ib, ic, ih, :, :].to(x.dtype)
+        # state part: d(L_c)/dx for these rows, and its d/d(-dAcs[s]) term
+        a2 = hl.dot(B[ib, ic, ts, ig, :], dls.T) * decay_s[:, None]  # (bm, p)
+        st = dts * torch.sum(a2 * xf, dim=1)
+        st_sum = torch.sum(st, dim=0)
+        a1 = hl.zeros([ts, p], dtype=torch.float32)
+        col = hl.zeros([ts], dtype=torch.float32)
+        for tt in hl.tile(ts.begin, c, block_size=bk):
+            dot_ = dout_x[ib, ic, tt, ih, :]  # (bk, p)
+            act = dA_cumsum[ib, ih, ic, tt]
+            seg = act[None, :] - acs[:, None]  # (bm, bk): dAcs[t] - dAcs[s]
+            causal = tt.index[None, :] >= ts.index[:, None]
+            # clamp: as in ssd_bwd_dx (lanes past the chunk end load dA_cumsum = 0)
+            mt = CB[ib, ic, ig, tt, ts].T * torch.exp(torch.clamp(torch.where(causal, seg, float("-inf")), max=0.0))
+            a1 = hl.dot(mt.to(x.dtype), dot_, acc=a1)
+            gt = hl.dot(xs, dot_.T)  # (s, t): x[s] . dout_x[t]
+            w = mt * dts[:, None] * gt
+            row = torch.sum(w, dim=0) + torch.where(tt.index == c - 1, st_sum, 0.0)
+            ddacs_row_part[ib, ih, ic, js, tt] = row
+            col = col + torch.sum(w, dim=1)
+        a = a1 + a2
+        dox_s = dout_x[ib, ic, ts, ih, :].to(torch.float32)
+        dx[ib, ic, ts, ih, :] = (a * dts[:, None] + dox_s * Dw[ih, :][None, :]).to(dx.dtype)
+        ddt[ib, ih, ic, ts] = torch.sum(a * xf, dim=1)
+        ddacs_col[ib, ih, ic, ts] = -col - st
+        dD_part[ib, ic, js, ih, :] = torch.sum(dox_s * xf, dim=0)
+    return ddt, ddacs_row_part, ddacs_col, dD_part
+
+
+def ssd_bwd_dx_rows(args: tuple, dims: dict) -> tuple[torch.Tensor, ...]:
+    """Variant of ssd_bwd_dx with its arguments and results: ssd_bwd_dx_v2, then the sum of its per-row-tile
+    ddacs_row partials; dD_part comes back as (b, nc * c / bm, h, p), which the caller sums over its first two
+    dims as it does v1's (b, nc, h, p)."""
+    ddt, row_part, ddacs_col, dD_part = _call("ssd_bwd_dx_v2", args, dims)
+    b, nst, h, p = dD_part.shape[0], dD_part.shape[2], dD_part.shape[3], dD_part.shape[4]
+    return ddt, row_part.sum(dim=3), ddacs_col, dD_part.view(b, -1, h, p)
+
+
 @helion.kernel(static_shapes=True)
 def ssd_bwd_dz_dstates_v2(
     dout: torch.Tensor,  # (b, nc, c, h, p)
@@ -556,11 +641,13 @@ _DEFAULTS = {
     "ssd_bwd_dbc_v2": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
     "ssd_bwd_dc_dcb": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
     "ssd_bwd_db_v3": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
+    "ssd_bwd_dx_v2": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
 }
 # block-size seeds of kernels with more than one block size (others use _BLOCK_SEEDS)
 _MULTI_BLOCK_SEEDS = {
     "ssd_bwd_dbc_v2": [[64, 64], [32, 32], [32, 64], [64, 32], [128, 64], [64, 128], [32, 128], [16, 64]],
     "ssd_bwd_db_v3": [[64, 64], [32, 32], [32, 64], [64, 32], [128, 64], [64, 128], [32, 128], [16, 64]],
+    "ssd_bwd_dx_v2": [[64, 64], [32, 32], [32, 64], [64, 32], [64, 128], [32, 128], [128, 64], [128, 128]],
 }
 # variant name -> {base kernel: kernel that replaces it}
 VARIANTS = {
@@ -570,6 +657,9 @@ VARIANTS = {
     # the default since session 5 (H200, Nano shape, bench_ssd_variants): dbc v3 557.9 us vs v1 801.0 us
     # (mamba-ssm's dc+dcb+db: 588.0), dz_dstates v2 324.8 vs v1 405.7 us (mamba-ssm 352.0)
     "v4": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"},
+    # v4 with dx over row tiles (ssd_bwd_dx_v2); numbered after the forward's v5 / v6, since
+    # scripts/bench_ssd_variants.py takes one name for both modules
+    "v7": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2", "ssd_bwd_dx": "ssd_bwd_dx_rows"},
 }
 # NANO_HELION_SSD_BWD_VARIANT picks the module default for whole processes (benchmarks, training runs);
 # an unknown name fails at import with the known names.
@@ -612,9 +702,10 @@ _KERNELS = {
     "ssd_bwd_dbc_v2": ssd_bwd_dbc_v2,
     "ssd_bwd_dc_dcb": ssd_bwd_dc_dcb,
     "ssd_bwd_db_v3": ssd_bwd_db_v3,
+    "ssd_bwd_dx_v2": ssd_bwd_dx_v2,
 }
 # variants made of several kernels: name -> function(args, dims) with the replaced kernel's arguments/results
-_COMPOSITE = {"ssd_bwd_dbc_v3": ssd_bwd_dbc_v3}
+_COMPOSITE = {"ssd_bwd_dbc_v3": ssd_bwd_dbc_v3, "ssd_bwd_dx_rows": ssd_bwd_dx_rows}
 
 
 def _block_seeds(name: str) -> list[list[int]]:
@@ -749,8 +840,10 @@ def ssd_backward_helion(
     else:
         Dw = D.float()
     dxc = buf("dx", xc)
-    ddt_out, ddacs_row, ddacs_col, dD_part = _call(
-        "ssd_bwd_dx", (xc, doxc, Bc, CB, dt_out, dA_cumsum, dL, m["last_keep"], Dw, dxc), dims)
+    dx_name = vmap.get("ssd_bwd_dx", "ssd_bwd_dx")
+    dx_args = (xc, doxc, Bc, CB, dt_out, dA_cumsum, dL, m["last_keep"], Dw, dxc)
+    ddt_out, ddacs_row, ddacs_col, dD_part = (_COMPOSITE[dx_name](dx_args, dims) if dx_name in _COMPOSITE
+                                              else _call(dx_name, dx_args, dims))
     dBc, dCc = buf("dB", Bc), buf("dC", Cc)
     dbc_name = vmap.get("ssd_bwd_dbc", "ssd_bwd_dbc")
     dbc_args = (xc, doxc, Bc, Cc, dt_out, dA_cumsum, states_in, dL, m["same_seq"], m["prev_keep"], m["last_keep"], dBc, dCc)
@@ -830,7 +923,7 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
 
 
 # argument positions of the result buffers each kernel writes (compared by the tuner)
-_OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dbc": (11, 12), "ssd_bwd_dt": (9,),
+_OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dx_v2": (9,), "ssd_bwd_dbc": (11, 12), "ssd_bwd_dt": (9,),
              "ssd_bwd_dz_dstates_v2": (6,), "ssd_bwd_dbc_v2": (11, 12), "ssd_bwd_dc_dcb": (9,), "ssd_bwd_db_v3": (7,)}
 
 

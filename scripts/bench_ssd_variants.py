@@ -12,6 +12,7 @@ A-vs-A control of v1. Rows:
   counterparts are several internal kernels; their measured per-kernel times, dB+dC+dCB+2 bmm_bwd =
   588 us and dz+dstates = 352 us, come from the profiler table in
   kernels_mamba_ssm_vs_helion_nano.md and are reported as the reference column)
+- ``bwd_dx`` (v7): ``ssd_bwd_dx`` (v1, also v4's) | ``ssd_bwd_dx_v2`` + the sum of its ddacs_row partials
 - ``ssd_backward``: ``ssd_backward_helion`` v1 | v2 (whole Helion SSD backward)
 - ``cumsum_state_passing`` (v5): mamba-ssm ``_chunk_cumsum_fwd`` + ``_chunk_state_fwd`` + ``_state_passing_fwd`` |
   ``ssd_chunk_cumsum`` + ``ssd_chunk_state_passing`` (v1) | ``ssd_chunk_cumsum_state_passing``, with dt read
@@ -19,7 +20,8 @@ A-vs-A control of v1. Rows:
 - ``bmm_cumsum`` (v6): mamba-ssm ``_bmm_chunk_fwd`` + ``_chunk_cumsum_fwd`` | ``ssd_bmm_chunk`` + ``ssd_chunk_cumsum``
   (v1) | ``ssd_bmm_chunk_cumsum``, dt strided as above
 Only the rows a candidate changes run (``row_names``): v2 all but cumsum_state_passing; v3, v4 bwd_dbc /
-bwd_dz_dstates and ssd_backward; v5 cumsum_state_passing and ssd_forward; v6 bmm_cumsum and ssd_forward.
+bwd_dz_dstates and ssd_backward; v5 cumsum_state_passing and ssd_forward; v6 bmm_cumsum and ssd_forward; v7
+bwd_dbc, bwd_dz_dstates, bwd_dx and ssd_backward.
 Correctness: candidate vs v1 outputs (max abs err / max |v1|) on the same inputs for every row.
 Configs: v1 uses kernels/configs/<arch>/, v2 its tuned file if present, else its generic default
 (tune first: ``python scripts/tune_kernels.py --kernels ssd_bwd_dbc_v2,ssd_bwd_dz_dstates_v2,ssd_chunk_scan_v2``).
@@ -46,6 +48,7 @@ from kernels import ssd_helion as sh  # noqa: E402
 from kernels import ssd_helion_bwd as sb  # noqa: E402
 from kernels import tuning  # noqa: E402
 
+# (bwd_dx has none: mamba-ssm's counterpart, dx + ddAcs_stable + cumsum_bwd, also covers ssd_bwd_dt's work)
 MAMBA_REF_US = {"bwd_dbc": 588.0, "bwd_dz_dstates": 352.0}  # H200 profiler table, 2026-11-29
 
 
@@ -58,6 +61,10 @@ def _outs(r):
     if isinstance(r, dict):
         return [v for v in r.values() if torch.is_tensor(v)]
     return [t for t in (r if isinstance(r, (tuple, list)) else (r,)) if torch.is_tensor(t)]
+
+
+# backward rows: (row, the kernel a variant replaces); each times the v1 kernel against the variant's
+BWD_ROWS = (("bwd_dbc", "ssd_bwd_dbc"), ("bwd_dz_dstates", "ssd_bwd_dz_dstates"), ("bwd_dx", "ssd_bwd_dx"))
 
 
 def variant_names() -> list[str]:
@@ -79,8 +86,7 @@ def row_names(cand: str) -> list[str]:
         names.append("ssd_forward")
     bwd = sb.VARIANTS.get(cand)
     if bwd is not None:
-        names += [row for row, base in (("bwd_dbc", "ssd_bwd_dbc"), ("bwd_dz_dstates", "ssd_bwd_dz_dstates"))
-                  if base in sb._variant_map(cand)]
+        names += [row for row, base in BWD_ROWS if base in sb._variant_map(cand)]
         names.append("ssd_backward")
     return names
 
@@ -145,7 +151,7 @@ def rows(md: dict, cand: str = "v2") -> dict:
     if "ssd_backward" not in want:
         return {k: out[k] for k in want}
     kd = dict(md)
-    for row, base in (("bwd_dbc", "ssd_bwd_dbc"), ("bwd_dz_dstates", "ssd_bwd_dz_dstates")):
+    for row, base in BWD_ROWS:
         args, dims = sb._example_args(base, kd, "cuda")
         outs = sb._OUT_ARGS[base]
 

@@ -511,7 +511,8 @@ def test_ssd_variants_rows_per_candidate():
     against cumsum + chunk_state_passing and the whole forward; the backward variants only backward rows."""
     import bench_ssd_variants as bsv
 
-    assert bsv.variant_names() == ["v2", "v3", "v4", "v5", "v6"]
+    assert bsv.variant_names() == ["v2", "v3", "v4", "v5", "v6", "v7"]
+    assert bsv.row_names("v7") == ["bwd_dbc", "bwd_dz_dstates", "bwd_dx", "ssd_backward"]
     assert bsv.row_names("v5") == ["cumsum_state_passing", "ssd_forward"]
     assert bsv.row_names("v6") == ["bmm_cumsum", "ssd_forward"]
     assert bsv.row_names("v2") == ["chunk_scan", "ssd_forward", "bwd_dbc", "bwd_dz_dstates", "ssd_backward"]

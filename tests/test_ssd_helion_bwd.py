@@ -136,11 +136,12 @@ def _min_blocks(monkeypatch):
         ((2, 75, 4, 8, 2, 16, 64), dict(seq=True, init=True), True),  # 4 row tiles per chunk
     ],
 )
-@pytest.mark.parametrize("variant", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("variant", ["v1", "v2", "v3", "v7"])
 def test_variant_grads_match_reference_fp32(shape, kw, small_blocks, variant, monkeypatch):
     """The non-default variants give the reference gradients: "v1" (session 3's kernels), "v2"
-    (ssd_bwd_dbc_v2, ssd_bwd_dz_dstates_v2) and "v3" (ssd_bwd_dbc as ssd_bwd_dc_dcb + ssd_bwd_db_v3, dCB
-    through memory). The default "v4" runs in every other test here."""
+    (ssd_bwd_dbc_v2, ssd_bwd_dz_dstates_v2), "v3" (ssd_bwd_dbc as ssd_bwd_dc_dcb + ssd_bwd_db_v3, dCB
+    through memory) and "v7" (v4 with ssd_bwd_dx over row tiles: with the small blocks, several row tiles per
+    chunk whose ddacs_row / dD partials are summed). The default "v4" runs in every other test here."""
     if small_blocks:
         _min_blocks(monkeypatch)
     ref, _, _ = _ref_and_helion(*shape, **kw)
@@ -162,6 +163,8 @@ def test_variant_selection():
     assert bwd._variant_map("v1") == {}
     assert bwd._variant_map("v2") == {"ssd_bwd_dbc": "ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"}
     assert bwd._variant_map({"ssd_bwd_dbc": "ssd_bwd_dbc_v2"}) == {"ssd_bwd_dbc": "ssd_bwd_dbc_v2"}
+    assert bwd._variant_map("v7") == {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2",
+                                      "ssd_bwd_dx": "ssd_bwd_dx_rows"}
     with pytest.raises(ValueError, match="unknown SSD backward variant"):
         bwd.set_variant("v9")
     with pytest.raises(ValueError, match="unknown kernel"):
@@ -169,7 +172,8 @@ def test_variant_selection():
     assert bwd.get_variant() == "v4"
 
 
-@pytest.mark.parametrize("name", ["ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates_v2", "ssd_bwd_dc_dcb", "ssd_bwd_db_v3"])
+@pytest.mark.parametrize("name", ["ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates_v2", "ssd_bwd_dc_dcb", "ssd_bwd_db_v3",
+                                  "ssd_bwd_dx_v2"])
 def test_v2_triton_codegen_nano_shape(name, monkeypatch):
     """The variants generate one Triton kernel with tl.dot at the Nano chunk shape (p 64, n 128,
     c 128) for their default config and a sample of their tuning seeds."""
@@ -243,7 +247,7 @@ def test_vs_mamba_ssm_nano_shape_bf16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: interpret mode clips tiles to the range, "
                     "so the lanes past the chunk end that broke this exist only in the compiled Triton kernel")
-@pytest.mark.parametrize("name", ["ssd_bwd_dx", "ssd_bwd_dbc", "ssd_bwd_dbc_v2", "ssd_bwd_dc_dcb"])
+@pytest.mark.parametrize("name", ["ssd_bwd_dx", "ssd_bwd_dbc", "ssd_bwd_dbc_v2", "ssd_bwd_dc_dcb", "ssd_bwd_dx_v2"])
 def test_block_larger_than_chunk_stays_finite_with_long_decay(name):
     """A config whose row block is larger than the chunk (a Nano config used at a smaller chunk through
     the nearest-shape fallback) leaves tile lanes past the chunk end, which load dA_cumsum = 0 (masked
@@ -264,7 +268,7 @@ def test_block_larger_than_chunk_stays_finite_with_long_decay(name):
     args[5].copy_(torch.cumsum(-args[4], dim=-1))
     assert float(args[5].min()) < -100
     outs = []
-    for blocks in ([64], [128]) if name != "ssd_bwd_dbc_v2" else ([64, 64], [128, 128]):
+    for blocks in ([64], [128]) if name not in ("ssd_bwd_dbc_v2", "ssd_bwd_dx_v2") else ([64, 64], [128, 128]):
         a = [x.clone() if torch.is_tensor(x) else x for x in args]
         fn = tuning.compiled(bwd._KERNELS[name], tuple(a), helion.Config(block_sizes=blocks, num_warps=4, num_stages=1))
         r = fn(*a)
