@@ -551,11 +551,14 @@ VARIANTS: dict[str, dict[str, str]] = {
            "ssd_chunk_state_passing": "ssd_chunk_cumsum_state_passing"},
     "v6": {"ssd_chunk_cumsum": "ssd_bmm_chunk_cumsum", "ssd_bmm_chunk": "ssd_bmm_chunk_cumsum"},
 }
-# The default is "v6" since session 6 (H200, scripts/bench_ssd_variants.py --variant v6: the fused cumsum + bmm
-# launch 79.9 us per call vs v1's two 90.6 us, the whole forward 1.006x v1 [1.004, 1.008], A-vs-A 0.999);
-# "v1" is the three separate launches. NANO_HELION_SSD_FWD_VARIANT picks the module default for whole processes
-# (benchmarks, training runs, kernel profiles); an unknown name fails at import with the known names.
-DEFAULT_VARIANT = "v6"
+# The default stays "v1" (three launches). "v6" (H200, session 6) is faster per call (scripts/bench_ssd_variants.py
+# --variant v6: the fused cumsum + bmm launch 79.9 us vs v1's two 90.6 us, the whole forward 1.006x v1 [1.004,
+# 1.008], A-vs-A 0.999: one launch's host time fewer) but not in device time, which is what a device-bound
+# training step pays: in the mixer profile the fused kernel took 101.2 us per fwd+bwd (two calls) against v1's
+# bmm + cumsum 77.4 + 16.5 us (the cumsum programs run with the GEMM's register and shared-memory footprint).
+# NANO_HELION_SSD_FWD_VARIANT picks the module default for whole processes (benchmarks, training runs, kernel
+# profiles); an unknown name fails at import with the known names.
+DEFAULT_VARIANT = "v1"
 _VARIANT: str = os.environ.get("NANO_HELION_SSD_FWD_VARIANT", DEFAULT_VARIANT)
 if _VARIANT not in VARIANTS:
     raise ValueError(f"NANO_HELION_SSD_FWD_VARIANT={_VARIANT!r}: unknown SSD forward variant (known: {sorted(VARIANTS)})")
@@ -1034,7 +1037,7 @@ def ssd_forward_helion(
     x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), D (h,) or (h, p), z like x,
     dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
-    ``variant``: kernel variant ("v1", "v2", "v5", "v6"; None = ``set_variant``'s default, "v6" unless changed or
+    ``variant``: kernel variant ("v1", "v2", "v5", "v6"; None = ``set_variant``'s default, "v1" unless changed or
     set by NANO_HELION_SSD_FWD_VARIANT). "v5" computes the chunk cumsum inside chunk_state_passing, "v6" in the
     launch of C.B^T; with ``fuse_state_passing=False`` (chunk_state and state_passing as two kernels, the
     unfused reference path) cumsum and bmm stay separate."""

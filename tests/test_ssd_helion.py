@@ -301,12 +301,12 @@ def test_variant_v5_launches_the_fused_kernel(monkeypatch):
     args, kw = _v5_args("g1")
     names.clear()
     names.clear()
-    sh.ssd_forward_helion(*args, variant="v1", **kw)
+    assert sh.DEFAULT_VARIANT == "v1"
+    sh.ssd_forward_helion(*args, **kw)
     assert names == ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"], names
     names.clear()
-    # the default (v6): cumsum and bmm in one launch
-    assert sh.DEFAULT_VARIANT == "v6"
-    sh.ssd_forward_helion(*args, **kw)
+    # v6: cumsum and bmm in one launch
+    sh.ssd_forward_helion(*args, variant="v6", **kw)
     assert names == ["ssd_bmm_chunk_cumsum", "ssd_chunk_state_passing", "ssd_chunk_scan"], names
     names.clear()
     try:
