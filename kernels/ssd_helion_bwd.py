@@ -583,12 +583,10 @@ def ssd_bwd_dx_v2(
 
 
 def ssd_bwd_dx_rows(args: tuple, dims: dict) -> tuple[torch.Tensor, ...]:
-    """Variant of ssd_bwd_dx with its arguments and results: ssd_bwd_dx_v2, then the sum of its per-row-tile
-    ddacs_row partials; dD_part comes back as (b, nc * c / bm, h, p), which the caller sums over its first two
-    dims as it does v1's (b, nc, h, p)."""
+    """Variant of ssd_bwd_dx with its arguments and results: ssd_bwd_dx_v2, then the sums of its per-row-tile
+    ddacs_row and dD partials (two small torch reductions, 8 MB and 4 MB at the Nano shape)."""
     ddt, row_part, ddacs_col, dD_part = _call("ssd_bwd_dx_v2", args, dims)
-    b, nst, h, p = dD_part.shape[0], dD_part.shape[2], dD_part.shape[3], dD_part.shape[4]
-    return ddt, row_part.sum(dim=3), ddacs_col, dD_part.view(b, -1, h, p)
+    return ddt, row_part.sum(dim=3), ddacs_col, dD_part.sum(dim=2)
 
 
 @helion.kernel(static_shapes=True)
@@ -658,12 +656,15 @@ VARIANTS = {
     # (mamba-ssm's dc+dcb+db: 588.0), dz_dstates v2 324.8 vs v1 405.7 us (mamba-ssm 352.0)
     "v4": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"},
     # v4 with dx over row tiles (ssd_bwd_dx_v2); numbered after the forward's v5 / v6, since
-    # scripts/bench_ssd_variants.py takes one name for both modules
+    # scripts/bench_ssd_variants.py takes one name for both modules. The default since session 6 (H200, Nano shape):
+    # the whole Helion SSD backward 1673.5 us vs v1 2149.0 (v4: 1867.3 vs 2178.8 in another call); in the mixer
+    # profile dx_v2 + dt 607.2 us vs mamba-ssm's dx + ddAcs_stable + cumsum_bwd 715.8 (v4's dx + dt: 765.5)
     "v7": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2", "ssd_bwd_dx": "ssd_bwd_dx_rows"},
 }
 # NANO_HELION_SSD_BWD_VARIANT picks the module default for whole processes (benchmarks, training runs);
 # an unknown name fails at import with the known names.
-_VARIANT = os.environ.get("NANO_HELION_SSD_BWD_VARIANT", "v4")
+DEFAULT_VARIANT = "v7"
+_VARIANT = os.environ.get("NANO_HELION_SSD_BWD_VARIANT", DEFAULT_VARIANT)
 if _VARIANT not in VARIANTS:
     raise ValueError(f"NANO_HELION_SSD_BWD_VARIANT={_VARIANT!r}: unknown SSD backward variant (known: {sorted(VARIANTS)})")
 
@@ -682,7 +683,7 @@ def _variant_map(variant: str | dict | None) -> dict[str, str]:
 
 
 def set_variant(variant: str | dict) -> None:
-    """Module-wide default kernel variant for ``ssd_backward_helion`` ("v4" by default, "v1" = session 3's kernels)."""
+    """Module-wide default kernel variant for ``ssd_backward_helion`` ("v7" by default, "v1" = session 3's kernels)."""
     global _VARIANT
     _variant_map(variant)  # validate
     _VARIANT = variant
@@ -775,8 +776,9 @@ def ssd_backward_helion(
     ddt (b,l,h)} (strided views allowed, e.g. slices of dzxbcdt; ddt may be bf16): the kernels write
     into them directly when seqlen is a multiple of chunk_size (otherwise the padded results are
     copied in).
-    ``variant``: a name in ``VARIANTS`` ("v1": session 3's kernels; "v4", the default: ssd_bwd_dbc_v3 and
-    ssd_bwd_dz_dstates_v2), a {base kernel: variant kernel} dict, or None for ``set_variant``'s default.
+    ``variant``: a name in ``VARIANTS`` ("v1": session 3's kernels; "v4": ssd_bwd_dbc_v3 and
+    ssd_bwd_dz_dstates_v2; "v7", the default: v4 with ssd_bwd_dx over row tiles), a {base kernel: variant kernel}
+    dict, or None for ``set_variant``'s default.
     Returns dict: dx, dz (b,l,h,p), ddt (b,l,h) (fp32 unless given), dA (h), dB, dC (b,l,g,n),
     dD (like D or None), ddt_bias (h or None), dinitial_states (b,h,p,n fp32, or None).
     """

@@ -40,7 +40,7 @@ GROUPS: dict[tuple[str, ...], tuple[str, ...]] = {
                                                   "_chunk_scan_bwd_ddAcs_stable_kernel", "_chunk_cumsum_bwd_kernel"),
     ("_helion_ssd_bwd_dbc",): ("_chunk_state_bwd_db_kernel", "_chunk_scan_bwd_dc_kernel", "_chunk_scan_bwd_dcb_kernel",
                                "_bmm_chunk_bwd_kernel"),
-    # the backward variants (kernels.ssd_helion_bwd.VARIANTS; "v4", the default, uses both): the same work
+    # the backward variants (kernels.ssd_helion_bwd.VARIANTS; "v4" and "v7", the default, use both): the same work
     ("_helion_ssd_bwd_dz_dstates_v2",): ("_chunk_scan_bwd_dz_kernel", "_chunk_scan_bwd_dstates_kernel"),
     ("_helion_ssd_bwd_dc_dcb", "_helion_ssd_bwd_db_v3"): ("_chunk_state_bwd_db_kernel", "_chunk_scan_bwd_dc_kernel",
                                                          "_chunk_scan_bwd_dcb_kernel", "_bmm_chunk_bwd_kernel"),

@@ -136,12 +136,13 @@ def _min_blocks(monkeypatch):
         ((2, 75, 4, 8, 2, 16, 64), dict(seq=True, init=True), True),  # 4 row tiles per chunk
     ],
 )
-@pytest.mark.parametrize("variant", ["v1", "v2", "v3", "v7"])
+@pytest.mark.parametrize("variant", ["v1", "v2", "v3", "v4", "v7"])
 def test_variant_grads_match_reference_fp32(shape, kw, small_blocks, variant, monkeypatch):
     """The non-default variants give the reference gradients: "v1" (session 3's kernels), "v2"
     (ssd_bwd_dbc_v2, ssd_bwd_dz_dstates_v2), "v3" (ssd_bwd_dbc as ssd_bwd_dc_dcb + ssd_bwd_db_v3, dCB
     through memory) and "v7" (v4 with ssd_bwd_dx over row tiles: with the small blocks, several row tiles per
-    chunk whose ddacs_row / dD partials are summed). The default "v4" runs in every other test here."""
+    chunk whose ddacs_row / dD partials are summed; the default, which runs in every other test here).
+    "v4" is v7 with session 3's ssd_bwd_dx."""
     if small_blocks:
         _min_blocks(monkeypatch)
     ref, _, _ = _ref_and_helion(*shape, **kw)
@@ -181,8 +182,9 @@ def test_dx_v2_tuning_compares_row_tile_sums(monkeypatch):
 
 
 def test_variant_selection():
-    assert bwd.get_variant() == "v4"
-    assert bwd._variant_map(None) == {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"}
+    assert bwd.get_variant() == bwd.DEFAULT_VARIANT == "v7"
+    assert bwd._variant_map(None) == {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2",
+                                      "ssd_bwd_dx": "ssd_bwd_dx_rows"}
     assert bwd._variant_map("v1") == {}
     assert bwd._variant_map("v2") == {"ssd_bwd_dbc": "ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"}
     assert bwd._variant_map({"ssd_bwd_dbc": "ssd_bwd_dbc_v2"}) == {"ssd_bwd_dbc": "ssd_bwd_dbc_v2"}
@@ -192,7 +194,7 @@ def test_variant_selection():
         bwd.set_variant("v9")
     with pytest.raises(ValueError, match="unknown kernel"):
         bwd._variant_map({"ssd_bwd_dbc": "nope"})
-    assert bwd.get_variant() == "v4"
+    assert bwd.get_variant() == "v7"
 
 
 @pytest.mark.parametrize("name", ["ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates_v2", "ssd_bwd_dc_dcb", "ssd_bwd_db_v3",
