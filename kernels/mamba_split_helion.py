@@ -4,7 +4,7 @@
 signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward saves only zxbcdt,
 the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx); the backward recomputes
 the conv and the forward pieces it needs (chunk_cumsum, chunk_state+state_passing in fp32, C.B^T; with
-the SSD forward variant "v5" the first two are one kernel, with "v6" the first and the last) and runs the Helion backward of
+the SSD forward variant "v5" the first two are one kernel) and runs the Helion backward of
 ``kernels/ssd_helion_bwd.py``.
 
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
@@ -48,7 +48,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         # the SSD forward variant (ssd_helion.set_variant / NANO_HELION_SSD_FWD_VARIANT), kept for the backward's
-        # recompute: "v5" computes the chunk cumsum inside chunk_state_passing in both, "v6" beside C.B^T
+        # recompute: "v5" computes the chunk cumsum inside chunk_state_passing in both
         variant = ssd_helion.get_variant()
         out, out_x, _, _, _, final_states = ssd_forward_helion(
             x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),

@@ -12,7 +12,6 @@ g ngroups, n dstate, c chunk_size, nc = ceil(l / c)):
 ``ssd_chunk_cumsum_state_passing_helion(..)``  chunk_cumsum + chunk_state + state_passing in one kernel
                                                -> (dA_cumsum, dt_out, states_in, final_states) (variant "v5")
 ``ssd_bmm_chunk_helion(C, B, c, seq_idx)``     -> CB (b, nc, g, c, c) fp32
-``ssd_bmm_chunk_cumsum_helion(C, B, dt, A, c)`` -> (CB, dA_cumsum, dt_out): bmm + chunk_cumsum in one launch ("v6")
 ``ssd_chunk_pieces_helion(B, x, C, dt, A, c)`` -> (dA_cumsum, dt_out, states_in, final_states, CB) per variant
 ``ssd_chunk_scan_helion(CB, x, dt, dA, C, ..)`` -> (out, out_x) (b, l, h, p) in x.dtype
 ``ssd_forward_helion(...)``                    -> (out, out_x, dt_out, dA_cumsum, states_in, final_states)
@@ -326,66 +325,6 @@ def _bmm_chunk_kernel(
     return CB
 
 
-# ssd_bmm_chunk_cumsum (forward variant "v6"): the chunk cumsum and C.B^T in one launch. The two are
-# independent (the cumsum needs dt, the GEMM C and B), so the kernel has two top-level loops and Helion
-# gives each its own range of program ids in one grid: the cumsum's few, short programs run in the first
-# wave beside the GEMM's. The separate cumsum launch (1024 programs of 128 x 8 values) took 8.3 us per call
-# on the H200 against mamba-ssm's 5.3; here it costs no launch of its own, and the fused kernel is compared
-# with mamba-ssm's _bmm_chunk_fwd + _chunk_cumsum_fwd. The two loop bodies are those of _chunk_cumsum_kernel
-# and _bmm_chunk_kernel, copied (a Helion helper function cannot take tiles or hold hl.tile loops), so the
-# values are exactly the two kernels'; tests/test_ssd_helion.py checks v6 against v1 bitwise.
-def _bmm_chunk_cumsum_kernel(
-    C: torch.Tensor,  # (b, L, g, n)
-    B: torch.Tensor,  # (b, L, g, n)
-    seq_idx: torch.Tensor | None,  # (b, L) int32
-    dt: torch.Tensor,  # (b, L, h) raw dt, any float dtype (a strided zxBCdt slice is read in place)
-    A: torch.Tensor,  # (h,)
-    dt_bias: torch.Tensor | None,  # (h,)
-    chunk_size: int,
-    seqlen: int,
-    dt_min: float,
-    dt_max: float,
-    dt_softplus: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b, L, g, n = C.shape
-    h = dt.size(2)
-    c = hl.specialize(chunk_size)
-    nc = L // c
-    CB = torch.empty([b, nc, g, c, c], dtype=torch.float32, device=C.device)
-    dA_cumsum = torch.empty([b, h, nc, c], dtype=torch.float32, device=C.device)
-    dt_out = torch.empty([b, h, nc, c], dtype=torch.float32, device=C.device)
-    block_m = hl.register_block_size(16, c)
-    block_n = hl.register_block_size(16, c)
-    block_k = hl.register_block_size(16, n)
-    block_h = hl.register_block_size(1, h)
-    for tb, tc, th in hl.tile([b, nc, h], block_size=[1, 1, block_h]):
-        for tk in hl.tile(c, block_size=c):
-            d = dt[tb.begin, tc.begin * c + tk.index, th].to(torch.float32)  # (c, BH)
-            if dt_bias is not None:
-                d = d + dt_bias[th].to(torch.float32)[None, :]
-            if dt_softplus:
-                d = torch.where(d <= 20.0, torch.log1p(torch.exp(d)), d)
-            d = torch.clamp(d, min=dt_min, max=dt_max)
-            pos = tc.begin * c + tk.index
-            d = torch.where((pos < seqlen)[:, None], d, 0.0)
-            dA = d * A[th].to(torch.float32)[None, :]
-            dA_cs = torch.cumsum(dA, dim=0)
-            dt_out[tb.begin, th, tc.begin, tk] = d.permute(1, 0)
-            dA_cumsum[tb.begin, th, tc.begin, tk] = dA_cs.permute(1, 0)
-    for tb, tc, tg, tm, tn in hl.tile([b, nc, g, c, c], block_size=[1, 1, 1, block_m, block_n]):
-        acc = hl.zeros([tm, tn], dtype=torch.float32)
-        for tk in hl.tile(n, block_size=block_k):
-            c_t = C[tb.begin, tc.begin * c + tm.index, tg.begin, tk]
-            b_t = B[tb.begin, tc.begin * c + tn.index, tg.begin, tk]
-            acc = hl.dot(c_t, b_t.permute(1, 0), acc=acc)
-        if seq_idx is not None:
-            s_m = seq_idx[tb.begin, tc.begin * c + tm.index]
-            s_n = seq_idx[tb.begin, tc.begin * c + tn.index]
-            acc = torch.where(s_m[:, None] == s_n[None, :], acc, 0.0)
-        CB[tb.begin, tc.begin, tg.begin, tm, tn] = acc
-    return CB, dA_cumsum, dt_out
-
-
 def _chunk_scan_kernel(
     CB: torch.Tensor,  # (b, nc, g, c, c) fp32
     x: torch.Tensor,  # (b, L, h, p)
@@ -522,7 +461,6 @@ _BODIES: dict[str, Callable[..., Any]] = {
     "ssd_chunk_state_passing": _chunk_state_passing_kernel,
     "ssd_chunk_cumsum_state_passing": _chunk_cumsum_state_passing_kernel,
     "ssd_bmm_chunk": _bmm_chunk_kernel,
-    "ssd_bmm_chunk_cumsum": _bmm_chunk_cumsum_kernel,
     "ssd_chunk_scan": _chunk_scan_kernel,
     "ssd_chunk_scan_v2": _chunk_scan_v2_kernel,
 }
@@ -536,8 +474,6 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     # no sm90 file yet: its generic default is chunk_state_passing's tuned Nano config (bk = c: one k-block)
     "ssd_chunk_cumsum_state_passing": dict(block_sizes=[64, 64, 128], num_warps=8, num_stages=3),
     "ssd_bmm_chunk": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
-    # no sm90 file yet: its generic default is the tuned Nano configs of ssd_bmm_chunk and ssd_chunk_cumsum
-    "ssd_bmm_chunk_cumsum": dict(block_sizes=[128, 128, 64, 8], num_warps=4, num_stages=3),
     "ssd_chunk_scan": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=2),
     "ssd_chunk_scan_v2": dict(block_sizes=[64, 64], num_warps=4, num_stages=2),
 }
@@ -549,13 +485,10 @@ VARIANTS: dict[str, dict[str, str]] = {
     "v2": {"ssd_chunk_scan": "ssd_chunk_scan_v2"},
     "v5": {"ssd_chunk_cumsum": "ssd_chunk_cumsum_state_passing",
            "ssd_chunk_state_passing": "ssd_chunk_cumsum_state_passing"},
-    "v6": {"ssd_chunk_cumsum": "ssd_bmm_chunk_cumsum", "ssd_bmm_chunk": "ssd_bmm_chunk_cumsum"},
 }
-# The default stays "v1" (three launches). "v6" (H200, session 6) is faster per call (scripts/bench_ssd_variants.py
-# --variant v6: the fused cumsum + bmm launch 79.9 us vs v1's two 90.6 us, the whole forward 1.006x v1 [1.004,
-# 1.008], A-vs-A 0.999: one launch's host time fewer) but not in device time, which is what a device-bound
-# training step pays: in the mixer profile the fused kernel took 101.2 us per fwd+bwd (two calls) against v1's
-# bmm + cumsum 77.4 + 16.5 us (the cumsum programs run with the GEMM's register and shared-memory footprint).
+# The default is "v1". A "v6" (session 6: the cumsum and C.B^T as two top-level loops of one kernel) was faster per
+# call on the H200 (the whole forward 1.006x v1) but not in device time, which a device-bound training step pays (the
+# fused kernel 101.2 us per fwd+bwd against v1's bmm + cumsum 93.9 us), so it was removed (its code: commit 9c56af4).
 # NANO_HELION_SSD_FWD_VARIANT picks the module default for whole processes (benchmarks, training runs, kernel
 # profiles); an unknown name fails at import with the known names.
 DEFAULT_VARIANT = "v1"
@@ -901,40 +834,6 @@ def ssd_bmm_chunk_helion(
     )
 
 
-def ssd_bmm_chunk_cumsum_helion(
-    C: torch.Tensor,
-    B: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    chunk_size: int,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    seq_idx: torch.Tensor | None = None,
-    config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """C.B^T and the chunk cumsum in one launch (forward variant "v6"): -> (CB, dA_cumsum, dt_out), the values of
-    ``ssd_bmm_chunk_helion(C, B, ...)`` and ``ssd_chunk_cumsum_helion(dt, A, ...)``. dt (b, l, h) is the raw dt
-    (strided slices are read in place) and l the sequence length; C, B and seq_idx may have length l or already
-    be padded to nc * c."""
-    _check_chunk(chunk_size)
-    b, l, h = _check_dt(dt, A, dt_bias)
-    nc = math.ceil(l / chunk_size)
-    L = nc * chunk_size
-    if C.dim() != 4 or C.shape != B.shape or C.shape[0] != b or C.shape[1] not in (l, L):
-        raise ValueError(f"C and B must both be (b, l, g, n) with dt's batch and length {l} or {L}; "
-                         f"got {tuple(C.shape)}, {tuple(B.shape)}")
-    if seq_idx is not None and seq_idx.shape not in ((b, l), (b, L)):
-        raise ValueError(f"seq_idx must be {(b, l)} or {(b, L)}, got {tuple(seq_idx.shape)}")
-    g, n = C.shape[2], C.shape[3]
-    return _run(
-        "ssd_bmm_chunk_cumsum", dict(b=b, l=L, h=h, g=g, n=n, c=chunk_size), [chunk_size, chunk_size, n, h],
-        (_pad_seq(C, L), _pad_seq(B, L), _pad_seq_idx(seq_idx, L), _pad_seq(dt, L), A.contiguous(), _contig(dt_bias),
-         chunk_size, l, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus)),
-        config,
-    )
-
-
 def ssd_chunk_pieces_helion(
     B: torch.Tensor,
     x: torch.Tensor,
@@ -952,13 +851,7 @@ def ssd_chunk_pieces_helion(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything chunk_scan and the backward read: (dA_cumsum, dt_out, states_in, final_states, CB), as the
     variant (None: ``set_variant``'s default) launches it: v1 cumsum, chunk_state_passing, bmm; "v5" the first
-    two fused; "v6" cumsum and bmm fused. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n)."""
-    if _variant_map(variant).get("ssd_bmm_chunk") == "ssd_bmm_chunk_cumsum":
-        CB, dA_cumsum, dt_out = ssd_bmm_chunk_cumsum_helion(
-            C, B, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, seq_idx=seq_idx)
-        states_in, final_states = ssd_chunk_state_passing_helion(
-            B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
-        return dA_cumsum, dt_out, states_in, final_states, CB
+    two fused. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n)."""
     dA_cumsum, dt_out, states_in, final_states = ssd_cumsum_states_helion(
         B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
         initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype, variant=variant)
@@ -1037,10 +930,9 @@ def ssd_forward_helion(
     x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), D (h,) or (h, p), z like x,
     dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
-    ``variant``: kernel variant ("v1", "v2", "v5", "v6"; None = ``set_variant``'s default, "v1" unless changed or
-    set by NANO_HELION_SSD_FWD_VARIANT). "v5" computes the chunk cumsum inside chunk_state_passing, "v6" in the
-    launch of C.B^T; with ``fuse_state_passing=False`` (chunk_state and state_passing as two kernels, the
-    unfused reference path) cumsum and bmm stay separate."""
+    ``variant``: kernel variant ("v1", "v2", "v5"; None = ``set_variant``'s default, "v1" unless changed or set
+    by NANO_HELION_SSD_FWD_VARIANT). "v5" computes the chunk cumsum inside chunk_state_passing; with
+    ``fuse_state_passing=False`` (chunk_state and state_passing as two kernels) the cumsum stays separate."""
     b, l, h, p, g, n = _check_xbc(x, B)
     if C.shape != B.shape:
         raise ValueError(f"C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
@@ -1056,7 +948,7 @@ def ssd_forward_helion(
     sidx = _pad_seq_idx(seq_idx, L)
     sdtype = state_dtype or C.dtype
     if fuse_state_passing:
-        # cumsum, chunk_state_passing, bmm: three kernels, or two where the variant fuses a pair ("v5", "v6")
+        # cumsum, chunk_state_passing, bmm: three kernels, or two where the variant fuses a pair ("v5")
         dA_cumsum, dt_out, states_in, final_states, CB = ssd_chunk_pieces_helion(
             Bp, xp, Cp, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
             initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, variant=variant,
@@ -1124,7 +1016,7 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
     b, l, h, p, g, n = (md[k] for k in ("b", "l", "h", "p", "g", "n"))
     L = math.ceil(l / c) * c
     nc = L // c
-    if name in ("ssd_chunk_cumsum", "ssd_chunk_cumsum_state_passing", "ssd_bmm_chunk_cumsum"):
+    if name in ("ssd_chunk_cumsum", "ssd_chunk_cumsum_state_passing"):
         # dt as the fused op passes it: the last h columns of the in_proj output zxBCdt (rows of
         # 2*h*p + 2*g*n + h elements), read in place
         row = 2 * h * p + 2 * g * n + h
@@ -1133,10 +1025,6 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
         dts = zx[..., row - h:]
         if name == "ssd_chunk_cumsum":
             return (dts, inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
-        if name == "ssd_bmm_chunk_cumsum":
-            Cp, Bp = (_pad_seq(inp[k], L).contiguous() for k in ("C", "B"))
-            return ((Cp, Bp, None, dts, inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True),
-                    dict(b=b, l=L, h=h, g=g, n=n, c=c))
         Bp, xp = (_pad_seq(inp[k], L).contiguous() for k in ("B", "x"))
         like = torch.empty(0, device=device, dtype=inp["C"].dtype)
         return ((Bp, xp, dts, inp["A"], inp["dt_bias"], None, None, None, like, c, l, 0.0, float("inf"), True),
@@ -1191,12 +1079,6 @@ _SEEDS: dict[str, list[dict]] = {
     "ssd_bmm_chunk": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((64, 64), (128, 64), (64, 128), (128, 128)) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
-    ],
-    # bmm's seeds (its tuned Nano config, one 128 x 128 tile per chunk and group, first) x cumsum head blocks
-    "ssd_bmm_chunk_cumsum": [
-        dict(block_sizes=[bm, bn, bk, bh], num_warps=w, num_stages=st)
-        for bm, bn in ((128, 128), (64, 128), (128, 64), (64, 64)) for bk in (64, 32, 128) for bh in (8, 16, 4, 32)
-        for w in (4, 8) for st in (3, 2)
     ],
     "ssd_chunk_scan": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)

@@ -655,7 +655,7 @@ VARIANTS = {
     # the default since session 5 (H200, Nano shape, bench_ssd_variants): dbc v3 557.9 us vs v1 801.0 us
     # (mamba-ssm's dc+dcb+db: 588.0), dz_dstates v2 324.8 vs v1 405.7 us (mamba-ssm 352.0)
     "v4": {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"},
-    # v4 with dx over row tiles (ssd_bwd_dx_v2); numbered after the forward's v5 / v6, since
+    # v4 with dx over row tiles (ssd_bwd_dx_v2); numbered after the forward's v5 (and a v6 measured and removed), since
     # scripts/bench_ssd_variants.py takes one name for both modules. The default since session 6 (H200, Nano shape):
     # the whole Helion SSD backward 1673.5 us vs v1 2149.0 (v4: 1867.3 vs 2178.8 in another call); in the mixer
     # profile dx_v2 + dt 607.2 us vs mamba-ssm's dx + ddAcs_stable + cumsum_bwd 715.8 (v4's dx + dt: 765.5)

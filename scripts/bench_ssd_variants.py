@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """SSD kernel variants side by side on one GPU: mamba-ssm vs Helion v1 (committed kernels) vs a candidate
-variant (``--variant v2``, the default; ``v3``/``v4``: backward variants of ``kernels.ssd_helion_bwd``; ``v5``/``v6``:
-the forward variants of ``kernels.ssd_helion`` that compute the chunk cumsum inside chunk_state_passing / in the
-launch of C.B^T).
+variant (``--variant v2``, the default; ``v3``/``v4``: backward variants of ``kernels.ssd_helion_bwd``; ``v5``:
+the forward variant of ``kernels.ssd_helion`` that computes the chunk cumsum inside chunk_state_passing; ``v7``: the
+backward with ssd_bwd_dx over row tiles).
 
 Arms run in alternating order over ``--rounds`` rounds of ``--iters`` calls (CUDA events), with an
 A-vs-A control of v1. Rows:
@@ -17,10 +17,8 @@ A-vs-A control of v1. Rows:
 - ``cumsum_state_passing`` (v5): mamba-ssm ``_chunk_cumsum_fwd`` + ``_chunk_state_fwd`` + ``_state_passing_fwd`` |
   ``ssd_chunk_cumsum`` + ``ssd_chunk_state_passing`` (v1) | ``ssd_chunk_cumsum_state_passing``, with dt read
   strided from a zxBCdt-shaped buffer as the fused op passes it
-- ``bmm_cumsum`` (v6): mamba-ssm ``_bmm_chunk_fwd`` + ``_chunk_cumsum_fwd`` | ``ssd_bmm_chunk`` + ``ssd_chunk_cumsum``
-  (v1) | ``ssd_bmm_chunk_cumsum``, dt strided as above
 Only the rows a candidate changes run (``row_names``): v2 all but cumsum_state_passing; v3, v4 bwd_dbc /
-bwd_dz_dstates and ssd_backward; v5 cumsum_state_passing and ssd_forward; v6 bmm_cumsum and ssd_forward; v7
+bwd_dz_dstates and ssd_backward; v5 cumsum_state_passing and ssd_forward; v7
 bwd_dbc, bwd_dz_dstates, bwd_dx and ssd_backward.
 Correctness: candidate vs v1 outputs (max abs err / max |v1|) on the same inputs for every row.
 Configs: v1 uses kernels/configs/<arch>/, v2 its tuned file if present, else its generic default
@@ -80,8 +78,6 @@ def row_names(cand: str) -> list[str]:
         names.append("chunk_scan")
     if "ssd_chunk_state_passing" in fwd:
         names.append("cumsum_state_passing")
-    if "ssd_bmm_chunk" in fwd:
-        names.append("bmm_cumsum")
     if fwd:
         names.append("ssd_forward")
     bwd = sb.VARIANTS.get(cand)
@@ -127,20 +123,6 @@ def rows(md: dict, cand: str = "v2") -> dict:
             "mamba_ssm": m_csp,
             "v1": lambda: sh.ssd_cumsum_states_helion(Bs, xs, dts, A, c, dt_bias=dtb, dt_softplus=True, variant="v1"),
             cand: lambda: sh.ssd_cumsum_states_helion(Bs, xs, dts, A, c, dt_bias=dtb, dt_softplus=True, variant=cand),
-        }
-    if "bmm_cumsum" in want:
-        (Cs, Bs2, _, dts2, *_), _ = sh._kernel_args("ssd_bmm_chunk_cumsum", md, "cuda")
-        Cs, Bs2, dts2 = (v[:, : md["l"]] for v in (Cs, Bs2, dts2))
-
-        def v1_bmm_cumsum():
-            return (sh.ssd_bmm_chunk_helion(Cs, Bs2, c),
-                    *sh.ssd_chunk_cumsum_helion(dts2, A, c, dt_bias=dtb, dt_softplus=True))
-
-        out["bmm_cumsum"] = {
-            "mamba_ssm": lambda: (m.bmm(Cs, Bs2, c, output_dtype=torch.float32),
-                                  *m.cumsum(dts2, A, c, dt_bias=dtb, dt_softplus=True)),
-            "v1": v1_bmm_cumsum,
-            cand: lambda: sh.ssd_bmm_chunk_cumsum_helion(Cs, Bs2, dts2, A, c, dt_bias=dtb, dt_softplus=True),
         }
     if "ssd_forward" in want:
         out["ssd_forward"] = {

@@ -51,8 +51,6 @@ GROUPS: dict[tuple[str, ...], tuple[str, ...]] = {
     # not in this group)
     ("_helion_ssd_bwd_dx_v2", "_helion_ssd_bwd_dt"): ("_chunk_scan_chunk_state_bwd_dx_kernel",
                                                      "_chunk_scan_bwd_ddAcs_stable_kernel", "_chunk_cumsum_bwd_kernel"),
-    # the forward variant "v6": chunk_cumsum and C.B^T in one launch
-    ("_helion__bmm_chunk_cumsum_kernel",): ("_bmm_chunk_fwd_kernel", "_chunk_cumsum_fwd_kernel"),
 }
 
 # the baseline table's kernels by time, largest first, without the benchmark's adds and torch reductions

@@ -511,10 +511,9 @@ def test_ssd_variants_rows_per_candidate():
     against cumsum + chunk_state_passing and the whole forward; the backward variants only backward rows."""
     import bench_ssd_variants as bsv
 
-    assert bsv.variant_names() == ["v2", "v3", "v4", "v5", "v6", "v7"]
+    assert bsv.variant_names() == ["v2", "v3", "v4", "v5", "v7"]
     assert bsv.row_names("v7") == ["bwd_dbc", "bwd_dz_dstates", "bwd_dx", "ssd_backward"]
     assert bsv.row_names("v5") == ["cumsum_state_passing", "ssd_forward"]
-    assert bsv.row_names("v6") == ["bmm_cumsum", "ssd_forward"]
     assert bsv.row_names("v2") == ["chunk_scan", "ssd_forward", "bwd_dbc", "bwd_dz_dstates", "ssd_backward"]
     assert bsv.row_names("v3") == ["bwd_dbc", "ssd_backward"]
     assert bsv.row_names("v4") == ["bwd_dbc", "bwd_dz_dstates", "ssd_backward"]
@@ -565,8 +564,7 @@ def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
     assert res["top10_complete"] and math.isclose(res["top10_geomean"], math.exp(sum(map(math.log, want)) / 10))
     # a profile of the forward variant v5: the fused cumsum + chunk_state_passing kernel replaces three mamba-ssm
     # kernels, and the two Helion kernels it replaces are absent (their groups drop out, nothing is missing)
-    v5 = {k: v for k, v in helion.items() if k not in ("_helion__chunk_cumsum_kernel", "_helion__chunk_state_passing_kernel",
-                                                      "_helion__bmm_chunk_cumsum_kernel")}
+    v5 = {k: v for k, v in helion.items() if k not in ("_helion__chunk_cumsum_kernel", "_helion__chunk_state_passing_kernel")}
     v5["_helion__chunk_cumsum_state_passing_kernel"] = 120.0  # vs 3 x 100 us: 2.5x
     res5 = kc.counterparts(table(mamba), table(v5))
     by5 = {tuple(r["helion"]): r for r in res5["groups"]}
@@ -580,14 +578,6 @@ def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
     del v5["_helion__chunk_cumsum_state_passing_kernel"]
     res6 = kc.counterparts(table(mamba), table(v5))
     assert ["_helion__chunk_cumsum_kernel"] in res6["missing_groups"] and not res6["top10_complete"]
-    # a profile of the forward variant v6: C.B^T and the cumsum in one launch against mamba-ssm's two kernels
-    v6 = {k: v for k, v in helion.items() if k not in ("_helion__chunk_cumsum_kernel", "_helion__bmm_chunk_kernel",
-                                                      "_helion__chunk_cumsum_state_passing_kernel")}
-    v6["_helion__bmm_chunk_cumsum_kernel"] = 80.0  # vs 2 x 100 us
-    res7 = kc.counterparts(table(mamba), table(v6))
-    by7 = {tuple(r["helion"]): r for r in res7["groups"]}
-    assert by7[("_helion__bmm_chunk_cumsum_kernel",)]["mamba_us"] == 200.0 and by7[("_helion__bmm_chunk_cumsum_kernel",)]["ratio"] == 2.5
-    assert not res7["missing_groups"] and ("_helion__chunk_cumsum_kernel",) not in by7
     # a missing Helion kernel drops its group and is named
     del helion["_helion_ssd_bwd_dt"]
     res2 = kc.counterparts(table(mamba), table(helion))

@@ -132,7 +132,7 @@ def test_forward_variant_v2_matches_reference(case, small_blocks, monkeypatch):
     got = sh.ssd_forward_helion(t["x"], t["dt"], t["A"], t["B"], t["C"], c, variant="v2", **kw)
     for name, a, r in zip(["out", "out_x"], got, ref):
         _close(a, r, 1e-4, name)
-    assert sh.get_variant() == sh.DEFAULT_VARIANT
+    assert sh.get_variant() == "v1"
     with pytest.raises(ValueError, match="unknown SSD forward variant"):
         sh.set_variant("v3")
 
@@ -172,56 +172,26 @@ def _v5_args(case, seed=3):
 
 @pytest.mark.parametrize("case", list(V5_CASES))
 @pytest.mark.parametrize("small_blocks", [False, True])
-@pytest.mark.parametrize("variant", ["v5", "v6"])
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
-def test_forward_variant_matches_v1(variant, case, small_blocks, monkeypatch):
-    """variant="v5" (the chunk cumsum computed inside chunk_state_passing) and "v6" (the cumsum in the launch of
-    C.B^T) give v1's six forward outputs: bitwise with interpret mode's whole-extent blocks (v5: one k-block, the
-    same fp32 operations as the two kernels; v6: the two kernels' loop bodies in one launch), with blocks of 16
-    to 1e-5 of their scale for v5 (the cumsum carried across k-blocks, the accumulator rescaled per block) and
-    bitwise for v6; and the reference forward to 1e-4."""
+def test_forward_variant_v5_matches_v1(case, small_blocks, monkeypatch):
+    """variant="v5" (the chunk cumsum computed inside chunk_state_passing) gives v1's six forward outputs:
+    bitwise with interpret mode's whole-extent blocks (one k-block: the same fp32 operations as the two
+    kernels), to 1e-5 of their scale with blocks of 16 (the cumsum carried across k-blocks, the accumulator
+    rescaled per block); and the reference forward to 1e-4."""
     if small_blocks:
         _small_blocks(monkeypatch)
     args, kw = _v5_args(case)
     v1 = sh.ssd_forward_helion(*args, variant="v1", **kw)
-    got = sh.ssd_forward_helion(*args, variant=variant, **kw)
+    v5 = sh.ssd_forward_helion(*args, variant="v5", **kw)
     ref = ssd.ssd_forward_ref(*args, **kw)
-    for name, a, r1, r in zip(_FWD_NAMES, got, v1, ref):
+    for name, a, r1, r in zip(_FWD_NAMES, v5, v1, ref):
         assert a.dtype == r1.dtype and a.shape == r1.shape, name
-        if small_blocks and variant == "v5":
-            _close(a, r1, 1e-5, f"{name} {variant} vs v1")
+        if small_blocks:
+            _close(a, r1, 1e-5, f"{name} v5 vs v1")
         else:
-            assert torch.equal(a, r1), f"{name}: {variant} differs from v1 (max {(a.float() - r1.float()).abs().max():.3g})"
-        _close(a, r, 1e-4, f"{name} {variant} vs reference")
-    assert sh.get_variant() == sh.DEFAULT_VARIANT
-
-
-@pytest.mark.parametrize("small_blocks", [False, True])
-@pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
-def test_bmm_chunk_cumsum_piece(small_blocks, monkeypatch):
-    """The fused piece on dt read in place from a zxBCdt-shaped buffer (strided), odd seqlen and seq_idx: the
-    values of ssd_bmm_chunk_helion and ssd_chunk_cumsum_helion, dt_out zero past the sequence end; one launch."""
-    if small_blocks:
-        _small_blocks(monkeypatch)
-    b, l, h, p, g, n, c = 2, 45, 4, 32, 2, 32, 16
-    t = _inputs(b, l, h, p, g, n, seed=4, seq_breaks=(11, 30))
-    row = 2 * h * p + 2 * g * n + h
-    zx = torch.randn(b, l, row, generator=torch.Generator().manual_seed(5))
-    zx[..., row - h:] = t["dt"]
-    dt = zx[..., row - h:]
-    assert not dt.is_contiguous()
-    kw = dict(dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=(0.01, 3.0))
-    CB = sh.ssd_bmm_chunk_helion(t["C"], t["B"], c, seq_idx=t["seq_idx"])
-    dA, dto = sh.ssd_chunk_cumsum_helion(dt, t["A"], c, **kw)
-    names = _record_kernels(monkeypatch)
-    got = sh.ssd_bmm_chunk_cumsum_helion(t["C"], t["B"], dt, t["A"], c, seq_idx=t["seq_idx"], **kw)
-    assert names == ["ssd_bmm_chunk_cumsum"], names
-    for name, a, r in zip(["CB", "dA_cumsum", "dt_out"], got, (CB, dA, dto)):
-        assert a.dtype == r.dtype and a.shape == r.shape, name
-        assert torch.equal(a, r), name
-    assert torch.all(got[2].reshape(b, h, -1)[:, :, l:] == 0)
-    with pytest.raises(ValueError, match="C and B must both be"):
-        sh.ssd_bmm_chunk_cumsum_helion(t["C"][:, :20], t["B"][:, :20], dt, t["A"], c)
+            assert torch.equal(a, r1), f"{name}: v5 differs from v1 (max {(a.float() - r1.float()).abs().max():.3g})"
+        _close(a, r, 1e-4, f"{name} v5 vs reference")
+    assert sh.get_variant() == "v1"
 
 
 @pytest.mark.parametrize("small_blocks", [False, True])
@@ -301,13 +271,8 @@ def test_variant_v5_launches_the_fused_kernel(monkeypatch):
     args, kw = _v5_args("g1")
     names.clear()
     names.clear()
-    assert sh.DEFAULT_VARIANT == "v1"
     sh.ssd_forward_helion(*args, **kw)
     assert names == ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"], names
-    names.clear()
-    # v6: cumsum and bmm in one launch
-    sh.ssd_forward_helion(*args, variant="v6", **kw)
-    assert names == ["ssd_bmm_chunk_cumsum", "ssd_chunk_state_passing", "ssd_chunk_scan"], names
     names.clear()
     try:
         sh.set_variant("v5")
@@ -317,7 +282,7 @@ def test_variant_v5_launches_the_fused_kernel(monkeypatch):
         sh.ssd_forward_helion(*args, fuse_state_passing=False, **kw)
         assert names[:3] == ["ssd_chunk_cumsum", "ssd_chunk_state", "ssd_state_passing"], names
     finally:
-        sh.set_variant(sh.DEFAULT_VARIANT)
+        sh.set_variant("v1")
 
 
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
@@ -575,19 +540,17 @@ def test_gpu_nano_vs_fp32_reference_and_mamba_ssm(with_seq):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("with_seq", [False, True])
-@pytest.mark.parametrize("variant", ["v5", "v6"])
-def test_gpu_nano_variant_matches_v1(variant, with_seq):
-    """Forward variants v5 (cumsum inside chunk_state_passing) and v6 (cumsum in the launch of C.B^T) at the Nano
-    shape, bf16, dt read strided from a zxBCdt-shaped buffer (as the fused op passes it): v1's outputs (dt_out
-    1e-6, dA_cumsum 1e-5, final_states 1e-3, states_in (bf16) / out / out_x 1e-2 of their scale) and the fp32
-    reference (as the v1 test)."""
+def test_gpu_nano_variant_v5_matches_v1(with_seq):
+    """Forward variant v5 (cumsum inside chunk_state_passing) at the Nano shape, bf16, dt read strided from a
+    zxBCdt-shaped buffer (as the fused op passes it): v1's outputs (dt_out 1e-6, dA_cumsum 1e-5, final_states
+    1e-3, states_in (bf16) / out / out_x 1e-2 of their scale) and the fp32 reference (as the v1 test)."""
     md = NANO
     inp, kw = _nano_gpu_case(with_seq)
     (_, _, dts, *_), _ = sh._kernel_args("ssd_chunk_cumsum_state_passing", md, "cuda")
     assert not dts.is_contiguous()
     args = (inp["x"], dts, inp["A"], inp["B"], inp["C"], md["c"])
     v1 = sh.ssd_forward_helion(*args, variant="v1", **kw)
-    v5 = sh.ssd_forward_helion(*args, variant=variant, **kw)
+    v5 = sh.ssd_forward_helion(*args, variant="v5", **kw)
     for i, tol in ((2, 1e-6), (3, 1e-5), (5, 1e-3), (4, 1e-2), (0, 1e-2), (1, 1e-2)):
         assert v5[i].dtype == v1[i].dtype and v5[i].shape == v1[i].shape, _FWD_NAMES[i]
         _close(v5[i], v1[i], tol, f"{_FWD_NAMES[i]} v5 vs v1")

@@ -183,7 +183,6 @@ NANO_COMMITTED["conv1d_bwd_v3"] = dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, ac
 NANO_COMMITTED["ssd_bwd_db_v3"] = _NANO_SSD
 NANO_COMMITTED["ssd_bwd_dx_v2"] = _NANO_SSD  # backward default v7
 NANO_COMMITTED["ssd_chunk_scan_v2"] = _NANO_SSD
-NANO_COMMITTED["ssd_bmm_chunk_cumsum"] = dict(b=2, l=8192, h=64, g=8, n=128, c=128)  # forward default v6
 NANO_COMMITTED["ssd_chunk_cumsum_state_passing"] = _NANO_SSD  # forward variant v5 (tuned in session 6, call 1)
 NANO_UNTUNED = {
     "ssd_bwd_dbc_v2": _NANO_SSD,
