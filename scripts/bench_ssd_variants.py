@@ -12,7 +12,7 @@ A-vs-A control of v1. Rows:
   counterparts are several internal kernels; their measured per-kernel times, dB+dC+dCB+2 bmm_bwd =
   588 us and dz+dstates = 352 us, come from the profiler table in
   kernels_mamba_ssm_vs_helion_nano.md and are reported as the reference column)
-- ``bwd_dx`` (v7): ``ssd_bwd_dx`` (v1, also v4's) | ``ssd_bwd_dx_v2`` + the sum of its ddacs_row partials
+- ``bwd_dx`` (v7): ``ssd_bwd_dx`` (v1, also v4's) | ``ssd_bwd_dx_v2`` + the sums of its row-tile partials
 - ``ssd_backward``: ``ssd_backward_helion`` v1 | v2 (whole Helion SSD backward)
 - ``cumsum_state_passing`` (v5): mamba-ssm ``_chunk_cumsum_fwd`` + ``_chunk_state_fwd`` + ``_state_passing_fwd`` |
   ``ssd_chunk_cumsum`` + ``ssd_chunk_state_passing`` (v1) | ``ssd_chunk_cumsum_state_passing``, with dt read
