@@ -47,7 +47,4 @@ track1() {
     run_stage ssd_v2 100 python3 scripts/bench_ssd_variants.py --shape nano --variant v2 --rounds 4 --iters 8
 }
 
-run_tracks
-save_triton_autotune
-tail -n 25 "$OUT/logs/track0.out"; echo; tail -n 25 "$OUT/logs/track1.out"
-cat "$OUT"/track*_stages.tsv
+finish_tracks 25

@@ -34,7 +34,4 @@ track1() {
         --rounds 4 --iters 8
 }
 
-run_tracks
-save_triton_autotune
-tail -n 30 "$OUT/logs/track0.out"; echo; tail -n 30 "$OUT/logs/track1.out"
-cat "$OUT"/track*_stages.tsv
+finish_tracks 30

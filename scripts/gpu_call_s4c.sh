@@ -32,7 +32,4 @@ track1() {
     run_stage ab_tp2 70 python3 scripts/bench_kernels.py --backend mamba_ssm --compare helion --shape tp2 --rounds 3 --iters 8
 }
 
-run_tracks
-save_triton_autotune
-tail -n 25 "$OUT/logs/track0.out"; echo; tail -n 25 "$OUT/logs/track1.out"
-cat "$OUT"/track*_stages.tsv
+finish_tracks 25

@@ -32,7 +32,4 @@ track1() {
     mkdir -p "$OUT/configs1" && cp -r kernels/configs/sm* "$OUT/configs1/"
 }
 
-run_tracks
-save_triton_autotune
-tail -n 25 "$OUT/logs/track0.out"; echo; tail -n 25 "$OUT/logs/track1.out"
-cat "$OUT"/track*_stages.tsv
+finish_tracks 25

@@ -31,7 +31,4 @@ track1() {
     run_stage layers 120 python3 scripts/bench_layers.py --backends mamba_ssm,helion --rounds 3 --iters 4
 }
 
-run_tracks
-save_triton_autotune
-tail -n 25 "$OUT/logs/track0.out"; echo; tail -n 25 "$OUT/logs/track1.out"
-cat "$OUT"/track*_stages.tsv
+finish_tracks 25

@@ -26,7 +26,4 @@ track1() {
         --block-steps 4 --discard 1 --profile-steps 2
 }
 
-run_tracks
-save_triton_autotune
-tail -n 12 "$OUT/logs/track0.out"; echo; tail -n 30 "$OUT/logs/track1.out"
-cat "$OUT"/track*_stages.tsv
+finish_tracks 12 30

@@ -92,6 +92,15 @@ run_tracks() {
     wait "$p0" "$p1"
 }
 
+# finish_tracks [N0] [N1]: the end of a two-track call: run_tracks, save_triton_autotune, the last N0 / N1 lines
+# (default 25) of each track's output and the stage tables
+finish_tracks() {
+    run_tracks
+    save_triton_autotune
+    tail -n "${1:-25}" "$OUT/logs/track0.out"; echo; tail -n "${2:-${1:-25}}" "$OUT/logs/track1.out"
+    cat "$OUT"/track*_stages.tsv
+}
+
 # save_triton_autotune: copy mamba-ssm's Triton autotune results (TRITON_CACHE_AUTOTUNING=1) from
 # $TRITON_CACHE_DIR to $OUT/triton_autotune/, so the next host can start from them (carry .triton_cache)
 save_triton_autotune() {
