@@ -2,10 +2,11 @@
 
 ``mamba_split_conv1d_scan_combined_helion`` has mamba-ssm 2.3.2's ``mamba_split_conv1d_scan_combined``
 signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward saves only zxbcdt,
-the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx); the backward recomputes
-the conv and the forward pieces it needs (chunk_cumsum, chunk_state+state_passing in fp32, C.B^T; with
-the SSD forward variant "v5" the first two are one kernel) and runs the Helion backward of
-``kernels/ssd_helion_bwd.py``.
+the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx) and, unlike mamba-ssm, the two
+small fp32 (b, h, l) tensors dA_cumsum and dt_out (``SAVE_CUMSUM``); the backward recomputes the conv and the
+forward pieces it needs (chunk_state+state_passing in fp32, C.B^T; the chunk cumsum too with
+NANO_HELION_SAVE_CUMSUM=0, which the SSD forward variant "v5" computes inside chunk_state_passing) and runs
+the Helion backward of ``kernels/ssd_helion_bwd.py``.
 
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
 runs as its own module); those raise NotImplementedError here.
@@ -22,6 +23,8 @@ prints the count).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels import ssd_helion
@@ -29,6 +32,12 @@ from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_he
 from kernels.mamba_split import split_dims
 from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
 from kernels.ssd_helion_bwd import ssd_backward_helion
+
+
+# The forward keeps dA_cumsum and dt_out (both (b, h, l) fp32: 4 MB each per layer at the Nano shape, 2.4% of the
+# zxbcdt it saves) for the backward, which then skips the chunk cumsum's recompute (one launch; mamba-ssm recomputes
+# it). The values are the same either way. NANO_HELION_SAVE_CUMSUM=0 recomputes it, as mamba-ssm does.
+SAVE_CUMSUM = os.environ.get("NANO_HELION_SAVE_CUMSUM", "1") != "0"
 
 
 def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Tensor:
@@ -50,13 +59,16 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         # the SSD forward variant (ssd_helion.set_variant / NANO_HELION_SSD_FWD_VARIANT), kept for the backward's
         # recompute: "v5" computes the chunk cumsum inside chunk_state_passing in both
         variant = ssd_helion.get_variant()
-        out, out_x, _, _, _, final_states = ssd_forward_helion(
+        out, out_x, dt_out, dA_cumsum, _, final_states = ssd_forward_helion(
             x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),
             chunk_size, D=D, z=z.reshape(b, l, nheads, headdim), dt_bias=dt_bias, initial_states=initial_states,
             seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit, variant=variant,
         )
         ctx.variant = variant
-        ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx)
+        if not SAVE_CUMSUM:
+            dt_out = dA_cumsum = None
+        ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx,
+                              dt_out, dA_cumsum)
         ctx.dims = (nheads, headdim, dim, dstate, ngroups, chunk_size)
         ctx.dt_limit = dt_limit
         ctx.activation = activation
@@ -66,7 +78,8 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *args):
-        zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx = ctx.saved_tensors
+        (zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx, dt_out,
+         dA_cumsum) = ctx.saved_tensors
         nheads, headdim, dim, dstate, ngroups, chunk_size = ctx.dims
         dfinal = args[0] if ctx.return_final_states else None
         b, l, _ = zxbcdt.shape
@@ -81,7 +94,8 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         C = C.reshape(b, l, ngroups, dstate)
         dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
             B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
-            initial_states=initial_states, seq_idx=seq_idx, state_dtype=torch.float32, variant=ctx.variant)
+            initial_states=initial_states, seq_idx=seq_idx, state_dtype=torch.float32, variant=ctx.variant,
+            cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out))
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)
         dz, dxBC_given, ddt = torch.split(dzxbcdt, splits, dim=-1)

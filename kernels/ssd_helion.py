@@ -90,6 +90,41 @@ def _chunk_cumsum_kernel(
     return dA_cumsum, dt_out
 
 
+# ssd_chunk_cumsum_t (forward variants "v9", "v10"): the same values as ssd_chunk_cumsum, computed on (heads, chunk)
+# tiles as mamba-ssm's _chunk_cumsum_fwd_kernel does (the (c, heads) tile of dt is transposed right after the load,
+# the cumsum runs along the chunk and both stores are chunk-contiguous with no transpose before them). On the H200
+# ssd_chunk_cumsum took 8.4 us of device time per call against mamba-ssm's 5.4 us (session 7, call 1).
+def _chunk_cumsum_t_kernel(
+    dt: torch.Tensor,  # (b, L, h) any float dtype, L = nc * c
+    A: torch.Tensor,  # (h,)
+    dt_bias: torch.Tensor | None,  # (h,)
+    chunk_size: int,
+    seqlen: int,
+    dt_min: float,
+    dt_max: float,
+    dt_softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, L, h = dt.shape
+    c = hl.specialize(chunk_size)
+    nc = L // c
+    dA_cumsum = torch.empty([b, h, nc, c], dtype=torch.float32, device=dt.device)
+    dt_out = torch.empty([b, h, nc, c], dtype=torch.float32, device=dt.device)
+    block_h = hl.register_block_size(1, h)
+    for tb, tc, th in hl.tile([b, nc, h], block_size=[1, 1, block_h]):
+        for tk in hl.tile(c, block_size=c):
+            d = dt[tb.begin, tc.begin * c + tk.index, th].permute(1, 0).to(torch.float32)  # (BH, c)
+            if dt_bias is not None:
+                d = d + dt_bias[th].to(torch.float32)[:, None]
+            if dt_softplus:
+                d = torch.where(d <= 20.0, torch.log1p(torch.exp(d)), d)
+            d = torch.clamp(d, min=dt_min, max=dt_max)
+            pos = tc.begin * c + tk.index
+            d = torch.where((pos < seqlen)[None, :], d, 0.0)
+            dt_out[tb.begin, th, tc.begin, tk] = d
+            dA_cumsum[tb.begin, th, tc.begin, tk] = torch.cumsum(d * A[th].to(torch.float32)[:, None], dim=1)
+    return dA_cumsum, dt_out
+
+
 def _chunk_state_kernel(
     B: torch.Tensor,  # (b, L, g, n)
     x: torch.Tensor,  # (b, L, h, p)
@@ -303,11 +338,12 @@ def _bmm_chunk_kernel(
     B: torch.Tensor,  # (b, L, g, n)
     seq_idx: torch.Tensor | None,  # (b, L) int32
     chunk_size: int,
+    like: torch.Tensor,  # empty, CB's dtype (fp32; bf16 for chunk_scan_cb16)
 ) -> torch.Tensor:
     b, L, g, n = C.shape
     c = hl.specialize(chunk_size)
     nc = L // c
-    CB = torch.empty([b, nc, g, c, c], dtype=torch.float32, device=C.device)
+    CB = torch.empty([b, nc, g, c, c], dtype=like.dtype, device=C.device)
     block_m = hl.register_block_size(16, c)
     block_n = hl.register_block_size(16, c)
     block_k = hl.register_block_size(16, n)
@@ -321,7 +357,7 @@ def _bmm_chunk_kernel(
             s_m = seq_idx[tb.begin, tc.begin * c + tm.index]
             s_n = seq_idx[tb.begin, tc.begin * c + tn.index]
             acc = torch.where(s_m[:, None] == s_n[None, :], acc, 0.0)
-        CB[tb.begin, tc.begin, tg.begin, tm, tn] = acc
+        CB[tb.begin, tc.begin, tg.begin, tm, tn] = acc.to(CB.dtype)
     return CB
 
 
@@ -463,6 +499,10 @@ _BODIES: dict[str, Callable[..., Any]] = {
     "ssd_bmm_chunk": _bmm_chunk_kernel,
     "ssd_chunk_scan": _chunk_scan_kernel,
     "ssd_chunk_scan_v2": _chunk_scan_v2_kernel,
+    # chunk_scan reading a bf16 CB (forward variants "v8", "v10"; the bmm then writes CB in bf16): its own name so
+    # it has its own tuned configs
+    "ssd_chunk_scan_cb16": _chunk_scan_kernel,
+    "ssd_chunk_cumsum_t": _chunk_cumsum_t_kernel,
 }
 
 # Conservative defaults (sm90-safe): block_sizes follow each body's register_block_size order.
@@ -476,6 +516,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "ssd_bmm_chunk": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
     "ssd_chunk_scan": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=2),
     "ssd_chunk_scan_v2": dict(block_sizes=[64, 64], num_warps=4, num_stages=2),
+    "ssd_chunk_scan_cb16": dict(block_sizes=[64, 64, 32], num_warps=4, num_stages=1),  # chunk_scan's tuned Nano config
+    "ssd_chunk_cumsum_t": dict(block_sizes=[8], num_warps=4, num_stages=1),
 }
 # variant name -> {base kernel: kernel that replaces it} (``set_variant`` / ``variant=``). "v5" (numbered
 # after the backward's v3/v4, since scripts/bench_ssd_variants.py takes one name for both modules): the
@@ -485,6 +527,10 @@ VARIANTS: dict[str, dict[str, str]] = {
     "v2": {"ssd_chunk_scan": "ssd_chunk_scan_v2"},
     "v5": {"ssd_chunk_cumsum": "ssd_chunk_cumsum_state_passing",
            "ssd_chunk_state_passing": "ssd_chunk_cumsum_state_passing"},
+    # session 7: CB in bf16 between the bmm and chunk_scan ("v8"), the cumsum on (heads, chunk) tiles ("v9"), both
+    "v8": {"ssd_chunk_scan": "ssd_chunk_scan_cb16"},
+    "v9": {"ssd_chunk_cumsum": "ssd_chunk_cumsum_t"},
+    "v10": {"ssd_chunk_scan": "ssd_chunk_scan_cb16", "ssd_chunk_cumsum": "ssd_chunk_cumsum_t"},
 }
 # The default is "v1". A "v6" (session 6: the cumsum and C.B^T as two top-level loops of one kernel) was faster per
 # call on the H200 (the whole forward 1.006x v1) but not in device time, which a device-bound training step pays (the
@@ -513,6 +559,12 @@ def set_variant(variant: str) -> None:
 
 def get_variant() -> str:
     return _VARIANT
+
+
+def forward_cb_dtype(variant: str | None = None) -> torch.dtype:
+    """The dtype of CB between the forward's bmm and chunk_scan: bf16 where the variant runs ssd_chunk_scan_cb16
+    ("v8", "v10"), else fp32 (the backward always recomputes CB in fp32)."""
+    return torch.bfloat16 if _variant_map(variant).get("ssd_chunk_scan") == "ssd_chunk_scan_cb16" else torch.float32
 
 _KERNELS: dict[str, Any] = {}
 
@@ -623,15 +675,18 @@ def ssd_chunk_cumsum_helion(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     config: dict | None = None,
+    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dt (b, l, h), A (h,) -> (dA_cumsum, dt_out), both (b, h, nc, c) fp32 (as ``chunk_cumsum_ref``)."""
+    """dt (b, l, h), A (h,) -> (dA_cumsum, dt_out), both (b, h, nc, c) fp32 (as ``chunk_cumsum_ref``).
+    ``variant`` (None: ``set_variant``'s default) "v9"/"v10" run ``ssd_chunk_cumsum_t`` (same values)."""
     _check_chunk(chunk_size)
     b, l, h = _check_dt(dt, A, dt_bias)
     nc = math.ceil(l / chunk_size)
     dtp = _pad_seq(dt, nc * chunk_size)  # strided zxbcdt slices are read in place
     dims = dict(b=b, l=l, h=h, c=chunk_size)
+    kname = "ssd_chunk_cumsum_t" if _variant_map(variant).get("ssd_chunk_cumsum") == "ssd_chunk_cumsum_t" else "ssd_chunk_cumsum"
     return _run(
-        "ssd_chunk_cumsum", dims, [h],
+        kname, dims, [h],
         (dtp, A.contiguous(), _contig(dt_bias), chunk_size, l, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus)),
         config,
     )
@@ -807,7 +862,7 @@ def ssd_cumsum_states_helion(
             B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
             initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
     dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                                dt_limit=dt_limit)
+                                                dt_limit=dt_limit, variant=variant)
     states_in, final_states = ssd_chunk_state_passing_helion(
         B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
     return dA_cumsum, dt_out, states_in, final_states
@@ -819,8 +874,10 @@ def ssd_bmm_chunk_helion(
     chunk_size: int,
     seq_idx: torch.Tensor | None = None,
     config: dict | None = None,
+    cb_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """CB[b, nc, g, t, s] = C[t] . B[s] per chunk and group, fp32, zero across sequences (as ``bmm_chunk_ref``)."""
+    """CB[b, nc, g, t, s] = C[t] . B[s] per chunk and group, zero across sequences (as ``bmm_chunk_ref``);
+    fp32-accumulated, stored in ``cb_dtype`` (fp32, as mamba-ssm; bf16 for ``ssd_chunk_scan_cb16``)."""
     _check_chunk(chunk_size)
     if C.dim() != 4 or C.shape != B.shape:
         raise ValueError(f"C and B must both be (b, l, g, n); got {tuple(C.shape)}, {tuple(B.shape)}")
@@ -829,7 +886,8 @@ def ssd_bmm_chunk_helion(
     L = nc * chunk_size
     return _run(
         "ssd_bmm_chunk", dict(b=b, l=L, g=g, n=n, c=chunk_size), [chunk_size, chunk_size, n],
-        (_pad_seq(C, L), _pad_seq(B, L), _pad_seq_idx(seq_idx, L), chunk_size),
+        (_pad_seq(C, L), _pad_seq(B, L), _pad_seq_idx(seq_idx, L), chunk_size,
+         torch.empty(0, device=C.device, dtype=cb_dtype)),
         config,
     )
 
@@ -848,14 +906,22 @@ def ssd_chunk_pieces_helion(
     seq_idx: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
     variant: str | None = None,
+    cumsum: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cb_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything chunk_scan and the backward read: (dA_cumsum, dt_out, states_in, final_states, CB), as the
     variant (None: ``set_variant``'s default) launches it: v1 cumsum, chunk_state_passing, bmm; "v5" the first
-    two fused. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n)."""
-    dA_cumsum, dt_out, states_in, final_states = ssd_cumsum_states_helion(
-        B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-        initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype, variant=variant)
-    CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx)
+    two fused. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n). ``cumsum``: (dA_cumsum, dt_out) kept
+    from the forward (the fused op's backward): only chunk_state_passing and the bmm run. CB is in ``cb_dtype``."""
+    if cumsum is not None:
+        dA_cumsum, dt_out = cumsum
+        states_in, final_states = ssd_chunk_state_passing_helion(
+            B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
+    else:
+        dA_cumsum, dt_out, states_in, final_states = ssd_cumsum_states_helion(
+            B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype, variant=variant)
+    CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=cb_dtype)
     return dA_cumsum, dt_out, states_in, final_states, CB
 
 
@@ -873,7 +939,8 @@ def ssd_chunk_scan_helion(
     variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, out_x) (b, l, h, p) in x.dtype; out = out_x * silu(z) with z, else out_x is out
-    (as ``chunk_scan_ref``). ``variant``: "v1", "v2" (``ssd_chunk_scan_v2``) or None (``set_variant``)."""
+    (as ``chunk_scan_ref``). ``variant``: "v1", "v2" (``ssd_chunk_scan_v2``), "v8"/"v10" (``ssd_chunk_scan_cb16``:
+    CB in bf16) or None (``set_variant``)."""
     b, l, h, p, g, n = _check_xbc(x, C, "C")
     _, nc, _, c, _ = CB.shape
     _check_chunk(c)
@@ -890,6 +957,9 @@ def ssd_chunk_scan_helion(
     D2 = None if D is None else (D.contiguous() if D.dim() == 2 else D.reshape(h, 1).expand(h, p))
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     kname = _variant_map(variant).get("ssd_chunk_scan", "ssd_chunk_scan")
+    want = torch.bfloat16 if kname == "ssd_chunk_scan_cb16" else torch.float32
+    if CB.dtype != want:
+        raise ValueError(f"{kname} reads CB in {want}, got {CB.dtype} (ssd_bmm_chunk_helion's cb_dtype)")
     out, out_x = _run(
         kname, dims, [c, c] if kname == "ssd_chunk_scan_v2" else [c, p, c],
         (CB.contiguous(), _pad_seq(x, L), dt.contiguous(), dA_cumsum.contiguous(), _pad_seq(C, L),
@@ -952,16 +1022,17 @@ def ssd_forward_helion(
         dA_cumsum, dt_out, states_in, final_states, CB = ssd_chunk_pieces_helion(
             Bp, xp, Cp, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
             initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, variant=variant,
+            cb_dtype=forward_cb_dtype(variant),
         )
     else:
         dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                                    dt_limit=dt_limit)
+                                                    dt_limit=dt_limit, variant=variant)
         states = ssd_chunk_state_helion(Bp, xp, dt_out, dA_cumsum, seq_idx=sidx)
         states_in, final_states = ssd_state_passing_helion(
             states, dA_cumsum[..., -1], initial_states=initial_states, seq_idx=sidx, chunk_size=chunk_size,
             state_dtype=sdtype,
         )
-        CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx)
+        CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx, cb_dtype=forward_cb_dtype(variant))
     out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx,
                                        variant=variant)
     if L != l:
@@ -1016,14 +1087,14 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
     b, l, h, p, g, n = (md[k] for k in ("b", "l", "h", "p", "g", "n"))
     L = math.ceil(l / c) * c
     nc = L // c
-    if name in ("ssd_chunk_cumsum", "ssd_chunk_cumsum_state_passing"):
+    if name in ("ssd_chunk_cumsum", "ssd_chunk_cumsum_t", "ssd_chunk_cumsum_state_passing"):
         # dt as the fused op passes it: the last h columns of the in_proj output zxBCdt (rows of
         # 2*h*p + 2*g*n + h elements), read in place
         row = 2 * h * p + 2 * g * n + h
         zx = torch.zeros(b, L, row, device=device, dtype=inp["dt"].dtype)
         zx[:, :l, row - h:] = inp["dt"]
         dts = zx[..., row - h:]
-        if name == "ssd_chunk_cumsum":
+        if name in ("ssd_chunk_cumsum", "ssd_chunk_cumsum_t"):
             return (dts, inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
         Bp, xp = (_pad_seq(inp[k], L).contiguous() for k in ("B", "x"))
         like = torch.empty(0, device=device, dtype=inp["C"].dtype)
@@ -1043,9 +1114,11 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
         st = torch.randn(b, nc, h, p * n, device=device) * 0.1
         return (st, dA[..., -1].contiguous(), None, None, torch.empty(0, device=device, dtype=Cp.dtype)), dict(b=b, h=h, d=p * n, nc=nc)
     if name == "ssd_bmm_chunk":
-        return (Cp, Bp, None, c), dict(b=b, l=L, g=g, n=n, c=c)
-    if name in ("ssd_chunk_scan", "ssd_chunk_scan_v2"):
+        return (Cp, Bp, None, c, torch.empty(0, device=device)), dict(b=b, l=L, g=g, n=n, c=c)
+    if name in ("ssd_chunk_scan", "ssd_chunk_scan_v2", "ssd_chunk_scan_cb16"):
         CB = torch.randn(b, nc, g, c, c, device=device) * 0.3
+        if name == "ssd_chunk_scan_cb16":
+            CB = CB.to(Cp.dtype)
         st = (torch.randn(b, nc, h, p, n, device=device) * 0.1).to(Cp.dtype)
         D2 = inp["D"].reshape(h, 1).expand(h, p)
         return (CB, xp, dto, dA, Cp, st, D2, _pad_seq(inp["z"], L).contiguous(), None, None), kd
@@ -1057,6 +1130,8 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
 _SEEDS: dict[str, list[dict]] = {
     # dt arrives strided (zxBCdt rows of ~20 KB): head blocks of 16+ read whole 32-byte sectors, so they go first
     "ssd_chunk_cumsum": [dict(block_sizes=[bh], num_warps=w) for bh in (16, 32, 8, 64, 4, 2, 1) for w in (1, 2, 4, 8)],
+    # mamba-ssm's autotune picked BLOCK_SIZE_H 8 at 4 warps for the Nano shape (8.0 us in its do_bench): first
+    "ssd_chunk_cumsum_t": [dict(block_sizes=[bh], num_warps=w) for bh in (8, 16, 4, 32, 2, 64, 1) for w in (4, 2, 1, 8)],
     "ssd_chunk_state": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((64, 64), (64, 128), (32, 64), (64, 32), (32, 128))
@@ -1081,6 +1156,12 @@ _SEEDS: dict[str, list[dict]] = {
         for bm, bn in ((64, 64), (128, 64), (64, 128), (128, 128)) for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
     ],
     "ssd_chunk_scan": [
+        dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
+        for bm, bn in ((64, 64), (128, 64), (32, 64), (64, 32), (128, 32))
+        for bk in (32, 64) for w in (4, 8) for st in (1, 2, 3)
+    ],
+    # chunk_scan's committed config first (its search's best with an fp32 CB)
+    "ssd_chunk_scan_cb16": [dict(block_sizes=[64, 64, 32], num_warps=4, num_stages=1)] + [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((64, 64), (128, 64), (32, 64), (64, 32), (128, 32))
         for bk in (32, 64) for w in (4, 8) for st in (1, 2, 3)

@@ -17,9 +17,13 @@ A-vs-A control of v1. Rows:
 - ``cumsum_state_passing`` (v5): mamba-ssm ``_chunk_cumsum_fwd`` + ``_chunk_state_fwd`` + ``_state_passing_fwd`` |
   ``ssd_chunk_cumsum`` + ``ssd_chunk_state_passing`` (v1) | ``ssd_chunk_cumsum_state_passing``, with dt read
   strided from a zxBCdt-shaped buffer as the fused op passes it
+- ``chunk_cumsum`` (v9, v10): mamba-ssm ``_chunk_cumsum_fwd`` | ``ssd_chunk_cumsum`` | ``ssd_chunk_cumsum_t``, dt
+  strided as above (per call: at ~5-8 us of device time these are launch-bound; the device times come from
+  ``bench_kernels.py``'s profile)
 Only the rows a candidate changes run (``row_names``): v2 all but cumsum_state_passing; v3, v4 bwd_dbc /
 bwd_dz_dstates and ssd_backward; v5 cumsum_state_passing and ssd_forward; v7
-bwd_dbc, bwd_dz_dstates, bwd_dx and ssd_backward.
+bwd_dbc, bwd_dz_dstates, bwd_dx and ssd_backward; v8 chunk_scan (CB in bf16 for the candidate) and ssd_forward;
+v9 chunk_cumsum and ssd_forward; v10 all three.
 Correctness: candidate vs v1 outputs (max abs err / max |v1|) on the same inputs for every row.
 Configs: v1 uses kernels/configs/<arch>/, v2 its tuned file if present, else its generic default
 (tune first: ``python scripts/tune_kernels.py --kernels ssd_bwd_dbc_v2,ssd_bwd_dz_dstates_v2,ssd_chunk_scan_v2``).
@@ -74,6 +78,8 @@ def row_names(cand: str) -> list[str]:
     """The rows ``cand`` changes, in the order they run."""
     names = []
     fwd = sh.VARIANTS.get(cand, {})
+    if fwd.get("ssd_chunk_cumsum") == "ssd_chunk_cumsum_t":
+        names.append("chunk_cumsum")
     if "ssd_chunk_scan" in fwd:
         names.append("chunk_scan")
     if "ssd_chunk_state_passing" in fwd:
@@ -101,11 +107,20 @@ def rows(md: dict, cand: str = "v2") -> dict:
     sin, _ = sh.ssd_chunk_state_passing_helion(B, x, dto, dA)
     CB = sh.ssd_bmm_chunk_helion(C, B, c)
     out = {}
+    if "chunk_cumsum" in want:
+        # dt as the fused op reads it: the last h columns of a zxBCdt-shaped buffer
+        (dts, *_), _ = sh._kernel_args("ssd_chunk_cumsum", md, "cuda")
+        out["chunk_cumsum"] = {
+            "mamba_ssm": lambda: m.cumsum(dts, A, c, dt_bias=dtb, dt_softplus=True),
+            "v1": lambda: sh.ssd_chunk_cumsum_helion(dts, A, c, dt_bias=dtb, dt_softplus=True, variant="v1"),
+            cand: lambda: sh.ssd_chunk_cumsum_helion(dts, A, c, dt_bias=dtb, dt_softplus=True, variant=cand),
+        }
     if "chunk_scan" in want:
+        CBc = CB.to(sh.forward_cb_dtype(cand))  # bf16 for the chunk_scan_cb16 variants (v8, v10)
         out["chunk_scan"] = {
             "mamba_ssm": lambda: m.chunk_scan(CB, x, dto, dA, C, sin, D=D, z=z),
             "v1": lambda: sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, sin, D=D, z=z, variant="v1"),
-            cand: lambda: sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, sin, D=D, z=z, variant=cand),
+            cand: lambda: sh.ssd_chunk_scan_helion(CBc, x, dto, dA, C, sin, D=D, z=z, variant=cand),
         }
     if "cumsum_state_passing" in want:
         # dt as the fused op reads it: the last h columns of a zxBCdt-shaped buffer

@@ -47,6 +47,8 @@ GROUPS: dict[tuple[str, ...], tuple[str, ...]] = {
     # the forward variant "v5" (kernels.ssd_helion.VARIANTS): chunk_cumsum computed inside chunk_state_passing
     ("_helion__chunk_cumsum_state_passing_kernel",): ("_chunk_cumsum_fwd_kernel", "_chunk_state_fwd_kernel",
                                                       "_state_passing_fwd_kernel"),
+    # the forward variants "v9" / "v10": the cumsum on (heads, chunk) tiles
+    ("_helion__chunk_cumsum_t_kernel",): ("_chunk_cumsum_fwd_kernel",),
     # the backward variant "v7": dx over row tiles (its ddacs_row and dD partials are summed by torch reduce_kernels,
     # not in this group)
     ("_helion_ssd_bwd_dx_v2", "_helion_ssd_bwd_dt"): ("_chunk_scan_chunk_state_bwd_dx_kernel",

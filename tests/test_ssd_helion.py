@@ -285,6 +285,60 @@ def test_variant_v5_launches_the_fused_kernel(monkeypatch):
         sh.set_variant("v1")
 
 
+@pytest.mark.parametrize("case", ["g1", "g4_seq_init", "g2_odd_seq_c16", "g2_nosoftplus"])
+@pytest.mark.parametrize("small_blocks", [False, True])
+@pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
+def test_forward_variants_v8_v9_v10(case, small_blocks, monkeypatch):
+    """v9 (ssd_chunk_cumsum_t: the cumsum on (heads, chunk) tiles) gives v1's six outputs bitwise; v8 (CB in bf16
+    between the bmm and ssd_chunk_scan_cb16) and v10 (both) differ from v1 only in out / out_x, by the bf16
+    rounding of CB (2e-2 of their scale against v1 and the reference; the other four outputs are v1's bitwise)."""
+    if small_blocks:
+        _small_blocks(monkeypatch)
+    args, kw = _v5_args(case)
+    v1 = sh.ssd_forward_helion(*args, variant="v1", **kw)
+    ref = ssd.ssd_forward_ref(*args, **kw)
+    for v in ("v9", "v8", "v10"):
+        got = sh.ssd_forward_helion(*args, variant=v, **kw)
+        for i, (name, a, r1) in enumerate(zip(_FWD_NAMES, got, v1)):
+            assert a.dtype == r1.dtype and a.shape == r1.shape, (v, name)
+            if v == "v9" or i >= 2:
+                assert torch.equal(a, r1), f"{v} {name}: differs from v1 (max {(a.float() - r1.float()).abs().max():.3g})"
+            else:
+                _close(a, r1, 2e-2, f"{v} {name} vs v1")
+                _close(a, ref[i], 2e-2, f"{v} {name} vs reference")
+    assert sh.get_variant() == "v1"
+
+
+@pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
+def test_variants_v8_v9_v10_launch_their_kernels(monkeypatch):
+    """The kernels each variant launches; the bmm writes CB in bf16 exactly when chunk_scan_cb16 reads it, and
+    chunk_scan refuses a CB of the other dtype."""
+    names = _record_kernels(monkeypatch)
+    args, kw = _v5_args("g1")
+    expect = {
+        "v1": ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"],
+        "v8": ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan_cb16"],
+        "v9": ["ssd_chunk_cumsum_t", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"],
+        "v10": ["ssd_chunk_cumsum_t", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan_cb16"],
+    }
+    for v, want in expect.items():
+        names.clear()
+        sh.ssd_forward_helion(*args, variant=v, **kw)
+        assert names == want, (v, names)
+        assert sh.forward_cb_dtype(v) == (torch.bfloat16 if v in ("v8", "v10") else torch.float32)
+    x, dt, A, B, C, c = args
+    CB = sh.ssd_bmm_chunk_helion(C, B, c)
+    CB16 = sh.ssd_bmm_chunk_helion(C, B, c, cb_dtype=torch.bfloat16)
+    assert CB.dtype == torch.float32 and CB16.dtype == torch.bfloat16
+    assert torch.equal(CB16, CB.to(torch.bfloat16))
+    dA, dto = sh.ssd_chunk_cumsum_helion(dt, A, c, dt_bias=kw["dt_bias"], dt_softplus=True)
+    st = torch.zeros(x.shape[0], CB.shape[1], x.shape[2], x.shape[3], C.shape[3])
+    with pytest.raises(ValueError, match="reads CB in torch.bfloat16"):
+        sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, st, variant="v8")
+    with pytest.raises(ValueError, match="reads CB in torch.float32"):
+        sh.ssd_chunk_scan_helion(CB16, x, dto, dA, C, st, variant="v1")
+
+
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
 def test_fwd_variant_env_default():
     """NANO_HELION_SSD_FWD_VARIANT sets the module default at import; an unknown name fails with the known ones."""
@@ -362,7 +416,7 @@ def test_triton_codegen_nano_shape(name, monkeypatch):
         assert "@triton.jit" in code, f"{name}: no Triton kernel for {cfg}"
         assert code.count("def _helion_") == 1, f"{name}: expected one device kernel"
         if name in ("ssd_chunk_state", "ssd_chunk_state_passing", "ssd_chunk_cumsum_state_passing", "ssd_bmm_chunk",
-                    "ssd_chunk_scan", "ssd_chunk_scan_v2"):
+                    "ssd_chunk_scan", "ssd_chunk_scan_v2", "ssd_chunk_scan_cb16"):
             assert "tl.dot" in code and "out_dtype=tl.float32" in code, f"{name}: GEMM not lowered to tl.dot fp32"
 
 
@@ -559,3 +613,33 @@ def test_gpu_nano_variant_v5_matches_v1(with_seq):
     _close(v5[3], ref[3], 1e-4, "dA_cumsum vs fp32")
     _close(v5[5], ref[5], 1e-2, "final_states vs fp32")
     _close(v5[0], ref[0], 2e-2, "out vs fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["v8", "v9", "v10"])
+def test_gpu_nano_variants_v8_v9_v10(variant):
+    """Forward variants v8 (CB in bf16), v9 (cumsum on (heads, chunk) tiles) and v10 (both) at the Nano shape, bf16,
+    seq_idx and initial states, dt read strided from a zxBCdt-shaped buffer: v1's dt_out / dA_cumsum / states /
+    final_states (1e-6 / 1e-5 / 1e-2 / 1e-3) and out / out_x within 1e-2 of v1's scale; against the fp32 reference
+    the v1 test's tolerances, and the error of out against the fp32 reference at most 1.25x v1's + 1e-4 (relative
+    L2), the accuracy check that bf16 CB needs."""
+    md = NANO
+    inp, kw = _nano_gpu_case(True)
+    (dts, *_), _ = sh._kernel_args("ssd_chunk_cumsum", md, "cuda")
+    args = (inp["x"], dts, inp["A"], inp["B"], inp["C"], md["c"])
+    v1 = sh.ssd_forward_helion(*args, variant="v1", **kw)
+    got = sh.ssd_forward_helion(*args, variant=variant, **kw)
+    for i, tol in ((2, 1e-6), (3, 1e-5), (5, 1e-3), (4, 1e-2), (0, 1e-2), (1, 1e-2)):
+        assert got[i].dtype == v1[i].dtype and got[i].shape == v1[i].shape, _FWD_NAMES[i]
+        _close(got[i], v1[i], tol, f"{_FWD_NAMES[i]} {variant} vs v1")
+    ref = _fp32_forward_ref(args, kw)
+    _close(got[0], ref[0], 2e-2, "out vs fp32")
+    _close(got[1], ref[1], 2e-2, "out_x vs fp32")
+
+    def rel(a, r):
+        return ((a.float() - r.float()).norm() / r.float().norm()).item()
+
+    e1, ev = rel(v1[0], ref[0]), rel(got[0], ref[0])
+    print(f"{variant}: out rel. L2 vs fp32 reference {ev:.3e} (v1 {e1:.3e})")
+    assert ev <= 1.25 * e1 + 1e-4, (ev, e1)
