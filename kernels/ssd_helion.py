@@ -90,10 +90,12 @@ def _chunk_cumsum_kernel(
     return dA_cumsum, dt_out
 
 
-# ssd_chunk_cumsum_t (forward variants "v9", "v10"): the same values as ssd_chunk_cumsum, computed on (heads, chunk)
-# tiles as mamba-ssm's _chunk_cumsum_fwd_kernel does (the (c, heads) tile of dt is transposed right after the load,
-# the cumsum runs along the chunk and both stores are chunk-contiguous with no transpose before them). On the H200
-# ssd_chunk_cumsum took 8.4 us of device time per call against mamba-ssm's 5.4 us (session 7, call 1).
+# ssd_chunk_cumsum_t (forward variants "v9", "v10"): ssd_chunk_cumsum's values (to fp32 rounding: the softplus is
+# mamba-ssm's log(1 + exp(d)) on fast exp2/log), computed on (heads, chunk) tiles as mamba-ssm's
+# _chunk_cumsum_fwd_kernel does (the (c, heads) tile of dt is transposed right after the load, the cumsum runs along
+# the chunk and both stores are chunk-contiguous with no transpose before them). On the H200 ssd_chunk_cumsum took
+# 8.4 us of device time per call against mamba-ssm's 5.4 us (session 7, call 1), the first ssd_chunk_cumsum_t (exact
+# log1p/exp) 5.7 us (call 2).
 def _chunk_cumsum_t_kernel(
     dt: torch.Tensor,  # (b, L, h) any float dtype, L = nc * c
     A: torch.Tensor,  # (h,)
@@ -116,7 +118,9 @@ def _chunk_cumsum_t_kernel(
             if dt_bias is not None:
                 d = d + dt_bias[th].to(torch.float32)[:, None]
             if dt_softplus:
-                d = torch.where(d <= 20.0, torch.log1p(torch.exp(d)), d)
+                # log(1 + exp(d)) as mamba-ssm computes it (Triton 3: tl.math.log(tl.math.exp(dt) + 1)), on the fast
+                # exp2 / log (ex2.approx, lg2.approx); v1's log1p(exp(d)) lowers to libdevice's exact log1p and exp
+                d = torch.where(d <= 20.0, torch.log(torch.exp2(d * _LOG2E) + 1.0), d)
             d = torch.clamp(d, min=dt_min, max=dt_max)
             pos = tc.begin * c + tk.index
             d = torch.where((pos < seqlen)[None, :], d, 0.0)
@@ -499,8 +503,8 @@ _BODIES: dict[str, Callable[..., Any]] = {
     "ssd_bmm_chunk": _bmm_chunk_kernel,
     "ssd_chunk_scan": _chunk_scan_kernel,
     "ssd_chunk_scan_v2": _chunk_scan_v2_kernel,
-    # chunk_scan reading a bf16 CB (forward variants "v8", "v10"; the bmm then writes CB in bf16): its own name so
-    # it has its own tuned configs
+    # chunk_scan reading CB in the inputs' 16-bit dtype (forward variants "v8", "v10"; the bmm then writes CB in
+    # that dtype; fp32 inputs keep ssd_chunk_scan): its own name so it has its own tuned configs
     "ssd_chunk_scan_cb16": _chunk_scan_kernel,
     "ssd_chunk_cumsum_t": _chunk_cumsum_t_kernel,
 }
@@ -532,12 +536,14 @@ VARIANTS: dict[str, dict[str, str]] = {
     "v9": {"ssd_chunk_cumsum": "ssd_chunk_cumsum_t"},
     "v10": {"ssd_chunk_scan": "ssd_chunk_scan_cb16", "ssd_chunk_cumsum": "ssd_chunk_cumsum_t"},
 }
-# The default is "v1". A "v6" (session 6: the cumsum and C.B^T as two top-level loops of one kernel) was faster per
+# The default is "v10" since session 7 (call 2, one H200, same process: chunk_scan 1.092x of v1 [1.090, 1.094], the whole
+# forward 1.089x; mixer device time 3217.6 vs 3258.1 us; out's rel. L2 error against the fp32 reference at the Nano shape
+# 1.662e-3, v1 1.660e-3). "v1" keeps the session-6 kernels. A "v6" (session 6: the cumsum and C.B^T as two top-level loops of one kernel) was faster per
 # call on the H200 (the whole forward 1.006x v1) but not in device time, which a device-bound training step pays (the
 # fused kernel 101.2 us per fwd+bwd against v1's bmm + cumsum 93.9 us), so it was removed (its code: commit 9c56af4).
 # NANO_HELION_SSD_FWD_VARIANT picks the module default for whole processes (benchmarks, training runs, kernel
 # profiles); an unknown name fails at import with the known names.
-DEFAULT_VARIANT = "v1"
+DEFAULT_VARIANT = "v10"
 _VARIANT: str = os.environ.get("NANO_HELION_SSD_FWD_VARIANT", DEFAULT_VARIANT)
 if _VARIANT not in VARIANTS:
     raise ValueError(f"NANO_HELION_SSD_FWD_VARIANT={_VARIANT!r}: unknown SSD forward variant (known: {sorted(VARIANTS)})")
@@ -561,10 +567,11 @@ def get_variant() -> str:
     return _VARIANT
 
 
-def forward_cb_dtype(variant: str | None = None) -> torch.dtype:
-    """The dtype of CB between the forward's bmm and chunk_scan: bf16 where the variant runs ssd_chunk_scan_cb16
-    ("v8", "v10"), else fp32 (the backward always recomputes CB in fp32)."""
-    return torch.bfloat16 if _variant_map(variant).get("ssd_chunk_scan") == "ssd_chunk_scan_cb16" else torch.float32
+def forward_cb_dtype(variant: str | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The dtype of CB between the forward's bmm and chunk_scan for inputs (x, B, C) of ``dtype``: that dtype where the
+    variant runs ssd_chunk_scan_cb16 ("v8", "v10"; chunk_scan rounds its CB-derived weights to x's dtype for the GEMM
+    anyway), else fp32 as mamba-ssm (fp32 inputs always get fp32; the backward always recomputes CB in fp32)."""
+    return dtype if _variant_map(variant).get("ssd_chunk_scan") == "ssd_chunk_scan_cb16" else torch.float32
 
 _KERNELS: dict[str, Any] = {}
 
@@ -957,9 +964,12 @@ def ssd_chunk_scan_helion(
     D2 = None if D is None else (D.contiguous() if D.dim() == 2 else D.reshape(h, 1).expand(h, p))
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     kname = _variant_map(variant).get("ssd_chunk_scan", "ssd_chunk_scan")
-    want = torch.bfloat16 if kname == "ssd_chunk_scan_cb16" else torch.float32
+    want = forward_cb_dtype(variant, x.dtype)
     if CB.dtype != want:
-        raise ValueError(f"{kname} reads CB in {want}, got {CB.dtype} (ssd_bmm_chunk_helion's cb_dtype)")
+        raise ValueError(f"chunk_scan ({variant or get_variant()}) reads CB in {want} for x in {x.dtype}, got {CB.dtype} "
+                         "(ssd_bmm_chunk_helion's cb_dtype; forward_cb_dtype)")
+    if kname == "ssd_chunk_scan_cb16" and want == torch.float32:
+        kname = "ssd_chunk_scan"  # fp32 inputs: CB stays fp32, v1's kernel and configs
     out, out_x = _run(
         kname, dims, [c, c] if kname == "ssd_chunk_scan_v2" else [c, p, c],
         (CB.contiguous(), _pad_seq(x, L), dt.contiguous(), dA_cumsum.contiguous(), _pad_seq(C, L),
@@ -1022,7 +1032,7 @@ def ssd_forward_helion(
         dA_cumsum, dt_out, states_in, final_states, CB = ssd_chunk_pieces_helion(
             Bp, xp, Cp, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
             initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, variant=variant,
-            cb_dtype=forward_cb_dtype(variant),
+            cb_dtype=forward_cb_dtype(variant, x.dtype),
         )
     else:
         dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
@@ -1032,7 +1042,7 @@ def ssd_forward_helion(
             states, dA_cumsum[..., -1], initial_states=initial_states, seq_idx=sidx, chunk_size=chunk_size,
             state_dtype=sdtype,
         )
-        CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx, cb_dtype=forward_cb_dtype(variant))
+        CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx, cb_dtype=forward_cb_dtype(variant, x.dtype))
     out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx,
                                        variant=variant)
     if L != l:

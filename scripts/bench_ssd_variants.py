@@ -71,7 +71,7 @@ BWD_ROWS = (("bwd_dbc", "ssd_bwd_dbc"), ("bwd_dz_dstates", "ssd_bwd_dz_dstates")
 
 def variant_names() -> list[str]:
     """Candidates: every forward (kernels.ssd_helion) and backward (kernels.ssd_helion_bwd) variant but v1."""
-    return sorted((set(sh.VARIANTS) | set(sb.VARIANTS)) - {"v1"})
+    return sorted((set(sh.VARIANTS) | set(sb.VARIANTS)) - {"v1"}, key=lambda v: int(v[1:]))
 
 
 def row_names(cand: str) -> list[str]:
@@ -116,7 +116,7 @@ def rows(md: dict, cand: str = "v2") -> dict:
             cand: lambda: sh.ssd_chunk_cumsum_helion(dts, A, c, dt_bias=dtb, dt_softplus=True, variant=cand),
         }
     if "chunk_scan" in want:
-        CBc = CB.to(sh.forward_cb_dtype(cand))  # bf16 for the chunk_scan_cb16 variants (v8, v10)
+        CBc = CB.to(sh.forward_cb_dtype(cand, x.dtype))  # bf16 for the chunk_scan_cb16 variants (v8, v10)
         out["chunk_scan"] = {
             "mamba_ssm": lambda: m.chunk_scan(CB, x, dto, dA, C, sin, D=D, z=z),
             "v1": lambda: sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, sin, D=D, z=z, variant="v1"),

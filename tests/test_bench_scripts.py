@@ -503,7 +503,7 @@ def test_ssd_variants_markdown_names_the_candidate():
     md = bsv.markdown(res, {"gpu": "x"})
     assert "Helion v1 vs v3" in md and "v3/v1 speedup" in md and "| bwd_dbc | 588.0 (ref) | 1000.0 | 800.0 | 1.250" in md
     with pytest.raises(SystemExit):
-        bsv.main(["--variant", "v9"])
+        bsv.main(["--variant", "v99"])
 
 
 def test_ssd_variants_rows_per_candidate():
@@ -511,7 +511,10 @@ def test_ssd_variants_rows_per_candidate():
     against cumsum + chunk_state_passing and the whole forward; the backward variants only backward rows."""
     import bench_ssd_variants as bsv
 
-    assert bsv.variant_names() == ["v2", "v3", "v4", "v5", "v7"]
+    assert bsv.variant_names() == ["v2", "v3", "v4", "v5", "v7", "v8", "v9", "v10"]
+    assert bsv.row_names("v8") == ["chunk_scan", "ssd_forward"]
+    assert bsv.row_names("v9") == ["chunk_cumsum", "ssd_forward"]
+    assert bsv.row_names("v10") == ["chunk_cumsum", "chunk_scan", "ssd_forward"]
     assert bsv.row_names("v7") == ["bwd_dbc", "bwd_dz_dstates", "bwd_dx", "ssd_backward"]
     assert bsv.row_names("v5") == ["cumsum_state_passing", "ssd_forward"]
     assert bsv.row_names("v2") == ["chunk_scan", "ssd_forward", "bwd_dbc", "bwd_dz_dstates", "ssd_backward"]
@@ -564,7 +567,8 @@ def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
     assert res["top10_complete"] and math.isclose(res["top10_geomean"], math.exp(sum(map(math.log, want)) / 10))
     # a profile of the forward variant v5: the fused cumsum + chunk_state_passing kernel replaces three mamba-ssm
     # kernels, and the two Helion kernels it replaces are absent (their groups drop out, nothing is missing)
-    v5 = {k: v for k, v in helion.items() if k not in ("_helion__chunk_cumsum_kernel", "_helion__chunk_state_passing_kernel")}
+    v5 = {k: v for k, v in helion.items()
+          if k not in ("_helion__chunk_cumsum_kernel", "_helion__chunk_cumsum_t_kernel", "_helion__chunk_state_passing_kernel")}
     v5["_helion__chunk_cumsum_state_passing_kernel"] = 120.0  # vs 3 x 100 us: 2.5x
     res5 = kc.counterparts(table(mamba), table(v5))
     by5 = {tuple(r["helion"]): r for r in res5["groups"]}

@@ -132,7 +132,7 @@ def test_forward_variant_v2_matches_reference(case, small_blocks, monkeypatch):
     got = sh.ssd_forward_helion(t["x"], t["dt"], t["A"], t["B"], t["C"], c, variant="v2", **kw)
     for name, a, r in zip(["out", "out_x"], got, ref):
         _close(a, r, 1e-4, name)
-    assert sh.get_variant() == "v1"
+    assert sh.get_variant() == sh.DEFAULT_VARIANT
     with pytest.raises(ValueError, match="unknown SSD forward variant"):
         sh.set_variant("v3")
 
@@ -191,7 +191,7 @@ def test_forward_variant_v5_matches_v1(case, small_blocks, monkeypatch):
         else:
             assert torch.equal(a, r1), f"{name}: v5 differs from v1 (max {(a.float() - r1.float()).abs().max():.3g})"
         _close(a, r, 1e-4, f"{name} v5 vs reference")
-    assert sh.get_variant() == "v1"
+    assert sh.get_variant() == sh.DEFAULT_VARIANT
 
 
 @pytest.mark.parametrize("small_blocks", [False, True])
@@ -211,7 +211,7 @@ def test_chunk_cumsum_state_passing_piece(small_blocks, monkeypatch):
     assert not dt.is_contiguous()
     kw = dict(dt_bias=t["dt_bias"], dt_softplus=True, dt_limit=(0.01, 3.0))
     for sdtype in (torch.bfloat16, torch.float32):
-        dA, dto = sh.ssd_chunk_cumsum_helion(dt, t["A"], c, **kw)
+        dA, dto = sh.ssd_chunk_cumsum_helion(dt, t["A"], c, variant="v1", **kw)  # v5 fuses v1's cumsum
         sin, fin = sh.ssd_chunk_state_passing_helion(t["B"], t["x"], dto, dA, initial_states=t["init"],
                                                      seq_idx=t["seq_idx"], state_dtype=sdtype)
         got = sh.ssd_chunk_cumsum_state_passing_helion(t["B"], t["x"], dt, t["A"], c, initial_states=t["init"],
@@ -270,8 +270,7 @@ def test_variant_v5_launches_the_fused_kernel(monkeypatch):
     assert sh.TUNABLE_KERNELS["ssd_chunk_cumsum_state_passing"](md, "cpu").dims == dict(md, l=96)
     args, kw = _v5_args("g1")
     names.clear()
-    names.clear()
-    sh.ssd_forward_helion(*args, **kw)
+    sh.ssd_forward_helion(*args, variant="v1", **kw)
     assert names == ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"], names
     names.clear()
     try:
@@ -282,39 +281,58 @@ def test_variant_v5_launches_the_fused_kernel(monkeypatch):
         sh.ssd_forward_helion(*args, fuse_state_passing=False, **kw)
         assert names[:3] == ["ssd_chunk_cumsum", "ssd_chunk_state", "ssd_state_passing"], names
     finally:
-        sh.set_variant("v1")
+        sh.set_variant(sh.DEFAULT_VARIANT)
+
+
+def _to16(args, kw):
+    """_v5_args with x, B, C and z in bf16 (the inputs' dtype decides CB's in v8 / v10)."""
+    x, dt, A, B, C, c = args
+    return (x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), c), dict(kw, z=kw["z"].bfloat16())
 
 
 @pytest.mark.parametrize("case", ["g1", "g4_seq_init", "g2_odd_seq_c16", "g2_nosoftplus"])
 @pytest.mark.parametrize("small_blocks", [False, True])
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
 def test_forward_variants_v8_v9_v10(case, small_blocks, monkeypatch):
-    """v9 (ssd_chunk_cumsum_t: the cumsum on (heads, chunk) tiles) gives v1's six outputs bitwise; v8 (CB in bf16
-    between the bmm and ssd_chunk_scan_cb16) and v10 (both) differ from v1 only in out / out_x, by the bf16
-    rounding of CB (2e-2 of their scale against v1 and the reference; the other four outputs are v1's bitwise)."""
+    """fp32 inputs: v8 (CB in the inputs' dtype between the bmm and chunk_scan) is v1 bitwise; v9 / v10
+    (ssd_chunk_cumsum_t: the cumsum on (heads, chunk) tiles, softplus as log(1 + exp2(d log2 e))) give v1's six outputs
+    to 1e-5 of their scale and the reference's to 1e-4. bf16 inputs: v8 and v10 (CB in bf16) give v1's out / out_x
+    to 2e-2 of their scale and its other four outputs exactly (v8) or to 1e-5 (v10)."""
     if small_blocks:
         _small_blocks(monkeypatch)
     args, kw = _v5_args(case)
     v1 = sh.ssd_forward_helion(*args, variant="v1", **kw)
     ref = ssd.ssd_forward_ref(*args, **kw)
-    for v in ("v9", "v8", "v10"):
+    for v in ("v8", "v9", "v10"):
         got = sh.ssd_forward_helion(*args, variant=v, **kw)
+        for name, a, r1, r in zip(_FWD_NAMES, got, v1, ref):
+            assert a.dtype == r1.dtype and a.shape == r1.shape, (v, name)
+            if v == "v8":
+                assert torch.equal(a, r1), f"{v} {name}: differs from v1"
+            else:
+                _close(a, r1, 1e-5, f"{v} {name} vs v1")
+                _close(a, r, 1e-4, f"{v} {name} vs reference")
+    args16, kw16 = _to16(args, kw)
+    v1 = sh.ssd_forward_helion(*args16, variant="v1", **kw16)
+    for v in ("v8", "v10"):
+        got = sh.ssd_forward_helion(*args16, variant=v, **kw16)
         for i, (name, a, r1) in enumerate(zip(_FWD_NAMES, got, v1)):
             assert a.dtype == r1.dtype and a.shape == r1.shape, (v, name)
-            if v == "v9" or i >= 2:
-                assert torch.equal(a, r1), f"{v} {name}: differs from v1 (max {(a.float() - r1.float()).abs().max():.3g})"
+            if i < 2:
+                _close(a, r1, 2e-2, f"bf16 {v} {name} vs v1")
+            elif v == "v8":
+                assert torch.equal(a, r1), f"bf16 {v} {name}: differs from v1"
             else:
-                _close(a, r1, 2e-2, f"{v} {name} vs v1")
-                _close(a, ref[i], 2e-2, f"{v} {name} vs reference")
-    assert sh.get_variant() == "v1"
+                _close(a, r1, 1e-5, f"bf16 {v} {name} vs v1")
+    assert sh.get_variant() == sh.DEFAULT_VARIANT == "v10"
 
 
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
 def test_variants_v8_v9_v10_launch_their_kernels(monkeypatch):
-    """The kernels each variant launches; the bmm writes CB in bf16 exactly when chunk_scan_cb16 reads it, and
-    chunk_scan refuses a CB of the other dtype."""
+    """The kernels each variant launches with bf16 inputs (fp32 inputs keep v1's chunk_scan and an fp32 CB); the
+    bmm writes CB in bf16 exactly when chunk_scan_cb16 reads it, and chunk_scan refuses a CB of the other dtype."""
     names = _record_kernels(monkeypatch)
-    args, kw = _v5_args("g1")
+    args, kw = _to16(*_v5_args("g1"))
     expect = {
         "v1": ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"],
         "v8": ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan_cb16"],
@@ -325,14 +343,18 @@ def test_variants_v8_v9_v10_launch_their_kernels(monkeypatch):
         names.clear()
         sh.ssd_forward_helion(*args, variant=v, **kw)
         assert names == want, (v, names)
-        assert sh.forward_cb_dtype(v) == (torch.bfloat16 if v in ("v8", "v10") else torch.float32)
+        assert sh.forward_cb_dtype(v, torch.bfloat16) == (torch.bfloat16 if v in ("v8", "v10") else torch.float32)
+        assert sh.forward_cb_dtype(v, torch.float32) == torch.float32
+    names.clear()
+    sh.ssd_forward_helion(*_v5_args("g1")[0], variant="v10", **_v5_args("g1")[1])  # fp32 inputs
+    assert names == ["ssd_chunk_cumsum_t", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"], names
     x, dt, A, B, C, c = args
     CB = sh.ssd_bmm_chunk_helion(C, B, c)
     CB16 = sh.ssd_bmm_chunk_helion(C, B, c, cb_dtype=torch.bfloat16)
     assert CB.dtype == torch.float32 and CB16.dtype == torch.bfloat16
     assert torch.equal(CB16, CB.to(torch.bfloat16))
     dA, dto = sh.ssd_chunk_cumsum_helion(dt, A, c, dt_bias=kw["dt_bias"], dt_softplus=True)
-    st = torch.zeros(x.shape[0], CB.shape[1], x.shape[2], x.shape[3], C.shape[3])
+    st = torch.zeros(x.shape[0], CB.shape[1], x.shape[2], x.shape[3], C.shape[3], dtype=x.dtype)
     with pytest.raises(ValueError, match="reads CB in torch.bfloat16"):
         sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, st, variant="v8")
     with pytest.raises(ValueError, match="reads CB in torch.float32"):
