@@ -59,6 +59,9 @@ def comparisons(md: dict, m) -> dict:
     sin, _ = m.state_passing(states.flatten(-2), dA[..., -1], chunk_size=c, out_dtype=C.dtype)
     sin = sin.unflatten(-1, (p, n))
     CB = m.bmm(C, B, c, output_dtype=torch.float32)
+    # the Helion forward's CB dtype (bf16 with the default variant v10, whose chunk_scan reads it in bf16)
+    cbh = sh.forward_cb_dtype(None, x.dtype)
+    CBh = CB.to(cbh)
 
     def m_state_and_passing():
         s = m.chunk_state(B, x, dto, dA, states_in_fp32=True)
@@ -76,9 +79,9 @@ def comparisons(md: dict, m) -> dict:
                                               lambda: sh.ssd_chunk_state_passing_helion(B, x, dto, dA),
                                               "_chunk_state_fwd + _state_passing_fwd"),
         "bmm_chunk": (lambda: m.bmm(C, B, c, output_dtype=torch.float32),
-                      lambda: sh.ssd_bmm_chunk_helion(C, B, c), "_bmm_chunk_fwd"),
+                      lambda: sh.ssd_bmm_chunk_helion(C, B, c, cb_dtype=cbh), "_bmm_chunk_fwd"),
         "chunk_scan": (lambda: m.chunk_scan(CB, x, dto, dA, C, sin, D=D, z=z),
-                       lambda: sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, sin, D=D, z=z), "_chunk_scan_fwd"),
+                       lambda: sh.ssd_chunk_scan_helion(CBh, x, dto, dA, C, sin, D=D, z=z), "_chunk_scan_fwd"),
         "ssd_forward (whole)": (lambda: m.combined_fwd(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True),
                                 lambda: sh.ssd_forward_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True),
                                 "_mamba_chunk_scan_combined_fwd (5 kernels)"),
