@@ -4,7 +4,7 @@
 signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward saves only zxbcdt,
 the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx) and, unlike mamba-ssm, the two
 small fp32 (b, h, l) tensors dA_cumsum and dt_out (``SAVE_CUMSUM``); the backward recomputes the conv and the
-forward pieces it needs (chunk_state+state_passing in fp32, C.B^T; the chunk cumsum too with
+forward pieces it needs (chunk_state+state_passing in x's dtype, ``BWD_STATES``; C.B^T in fp32; the chunk cumsum too with
 NANO_HELION_SAVE_CUMSUM=0, which the SSD forward variant "v5" computes inside chunk_state_passing) and runs
 the Helion backward of ``kernels/ssd_helion_bwd.py``.
 
@@ -38,6 +38,17 @@ from kernels.ssd_helion_bwd import ssd_backward_helion
 # zxbcdt it saves) for the backward, which then skips the chunk cumsum's recompute (one launch; mamba-ssm recomputes
 # it). The values are the same either way. NANO_HELION_SAVE_CUMSUM=0 recomputes it, as mamba-ssm does.
 SAVE_CUMSUM = os.environ.get("NANO_HELION_SAVE_CUMSUM", "1") != "0"
+
+# The dtype of the states the backward recomputes (chunk_state+state_passing): "input" (x's dtype, bf16 in training;
+# the default since session 8) or "fp32" (as mamba-ssm's backward, NANO_HELION_BWD_STATES=fp32). Of their readers only
+# the backward state passing's ddA sums (sum over p*n of dL * state, fp32 accumulate) see the difference: the dB/dC
+# kernels round the states to x's dtype before their GEMMs either way. bf16 halves the 268 MB (Nano shape, per layer)
+# the recompute writes and the two kernels read. Its accuracy at the Nano shape against the fp32 reference is the
+# GPU test tests/test_mamba_split_helion.py::test_bwd_states_dtype_nano_bf16.
+BWD_STATES_DTYPES = ("input", "fp32")
+BWD_STATES = os.environ.get("NANO_HELION_BWD_STATES", "input")
+if BWD_STATES not in BWD_STATES_DTYPES:
+    raise ValueError(f"NANO_HELION_BWD_STATES={BWD_STATES!r}: unknown (known: {', '.join(BWD_STATES_DTYPES)})")
 
 
 def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Tensor:
@@ -94,7 +105,8 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         C = C.reshape(b, l, ngroups, dstate)
         dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
             B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
-            initial_states=initial_states, seq_idx=seq_idx, state_dtype=torch.float32, variant=ctx.variant,
+            initial_states=initial_states, seq_idx=seq_idx,
+            state_dtype=torch.float32 if BWD_STATES == "fp32" else x.dtype, variant=ctx.variant,
             cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out))
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)

@@ -1147,7 +1147,12 @@ _SEEDS: dict[str, list[dict]] = {
         for bm, bn in ((64, 64), (64, 128), (32, 64), (64, 32), (32, 128))
         for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
     ],
-    "ssd_state_passing": [dict(block_sizes=[bs], num_warps=w) for bs in (128, 256, 512, 1024, 2048) for w in (2, 4, 8)],
+    "ssd_state_passing": [dict(block_sizes=[bs], num_warps=w) for bs in (128, 256, 512, 1024, 2048) for w in (2, 4, 8)] + [
+        # session 8: the chunk loop software-pipelined (the loads of states do not depend on the carried state) and
+        # states streamed through L2 once (eviction "first"); the loads are [dA_last, states]
+        dict(block_sizes=[bs], num_warps=w, range_num_stages=[0, st], load_eviction_policies=["", ev])
+        for bs in (1024, 2048, 512) for w in (4, 8) for st in (2, 3) for ev in ("first", "")
+    ],
     "ssd_chunk_state_passing": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((32, 64), (64, 64), (16, 64), (32, 32), (16, 128), (32, 128), (64, 128))

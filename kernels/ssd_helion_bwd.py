@@ -27,7 +27,7 @@ additionally asserts that the inputs ran through this atomics-free path. (mamba-
 deterministic mode instead falls back to its cheapest autotune config.)
 
 Input layouts (the same as ``kernels/ssd.py`` and mamba-ssm): x/dout/z/out_x (b, l, h, p),
-B/C (b, l, g, n), dt_out/dA_cumsum (b, h, nc, c) fp32, states_in (b, nc, h, p, n) fp32,
+B/C (b, l, g, n), dt_out/dA_cumsum (b, h, nc, c) fp32, states_in (b, nc, h, p, n) fp32 or x.dtype,
 CB (b, nc, g, c, c) fp32, seq_idx (b, l) int. ``seqlen % chunk_size != 0`` is handled by padding.
 """
 
@@ -102,20 +102,21 @@ def ssd_bwd_dz_dstates(
 @helion.kernel(static_shapes=True)
 def ssd_bwd_state_passing(
     dstates: torch.Tensor,  # (b, nc, h, s, blk) fp32 (p*n split into s blocks)
-    states_in: torch.Tensor,  # (b, nc, h, s, blk) fp32
+    states_in: torch.Tensor,  # (b, nc, h, s, blk) fp32 or x.dtype (the fused op's backward: BWD_STATES)
     dA_last: torch.Tensor,  # (b, h, nc) fp32
     keep: torch.Tensor,  # (b, nc) fp32: 0 where the carried state is reset at chunk c
     dfinal: torch.Tensor,  # (b, h, s, blk) fp32
+    dl_like: torch.Tensor,  # empty tensor of dL's dtype (x.dtype: every reader of dL rounds it to x.dtype first)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, nc, h, s, blk = dstates.shape
-    dL = torch.empty_like(dstates)
+    dL = torch.empty([b, nc, h, s, blk], dtype=dl_like.dtype, device=dstates.device)
     ddA_part = torch.empty([b, h, nc, s], dtype=torch.float32, device=dstates.device)
     dinit = torch.empty_like(dfinal)
     for ib, ih, isp in hl.grid([b, h, s]):
         gacc = dfinal[ib, ih, isp, :]
         for i in hl.grid(nc):
             j = nc - 1 - i
-            dL[ib, j, ih, isp, :] = gacc
+            dL[ib, j, ih, isp, :] = gacc.to(dL.dtype)
             scale = torch.exp(dA_last[ib, ih, j]) * keep[ib, j]
             ddA_part[ib, ih, j, isp] = torch.sum(gacc * states_in[ib, j, ih, isp, :], dim=0) * scale
             gacc = dstates[ib, j, ih, isp, :] + scale * gacc
@@ -131,7 +132,7 @@ def ssd_bwd_dx(
     CB: torch.Tensor,  # (b, nc, g, c, c) fp32, CB[t, s], zero across sequences
     dt: torch.Tensor,  # (b, h, nc, c) fp32
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
-    dL: torch.Tensor,  # (b, nc, h, p, n) fp32: gradient of the chunk's local state
+    dL: torch.Tensor,  # (b, nc, h, p, n) x.dtype: gradient of the chunk's local state
     last_keep: torch.Tensor,  # (b, nc, c) fp32: 1 where the token is in the chunk's last sequence
     Dw: torch.Tensor,  # (h, p) fp32 (zeros when there is no D)
     dx: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view)
@@ -192,7 +193,7 @@ def ssd_bwd_dbc(
     dt: torch.Tensor,  # (b, h, nc, c) fp32
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     states_in: torch.Tensor,  # (b, nc, h, p, n) fp32
-    dL: torch.Tensor,  # (b, nc, h, p, n) fp32
+    dL: torch.Tensor,  # (b, nc, h, p, n) x.dtype (read as x.dtype)
     same_seq: torch.Tensor,  # (b, nc, c, c) fp32: 1 where tokens t, s are in the same sequence
     prev_keep: torch.Tensor,  # (b, nc, c) fp32
     last_keep: torch.Tensor,  # (b, nc, c) fp32
@@ -526,7 +527,7 @@ def ssd_bwd_dx_v2(
     CB: torch.Tensor,  # (b, nc, g, c, c) fp32, CB[t, s], zero across sequences
     dt: torch.Tensor,  # (b, h, nc, c) fp32
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
-    dL: torch.Tensor,  # (b, nc, h, p, n) fp32: gradient of the chunk's local state
+    dL: torch.Tensor,  # (b, nc, h, p, n) x.dtype: gradient of the chunk's local state
     last_keep: torch.Tensor,  # (b, nc, c) fp32: 1 where the token is in the chunk's last sequence
     Dw: torch.Tensor,  # (h, p) fp32 (zeros when there is no D)
     dx: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view)
@@ -830,7 +831,7 @@ def ssd_backward_helion(
     dL, ddA_part, dinit = _call(
         "ssd_bwd_state_passing",
         (dstates.view(b, nc, h, ns, blk), states_in.view(b, nc, h, ns, blk), dA_last, m["keep"],
-         dfin.view(b, h, ns, blk)),
+         dfin.view(b, h, ns, blk), torch.empty(0, dtype=x.dtype, device=dev)),
         dict(dims, blk=blk))
     dL = dL.view(b, nc, h, p, n)
     ddA_chunk = ddA_part.sum(-1)
@@ -902,21 +903,24 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
     if name == "ssd_bwd_state_passing":
         blk = _state_split(p * n)
         ns = p * n // blk
-        return (r(b, nc, h, ns, blk, dtype=f32), r(b, nc, h, ns, blk, dtype=f32), dac[..., -1].contiguous(),
-                torch.ones(b, nc, device=device), r(b, h, ns, blk, dtype=f32)), dict(kd, blk=blk)
+        # dstates fp32; states_in and dL in x.dtype as the fused op's backward passes them (session 8)
+        return (r(b, nc, h, ns, blk, dtype=f32), r(b, nc, h, ns, blk), dac[..., -1].contiguous(),
+                torch.ones(b, nc, device=device), r(b, h, ns, blk, dtype=f32), torch.empty(0, dtype=bf, device=device)), \
+            dict(kd, blk=blk)
+    # states_in and dL (b, nc, h, p, n) in x.dtype, as the fused op's backward passes them since session 8
     if name == "ssd_bwd_dx":
-        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, g, c, c, dtype=f32), dt, dac, r(b, nc, h, p, n, dtype=f32),
+        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, g, c, c, dtype=f32), dt, dac, r(b, nc, h, p, n),
                 ones, r(h, p, dtype=f32), r(*xs)), kd
     if name == "ssd_bwd_dbc":
-        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n, dtype=f32),
-                r(b, nc, h, p, n, dtype=f32), torch.ones(b, nc, c, c, device=device), ones, ones, r(b, nc, c, g, n),
+        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n),
+                r(b, nc, h, p, n), torch.ones(b, nc, c, c, device=device), ones, ones, r(b, nc, c, g, n),
                 r(b, nc, c, g, n)), kd
     if name == "ssd_bwd_dc_dcb":
-        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n, dtype=f32),
+        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n),
                 torch.ones(b, nc, c, c, device=device), ones, r(b, nc, c, g, n)), kd
     if name == "ssd_bwd_db_v3":
         dcb = torch.tril(torch.randn(b, nc, g, c, c, device=device)).to(bf)
-        return (r(*xs), dcb, r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n, dtype=f32), ones, r(b, nc, c, g, n)), kd
+        return (r(*xs), dcb, r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n), ones, r(b, nc, c, g, n)), kd
     if name == "ssd_bwd_dt":
         q = lambda: r(b, h, nc, c, dtype=f32)  # noqa: E731
         return (q(), q(), q(), r(b, h, nc, dtype=f32), q(), dt, r(b, nc, c, h), r(h, dtype=f32),

@@ -799,8 +799,28 @@ def checked_outputs(fn: Callable, args: tuple, finalize=None, prepare=None):
     return out if finalize is None else finalize(out, args)
 
 
+TIMERS = ("events", "cudagraph")
+
+
+def timer_name() -> str:
+    """The tuner's timer: NANO_TUNE_TIMER, "events" (default; ``do_bench``: CUDA events around each call, L2 flushed
+    between calls, so a kernel shorter than its host launch is timed at the launch's pace) or "cudagraph"
+    (``do_bench_cudagraph``: calls replayed from a CUDA graph, i.e. device time; for few-microsecond kernels such as
+    the chunk cumsum, whose per-call time is the launch's)."""
+    name = os.environ.get("NANO_TUNE_TIMER", "events")
+    if name not in TIMERS:
+        raise ValueError(f"NANO_TUNE_TIMER={name!r}: unknown timer (known: {', '.join(TIMERS)})")
+    return name
+
+
 def time_fn(fn: Callable[[], Any], rep_ms: float = 100.0) -> float:
-    """Median milliseconds per call, measured on the GPU in-process."""
+    """Median milliseconds per call, measured on the GPU in-process (``timer_name()`` says how)."""
+    if timer_name() == "cudagraph":
+        from triton.testing import do_bench_cudagraph
+
+        fn()  # compiled and allocated outside the capture
+        torch.cuda.synchronize()
+        return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
     try:
         from triton.testing import do_bench
 

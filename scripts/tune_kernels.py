@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-min", type=float, default=8.0, help="total wall-clock budget in minutes")
     ap.add_argument("--budget-s", type=float, default=None, help="total budget in seconds (overrides --budget-min)")
     ap.add_argument("--rep-ms", type=float, default=40.0, help="timing window per candidate (ms)")
+    ap.add_argument("--timer", choices=tuning.TIMERS, default=None,
+                    help="how candidates are timed (NANO_TUNE_TIMER; default events): 'cudagraph' times device time "
+                    "from CUDA-graph replays, for kernels of a few microseconds whose per-call time is the launch's")
     ap.add_argument("--no-write", action="store_true", help="do not update kernels/configs/")
     ap.add_argument("--list", action="store_true", help="list tunable kernels and exit")
     ap.add_argument("--from-scratch", action="store_true",
@@ -53,6 +56,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.budget_s is not None:
         args.budget_min = args.budget_s / 60.0
+    if args.timer is not None:
+        os.environ["NANO_TUNE_TIMER"] = args.timer  # read by tuning.time_fn here and in the child processes
 
     registry = tuning.discover_tunable_kernels()
     if args.list:
@@ -92,6 +97,7 @@ def main(argv=None) -> int:
         "helion": _version("helion"),
         "triton": _version("triton"),
         "budget_min_total": args.budget_min,
+        "timer": tuning.timer_name(),
         "budget_s_per_kernel_shape": per_budget,
         "runs": [],
     }
@@ -144,7 +150,7 @@ def main(argv=None) -> int:
                         run["full_config_error"] = f"{type(e).__name__}: {e}"
                     run["written_config"] = tuning.config_to_dict(best)
                     path = tuning.record(name, case.dims, best, best_ms, {
-                        "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"],
+                        "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"], "timer": tuning.timer_name(),
                         "generic_default_ms": run["generic_default_ms"], "search_s": round(time.monotonic() - t0, 1),
                         "torch": torch.__version__, "helion": _version("helion"), "triton": _version("triton"),
                     })

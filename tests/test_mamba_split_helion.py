@@ -113,6 +113,49 @@ def test_saved_cumsum_gives_bitwise_equal_grads(monkeypatch):
     assert res[True][-1] == res[False][-1] + 2  # dA_cumsum and dt_out
 
 
+def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
+    """bf16 inputs: the backward's recomputed states in x's dtype (BWD_STATES "input", the default) change only what
+    the ddA sums feed (dt's slice of dzxbcdt, dA, ddt_bias), which stay within bf16 rounding of the fp32-states run;
+    the output and every other gradient are bitwise those of BWD_STATES="fp32" (their kernels read the states and dL
+    rounded to bf16 either way). Odd seqlen, seq_idx, initial states."""
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    res, seen = {}, []
+    pieces = msh.ssd_chunk_pieces_helion
+
+    def spy(*a, **kw):
+        seen.append(kw["state_dtype"])
+        return pieces(*a, **kw)
+
+    monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy)
+    for mode in ("input", "fp32"):
+        monkeypatch.setattr(msh, "BWD_STATES", mode)
+        t = _case(b, l, h, p, g, n, seed=4, dtype=torch.bfloat16)
+        t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
+        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(6))
+        ins = list(t.values()) + [t0]
+        for v in ins:
+            v.requires_grad_(True)
+        si = torch.zeros(b, l, dtype=torch.int32)
+        si[:, 21:] = 1
+        o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
+                                                        headdim=p, ngroups=g)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(o.dtype)
+        res[mode] = dict(zip(["out"] + list(t) + ["init"], [o, *torch.autograd.grad((o.float() * do.float()).sum(), ins)]))
+    a, f = res["input"], res["fp32"]
+    W = a["zxbcdt"].shape[-1]
+    for k in a:
+        if k in ("zxbcdt", "A", "dt_bias", "init"):
+            continue
+        assert torch.equal(a[k], f[k]), f"{k} differs between bf16 and fp32 backward states"
+    # dz and dxBC columns of d_zxbcdt are equal too; only the dt columns (the last h) see the ddA sums
+    assert torch.equal(a["zxbcdt"][..., : W - h], f["zxbcdt"][..., : W - h])
+    for k, sl in (("zxbcdt", (..., slice(W - h, W))), ("A", ...), ("dt_bias", ...)):
+        x, y = a[k][sl].float(), f[k][sl].float()
+        rel = ((x - y).norm() / y.norm()).item()
+        assert rel < 2e-2, f"{k}: rel. difference {rel:.3e} between bf16 and fp32 backward states"
+    assert seen == [torch.bfloat16, torch.float32], seen  # the backward's recompute (the forward has its own path)
+
+
 def test_saves_only_small_tensors():
     t = _case(1, 32, 4, 8, 2, 16)
     for v in t.values():
@@ -164,6 +207,37 @@ def test_vs_mamba_ssm_nano_shape_bf16():
         e_m = ((m - r).norm() / r.norm()).item()
         e_h = ((hh - r).norm() / r.norm()).item()
         assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bwd_states_dtype_nano_bf16(monkeypatch):
+    """Nano shape, bf16: the backward's recomputed states in bf16 (BWD_STATES "input", the default) against fp32
+    (mamba-ssm's choice): the relative L2 error against the fp32 torch reference of every gradient, and of the dt
+    columns of d_zxbcdt (where the ddA sums end up), may grow by at most 10% + 1e-4 (printed for the results README)."""
+    b, l, h, p, g, n, c = 2, 8192, 64, 64, 8, 128, 128
+    t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16)
+    t["conv1d_weight"] = t["conv1d_weight"].bfloat16()
+    t["conv1d_bias"] = t["conv1d_bias"].bfloat16()
+    kw = dict(chunk_size=c, headdim=p, ngroups=g)
+
+    def run(fn, cast):
+        leaves = {k: (v.float() if cast else v).detach().requires_grad_(True) for k, v in t.items()}
+        out = fn(*leaves.values(), **kw)
+        do = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(out.dtype)
+        res = [out.float()] + [x.float() for x in torch.autograd.grad((out.float() * do.float()).sum(), list(leaves.values()))]
+        return res + [res[1][..., -h:]]  # + the ddt columns
+
+    names = ["out"] + list(t) + ["ddt columns"]
+    ref = run(mamba_split_conv1d_scan_combined_ref, True)
+    errs = {}
+    for mode in ("fp32", "input"):
+        monkeypatch.setattr(msh, "BWD_STATES", mode)
+        errs[mode] = [((hh - r).norm() / r.norm()).item() for hh, r in zip(run(msh.mamba_split_conv1d_scan_combined_helion, False), ref)]
+    for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
+        print(f"bwd states rel. L2 error vs fp32 reference: {nm}: fp32 states {ef:.4e}, bf16 states {eb:.4e}")
+    for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
+        assert eb <= 1.1 * ef + 1e-4, f"{nm}: bf16 backward states {eb:.3e} vs fp32 states {ef:.3e}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode op count (CPU)")

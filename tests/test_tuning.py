@@ -522,3 +522,15 @@ def test_kernel_variants_select_refuse_and_restore():
         assert v.get() == "v1"
     with pytest.raises(ValueError):
         tuning.KernelVariants("demo", {"v1": ("a", None, None)}, default="v2")
+
+
+def test_timer_name_from_env(monkeypatch):
+    from kernels import tuning as tu
+
+    monkeypatch.delenv("NANO_TUNE_TIMER", raising=False)
+    assert tu.timer_name() == "events"
+    monkeypatch.setenv("NANO_TUNE_TIMER", "cudagraph")
+    assert tu.timer_name() == "cudagraph"
+    monkeypatch.setenv("NANO_TUNE_TIMER", "wallclock")
+    with pytest.raises(ValueError, match="unknown timer"):
+        tu.timer_name()
