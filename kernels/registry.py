@@ -44,6 +44,10 @@ class KernelBackend:
     mamba_chunk_scan_combined: Callable
     RMSNormGated: type
     description: str = ""
+    # the fused op takes zxbcdt in any layout whose last dim has unit stride (e.g. a (b, l, d) view of Megatron's
+    # (l, b, d) in_proj output) and allocates its gradient with the same strides: the mixer then skips the
+    # (l, b, d) -> (b, l, d) copy and its backward twin (338 MB each per layer at the Nano shape)
+    strided_zxbcdt: bool = False
 
 
 def _torch_backend() -> KernelBackend:
@@ -109,6 +113,11 @@ _HELION_PARTS = {
 }
 
 
+# NANO_HELION_ZXBCDT_IN_PLACE=0 makes the Mamba mixer copy zxbcdt to (b, l, d) for the helion backend too, as megatron
+# does for mamba-ssm (for A/B measurements of the copy)
+ZXBCDT_IN_PLACE = os.environ.get("NANO_HELION_ZXBCDT_IN_PLACE", "1") != "0"
+
+
 def _helion_backend() -> KernelBackend:
     import torch
 
@@ -136,7 +145,8 @@ def _helion_backend() -> KernelBackend:
             raise BackendUnavailableError(f"kernel backend 'helion': {e}") from None
     if missing:
         raise BackendUnavailableError("kernel backend 'helion' is incomplete: missing " + "; ".join(missing))
-    return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs", **parts)
+    return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs", strided_zxbcdt=ZXBCDT_IN_PLACE,
+                         **parts)
 
 
 def _cpu_mm_dtype_available() -> bool:

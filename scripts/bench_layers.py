@@ -4,6 +4,7 @@
 
     python scripts/bench_layers.py                                     # mamba_ssm on GPU, mbs 2, seq 8192, bf16
     python scripts/bench_layers.py --backends mamba_ssm,helion         # + Mamba layer A/B and projected 52-layer ratio
+    python scripts/bench_layers.py --backends mamba_ssm,helion,helion:zxbcdt_copy   # + helion with megatron's zxbcdt copy
     python scripts/bench_layers.py --backends torch --micro-batch 1 --seq 128 model=tiny   # CPU smoke size
 
 Everything after the --flags is a Hydra override (default model=nano30b). The layers are built with
@@ -33,6 +34,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
 KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
+
+
+def _backend(spec: str):
+    """A --backends entry: a backend name, or "helion:zxbcdt_copy" (the helion backend with the mixer's zxbcdt copy
+    that megatron makes for mamba-ssm, to measure what skipping it gains)."""
+    import dataclasses
+
+    from kernels.registry import get_backend
+
+    name, _, opt = spec.partition(":")
+    be = get_backend(name)
+    if opt == "zxbcdt_copy":
+        return dataclasses.replace(be, strided_zxbcdt=False)
+    if opt:
+        raise SystemExit(f"--backends: unknown option {opt!r} in {spec!r} (known: zxbcdt_copy)")
+    return be
 
 
 def parse_args(argv=None):
@@ -100,9 +117,9 @@ def run(a) -> dict:
     bench_pattern = "".join(k for k in ("M", "*", "E", "-") if k in counts)
     with open_dict(cfg):
         cfg.model.hybrid_override_pattern = bench_pattern
-        cfg.kernels.backend = a.backend_list[0]
+        cfg.kernels.backend = a.backend_list[0].partition(":")[0]
         cfg.model.seq_length = max(int(cfg.model.seq_length), a.seq)
-    backends = {b: get_backend(b) for b in a.backend_list}  # fail early, one clear message
+    backends = {b: _backend(b) for b in a.backend_list}  # fail early, one clear message
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if cuda else "fp32")]
@@ -243,7 +260,7 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    return bl.bench_main(argv, parse_args, run, lambda res, a: f"layers_{res['model']}_{'_vs_'.join(a.backend_list)}",
+    return bl.bench_main(argv, parse_args, run, lambda res, a: f"layers_{res['model']}_{'_vs_'.join(a.backend_list).replace(':', '-')}",
                          markdown)
 
 

@@ -612,3 +612,13 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
     args.no_write, args.from_scratch = False, True
     (c,) = tk.child_commands(args, ["rmsnorm_fwd"], ["nano"], per_budget=5.0)
     assert "--no-write" not in c and "--from-scratch" in c and float(c[c.index("--budget-s") + 1]) == 10.0
+
+
+def test_bench_layers_backend_options():
+    import dataclasses
+
+    be = blay._backend("torch:zxbcdt_copy")
+    assert be.name == "torch" and be.strided_zxbcdt is False
+    assert dataclasses.replace(blay._backend("torch"), strided_zxbcdt=True).strided_zxbcdt
+    with pytest.raises(SystemExit, match="unknown option"):
+        blay._backend("torch:bogus")

@@ -156,6 +156,30 @@ def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
     assert seen == [torch.bfloat16, torch.float32], seen  # the backward's recompute (the forward has its own path)
 
 
+def test_zxbcdt_transposed_view_in_place():
+    """zxbcdt as Megatron's mixer hands it to a backend with ``strided_zxbcdt`` (a (b, l, d) view of the (l, b, d)
+    in_proj output, no copy): outputs and every gradient are bitwise those of the contiguous input, and d_zxbcdt
+    comes back in the input's (l, b, d) layout (so in_proj's backward needs no copy either)."""
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    res = {}
+    for layout in ("contiguous", "lbd"):
+        t = _case(b, l, h, p, g, n, seed=7)
+        zx = t["zxbcdt"]
+        if layout == "lbd":
+            zx = zx.transpose(0, 1).contiguous().transpose(0, 1)  # same values, (l, b, d) memory order
+        t["zxbcdt"] = zx.detach().requires_grad_(True)
+        for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"):
+            t[k].requires_grad_(True)
+        o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, headdim=p, ngroups=g)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2))
+        grads = torch.autograd.grad((o * do).sum(), list(t.values()))
+        res[layout] = (o, *grads)
+        if layout == "lbd":
+            assert grads[0].stride() == zx.stride(), (grads[0].stride(), zx.stride())
+    for i, (x, y) in enumerate(zip(res["contiguous"], res["lbd"])):
+        assert torch.equal(x, y), f"output {i} differs for the (l, b, d)-ordered zxbcdt"
+
+
 def test_saves_only_small_tensors():
     t = _case(1, 32, 4, 8, 2, 16)
     for v in t.values():
@@ -238,6 +262,29 @@ def test_bwd_states_dtype_nano_bf16(monkeypatch):
         print(f"bwd states rel. L2 error vs fp32 reference: {nm}: fp32 states {ef:.4e}, bf16 states {eb:.4e}")
     for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
         assert eb <= 1.1 * ef + 1e-4, f"{nm}: bf16 backward states {eb:.3e} vs fp32 states {ef:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_zxbcdt_transposed_view_nano_bf16():
+    """Nano shape, bf16, on the GPU: zxbcdt as the (b, l, d) view of an (l, b, d) tensor (what the mixer passes the
+    helion backend) gives outputs and gradients bitwise equal to the contiguous input's, d_zxbcdt in (l, b, d) order."""
+    b, l, h, p, g, n, c = 2, 8192, 64, 64, 8, 128, 128
+    t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16)
+    t["conv1d_weight"] = t["conv1d_weight"].bfloat16()
+    t["conv1d_bias"] = t["conv1d_bias"].bfloat16()
+    do = torch.randn(b, l, h * p, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
+    res = {}
+    for layout in ("contiguous", "lbd"):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in t.items()}
+        if layout == "lbd":
+            leaves["zxbcdt"] = t["zxbcdt"].transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(True)
+        out = msh.mamba_split_conv1d_scan_combined_helion(*leaves.values(), chunk_size=c, headdim=p, ngroups=g)
+        out.backward(do)
+        res[layout] = [out.detach()] + [v.grad for v in leaves.values()]
+    assert res["lbd"][1].transpose(0, 1).is_contiguous()
+    for nm, x, y in zip(["out"] + list(t), res["contiguous"], res["lbd"]):
+        assert torch.equal(x, y), f"{nm}: differs for the (l, b, d)-ordered zxbcdt (max {(x.float() - y.float()).abs().max():.3e})"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode op count (CPU)")

@@ -207,3 +207,31 @@ def test_megatron_ddp_and_distributed_optimizer_train_tiny_on_cpu(mp):
         assert ok and grad_norm > 0
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_mixer_copies_zxbcdt_only_for_backends_that_need_it(mp, strided):
+    """The mixer hands zxbcdt to a ``strided_zxbcdt`` backend (helion) as the (b, l, d) view of in_proj's (l, b, d)
+    output, and a contiguous copy to the others (mamba-ssm, torch); the result does not depend on it."""
+    import dataclasses
+
+    cfg = compose(["model=tiny", "kernels.backend=torch"])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    mixer = next(m for m in model.modules() if isinstance(m, BackendMambaMixer))
+    x = torch.randn(96, 2, cfg.model.hidden_size)
+    y_ref, _ = mixer(x)
+    seen = []
+    base = mixer.kernel_backend
+
+    def op(zxbcdt, *a, **kw):
+        seen.append(zxbcdt.is_contiguous())
+        return base.mamba_split_conv1d_scan_combined(zxbcdt, *a, **kw)
+
+    mixer.kernel_backend = dataclasses.replace(base, mamba_split_conv1d_scan_combined=op, strided_zxbcdt=strided)
+    try:
+        y, _ = mixer(x)
+    finally:
+        mixer.kernel_backend = base
+    assert seen == [not strided]
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)

@@ -89,8 +89,12 @@ class BackendMambaMixer(MambaMixer):
     def _ssm_training(
         self, zxBCdt: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None
     ) -> torch.Tensor:
-        # (l, b, d) -> (b, l, d), as the fused op expects
-        zxBCdt = rearrange(zxBCdt, "l b d -> b l d").contiguous()
+        # (l, b, d) -> (b, l, d), as the fused op expects: a copy (as megatron does) unless the backend's op reads the
+        # transposed view in place and returns its gradient in the same (l, b, d) layout, which in_proj's backward
+        # then takes without a copy either
+        zxBCdt = rearrange(zxBCdt, "l b d -> b l d")
+        if not self.kernel_backend.strided_zxbcdt:
+            zxBCdt = zxBCdt.contiguous()
         A = -torch.exp(self.cp.get_A_log().float())
 
         seq_idx = None
