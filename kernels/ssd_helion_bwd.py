@@ -72,13 +72,14 @@ def ssd_bwd_dz_dstates(
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     prev_keep: torch.Tensor,  # (b, nc, c) fp32: 1 where the token continues the sequence carried in
     dz: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view, e.g. of dzxbcdt)
+    dstates_like: torch.Tensor,  # empty tensor of dstates' dtype (fp32, or x.dtype with BWD_DSTATES="input")
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, nc, c, h, p = dout.shape
     g = C.shape[3]
     n = C.shape[4]
     hpg = h // g
     dout_x = torch.empty_like(dout)
-    dstates = torch.empty([b, nc, h, p, n], dtype=torch.float32, device=dout.device)
+    dstates = torch.empty([b, nc, h, p, n], dtype=dstates_like.dtype, device=dout.device)
     bk = hl.register_block_size(16, 128)
     for ib, ic, ih in hl.grid([b, nc, h]):
         ig = ih // hpg
@@ -95,13 +96,13 @@ def ssd_bwd_dz_dstates(
             scale = torch.exp(dA_cumsum[ib, ih, ic, tt]) * prev_keep[ib, ic, tt]
             cs = (C[ib, ic, tt, ig, :].to(torch.float32) * scale[:, None]).to(C.dtype)
             acc = hl.dot(dox_c.T, cs, acc=acc)
-        dstates[ib, ic, ih, :, :] = acc
+        dstates[ib, ic, ih, :, :] = acc.to(dstates.dtype)
     return dout_x, dstates
 
 
 @helion.kernel(static_shapes=True)
 def ssd_bwd_state_passing(
-    dstates: torch.Tensor,  # (b, nc, h, s, blk) fp32 (p*n split into s blocks)
+    dstates: torch.Tensor,  # (b, nc, h, s, blk) fp32 or x.dtype (BWD_DSTATES; p*n split into s blocks)
     states_in: torch.Tensor,  # (b, nc, h, s, blk) fp32 or x.dtype (the fused op's backward: BWD_STATES)
     dA_last: torch.Tensor,  # (b, h, nc) fp32
     keep: torch.Tensor,  # (b, nc) fp32: 0 where the carried state is reset at chunk c
@@ -599,13 +600,14 @@ def ssd_bwd_dz_dstates_v2(
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     prev_keep: torch.Tensor,  # (b, nc, c) fp32
     dz: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view)
+    dstates_like: torch.Tensor,  # empty tensor of dstates' dtype (fp32, or x.dtype with BWD_DSTATES="input")
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, nc, c, h, p = dout.shape
     g = C.shape[3]
     n = C.shape[4]
     hpg = h // g
     dout_x = torch.empty_like(dout)
-    dstates = torch.empty([b, nc, h, p, n], dtype=torch.float32, device=dout.device)
+    dstates = torch.empty([b, nc, h, p, n], dtype=dstates_like.dtype, device=dout.device)
     bk = hl.register_block_size(16, 128)
     for ib, ic, ih in hl.grid([b, nc, h]):
         ig = ih // hpg
@@ -621,7 +623,7 @@ def ssd_bwd_dz_dstates_v2(
             scale = torch.exp2(dA_cumsum[ib, ih, ic, tt] * _LOG2E) * prev_keep[ib, ic, tt]
             doxs = (dox * scale[:, None]).to(dout.dtype)
             acc = hl.dot(doxs.T, C[ib, ic, tt, ig, :], acc=acc)
-        dstates[ib, ic, ih, :, :] = acc
+        dstates[ib, ic, ih, :, :] = acc.to(dstates.dtype)
     return dout_x, dstates
 
 
@@ -664,6 +666,13 @@ VARIANTS = {
 }
 # NANO_HELION_SSD_BWD_VARIANT picks the module default for whole processes (benchmarks, training runs);
 # an unknown name fails at import with the known names.
+# dstates (b, nc, h, p, n), the per-chunk state gradients dz_dstates writes and the backward state passing reads once
+# (268 MB per layer in fp32 at the Nano shape): "fp32" (as mamba-ssm) or "input" (x's dtype, half the bytes; each
+# chunk's term is rounded before the fp32 running sum). NANO_HELION_BWD_DSTATES picks it for whole processes.
+BWD_DSTATES_DTYPES = ("fp32", "input")
+BWD_DSTATES = os.environ.get("NANO_HELION_BWD_DSTATES", "fp32")
+if BWD_DSTATES not in BWD_DSTATES_DTYPES:
+    raise ValueError(f"NANO_HELION_BWD_DSTATES={BWD_DSTATES!r}: unknown (known: {', '.join(BWD_DSTATES_DTYPES)})")
 DEFAULT_VARIANT = "v7"
 _VARIANT = os.environ.get("NANO_HELION_SSD_BWD_VARIANT", DEFAULT_VARIANT)
 if _VARIANT not in VARIANTS:
@@ -821,7 +830,9 @@ def ssd_backward_helion(
                            device=dev)
 
     dzc = buf("dz", zc)
-    doxc, dstates = _call(vmap.get("ssd_bwd_dz_dstates", "ssd_bwd_dz_dstates"), (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"], dzc), dims)
+    ds_like = torch.empty(0, dtype=x.dtype if BWD_DSTATES == "input" else torch.float32, device=dev)
+    doxc, dstates = _call(vmap.get("ssd_bwd_dz_dstates", "ssd_bwd_dz_dstates"),
+                          (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"], dzc, ds_like), dims)
 
     blk = _state_split(p * n)
     ns = p * n // blk
@@ -899,7 +910,7 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
     kd = dict(b=b, l=nc * c, h=h, p=p, g=g, n=n, c=c)
     xs = (b, nc, c, h, p)
     if name == "ssd_bwd_dz_dstates":
-        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, ones, r(*xs)), kd
+        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, ones, r(*xs), torch.empty(0, dtype=f32, device=device)), kd
     if name == "ssd_bwd_state_passing":
         blk = _state_split(p * n)
         ns = p * n // blk

@@ -156,6 +156,48 @@ def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
     assert seen == [torch.bfloat16, torch.float32], seen  # the backward's recompute (the forward has its own path)
 
 
+def test_bwd_dstates_dtype(monkeypatch):
+    """bf16 inputs: dstates in x's dtype (ssd_helion_bwd.BWD_DSTATES "input") changes neither the output nor dz (neither
+    reads it) and keeps the other gradients within bf16 rounding of the fp32-dstates run; the dz_dstates kernel
+    writes dstates in the chosen dtype. Odd seqlen, seq_idx, initial states."""
+    from kernels import ssd_helion_bwd as bwd
+
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    res, seen = {}, []
+    call = bwd._call
+
+    def spy(name, args, dims):
+        out = call(name, args, dims)
+        if name.startswith("ssd_bwd_dz_dstates"):
+            seen.append(out[1].dtype)
+        return out
+
+    monkeypatch.setattr(bwd, "_call", spy)
+    for mode in ("input", "fp32"):
+        monkeypatch.setattr(bwd, "BWD_DSTATES", mode)
+        t = _case(b, l, h, p, g, n, seed=4, dtype=torch.bfloat16)
+        t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
+        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(6))
+        ins = list(t.values()) + [t0]
+        for v in ins:
+            v.requires_grad_(True)
+        si = torch.zeros(b, l, dtype=torch.int32)
+        si[:, 21:] = 1
+        o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
+                                                        headdim=p, ngroups=g)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(o.dtype)
+        res[mode] = dict(zip(["out"] + list(t) + ["init"], [o, *torch.autograd.grad((o.float() * do.float()).sum(), ins)]))
+    assert seen == [torch.bfloat16, torch.float32], seen
+    a, f = res["input"], res["fp32"]
+    dim = h * p
+    assert torch.equal(a["out"], f["out"])
+    assert torch.equal(a["zxbcdt"][..., :dim], f["zxbcdt"][..., :dim])  # dz
+    for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "init"):
+        x, y = a[k].float(), f[k].float()
+        rel = ((x - y).norm() / y.norm()).item()
+        assert rel < 2e-2, f"{k}: rel. difference {rel:.3e} between bf16 and fp32 dstates"
+
+
 def test_zxbcdt_transposed_view_in_place():
     """zxbcdt as Megatron's mixer hands it to a backend with ``strided_zxbcdt`` (a (b, l, d) view of the (l, b, d)
     in_proj output, no copy): outputs and every gradient are bitwise those of the contiguous input, and d_zxbcdt
@@ -236,9 +278,10 @@ def test_vs_mamba_ssm_nano_shape_bf16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bwd_states_dtype_nano_bf16(monkeypatch):
-    """Nano shape, bf16: the backward's recomputed states in bf16 (BWD_STATES "input", the default) against fp32
-    (mamba-ssm's choice): the relative L2 error against the fp32 torch reference of every gradient, and of the dt
-    columns of d_zxbcdt (where the ddA sums end up), may grow by at most 10% + 1e-4 (printed for the results README)."""
+    """Nano shape, bf16: the backward's recomputed states in bf16 (BWD_STATES "input", the default), and also its
+    dstates in bf16 (ssd_helion_bwd.BWD_DSTATES "input"), against fp32 for both (mamba-ssm's choice): the relative L2
+    error against the fp32 torch reference of every gradient, and of the dt columns of d_zxbcdt (where the ddA sums
+    end up), may grow by at most 10% + 1e-4 (printed for the results README)."""
     b, l, h, p, g, n, c = 2, 8192, 64, 64, 8, 128, 128
     t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16)
     t["conv1d_weight"] = t["conv1d_weight"].bfloat16()
@@ -254,14 +297,19 @@ def test_bwd_states_dtype_nano_bf16(monkeypatch):
 
     names = ["out"] + list(t) + ["ddt columns"]
     ref = run(mamba_split_conv1d_scan_combined_ref, True)
+    from kernels import ssd_helion_bwd as bwd
+
     errs = {}
-    for mode in ("fp32", "input"):
-        monkeypatch.setattr(msh, "BWD_STATES", mode)
+    for mode, states, dstates in (("fp32", "fp32", "fp32"), ("states", "input", "fp32"), ("states+dstates", "input", "input")):
+        monkeypatch.setattr(msh, "BWD_STATES", states)
+        monkeypatch.setattr(bwd, "BWD_DSTATES", dstates)
         errs[mode] = [((hh - r).norm() / r.norm()).item() for hh, r in zip(run(msh.mamba_split_conv1d_scan_combined_helion, False), ref)]
-    for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
-        print(f"bwd states rel. L2 error vs fp32 reference: {nm}: fp32 states {ef:.4e}, bf16 states {eb:.4e}")
-    for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
-        assert eb <= 1.1 * ef + 1e-4, f"{nm}: bf16 backward states {eb:.3e} vs fp32 states {ef:.3e}"
+    for i, nm in enumerate(names):
+        print(f"bwd states rel. L2 error vs fp32 reference: {nm}: fp32 {errs['fp32'][i]:.4e}, bf16 states "
+              f"{errs['states'][i]:.4e}, bf16 states + dstates {errs['states+dstates'][i]:.4e}")
+    for mode in ("states", "states+dstates"):
+        for nm, ef, eb in zip(names, errs["fp32"], errs[mode]):
+            assert eb <= 1.1 * ef + 1e-4, f"{nm}: bf16 backward {mode} {eb:.3e} vs fp32 {ef:.3e}"
 
 
 @pytest.mark.gpu
