@@ -667,10 +667,13 @@ VARIANTS = {
 # NANO_HELION_SSD_BWD_VARIANT picks the module default for whole processes (benchmarks, training runs);
 # an unknown name fails at import with the known names.
 # dstates (b, nc, h, p, n), the per-chunk state gradients dz_dstates writes and the backward state passing reads once
-# (268 MB per layer in fp32 at the Nano shape): "fp32" (as mamba-ssm) or "input" (x's dtype, half the bytes; each
-# chunk's term is rounded before the fp32 running sum). NANO_HELION_BWD_DSTATES picks it for whole processes.
+# (268 MB per layer in fp32 at the Nano shape): "input" (x's dtype, half the bytes; each chunk's term is rounded
+# before the fp32 running sum; the default since session 8) or "fp32" (as mamba-ssm). NANO_HELION_BWD_DSTATES picks
+# it for whole processes. H200, Nano shape, bf16 (session 8 call 4): every gradient's relative L2 error against the
+# fp32 reference is the same to 4 digits either way (tests/test_mamba_split_helion.py::test_bwd_states_dtype_nano_bf16);
+# dz_dstates 283.4 us (1.24x mamba-ssm's two kernels; fp32: 328.3, 1.08x) and the state passing 122.5 us (1.58x; 142.4).
 BWD_DSTATES_DTYPES = ("fp32", "input")
-BWD_DSTATES = os.environ.get("NANO_HELION_BWD_DSTATES", "fp32")
+BWD_DSTATES = os.environ.get("NANO_HELION_BWD_DSTATES", "input")
 if BWD_DSTATES not in BWD_DSTATES_DTYPES:
     raise ValueError(f"NANO_HELION_BWD_DSTATES={BWD_DSTATES!r}: unknown (known: {', '.join(BWD_DSTATES_DTYPES)})")
 DEFAULT_VARIANT = "v7"
