@@ -913,12 +913,12 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
     kd = dict(b=b, l=nc * c, h=h, p=p, g=g, n=n, c=c)
     xs = (b, nc, c, h, p)
     if name == "ssd_bwd_dz_dstates":
-        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, ones, r(*xs), torch.empty(0, dtype=f32, device=device)), kd
+        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, ones, r(*xs), torch.empty(0, dtype=bf, device=device)), kd
     if name == "ssd_bwd_state_passing":
         blk = _state_split(p * n)
         ns = p * n // blk
-        # dstates fp32; states_in and dL in x.dtype as the fused op's backward passes them (session 8)
-        return (r(b, nc, h, ns, blk, dtype=f32), r(b, nc, h, ns, blk), dac[..., -1].contiguous(),
+        # dstates, states_in and dL in x.dtype as the fused op's backward passes them by default (session 8)
+        return (r(b, nc, h, ns, blk), r(b, nc, h, ns, blk), dac[..., -1].contiguous(),
                 torch.ones(b, nc, device=device), r(b, h, ns, blk, dtype=f32), torch.empty(0, dtype=bf, device=device)), \
             dict(kd, blk=blk)
     # states_in and dL (b, nc, h, p, n) in x.dtype, as the fused op's backward passes them since session 8
