@@ -113,6 +113,23 @@ def test_saved_cumsum_gives_bitwise_equal_grads(monkeypatch):
     assert res[True][-1] == res[False][-1] + 2  # dA_cumsum and dt_out
 
 
+def _bf16_seq_case_grads(b, l, h, p, g, n, c) -> dict:
+    """The fused op in bf16 with seq_idx (two sequences) and initial states: {"out", each input name, "init"} ->
+    the output and the gradients of a fixed random projection of it."""
+    t = _case(b, l, h, p, g, n, seed=4, dtype=torch.bfloat16)
+    t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
+    t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(6))
+    ins = list(t.values()) + [t0]
+    for v in ins:
+        v.requires_grad_(True)
+    si = torch.zeros(b, l, dtype=torch.int32)
+    si[:, 21:] = 1
+    o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
+                                                    headdim=p, ngroups=g)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(o.dtype)
+    return dict(zip(["out"] + list(t) + ["init"], [o, *torch.autograd.grad((o.float() * do.float()).sum(), ins)]))
+
+
 def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
     """bf16 inputs: the backward's recomputed states in x's dtype (BWD_STATES "input", the default) change only what
     the ddA sums feed (dt's slice of dzxbcdt, dA, ddt_bias), which stay within bf16 rounding of the fp32-states run;
@@ -129,18 +146,7 @@ def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
     monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy)
     for mode in ("input", "fp32"):
         monkeypatch.setattr(msh, "BWD_STATES", mode)
-        t = _case(b, l, h, p, g, n, seed=4, dtype=torch.bfloat16)
-        t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
-        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(6))
-        ins = list(t.values()) + [t0]
-        for v in ins:
-            v.requires_grad_(True)
-        si = torch.zeros(b, l, dtype=torch.int32)
-        si[:, 21:] = 1
-        o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
-                                                        headdim=p, ngroups=g)
-        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(o.dtype)
-        res[mode] = dict(zip(["out"] + list(t) + ["init"], [o, *torch.autograd.grad((o.float() * do.float()).sum(), ins)]))
+        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c)
     a, f = res["input"], res["fp32"]
     W = a["zxbcdt"].shape[-1]
     for k in a:
@@ -175,18 +181,7 @@ def test_bwd_dstates_dtype(monkeypatch):
     monkeypatch.setattr(bwd, "_call", spy)
     for mode in ("input", "fp32"):
         monkeypatch.setattr(bwd, "BWD_DSTATES", mode)
-        t = _case(b, l, h, p, g, n, seed=4, dtype=torch.bfloat16)
-        t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
-        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(6))
-        ins = list(t.values()) + [t0]
-        for v in ins:
-            v.requires_grad_(True)
-        si = torch.zeros(b, l, dtype=torch.int32)
-        si[:, 21:] = 1
-        o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
-                                                        headdim=p, ngroups=g)
-        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(o.dtype)
-        res[mode] = dict(zip(["out"] + list(t) + ["init"], [o, *torch.autograd.grad((o.float() * do.float()).sum(), ins)]))
+        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c)
     assert seen == [torch.bfloat16, torch.float32], seen
     a, f = res["input"], res["fp32"]
     dim = h * p
