@@ -196,7 +196,8 @@ def test_bwd_dstates_dtype(monkeypatch):
 def test_zxbcdt_transposed_view_in_place():
     """zxbcdt as Megatron's mixer hands it to a backend with ``strided_zxbcdt`` (a (b, l, d) view of the (l, b, d)
     in_proj output, no copy): outputs and every gradient are bitwise those of the contiguous input, and d_zxbcdt
-    comes back in the input's (l, b, d) layout (so in_proj's backward needs no copy either)."""
+    comes back in the input's (l, b, d) layout (so in_proj's backward needs no copy either). Odd seqlen, seq_idx,
+    initial states."""
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
     res = {}
     for layout in ("contiguous", "lbd"):
@@ -207,9 +208,13 @@ def test_zxbcdt_transposed_view_in_place():
         t["zxbcdt"] = zx.detach().requires_grad_(True)
         for k in ("conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"):
             t[k].requires_grad_(True)
-        o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, headdim=p, ngroups=g)
+        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+        si = torch.zeros(b, l, dtype=torch.int32)
+        si[:, 19:] = 1
+        o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
+                                                        headdim=p, ngroups=g)
         do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2))
-        grads = torch.autograd.grad((o * do).sum(), list(t.values()))
+        grads = torch.autograd.grad((o * do).sum(), list(t.values()) + [t0])
         res[layout] = (o, *grads)
         if layout == "lbd":
             assert grads[0].stride() == zx.stride(), (grads[0].stride(), zx.stride())
