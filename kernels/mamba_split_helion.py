@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from kernels import ssd_helion
+from kernels import ssd_helion, tuning
 from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
 from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
@@ -46,9 +46,7 @@ SAVE_CUMSUM = os.environ.get("NANO_HELION_SAVE_CUMSUM", "1") != "0"
 # the recompute writes and the two kernels read. Its accuracy at the Nano shape against the fp32 reference is the
 # GPU test tests/test_mamba_split_helion.py::test_bwd_states_dtype_nano_bf16.
 BWD_STATES_DTYPES = ("input", "fp32")
-BWD_STATES = os.environ.get("NANO_HELION_BWD_STATES", "input")
-if BWD_STATES not in BWD_STATES_DTYPES:
-    raise ValueError(f"NANO_HELION_BWD_STATES={BWD_STATES!r}: unknown (known: {', '.join(BWD_STATES_DTYPES)})")
+BWD_STATES = tuning.env_choice("NANO_HELION_BWD_STATES", BWD_STATES_DTYPES, "input", "states dtype")
 
 
 def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Tensor:

@@ -673,9 +673,7 @@ VARIANTS = {
 # fp32 reference is the same to 4 digits either way (tests/test_mamba_split_helion.py::test_bwd_states_dtype_nano_bf16);
 # dz_dstates 283.4 us (1.24x mamba-ssm's two kernels; fp32: 328.3, 1.08x) and the state passing 122.5 us (1.58x; 142.4).
 BWD_DSTATES_DTYPES = ("fp32", "input")
-BWD_DSTATES = os.environ.get("NANO_HELION_BWD_DSTATES", "input")
-if BWD_DSTATES not in BWD_DSTATES_DTYPES:
-    raise ValueError(f"NANO_HELION_BWD_DSTATES={BWD_DSTATES!r}: unknown (known: {', '.join(BWD_DSTATES_DTYPES)})")
+BWD_DSTATES = tuning.env_choice("NANO_HELION_BWD_DSTATES", BWD_DSTATES_DTYPES, "input", "dstates dtype")
 DEFAULT_VARIANT = "v7"
 _VARIANT = os.environ.get("NANO_HELION_SSD_BWD_VARIANT", DEFAULT_VARIANT)
 if _VARIANT not in VARIANTS:

@@ -799,6 +799,15 @@ def checked_outputs(fn: Callable, args: tuple, finalize=None, prepare=None):
     return out if finalize is None else finalize(out, args)
 
 
+def env_choice(var: str, choices: Sequence[str], default: str, what: str) -> str:
+    """The value of environment variable ``var`` (``default`` when unset), which must be one of ``choices``: a
+    ValueError naming the variable, the bad value and the known ones otherwise."""
+    value = os.environ.get(var, default)
+    if value not in choices:
+        raise ValueError(f"{var}={value!r}: unknown {what} (known: {', '.join(choices)})")
+    return value
+
+
 TIMERS = ("events", "cudagraph")
 
 
@@ -807,10 +816,7 @@ def timer_name() -> str:
     between calls, so a kernel shorter than its host launch is timed at the launch's pace) or "cudagraph"
     (``do_bench_cudagraph``: calls replayed from a CUDA graph, i.e. device time; for few-microsecond kernels such as
     the chunk cumsum, whose per-call time is the launch's)."""
-    name = os.environ.get("NANO_TUNE_TIMER", "events")
-    if name not in TIMERS:
-        raise ValueError(f"NANO_TUNE_TIMER={name!r}: unknown timer (known: {', '.join(TIMERS)})")
-    return name
+    return env_choice("NANO_TUNE_TIMER", TIMERS, "events", "timer")
 
 
 def time_fn(fn: Callable[[], Any], rep_ms: float = 100.0) -> float:

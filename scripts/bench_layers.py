@@ -105,7 +105,6 @@ def run(a) -> dict:
     from omegaconf import open_dict
 
     from ab_step_time import set_kernel_backend
-    from kernels.registry import get_backend
     from nano_hybrid import train as T
     from nano_hybrid.config import compose
     from nano_hybrid.model import build_model
