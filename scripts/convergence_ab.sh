@@ -6,7 +6,8 @@
 #   GPUS="0"   bash scripts/convergence_ab.sh ...                          (one after the other on one GPU)
 # Env: OUT (default runs/), RECIPE (default convergence_ab_h200), BACKENDS (default "mamba_ssm helion"),
 #      STOP_AT (default 400; 0: no interruption, no resume), GPUS, COMPARE=0 (skip the comparison). BACKENDS="mamba_ssm mamba_ssm" is the A-vs-A
-#      pair: its second run goes to convergence_mamba_ssm_b.
+#      pair: its second run goes to convergence_mamba_ssm_b. RESUME_EXTRA: overrides for the resumed part only,
+#      e.g. "checkpoint.save_on_exit=false" (no checkpoint at the end of training: it is deleted afterwards anyway).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs}"
@@ -38,7 +39,10 @@ one_arm() {  # one_arm BACKEND LABEL GPU EXTRA...  (LABEL names the run dir and 
     kill -TERM -- "-$pid"
     wait "$pid" || { echo "$be: stopped run exited non-zero" >&2; return 1; }
     echo "$be: stopped after $(steps) steps; resuming"
-    "${cmd[@]}" > "$OUT/logs/convergence_${label}_part2.log" 2>&1 || { echo "$label: resumed run failed" >&2; return 1; }
+    local resume_extra=()
+    read -r -a resume_extra <<< "${RESUME_EXTRA:-}"
+    "${cmd[@]}" "${resume_extra[@]}" > "$OUT/logs/convergence_${label}_part2.log" 2>&1 \
+        || { echo "$label: resumed run failed" >&2; return 1; }
     rm -rf "$dir/checkpoints"
     echo "$be: done, $(steps) metric lines"
 }

@@ -9,15 +9,23 @@
 # The A-vs-A control without a resume and without checkpoints (about 300 s):
 #     STOP_AT=0 EXTRA="checkpoint.interval=0 checkpoint.save_on_exit=false" BACKENDS="mamba_ssm mamba_ssm" TAG=ava
 #     OUT=/tmp/o WHEELHOUSE=.gpu [BACKENDS="mamba_ssm mamba_ssm" TAG=ava] bash scripts/gpu_call_convergence.sh
+# Session 9: RECIPE=convergence_ab_h200_2000_lowlr RESUME_EXTRA=checkpoint.save_on_exit=false (no checkpoint after
+# the last step).
 set -u
 cd "$(dirname "$0")/.."
 # shellcheck source=gpu_stages.sh
 source scripts/gpu_stages.sh
 gpu_call_begin || exit 1
 BACKENDS="${BACKENDS:-mamba_ssm helion}" TAG="${TAG:-ab}"
-RUNS=/tmp/convergence_runs
+# The runs' checkpoints (~24 GB per arm) go to RAM (/dev/shm) when it has room for two: saving one to the
+# disk took ~50 s in session 5. RUNS overrides the choice.
+shm_free_gb=$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')
+if [ -z "${RUNS:-}" ]; then
+    if [ "${shm_free_gb:-0}" -ge 64 ] 2>/dev/null; then RUNS=/dev/shm/convergence_runs; else RUNS=/tmp/convergence_runs; fi
+fi
+echo "run dirs in $RUNS (/dev/shm free: ${shm_free_gb:-?} GB)"
 rm -rf "$RUNS"; mkdir -p "$RUNS"
-OUT="$RUNS" GPUS="0 1" STOP_AT="${STOP_AT:-1000}" COMPARE=0 BACKENDS="$BACKENDS" \
+OUT="$RUNS" GPUS="0 1" STOP_AT="${STOP_AT:-1000}" COMPARE=0 BACKENDS="$BACKENDS" RESUME_EXTRA="${RESUME_EXTRA:-}" \
     timeout --signal=TERM --kill-after=10 "${LIMIT_S:-420}" \
     bash scripts/convergence_ab.sh train.train_iters="${STEPS:-2000}" train.seq_length="${SEQ:-1024}" train.log_interval=100 \
     ${EXTRA:-}
@@ -30,3 +38,4 @@ for d in "$RUNS"/convergence_*/; do
 done
 cp -r "$RUNS/logs" "$OUT/convergence_$TAG/" 2>/dev/null
 grep -h "checkpoint\]" "$RUNS"/logs/*.log | head; tail -n 2 "$RUNS"/logs/*part2.log
+rm -rf "$RUNS"

@@ -525,18 +525,21 @@ def test_ssd_variants_rows_per_candidate():
 @pytest.mark.slow
 def test_convergence_ab_script_a_vs_a_pair_with_resume(tmp_path):
     """scripts/convergence_ab.sh with BACKENDS="torch torch" (the A-vs-A pair) on CPU: both arms are
-    stopped with SIGTERM mid-run, resumed from their checkpoints, land in separate run dirs, and the
-    deterministic CPU runs give bitwise-equal losses at every step (compare_runs.py's summary)."""
+    stopped with SIGTERM mid-run, resumed from their checkpoints (RESUME_EXTRA reaching the resumed part only:
+    no checkpoint after the last step), land in separate run dirs, and the deterministic CPU runs give
+    bitwise-equal losses at every step (compare_runs.py's summary)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OUT": str(tmp_path), "RECIPE": "tiny_cpu", "GPUS": "0", "STOP_AT": "6",
-           "BACKENDS": "torch torch", "PYTHON": sys.executable}
+           "BACKENDS": "torch torch", "PYTHON": sys.executable, "RESUME_EXTRA": "checkpoint.save_on_exit=false"}
     r = subprocess.run(["bash", "scripts/convergence_ab.sh", "train.train_iters=12", "optim.warmup_iters=2",
                         "train.log_interval=4"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for arm in ("torch", "torch_b"):
         lines = (tmp_path / f"convergence_{arm}" / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(x)["step"] for x in lines] == list(range(1, 13))
-        assert "stopped after" in r.stdout and (tmp_path / "logs" / f"convergence_{arm}_part2.log").exists()
+        assert "stopped after" in r.stdout
+        part1, part2 = ((tmp_path / "logs" / f"convergence_{arm}_part{i}.log").read_text() for i in (1, 2))
+        assert "[checkpoint] saved" in part1 and "[checkpoint] loaded" in part2 and "[checkpoint] saved" not in part2
     diff = json.loads((tmp_path / "compare_convergence" / "summary.json").read_text())["loss_diff"][0]
     assert diff["run"] == "convergence_torch_b" and diff["matching_steps"] == 12
     assert diff["all"]["max_abs_diff"] == 0.0

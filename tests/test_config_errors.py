@@ -72,7 +72,8 @@ def test_command_line_exit_code_and_single_line(tmp_path):
     assert "Traceback" not in p.stderr and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name", ["convergence_ab_h200", "convergence_ab_h200_2000", "nano30b_slice_h200", "tiny_cpu"])
+@pytest.mark.parametrize("name", ["convergence_ab_h200", "convergence_ab_h200_2000", "convergence_ab_h200_2000_lowlr",
+                                  "nano30b_slice_h200", "tiny_cpu"])
 def test_every_recipe_composes_with_its_overrides(name):
     """Each committed recipe expands to overrides Hydra accepts, and they land in the config."""
     import yaml
