@@ -8,6 +8,7 @@
 #      STOP_AT (default 400; 0: no interruption, no resume), GPUS, COMPARE=0 (skip the comparison). BACKENDS="mamba_ssm mamba_ssm" is the A-vs-A
 #      pair: its second run goes to convergence_mamba_ssm_b. RESUME_EXTRA: overrides for the resumed part only,
 #      e.g. "checkpoint.save_on_exit=false" (no checkpoint at the end of training: it is deleted afterwards anyway).
+#      LABELS="l0 l1": the two arms' run-dir labels (default: the backends).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs}"
@@ -47,9 +48,15 @@ one_arm() {  # one_arm BACKEND LABEL GPU EXTRA...  (LABEL names the run dir and 
     echo "$be: done, $(steps) metric lines"
 }
 
-# labels name the run dirs: the backend, with "_b" for the second arm of an A-vs-A pair (BACKENDS="x x")
-LABELS=("${BACKENDS[0]}" "${BACKENDS[1]}")
-[ "${LABELS[0]}" = "${LABELS[1]}" ] && LABELS[1]="${LABELS[1]}_b"
+# labels name the run dirs: the backend, with "_b" for the second arm of an A-vs-A pair (BACKENDS="x x"), or
+# LABELS="l0 l1" (e.g. "helion_b mamba_ssm_b": repeats of an earlier pair, compared with it afterwards)
+if [ -n "${LABELS:-}" ]; then
+    read -r -a LABELS <<< "$LABELS"
+    [ "${#LABELS[@]}" -eq 2 ] && [ "${LABELS[0]}" != "${LABELS[1]}" ] || { echo "LABELS needs two different names" >&2; exit 2; }
+else
+    LABELS=("${BACKENDS[0]}" "${BACKENDS[1]}")
+    [ "${LABELS[0]}" = "${LABELS[1]}" ] && LABELS[1]="${LABELS[1]}_b"
+fi
 mkdir -p "$OUT/logs"
 rc=0
 if [ "${#GPUS[@]}" -ge 2 ]; then

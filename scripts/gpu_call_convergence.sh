@@ -25,7 +25,7 @@ if [ -z "${RUNS:-}" ]; then
 fi
 echo "run dirs in $RUNS (/dev/shm free: ${shm_free_gb:-?} GB)"
 rm -rf "$RUNS"; mkdir -p "$RUNS"
-OUT="$RUNS" GPUS="0 1" STOP_AT="${STOP_AT:-1000}" COMPARE=0 BACKENDS="$BACKENDS" RESUME_EXTRA="${RESUME_EXTRA:-}" \
+OUT="$RUNS" GPUS="0 1" STOP_AT="${STOP_AT:-1000}" COMPARE=0 BACKENDS="$BACKENDS" RESUME_EXTRA="${RESUME_EXTRA:-}" LABELS="${LABELS:-}" \
     timeout --signal=TERM --kill-after=10 "${LIMIT_S:-420}" \
     bash scripts/convergence_ab.sh train.train_iters="${STEPS:-2000}" train.seq_length="${SEQ:-1024}" train.log_interval=100 \
     ${EXTRA:-}
