@@ -370,15 +370,11 @@ def causal_mask_for(cfg: DictConfig, seq_length: int, device: torch.device):
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def train_step(ctx: "Trainer") -> dict[str, float]:
-    """One optimizer step over ``global_batch_size`` samples; returns loss, grad norm, lr and aux losses."""
-    import torch.distributed as dist
+def forward_backward(ctx: "Trainer") -> list:
+    """Zeroed gradients, then forward and backward over one global batch (``num_microbatches`` micro-batches
+    from ``ctx.data_iterator``); the gradients are left in megatron DDP's buffers (``param.main_grad``).
+    Returns the schedule's per-micro-batch loss reports."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker,
-        get_moe_layer_wise_logging_tracker,
-        reduce_aux_losses_tracker_across_ranks,
-    )
 
     plan, cfg = ctx.plan, ctx.cfg
     ctx.model.zero_grad_buffer()
@@ -386,7 +382,7 @@ def train_step(ctx: "Trainer") -> dict[str, float]:
     # On CPU the schedule needs CudaToCpuMode too: schedules.py:596 allocates its token counter with
     # device="cuda" (forward_backward_no_pipelining; same in the pipelined schedules).
     with cpu_compat_mode(plan):
-        reports = get_forward_backward_func()(
+        return get_forward_backward_func()(
             forward_step_func=partial(_forward_step, device=plan.device, attention_mask=ctx.attention_mask),
             data_iterator=ctx.data_iterator,
             model=[ctx.model],
@@ -396,6 +392,19 @@ def train_step(ctx: "Trainer") -> dict[str, float]:
             decoder_seq_length=plan.seq_length,
             forward_only=False,
         )
+
+
+def train_step(ctx: "Trainer") -> dict[str, float]:
+    """One optimizer step over ``global_batch_size`` samples; returns loss, grad norm, lr and aux losses."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
+
+    plan, cfg = ctx.plan, ctx.cfg
+    reports = forward_backward(ctx)
     with cpu_compat_mode(plan):
         update_ok, grad_norm, _ = ctx.optimizer.step()
     if update_ok:

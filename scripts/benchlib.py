@@ -428,6 +428,126 @@ def device_busy(device_events: Sequence[dict], iters: int) -> dict:
             "idle_us_per_iter": (span - busy) / iters}
 
 
+def device_gaps(device_events: Sequence[dict], top: int = 8, min_us: float = 20.0) -> list[dict]:
+    """The ``top`` longest stretches (>= min_us) in which no device event ran on any stream, each with the
+    (short) names of the kernels that ended before and started after it, longest first."""
+    ev = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), short_kernel_name(e["name"]))
+                for e in device_events if "ts" in e)
+    gaps = []
+    end, last = (ev[0][1], ev[0][2]) if ev else (0.0, "")
+    for s, e, name in ev[1:]:
+        if s - end >= min_us:
+            gaps.append({"us": s - end, "after": last, "before": name})
+        if e > end:
+            end, last = e, name
+    return sorted(gaps, key=lambda g: -g["us"])[:top]
+
+
+def _stalling_runtime_call(name: str) -> bool:
+    return ("Synchronize" in name or name.startswith(("cudaMalloc", "cudaFree", "cudaHostAlloc"))
+            or name == "cudaMemcpy")
+
+
+def runtime_sync_calls(trace_events: Sequence[dict], iters: int) -> dict:
+    """Host-side CUDA runtime calls that can stall the host or the device (``*Synchronize``, cudaMalloc /
+    cudaFree / cudaHostAlloc, the blocking cudaMemcpy) in a chrome trace (all its events, not only the
+    device ones): {name: {'calls_per_iter', 'us_per_iter'}}."""
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    out: dict[str, dict] = {}
+    for e in trace_events:
+        name = str(e.get("name", ""))
+        if e.get("ph") != "X" or e.get("cat") != "cuda_runtime" or not _stalling_runtime_call(name):
+            continue
+        r = out.setdefault(name, {"calls_per_iter": 0.0, "us_per_iter": 0.0})
+        r["calls_per_iter"] += 1 / iters
+        r["us_per_iter"] += float(e.get("dur", 0.0)) / iters
+    return out
+
+
+class SmiSampler:
+    """Sample the GPU's SM clock, power, temperature and clock-event (throttle) reasons with ``nvidia-smi -lms``
+    while the ``with`` block runs; ``summary()`` afterwards. Reads only (METHOD.md: never set clocks).
+    Without nvidia-smi, ``summary()`` says so and nothing else changes."""
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+    REASONS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+    def __init__(self, gpu_index: int | str = 0, interval_ms: int = 100):
+        self.gpu, self.interval_ms = str(gpu_index), int(interval_ms)
+        self.proc, self.lines, self.error, self.fields = None, [], None, None
+
+    def _query(self, fields, extra=()):
+        import subprocess
+
+        return subprocess.run(["nvidia-smi", "-i", self.gpu, f"--query-gpu={','.join(fields)}",
+                               "--format=csv,noheader,nounits", *extra], capture_output=True, text=True, timeout=20,
+                              check=False)
+
+    def __enter__(self):
+        import subprocess
+        import tempfile
+
+        try:
+            for reason in (*self.REASONS, None):
+                fields = (*self.FIELDS, reason) if reason else self.FIELDS
+                if self._query(fields).returncode == 0:
+                    self.fields = fields
+                    break
+        except (OSError, subprocess.SubprocessError) as e:
+            self.error = f"{type(e).__name__}: {e}"
+            return self
+        if self.fields is None:
+            self.error = "nvidia-smi refused every field set"
+            return self
+        self._out = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(["nvidia-smi", "-i", self.gpu, f"--query-gpu={','.join(self.fields)}",
+                                      "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"],
+                                     stdout=self._out, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        import subprocess
+
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self._out.seek(0)
+            self.lines = [ln.strip() for ln in self._out.read().splitlines() if ln.strip()]
+            self._out.close()
+        return False
+
+    def summary(self) -> dict:
+        if self.error or self.fields is None:
+            return {"error": self.error or "not run"}
+        return smi_summary(self.lines, self.fields)
+
+
+def smi_summary(lines: Sequence[str], fields: Sequence[str]) -> dict:
+    """min / median / max of each numeric field over nvidia-smi csv lines, and each non-numeric value's count."""
+    cols: dict[str, list] = {f: [] for f in fields}
+    for ln in lines:
+        parts = [p.strip() for p in ln.split(",")]
+        if len(parts) != len(fields):
+            continue
+        for f, v in zip(fields, parts):
+            cols[f].append(v)
+    out: dict = {"samples": len(cols[fields[0]]) if fields else 0}
+    for f, vals in cols.items():
+        try:
+            x = sorted(float(v) for v in vals)
+            out[f] = {"min": x[0], "median": x[len(x) // 2], "max": x[-1]} if x else None
+        except ValueError:
+            counts: dict[str, int] = defaultdict(int)
+            for v in vals:
+                counts[v] += 1
+            out[f] = dict(counts)
+    return out
+
+
 def check_expected_kernels(table: dict, expected: dict[str, int] = MAMBA_SSM_EXPECTED_KERNELS) -> dict:
     """Compare a kernel table with the expected kernel list (names and calls per iteration)."""
     got = {r["kernel"]: r["calls_per_iter"] for r in table["rows"]}

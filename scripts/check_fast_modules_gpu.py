@@ -145,12 +145,64 @@ def _profile_top(step, n_iters=2, top=20) -> dict:
 ROUNDS = 5  # --rounds
 
 
-def time_layer(overrides, idx, mb, seq, iters, warmup=3, sdpa_backends=None, profile_top=0) -> dict:
+def time_layer(overrides, idx, mb, seq, iters, warmup=3, sdpa_backends=None, profile_top=0, diag=False) -> dict:
     with _sdpa_ctx(sdpa_backends):
-        return _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top)
+        return _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top, diag)
 
 
-def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top) -> dict:
+def _round_ms(step, iters) -> float:
+    """CUDA events around ``iters`` back-to-back calls: ms per call, the gaps between calls included."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        step()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def _diagnose(step, iters, rounds) -> dict:
+    """Where a timed round's time goes (--diag): (1) alternating rounds timed as a whole (gaps between calls
+    included) and per call (an event pair around each call, as bench_layers.py: gaps excluded); (2) one whole
+    round under torch.profiler: kernel time, device span / idle, the longest idle stretches with their
+    neighbouring kernels, and the host's stalling CUDA runtime calls; with the round's own event time."""
+    import tempfile
+
+    import benchlib as bl
+    from torch.profiler import ProfilerActivity, profile
+
+    whole, per_call = [], []
+    for _ in range(rounds):
+        whole.append(_round_ms(step, iters))
+        per_call.extend(bl.time_calls(step, iters, "cuda"))
+
+    def med(v):
+        return sorted(v)[len(v) // 2]
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        profiled_ms = _round_ms(step, iters)
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/trace.json"
+        prof.export_chrome_trace(path)
+        import json as _json
+
+        with open(path) as f:
+            tr = _json.load(f)
+    events = tr["traceEvents"] if isinstance(tr, dict) else tr
+    dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in bl.DEVICE_EVENT_CATS]
+    table = bl.kernel_table(dev, iters)
+    return {
+        "round_ms_median": med(whole), "per_call_ms_median": med(per_call), "rounds": rounds, "iters": iters,
+        "profiled_round_event_ms_per_iter": profiled_ms,
+        "profiled_round": {k: table.get(k) for k in ("total_us_per_iter", "span_us_per_iter", "busy_us_per_iter",
+                                                    "idle_us_per_iter")},
+        "longest_idle": bl.device_gaps(dev, top=10, min_us=10.0),
+        "stalling_runtime_calls": bl.runtime_sync_calls(events, iters),
+    }
+
+
+def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top, diag=False) -> dict:
     model, cfg = _build(overrides, torch.bfloat16)
     model.train()
     layer = model.decoder.layers[idx]
@@ -175,16 +227,10 @@ def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top) -> dict:
     torch.cuda.reset_peak_memory_stats()
     # ROUNDS rounds of `iters` back-to-back steps (the host enqueues ahead, as in training, so the
     # per-layer Python launch latency is not added to every iteration); ms per step = round / iters
-    times = []
-    for _ in range(ROUNDS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    times.sort()
+    import benchlib as bl
+
+    with bl.SmiSampler(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]) as smi:
+        times = sorted(_round_ms(step, iters) for _ in range(ROUNDS))
     res = {
         "median_ms": times[len(times) // 2],
         "min_ms": times[0],
@@ -194,7 +240,18 @@ def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top) -> dict:
         "round_ms": times,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
         "layer_params": sum(p.numel() for p in layer.parameters()),
+        "gpu_during_rounds": smi.summary(),
     }
+    if diag:
+        res["diag"] = _diagnose(step, iters, ROUNDS)
+        dg = res["diag"]
+        print(f"  diag: round {dg['round_ms_median']:.3f} ms/call, per call {dg['per_call_ms_median']:.3f} ms; profiled round "
+              f"{dg['profiled_round_event_ms_per_iter']:.3f} ms/call: kernels {dg['profiled_round']['total_us_per_iter']:.0f} us, "
+              f"span {dg['profiled_round']['span_us_per_iter']:.0f} us, idle {dg['profiled_round']['idle_us_per_iter']:.0f} us",
+              flush=True)
+        print(f"  longest idle: {dg['longest_idle'][:5]}", flush=True)
+        print(f"  stalling runtime calls: {dg['stalling_runtime_calls']}", flush=True)
+    print(f"  GPU during the timed rounds: {res['gpu_during_rounds']}", flush=True)
     if profile_top:
         prof = _profile_top(step, n_iters=3, top=profile_top)
         res["profile_top_kernels"] = prof.pop("rows")
@@ -253,6 +310,9 @@ def main() -> int:
                          "e.g. 'cudnn_attention,flash_attention;flash_attention'")
     ap.add_argument("--profile-top", type=int, default=0, help="profile each timed layer: top-N CUDA kernels")
     ap.add_argument("--skip-numerics", action="store_true")
+    ap.add_argument("--diag", action="store_true",
+                    help="per timed fast layer: round vs per-call timing, a profiled whole round (idle stretches, "
+                         "stalling runtime calls)")
     ap.add_argument("--kinds", default="attention,moe", help="layer kinds to time: attention, moe or both")
     args = ap.parse_args()
     global ROUNDS
@@ -307,8 +367,9 @@ def main() -> int:
     variants = [v for v in variants if v[0] in kinds]
     for kind, impl, ov, be in variants:
         try:
+            fast = impl in ("sdpa", "grouped") or bool(be)
             r = time_layer(nano + ov, 0, args.mb, args.seq, args.iters, sdpa_backends=be,
-                           profile_top=args.profile_top if impl in ("sdpa", "grouped") or be else 0)
+                           profile_top=args.profile_top if fast else 0, diag=args.diag and fast)
         except Exception as e:  # a backend SDPA cannot use for these inputs: record it, go on
             result["timing"][f"{kind}_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"timing {kind} {impl}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)

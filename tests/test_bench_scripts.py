@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -467,9 +468,42 @@ def test_device_busy_counts_overlap_once_and_idle_gaps():
     assert t["idle_us_per_iter"] == 4.0 and t["total_us_per_iter"] == 13.5
 
 
+def test_device_gaps_name_the_neighbours_of_the_longest_idle_stretches():
+    # a [0, 10), b [50, 60) overlapped by c [55, 155), d [200, 201): idle 40 us after a, 45 us after c (not b,
+    # which ended first), nothing between b and c
+    ev = [{"ts": 0, "dur": 10, "name": "a"}, {"ts": 50, "dur": 10, "name": "b"}, {"ts": 55, "dur": 100, "name": "c"},
+          {"ts": 200, "dur": 1, "name": "d"}]
+    assert bl.device_gaps(ev, min_us=20) == [{"us": 45.0, "after": "c", "before": "d"},
+                                             {"us": 40.0, "after": "a", "before": "b"}]
+    assert bl.device_gaps(ev, top=1, min_us=41) == [{"us": 45.0, "after": "c", "before": "d"}]
+    assert bl.device_gaps([], min_us=0) == []
+
+
+def test_runtime_sync_calls_keep_only_stalling_calls_per_iteration():
+    ev = [{"ph": "X", "cat": "cuda_runtime", "name": n, "dur": d} for n, d in
+          [("cudaStreamSynchronize", 5), ("cudaLaunchKernel", 7), ("cudaMemcpyAsync", 9), ("cudaMemcpy", 3),
+           ("cudaFree", 4), ("cudaStreamSynchronize", 1)]]
+    ev.append({"ph": "X", "cat": "cpu_op", "name": "cudaDeviceSynchronize", "dur": 50})  # not a runtime event
+    r = bl.runtime_sync_calls(ev, 2)
+    assert r == {"cudaStreamSynchronize": {"calls_per_iter": 1.0, "us_per_iter": 3.0},
+                 "cudaMemcpy": {"calls_per_iter": 0.5, "us_per_iter": 1.5},
+                 "cudaFree": {"calls_per_iter": 0.5, "us_per_iter": 2.0}}
+    with pytest.raises(ValueError):
+        bl.runtime_sync_calls(ev, 0)
+
+
+def test_smi_summary_numeric_ranges_and_reason_counts():
+    fields = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
+    r = bl.smi_summary(["1980, 650.5, 0x0", "1755, 700.0, 0x4", "1830, 690.0, 0x4", "garbled line"], fields)
+    assert r["samples"] == 3
+    assert r["clocks.sm"] == {"min": 1755.0, "median": 1830.0, "max": 1980.0}
+    assert r["power.draw"]["max"] == 700.0 and r["clocks_event_reasons.active"] == {"0x0": 1, "0x4": 2}
+
+
 def test_gpu_job_scripts_parse_and_share_one_preamble(tmp_path):
-    """Every scripts/*.sh parses (bash -n); the GPU call scripts start through gpu_stages.sh's gpu_call_begin,
-    which (setup skipped here) sets Triton's cache and PYTHONPATH and writes the setup stage table."""
+    """Every scripts/*.sh parses (bash -n); the GPU call scripts start through gpu_stages.sh's gpu_call_begin
+    (or hand over to another call script that does), which (setup skipped here) sets Triton's cache and
+    PYTHONPATH and writes the setup stage table."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -477,8 +511,12 @@ def test_gpu_job_scripts_parse_and_share_one_preamble(tmp_path):
         r = subprocess.run(["bash", "-n", str(sh)], capture_output=True, text=True)
         assert r.returncode == 0, f"{sh.name}: {r.stderr}"
     calls = sorted((root / "scripts").glob("gpu_call_*.sh"))
-    assert calls and all("gpu_call_begin || exit 1" in p.read_text() for p in calls
-                         if "gpu_stage_setup" not in p.read_text()), [p.name for p in calls]
+    texts = {p.name: p.read_text() for p in calls}
+    for name, text in texts.items():
+        if "gpu_stage_setup" in text:
+            continue
+        handover = re.search(r"exec bash scripts/(gpu_call_\w+\.sh)", text)
+        assert "gpu_call_begin || exit 1" in text or (handover and "gpu_call_begin || exit 1" in texts[handover[1]]), name
     out = tmp_path / "out"
     cmd = ("source scripts/gpu_stages.sh && gpu_call_begin && "
            "echo \"$TRITON_CACHE_AUTOTUNING|$TRITON_CACHE_DIR|$PYTHONPATH\"")
@@ -625,3 +663,43 @@ def test_bench_layers_backend_options():
     assert dataclasses.replace(blay._backend("torch"), strided_zxbcdt=True).strided_zxbcdt
     with pytest.raises(SystemExit, match="unknown option"):
         blay._backend("torch:bogus")
+
+
+def test_grad_match_compare_reports_error_cosine_and_scale_per_group():
+    import torch
+
+    import grad_match as gm
+
+    ref = {"decoder.layers.0.mixer.dt_bias": torch.tensor([3.0, 4.0]),
+           "decoder.layers.0.mixer.in_proj.weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
+           "decoder.layers.1.self_attention.linear_qkv.weight": torch.tensor([1.0, 2.0])}
+    g = {"decoder.layers.0.mixer.dt_bias": 1.1 * ref["decoder.layers.0.mixer.dt_bias"],  # 10% too large
+         "decoder.layers.0.mixer.in_proj.weight": torch.tensor([[1.0, 0.5], [0.0, 1.0]]),  # orthogonal error
+         "decoder.layers.1.self_attention.linear_qkv.weight": ref["decoder.layers.1.self_attention.linear_qkv.weight"]}
+    c = gm.compare(g, ref)
+    dt = c["params"]["decoder.layers.0.mixer.dt_bias"]
+    assert dt["scale"] == pytest.approx(1.1) and dt["rel_err"] == pytest.approx(0.1) and dt["cos"] == pytest.approx(1.0)
+    ip = c["groups"]["mixer.in_proj"]
+    assert ip["scale"] == pytest.approx(1.0) and ip["rel_err"] == pytest.approx(0.5 / 2 ** 0.5)
+    assert c["groups"]["attention"] == {"params": 1, "worst_rel_err": 0.0, "worst_param": None, "rel_err": 0.0,
+                                        "scale": 1.0}
+    assert gm.group_of("decoder.layers.3.mixer.norm.weight") == "mixer.norm"
+    assert gm.group_of("decoder.layers.3.norm.weight") == "layer_norms"
+    assert gm.group_of("decoder.layers.4.mlp.experts.weight1") == "experts"
+
+
+@pytest.mark.slow
+def test_grad_match_torch_a_vs_a_is_exact_on_cpu(tmp_path):
+    """The whole script on CPU (model=tiny): a trained probe state, two torch arms, bitwise-equal gradients."""
+    import grad_match as gm
+
+    rc = gm.main(["--backends", "torch,torch", "--train-backend", "torch", "--train-steps", "2", "--batches", "1",
+                  "--out", str(tmp_path), "model=tiny", "train.seq_length=64", "train.micro_batch_size=2",
+                  "train.global_batch_size=2", "train.train_iters=10", "optim.warmup_iters=1"])
+    assert rc == 0
+    res = json.loads((tmp_path / "grad_match_torch_vs_torch.json").read_text())
+    assert res["train_steps"] == 2 and len(res["train_loss"]) == 2
+    assert res["probe_loss"]["torch"] == res["probe_loss"]["torch#2"]
+    groups = res["vs"]["torch#2 vs torch"]
+    assert {"mixer.A_log", "mixer.in_proj", "attention", "experts", "embedding"} <= set(groups)
+    assert all(g["rel_err"] == 0.0 and g["scale"] == 1.0 for g in groups.values())
