@@ -12,7 +12,8 @@ Per run it prints: median and p90 step time over the steps after the first ``--w
 ratio to the baseline, median tokens/s/GPU over the same steps, the final loss, the mean loss over the
 last 10% of steps and over all steps. Per non-baseline run it prints loss-difference statistics over
 the steps both runs logged (mean and max of |b - a| and of |b - a| / |a|, over all matching steps and
-over the last 10% of them). Plots: ``loss.png`` (loss vs tokens for every run, relative difference to
+over the last 10% of them; also the mean of the signed relative difference (b - a) / |a|, in which per-step
+noise averages out and a persistent offset stays, and the relative difference of the two mean losses). Plots: ``loss.png`` (loss vs tokens for every run, relative difference to
 the baseline below) and ``step_time.png`` (step-time distributions after warm-up).
 
 metrics.jsonl records need ``step``, ``loss``, ``step_time_s``. Tokens come from ``tokens``
@@ -185,6 +186,7 @@ def loss_diff_stats(a: Run, b: Run) -> dict:
     la, lb = a.loss[ia], b.loss[ib]
     absd = np.abs(lb - la)
     reld = absd / np.abs(la)
+    signed_reld = (lb - la) / np.abs(la)
 
     def block(sl):
         return {
@@ -193,6 +195,11 @@ def loss_diff_stats(a: Run, b: Run) -> dict:
             "mean_rel_diff": float(np.mean(reld[sl])),
             "max_rel_diff": float(np.max(reld[sl])),
             "mean_diff": float(np.mean((lb - la)[sl])),
+            # mean of (b - a) / |a|: the sign says which run is lower; per-step noise averages out here, a
+            # persistent offset does not (mean_rel_diff above keeps both)
+            "mean_signed_rel_diff": float(np.mean(signed_reld[sl])),
+            # the relative difference of the two runs' mean losses over the block
+            "rel_diff_of_means": float(np.mean(lb[sl]) / np.mean(la[sl]) - 1.0),
         }
 
     k = _tail(len(common))
@@ -238,7 +245,8 @@ def format_report(result: dict) -> str:
                      f"({d['first_step']}..{d['last_step']}):")
         for label, blk in (("all", d["all"]), (f"last 10% ({d['last10pct']['steps']} steps)", d["last10pct"])):
             lines.append(f"  {label:<22} mean|d| {blk['mean_abs_diff']:.3e}  max|d| {blk['max_abs_diff']:.3e}  "
-                         f"mean rel {blk['mean_rel_diff']:.3e}  max rel {blk['max_rel_diff']:.3e}  mean d {blk['mean_diff']:+.3e}")
+                         f"mean rel {blk['mean_rel_diff']:.3e}  max rel {blk['max_rel_diff']:.3e}  mean d {blk['mean_diff']:+.3e}  "
+                         f"mean signed rel {blk['mean_signed_rel_diff']:+.3e}")
     return "\n".join(lines)
 
 

@@ -67,6 +67,9 @@ def test_numbers_exact(two_runs):
     assert d["all"]["max_abs_diff"] == pytest.approx(0.099, rel=1e-9)  # 1% of the largest loss (9.9)
     assert d["all"]["mean_rel_diff"] == pytest.approx(0.01, rel=1e-9)
     assert d["all"]["max_rel_diff"] == pytest.approx(0.01, rel=1e-9)
+    # b is 1% above a at every step: the signed mean and the difference of the means say +1% (and the sign)
+    assert d["all"]["mean_signed_rel_diff"] == pytest.approx(0.01, rel=1e-9)
+    assert d["last10pct"]["rel_diff_of_means"] == pytest.approx(0.01, rel=1e-9)
     assert d["last10pct"]["steps"] == 2
     assert d["last10pct"]["mean_abs_diff"] == pytest.approx(0.01 * (la[-2] + la[-1]) / 2, rel=1e-9)
     assert d["last10pct"]["max_abs_diff"] == pytest.approx(0.01 * la[-2], rel=1e-9)
