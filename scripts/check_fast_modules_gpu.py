@@ -265,6 +265,27 @@ def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top, diag=False)
     return res
 
 
+def _diag_lines(v: dict) -> list[str]:
+    """Markdown bullets for a timed layer's GPU state during the rounds and its --diag results."""
+    out = []
+    g = v.get("gpu_during_rounds") or {}
+    if g.get("samples"):
+        clk, pw = g.get("clocks.sm") or {}, g.get("power.draw") or {}
+        reasons = next((g[k] for k in g if k.startswith("clocks_")), None)
+        out.append(f"- GPU during the timed rounds ({g['samples']} nvidia-smi samples): SM clock min / median / max "
+                   f"{clk.get('min')} / {clk.get('median')} / {clk.get('max')} MHz, power max {pw.get('max')} W, "
+                   f"clock-event reasons {reasons} (0x4: software power cap)")
+    d = v.get("diag")
+    if d:
+        pr = d["profiled_round"]
+        out.append(f"- round timing {d['round_ms_median']:.3f} ms per step, per-call events {d['per_call_ms_median']:.3f} ms "
+                   f"(the gaps between calls are the difference)")
+        out.append(f"- one profiled round of {d['iters']} steps: {d['profiled_round_event_ms_per_iter']:.3f} ms per step by its "
+                   f"events; kernels {pr['total_us_per_iter']:.0f} us, span {pr['span_us_per_iter']:.0f} us, idle "
+                   f"{pr['idle_us_per_iter']:.0f} us per step; stalling runtime calls {d['stalling_runtime_calls'] or 'none'}")
+    return out
+
+
 def _markdown(r: dict) -> str:
     t = r["timing"]
     sh = t["shapes"]
@@ -287,6 +308,12 @@ def _markdown(r: dict) -> str:
             lines.append(f"| {kind} | {impl} | failed: {v['error'][:80]} | | |")
             continue
         lines.append(f"| {kind} | {impl} | {v['median_ms']:.2f} | {v['peak_mem_gb']:.1f} | {v.get('target_ms', '')} |")
+    for key, v in t.items():
+        if key == "shapes" or "error" in v:
+            continue
+        notes = _diag_lines(v)
+        if notes:
+            lines += ["", f"{key}:", *notes]
     lines += ["", "Numerics (small shapes, bf16, rel. L2 error vs an fp32 run of megatron's module):", ""]
     for kind, n in r["numerics"].items():
         lines.append(f"- {kind}: pass={n['pass']}; output {n['output_rel_err']['fast_bf16']:.2e} "

@@ -703,3 +703,25 @@ def test_grad_match_torch_a_vs_a_is_exact_on_cpu(tmp_path):
     groups = res["vs"]["torch#2 vs torch"]
     assert {"mixer.A_log", "mixer.in_proj", "attention", "experts", "embedding"} <= set(groups)
     assert all(g["rel_err"] == 0.0 and g["scale"] == 1.0 for g in groups.values())
+
+
+def test_fast_modules_markdown_reports_power_state_and_diag():
+    import check_fast_modules_gpu as cfm
+
+    timing = {"median_ms": 11.5, "peak_mem_gb": 1.5, "target_ms": 11.0,
+              "gpu_during_rounds": {"samples": 3, "clocks.sm": {"min": 1440.0, "median": 1680.0, "max": 1980.0},
+                                    "power.draw": {"min": 160.0, "median": 420.0, "max": 688.6},
+                                    "clocks_event_reasons.active": {"0x4": 2, "0x0": 1}},
+              "diag": {"round_ms_median": 11.508, "per_call_ms_median": 11.546, "iters": 10, "rounds": 9,
+                       "profiled_round_event_ms_per_iter": 11.27, "stalling_runtime_calls": {},
+                       "profiled_round": {"total_us_per_iter": 10989.0, "span_us_per_iter": 11226.0,
+                                          "busy_us_per_iter": 10989.0, "idle_us_per_iter": 238.0}}}
+    r = {"gpu": "H200", "date": "d", "versions": {"torch": "t", "triton": "tr", "megatron_core": "m"}, "numerics": {},
+         "timing": {"shapes": {"micro_batch": 2, "seq": 8192}, "attention_sdpa": timing,
+                    "attention_unfused": {"median_ms": 133.5, "peak_mem_gb": 72.9}}}
+    md = cfm._markdown(r)
+    assert "| attention | sdpa | 11.50 | 1.5 | 11.0 |" in md and "| attention | unfused | 133.50 | 72.9 |  |" in md
+    assert "1440.0 / 1680.0 / 1980.0 MHz, power max 688.6 W" in md and "{'0x4': 2, '0x0': 1}" in md
+    assert "round timing 11.508 ms per step, per-call events 11.546 ms" in md
+    assert "kernels 10989 us, span 11226 us, idle 238 us per step; stalling runtime calls none" in md
+    assert "attention_unfused:" not in md  # nothing to say about a layer timed without sampling or --diag
