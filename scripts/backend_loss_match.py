@@ -96,12 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output dir (default $OUT or benchmarks/results/<gpu or cpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output files")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
-    a, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if o.startswith("-")]
-    if bad:
-        p.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
-    a.overrides = overrides
-    a.arms = [b.strip() for b in a.backends.split(",") if b.strip()]
+    a = bl.parse_args_with_overrides(p, argv)
     if len(a.arms) < 2:
         p.error("--backends needs at least two arms (e.g. torch,helion, or torch,torch for A-vs-A)")
     if a.steps < 1:

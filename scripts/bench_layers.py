@@ -66,12 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--no-control", action="store_true", help="skip the A-vs-A control of the Mamba layer")
     p.add_argument("--n-boot", type=int, default=2000)
     p.add_argument("--out", default=None)
-    a, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if o.startswith("-")]
-    if bad:
-        p.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
-    a.overrides = overrides
-    a.backend_list = [b.strip() for b in a.backends.split(",") if b.strip()]
+    a = bl.parse_args_with_overrides(p, argv)
+    a.backend_list = a.arms
     if not a.backend_list or len(set(a.backend_list)) != len(a.backend_list):
         p.error("--backends must list distinct backends (the A-vs-A control is built in)")
     for k in ("micro_batch", "seq", "rounds", "iters"):

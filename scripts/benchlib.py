@@ -119,6 +119,19 @@ def ratio_summary(baseline: Sequence[float], candidate: Sequence[float], **kw) -
 # ----------------------------------------------------------------------------------------------
 # alternation schedule
 # ----------------------------------------------------------------------------------------------
+def parse_args_with_overrides(parser, argv=None):
+    """``parser``'s options, and every other argument as a Hydra override (``a.overrides``); an unknown
+    ``-option`` is an error (a typo must not become an override). ``a.arms``: ``--backends`` split at commas."""
+    a, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        parser.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
+    a.overrides = overrides
+    if isinstance(getattr(a, "backends", None), str):
+        a.arms = [b.strip() for b in a.backends.split(",") if b.strip()]
+    return a
+
+
 def arm_labels(backends: Sequence[str]) -> list[str]:
     """Unique labels for arms; a backend listed twice (A-vs-A control) becomes 'name', 'name#2'."""
     seen: dict[str, int] = defaultdict(int)

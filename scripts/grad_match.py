@@ -84,12 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=2, help="global batches whose gradients are summed per arm")
     p.add_argument("--out", default=None, help="output dir (default $OUT or benchmarks/results/<gpu or cpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output file")
-    a, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if o.startswith("-")]
-    if bad:
-        p.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
-    a.overrides = overrides
-    a.arms = [b.strip() for b in a.backends.split(",") if b.strip()]
+    a = bl.parse_args_with_overrides(p, argv)
     if len(a.arms) < 2:
         p.error("--backends needs at least two arms (the first is the reference)")
     if a.train_steps < 0 or a.batches < 1:
@@ -99,8 +94,6 @@ def parse_args(argv=None):
 
 def compare(g: dict, ref: dict) -> dict:
     """Per-parameter and per-group rel. L2 error, cosine and scale of gradients g against ref (name -> tensor)."""
-    import torch
-
     per_param, groups = {}, {}
     for name, r in ref.items():
         x = g[name]
@@ -252,10 +245,10 @@ def _run(a, cfg) -> dict:
 
 def markdown(res: dict) -> str:
     lines = [f"# Gradient match at a trained state ({res['gpu']}, {res['date']})", "",
-             f"`scripts/grad_match.py`: {res['model']} pattern {res['pattern']}, mbs {res['micro_batch']} x seq "
-             f"{res['seq']}, {res['dtype']}; probe state after {res['train_steps']} steps of {res['train_backend']}; "
-             f"gradients summed over {res['probe_batches']} global batches. Per group: rel. L2 error / scale "
-             "(<g, g_ref> / |g_ref|^2).", ""]
+             (f"`scripts/grad_match.py`: {res['model']} pattern {res['pattern']}, mbs {res['micro_batch']} x seq "
+              f"{res['seq']}, {res['dtype']}; probe state after {res['train_steps']} steps of {res['train_backend']}; "
+              f"gradients summed over {res['probe_batches']} global batches. Per group: rel. L2 error / scale "
+              "(<g, g_ref> / |g_ref|^2)."), ""]
     pairs = list(res["vs"])
     groups = sorted({g for v in res["vs"].values() for g in v})
     lines.append("| group | " + " | ".join(pairs) + " |")

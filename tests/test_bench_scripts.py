@@ -690,13 +690,15 @@ def test_grad_match_compare_reports_error_cosine_and_scale_per_group():
 
 @pytest.mark.slow
 def test_grad_match_torch_a_vs_a_is_exact_on_cpu(tmp_path):
-    """The whole script on CPU (model=tiny): a trained probe state, two torch arms, bitwise-equal gradients."""
-    import grad_match as gm
-
-    rc = gm.main(["--backends", "torch,torch", "--train-backend", "torch", "--train-steps", "2", "--batches", "1",
-                  "--out", str(tmp_path), "model=tiny", "train.seq_length=64", "train.micro_batch_size=2",
-                  "train.global_batch_size=2", "train.train_iters=10", "optim.warmup_iters=1"])
-    assert rc == 0
+    """The whole script on CPU (model=tiny; its own process, as users run it): a trained probe state, two torch
+    arms, bitwise-equal gradients."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "scripts/grad_match.py", "--backends", "torch,torch", "--train-backend", "torch",
+                        "--train-steps", "2", "--batches", "1", "--out", str(tmp_path), "model=tiny",
+                        "train.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2",
+                        "train.train_iters=10", "optim.warmup_iters=1"], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((tmp_path / "grad_match_torch_vs_torch.json").read_text())
     assert res["train_steps"] == 2 and len(res["train_loss"]) == 2
     assert res["probe_loss"]["torch"] == res["probe_loss"]["torch#2"]
