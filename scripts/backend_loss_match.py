@@ -177,19 +177,11 @@ def verdict(cmp: dict, tol: dict) -> bool:
     return bool(cmp["all_finite"] and cmp["mean_rel_diff"] <= tol["mean_rtol"] and cmp["max_rel_diff"] <= tol["max_rtol"])
 
 
-def _unwrap(model):
-    """The MambaModel inside Megatron DDP (and Float16Module on bf16)."""
-    m = model
-    while hasattr(m, "module"):
-        m = m.module
-    return m
-
-
 def weights_snapshot(model) -> dict:
     """name -> CPU copy of every floating-point parameter and buffer (exact values, original dtype)."""
     import torch
 
-    return {k: v.detach().to("cpu", copy=True) for k, v in _unwrap(model).state_dict().items()
+    return {k: v.detach().to("cpu", copy=True) for k, v in bl.unwrap_model(model).state_dict().items()
             if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
 
@@ -269,7 +261,7 @@ def _run(a, cfg) -> dict | None:
             init = weights_snapshot(model)
             if init_ref is None:
                 init_ref = init
-                n_params = sum(p.numel() for p in _unwrap(model).parameters())
+                n_params = sum(p.numel() for p in bl.unwrap_model(model).parameters())
             else:
                 equal, worst, where = snapshot_diff(init_ref, init)
                 if not equal:

@@ -132,6 +132,14 @@ def parse_args_with_overrides(parser, argv=None):
     return a
 
 
+def unwrap_model(model):
+    """The MambaModel inside megatron DDP (and Float16Module on bf16)."""
+    m = model
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
 def arm_labels(backends: Sequence[str]) -> list[str]:
     """Unique labels for arms; a backend listed twice (A-vs-A control) becomes 'name', 'name#2'."""
     seen: dict[str, int] = defaultdict(int)

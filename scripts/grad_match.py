@@ -120,17 +120,10 @@ def compare(g: dict, ref: dict) -> dict:
     return {"groups": dict(sorted(groups.items())), "params": per_param}
 
 
-def _unwrap(model):
-    m = model
-    while hasattr(m, "module"):
-        m = m.module
-    return m
-
-
 def grads(model) -> dict:
     """name -> fp32 copy of each parameter's gradient (megatron DDP's main_grad, else .grad)."""
     out = {}
-    for name, p in _unwrap(model).named_parameters():
+    for name, p in bl.unwrap_model(model).named_parameters():
         g = getattr(p, "main_grad", None)
         if g is None:
             g = p.grad
@@ -197,7 +190,7 @@ def _run(a, cfg) -> dict:
     tctx = dataclasses.replace(ctx, data_iterator=iter(train_batches))
     for _ in range(a.train_steps):
         res["train_loss"].append(T.train_step(tctx)["loss"])
-    state = {k: v.detach().clone() for k, v in _unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
+    state = {k: v.detach().clone() for k, v in bl.unwrap_model(model).state_dict().items() if isinstance(v, torch.Tensor)}
     ctx.model = ctx.optimizer = ctx.scheduler = None
     del model, optimizer, scheduler, tctx
     gc.collect()
@@ -211,7 +204,7 @@ def _run(a, cfg) -> dict:
             cfg.kernels.backend = name
         initialize_parallel(cfg)
         m, opt, sch = T.build_model_and_optimizer(plan, cfg)
-        missing, unexpected = _unwrap(m).load_state_dict(state, strict=False)
+        missing, unexpected = bl.unwrap_model(m).load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"arm {label}: state mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
