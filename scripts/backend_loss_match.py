@@ -43,9 +43,7 @@ import argparse
 import dataclasses
 import gc
 import math
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -124,10 +122,7 @@ def compose_cfg(a):
         if "optim.warmup_iters" not in user_keys:  # the schedule must fit a short run: warm up over the first 20%
             cfg.optim.warmup_iters = min(int(cfg.optim.warmup_iters), int(cfg.train.train_iters) // 5)
         cfg.kernels.backend = a.arms[0]
-        cfg.logger.wandb.mode = "disabled"
-        cfg.checkpoint.load = "none"
-        cfg.checkpoint.interval = 0
-        cfg.checkpoint.save_on_exit = False
+    bl.detach_from_run_state(cfg)
     if a.steps > int(cfg.train.train_iters):
         from nano_hybrid.config import ConfigError
 
@@ -203,18 +198,9 @@ def snapshot_diff(a: dict, b: dict) -> tuple[bool, float, str | None]:
 
 # ------------------------------------------------------------------------------------------ run
 def run(a) -> dict | None:
-    from omegaconf import open_dict
-
     cfg = compose_cfg(a)
-    own_run_dir = cfg.run_dir is None
-    if own_run_dir:  # setup() writes config.yaml there; removed at the end
-        with open_dict(cfg):
-            cfg.run_dir = tempfile.mkdtemp(prefix="nano_hybrid_loss_match_")
-    try:
+    with bl.scratch_run_dir(cfg, "nano_hybrid_loss_match_"):
         return _run(a, cfg)
-    finally:
-        if own_run_dir:
-            shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
 def _run(a, cfg) -> dict | None:

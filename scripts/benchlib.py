@@ -15,6 +15,7 @@ importing this module never touches CUDA.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -22,7 +23,9 @@ import os
 import platform
 import random
 import re
+import shutil
 import subprocess
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -130,6 +133,34 @@ def parse_args_with_overrides(parser, argv=None):
     if isinstance(getattr(a, "backends", None), str):
         a.arms = [b.strip() for b in a.backends.split(",") if b.strip()]
     return a
+
+
+def detach_from_run_state(cfg) -> None:
+    """No W&B run, no checkpoint loaded, none saved: a measurement must neither read nor touch a real run's state."""
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.logger.wandb.mode = "disabled"
+        cfg.checkpoint.load = "none"
+        cfg.checkpoint.interval = 0
+        cfg.checkpoint.save_on_exit = False
+
+
+@contextlib.contextmanager
+def scratch_run_dir(cfg, prefix: str):
+    """A temporary ``cfg.run_dir`` (setup() writes config.yaml there) for the ``with`` block, removed afterwards;
+    a run_dir the user set is kept as it is."""
+    from omegaconf import open_dict
+
+    own = cfg.run_dir is None
+    if own:
+        with open_dict(cfg):
+            cfg.run_dir = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield cfg.run_dir
+    finally:
+        if own:
+            shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
 def unwrap_model(model):

@@ -37,9 +37,7 @@ import gc
 import json
 import math
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -139,19 +137,10 @@ def run(a) -> dict:
 
     cfg = compose(a.overrides)
     with open_dict(cfg):
-        cfg.logger.wandb.mode = "disabled"
-        cfg.checkpoint.load = "none"
-        cfg.checkpoint.interval = 0
-        cfg.checkpoint.save_on_exit = False
         cfg.kernels.backend = a.train_backend
-        own_run_dir = cfg.run_dir is None
-        if own_run_dir:
-            cfg.run_dir = tempfile.mkdtemp(prefix="nano_hybrid_grad_match_")
-    try:
+    bl.detach_from_run_state(cfg)
+    with bl.scratch_run_dir(cfg, "nano_hybrid_grad_match_"):
         return _run(a, cfg)
-    finally:
-        if own_run_dir:
-            shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
 
 def _run(a, cfg) -> dict:
