@@ -613,6 +613,14 @@ def test_gpu_nano_vs_fp32_reference_and_mamba_ssm(with_seq):
     _close(unf[0], got[0], 1e-2, "unfused vs fused out")
 
 
+def _close_to_v1(got, v1, variant: str) -> None:
+    """A forward variant's outputs against v1's: same dtypes and shapes; dt_out / dA_cumsum / final_states / states
+    within 1e-6 / 1e-5 / 1e-3 / 1e-2, out / out_x within 1e-2 (of v1's scale)."""
+    for i, tol in ((2, 1e-6), (3, 1e-5), (5, 1e-3), (4, 1e-2), (0, 1e-2), (1, 1e-2)):
+        assert got[i].dtype == v1[i].dtype and got[i].shape == v1[i].shape, _FWD_NAMES[i]
+        _close(got[i], v1[i], tol, f"{_FWD_NAMES[i]} {variant} vs v1")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("with_seq", [False, True])
@@ -627,9 +635,7 @@ def test_gpu_nano_variant_v5_matches_v1(with_seq):
     args = (inp["x"], dts, inp["A"], inp["B"], inp["C"], md["c"])
     v1 = sh.ssd_forward_helion(*args, variant="v1", **kw)
     v5 = sh.ssd_forward_helion(*args, variant="v5", **kw)
-    for i, tol in ((2, 1e-6), (3, 1e-5), (5, 1e-3), (4, 1e-2), (0, 1e-2), (1, 1e-2)):
-        assert v5[i].dtype == v1[i].dtype and v5[i].shape == v1[i].shape, _FWD_NAMES[i]
-        _close(v5[i], v1[i], tol, f"{_FWD_NAMES[i]} v5 vs v1")
+    _close_to_v1(v5, v1, "v5")
     ref = _fp32_forward_ref(args, kw)
     _close(v5[2], ref[2], 1e-5, "dt_out vs fp32")
     _close(v5[3], ref[3], 1e-4, "dA_cumsum vs fp32")
@@ -652,9 +658,7 @@ def test_gpu_nano_variants_v8_v9_v10(variant):
     args = (inp["x"], dts, inp["A"], inp["B"], inp["C"], md["c"])
     v1 = sh.ssd_forward_helion(*args, variant="v1", **kw)
     got = sh.ssd_forward_helion(*args, variant=variant, **kw)
-    for i, tol in ((2, 1e-6), (3, 1e-5), (5, 1e-3), (4, 1e-2), (0, 1e-2), (1, 1e-2)):
-        assert got[i].dtype == v1[i].dtype and got[i].shape == v1[i].shape, _FWD_NAMES[i]
-        _close(got[i], v1[i], tol, f"{_FWD_NAMES[i]} {variant} vs v1")
+    _close_to_v1(got, v1, variant)
     ref = _fp32_forward_ref(args, kw)
     _close(got[0], ref[0], 2e-2, "out vs fp32")
     _close(got[1], ref[1], 2e-2, "out_x vs fp32")
