@@ -247,11 +247,13 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    from kernels.registry import BackendUnavailableError, KernelSwitchError, UnknownBackendError
     from nano_hybrid.config import ConfigError
+    from nano_hybrid.data import DataConfigError
 
     try:
         res = run(a)
-    except ConfigError as e:
+    except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError, KernelSwitchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(a.out) if a.out else bl.default_out_dir()

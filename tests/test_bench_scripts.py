@@ -727,3 +727,11 @@ def test_fast_modules_markdown_reports_power_state_and_diag():
     assert "round timing 11.508 ms per step, per-call events 11.546 ms" in md
     assert "kernels 10989 us, span 11226 us, idle 238 us per step; stalling runtime calls none" in md
     assert "attention_unfused:" not in md  # nothing to say about a layer timed without sampling or --diag
+
+
+def test_grad_match_bad_backend_is_one_error_line_before_work(capsys):
+    import grad_match as gm
+
+    assert gm.main(["--backends", "torch,nope", "--train-backend", "torch", "model=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: unknown kernel backend 'nope'; choose one of: torch, mamba_ssm, helion"]
