@@ -40,12 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchlib as bl  # noqa: E402
+from nano_hybrid import benchlib as bl
 
 GPU_DEFAULTS = ["model=nano30b_slice", "data=mock", "train.micro_batch_size=2", "train.global_batch_size=2",
                 "train.seq_length=8192"]

@@ -47,12 +47,8 @@ import sys
 import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchlib as bl  # noqa: E402
+from nano_hybrid import benchlib as bl
 
 DEFAULTS = ["model=tiny"]
 CPU_DEFAULTS = ["model=tiny", "train.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2"]

@@ -29,11 +29,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
 
-import benchlib as bl  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from nano_hybrid import benchlib as bl
 
 
 @dataclass(frozen=True)

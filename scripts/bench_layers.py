@@ -26,12 +26,8 @@ import argparse
 import sys
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchlib as bl  # noqa: E402
+from nano_hybrid import benchlib as bl
 
 KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 

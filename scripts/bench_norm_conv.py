@@ -36,7 +36,6 @@ import traceback
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
@@ -95,8 +94,7 @@ def profile_calls(fn, n_calls):
 
     if not torch.cuda.is_available():
         return {"skipped": "needs a CUDA GPU"}
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import benchlib
+    from nano_hybrid import benchlib
 
     fn()
     torch.cuda.synchronize()

@@ -22,10 +22,8 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import benchlib as bl  # noqa: E402
+from nano_hybrid import benchlib as bl
 import bench_kernels  # noqa: E402
 
 

@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib
 warnings.filterwarnings("ignore")
 
 TARGET_MS = {"attention": 11.0, "moe": 22.0}
@@ -135,7 +133,7 @@ def _sdpa_ctx(backends):
 def _profile_top(step, n_iters=2, top=20) -> dict:
     """Top CUDA kernels of ``step`` by device time per iteration (benchlib's torch.profiler table),
     plus the device span / busy / idle time per iteration over back-to-back steps."""
-    import benchlib as bl
+    from nano_hybrid import benchlib as bl
 
     t = bl.profile_device_table(step, n_iters)
     return {"rows": t["rows"][:top], **{k: t.get(k) for k in ("total_us_per_iter", "span_us_per_iter",
@@ -168,7 +166,7 @@ def _diagnose(step, iters, rounds) -> dict:
     neighbouring kernels, and the host's stalling CUDA runtime calls; with the round's own event time."""
     import tempfile
 
-    import benchlib as bl
+    from nano_hybrid import benchlib as bl
     from torch.profiler import ProfilerActivity, profile
 
     whole, per_call = [], []
@@ -227,7 +225,7 @@ def _time_layer(overrides, idx, mb, seq, iters, warmup, profile_top, diag=False)
     torch.cuda.reset_peak_memory_stats()
     # ROUNDS rounds of `iters` back-to-back steps (the host enqueues ahead, as in training, so the
     # per-layer Python launch latency is not added to every iteration); ms per step = round / iters
-    import benchlib as bl
+    from nano_hybrid import benchlib as bl
 
     with bl.SmiSampler(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]) as smi:
         times = sorted(_round_ms(step, iters) for _ in range(ROUNDS))

@@ -40,12 +40,8 @@ import re
 import sys
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import benchlib as bl
+from nano_hybrid import benchlib as bl
 
 # (group, regex on the parameter name), first match wins
 GROUPS = [

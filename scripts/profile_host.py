@@ -25,12 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parent.parent
-for p in (str(_ROOT), str(_ROOT / "scripts")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-import benchlib as bl  # noqa: E402
+from nano_hybrid import benchlib as bl
 import bench_kernels as bk  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")

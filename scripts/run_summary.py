@@ -22,8 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from nano_hybrid import benchlib as bl
 
 
 def load_metrics(run_dir: Path | str) -> list[dict]:

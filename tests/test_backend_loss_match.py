@@ -19,8 +19,6 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
 
 import backend_loss_match as blm  # noqa: E402
 

@@ -15,10 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
 
-import benchlib as bl  # noqa: E402
+from nano_hybrid import benchlib as bl
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
 import compare_runs as cr  # noqa: E402
 
 
