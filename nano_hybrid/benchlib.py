@@ -247,13 +247,13 @@ def _git_commit() -> str | None:
 
 
 def default_out_dir() -> Path:
-    """$OUT if set, else benchmarks/results/<gpu> (h200 on an H200)."""
+    """$OUT if set, else runs/bench/<gpu> (h200 on an H200)."""
     if os.environ.get("OUT"):
         return Path(os.environ["OUT"])
     import torch
 
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return REPO_ROOT / "benchmarks" / "results" / gpu_slug(name)
+    return REPO_ROOT / "runs" / "bench" / gpu_slug(name)
 
 
 def write_results(out_dir: Path | str, stem: str, data: dict, markdown: str) -> tuple[Path, Path]:

@@ -27,7 +27,7 @@ Method:
   bound on what any kernel backend can gain end to end (kernel names: mamba_ssm's Triton/CUDA kernels;
   Helion kernels are matched by their generated ``_helion_`` names).
 - Under torchrun, step time is the max over ranks (every rank times the same steps) and rank 0 writes.
-Writes ab_step_time_<model>_<arms>[_<world>gpu].json (+ .md) to $OUT (default benchmarks/results/<gpu>).
+Writes ab_step_time_<model>_<arms>[_<world>gpu].json (+ .md) to $OUT (default runs/bench/<gpu>).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def parse_args(argv=None):
                    help="diagnostic (CUDA): after each arm's step profile, profile the mixer op alone "
                         "(scripts/bench_kernels.py MixerOp, fwd+bwd at the model's mixer shape) in this process")
     p.add_argument("--n-boot", type=int, default=2000)
-    p.add_argument("--out", default=None, help="output dir (default $OUT or benchmarks/results/<gpu>)")
+    p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output files")
     a = bl.parse_args_with_overrides(p, argv)
     if len(a.arms) < 2:

@@ -33,7 +33,7 @@ Method:
   dtype (see TOLERANCES; override with --mean-rtol / --max-rtol). Listing the first backend twice
   (e.g. torch,helion,torch) adds an A-vs-A control: it shows what the harness / run-to-run
   nondeterminism alone gives (bitwise equal on CPU).
-Writes backend_loss_match_<model>_<arms>_<dtype>.json (+ .md) to $OUT (default benchmarks/results/<gpu or cpu>).
+Writes backend_loss_match_<model>_<arms>_<dtype>.json (+ .md) to $OUT (default runs/bench/<gpu or cpu>).
 Exit code: 0 all arms pass, 1 some arm fails the tolerance, 2 bad input.
 """
 
@@ -87,7 +87,7 @@ def parse_args(argv=None):
                    help="max allowed mean relative loss difference (default: by dtype, see TOLERANCES)")
     p.add_argument("--max-rtol", type=float, default=None,
                    help="max allowed largest relative loss difference (default: by dtype)")
-    p.add_argument("--out", default=None, help="output dir (default $OUT or benchmarks/results/<gpu or cpu>)")
+    p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu or cpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output files")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     a = bl.parse_args_with_overrides(p, argv)

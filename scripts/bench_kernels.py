@@ -19,7 +19,7 @@ for N calls with CUDA events, in ABBA order. Reported: medians per arm and op, t
 median(A)/median(B) with a 95% bootstrap interval, and the control A/A#2 (its distance from 1.0 is
 the noise floor). A correctness check (B against A, relative L2 error of output and all gradients)
 runs before timing. The kernel table comes from torch.profiler over --profile-iters iterations.
-Writes ``kernels_<A>[_vs_<B>]_<shape>.json`` and ``.md`` to $OUT (default benchmarks/results/<gpu>).
+Writes ``kernels_<A>[_vs_<B>]_<shape>.json`` and ``.md`` to $OUT (default runs/bench/<gpu>).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10, help="timed calls per arm, op and round")
     p.add_argument("--profile-iters", type=int, default=5, help="iterations under torch.profiler (0: skip)")
     p.add_argument("--no-control", action="store_true", help="skip the A-vs-A control arm")
-    p.add_argument("--out", default=None, help="output dir (default $OUT or benchmarks/results/<gpu>)")
+    p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     for k in ("warmup", "profile_iters"):

@@ -17,7 +17,7 @@ at a time on random hidden states [seq, batch, hidden] (CUDA events, medians). "
 (model.hybrid_override_pattern of the composed config: 23 M, 23 E, 6 * for nano30b).
 With several backends, the M layer runs once per backend per round (ABBA order, plus an A-vs-A
 control); the projected 52-layer speedup of backend B is est_A / est_B (E, *, rest shared).
-Writes layers_<model>_<backends>.json (+ .md) to $OUT (default benchmarks/results/<gpu>).
+Writes layers_<model>_<backends>.json (+ .md) to $OUT (default runs/bench/<gpu>).
 """
 
 from __future__ import annotations

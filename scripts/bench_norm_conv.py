@@ -1,6 +1,6 @@
 """Side-by-side on one GPU: mamba-ssm gated RMSNorm vs Helion, causal-conv1d CUDA vs Helion (fwd and bwd).
 
-    OUT=benchmarks/results/h200 python scripts/bench_norm_conv.py --rounds 5
+    python scripts/bench_norm_conv.py --rounds 5
     # conv1d only, backward kernel variants v1 and v3 each against causal-conv1d:
     OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-bwd-variants v1,v3
     # conv1d forward kernel variants v1, v2 each against causal-conv1d (no_grad forward, checked):
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
         print("bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
         return 2
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))  # wheelhouse README
-    out_dir = Path(os.environ.get("OUT", "benchmarks/results/h200"))
+    out_dir = Path(os.environ.get("OUT", "runs/bench/h200"))
     out_dir.mkdir(parents=True, exist_ok=True)
     versions = {}
     for mod in ("torch", "triton", "helion", "mamba_ssm", "causal_conv1d"):

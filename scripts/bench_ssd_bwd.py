@@ -8,7 +8,7 @@ the Nano shape, TP=2 (h=32, g=4) and seqlen 4096 x batch 4, without retuning for
 The fp32-reference correctness check at the Nano shape is the GPU pytest
 (tests/test_ssd_helion_bwd.py / tests/test_mamba_split_helion.py, marked gpu).
 
-    OUT=benchmarks/results/h200 python scripts/bench_ssd_bwd.py [--shapes nano,tp2,l4096b4] [--rounds 6]
+    python scripts/bench_ssd_bwd.py [--shapes nano,tp2,l4096b4] [--rounds 6]
 
 Writes ``kernels_mamba_ssm_vs_helion_<shape>.json/.md`` per shape and ``ssd_bwd_summary.json`` to $OUT
 (baseline 5.44 ms for split fwd+bwd + norm fwd+bwd at nano on H200; target >= 1.6x).

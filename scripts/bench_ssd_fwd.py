@@ -7,7 +7,7 @@ the whole SSD forward), arms [mamba_ssm, helion, mamba_ssm#2] run in alternating
 control. Reports medians, p10/p90, speedup = median(mamba)/median(helion) with a bootstrap CI, and
 the control's ratio. Correctness: the whole forward of both backends vs an fp32 torch reference.
 
-    OUT=benchmarks/results/h200 python3 scripts/bench_ssd_fwd.py [--shapes nano,...] [--rounds 5 --iters 10]
+    python3 scripts/bench_ssd_fwd.py [--shapes nano,...] [--rounds 5 --iters 10]
 
 Writes $OUT/ssd_fwd_bench.json and .md (GPU name, versions, shapes, date).
 """

@@ -28,7 +28,7 @@ Correctness: candidate vs v1 outputs (max abs err / max |v1|) on the same inputs
 Configs: v1 uses kernels/configs/<arch>/, v2 its tuned file if present, else its generic default
 (tune first: ``python scripts/tune_kernels.py --kernels ssd_bwd_dbc_v2,ssd_bwd_dz_dstates_v2,ssd_chunk_scan_v2``).
 
-    OUT=benchmarks/results/h200 python scripts/bench_ssd_variants.py [--shape nano] [--rounds 5 --iters 10] [--variant v3]
+    python scripts/bench_ssd_variants.py [--shape nano] [--rounds 5 --iters 10] [--variant v3]
 
 Writes $OUT/ssd_variants_bench.json and .md (``ssd_variants_bench_v3.*`` for v3).
 """

@@ -1,6 +1,6 @@
 """GPU check + timing of the production-speed attention and MoE layers (one GPU, bf16).
 
-    OUT=benchmarks/results/h200 python scripts/check_fast_modules_gpu.py [--iters 10] [--no-reference-timing]
+    python scripts/check_fast_modules_gpu.py [--iters 10] [--no-reference-timing]
 
 1. Numerics at small shapes (hidden 256, seq 512, 8 experts): whole attention layers (attention_impl
    sdpa vs megatron's unfused DotProductAttention) and whole MoE layers (moe_experts_impl grouped vs
@@ -12,7 +12,7 @@
    attention layer and one MoE layer (the layers as built by nano_hybrid.model.build_model), CUDA
    events, plus peak memory. Targets (issue 6): attention <= 11 ms, MoE <= 22 ms.
 
-Writes ``$OUT/fast_modules.json`` (OUT defaults to benchmarks/results/h200).
+Writes ``$OUT/fast_modules.json`` (OUT defaults to runs/bench/h200).
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ def main() -> int:
     from nano_hybrid.config import compose
     from nano_hybrid.parallel import destroy_parallel, initialize_parallel
 
-    out_dir = Path(os.environ.get("OUT", "benchmarks/results/h200"))
+    out_dir = Path(os.environ.get("OUT", "runs/bench/h200"))
     out_dir.mkdir(parents=True, exist_ok=True)
     initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
     result = {

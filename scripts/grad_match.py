@@ -25,7 +25,7 @@ Method:
   experts, router, embedding, output layer); per group the worst and the norm-weighted values.
 - A backend listed twice gives an A-vs-A control (run-to-run nondeterminism of its kernels).
 
-Writes grad_match_<arms>.json to $OUT (default benchmarks/results/<gpu or cpu>).
+Writes grad_match_<arms>.json to $OUT (default runs/bench/<gpu or cpu>).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--train-backend", default="mamba_ssm", help="backend of the model that trains to the probe state")
     p.add_argument("--train-steps", type=int, default=300, help="optimizer steps before the probe (0: initial weights)")
     p.add_argument("--batches", type=int, default=2, help="global batches whose gradients are summed per arm")
-    p.add_argument("--out", default=None, help="output dir (default $OUT or benchmarks/results/<gpu or cpu>)")
+    p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu or cpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output file")
     a = bl.parse_args_with_overrides(p, argv)
     if len(a.arms) < 2:

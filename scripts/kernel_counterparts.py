@@ -9,7 +9,7 @@ kernels with the largest time in the baseline table (``../shared/baselines/h200-
 benchmark's own elementwise adds and torch reductions are not kernels of the op and are left out), each
 mamba-ssm kernel counted with the ratio of the group it belongs to.
 
-    python scripts/kernel_counterparts.py benchmarks/results/h200/kernels_mamba_ssm_vs_helion_nano.json
+    python scripts/kernel_counterparts.py runs/bench/h200/kernels_mamba_ssm_vs_helion_nano.json
 
 Writes ``<input stem>_counterparts.{json,md}`` beside the input (or to --out).
 """

@@ -27,7 +27,7 @@ def main() -> None:
         "subprocess_off_precompile_fork": {"HELION_AUTOTUNE_BENCHMARK_SUBPROCESS": "0"},
         "subprocess_on": {"HELION_AUTOTUNE_BENCHMARK_SUBPROCESS": "1"},
     }
-    out_dir = os.environ.get("OUT", "benchmarks/results/h200")
+    out_dir = os.environ.get("OUT", "runs/bench/h200")
     os.makedirs(out_dir, exist_ok=True)
     x = torch.randn(16384, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(512, device="cuda", dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ Per backend: ``enqueue_ms`` (host time to issue one op with the queue never drai
 ``wall_ms`` (synchronised time per op over the same calls: max(host, device) when nothing stalls),
 ``device_ms`` (sum of kernel times from torch.profiler), the number of synchronising CUDA runtime
 calls per op (cudaStreamSynchronize, cudaDeviceSynchronize, cudaMemcpy*), and the top host functions
-by own time (cProfile). Writes ``host_profile_<shape>.json`` to $OUT (default benchmarks/results/<gpu>).
+by own time (cProfile). Writes ``host_profile_<shape>.json`` to $OUT (default runs/bench/<gpu>).
 """
 
 from __future__ import annotations

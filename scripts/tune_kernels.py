@@ -9,7 +9,7 @@ then random configs from the bound kernel's config space; each is compiled as a 
 checked against the default config's output and timed in-process (``kernels.tuning.search``).
 Kernels whose raw outputs depend on the config (per-program partial sums of rmsnorm_bwd / conv1d_bwd)
 are compared on their final results (``TuneCase.finalize``: dx, dz, summed dweight/dbias).
-A JSON log with every candidate's outcome goes to $OUT (default benchmarks/results/h200).
+A JSON log with every candidate's outcome goes to $OUT (default runs/bench/h200).
 A failing (kernel, shape) is logged with its traceback and the next one still runs. With more than one
 (kernel, shape) pair each pair is searched in a child process of its own (``--no-isolate`` turns that off): a
 candidate that leaves a sticky CUDA error (e.g. "misaligned address", session 5) ends only its own search, where
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     if not args.no_isolate and len(names) * len(shapes) > 1:
         return _run_isolated(args, names, shapes, per_budget)
 
-    out_dir = Path(os.environ.get("OUT", "benchmarks/results/h200"))
+    out_dir = Path(os.environ.get("OUT", "runs/bench/h200"))
     out_dir.mkdir(parents=True, exist_ok=True)
     arch = tuning.current_arch()
     log = {

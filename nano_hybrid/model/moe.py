@@ -3,8 +3,8 @@
 Megatron's non-fused ``permute`` / ``unpermute`` (``moe_utils``, used when transformer-engine's fused
 permutation is not installed) move tokens with ``index_select`` and ``scatter_add_``: the backward of
 the permutation is an ``index_add_`` of bf16 rows with atomics, and the un-permutation a bf16
-``scatter_add_``. On one H200 at Nano shapes (16k tokens, top-6, hidden 2688) those two kernels took
-3.2 ms of the 27 ms MoE layer (``benchmarks/results/h200/fast_modules_profile.json``).
+``scatter_add_``. On one H200 at Nano shapes (16k tokens, top-6, hidden 2688) those two kernels take
+3.2 ms of a 27 ms MoE layer (``scripts/check_fast_modules_gpu.py --kinds moe``).
 
 When every token is routed to exactly ``topk`` local experts (the dropless all-gather dispatcher with
 all experts on this rank: EP=1, no capacity factor), each token's ``topk`` copies can be found by one

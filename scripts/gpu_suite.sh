@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# The GPU measurements behind benchmarks/*.md, as named stages, on a host with CUDA GPUs:
+#
+#   bash scripts/gpu_suite.sh STAGE [STAGE ...]
+#
+# Stages (each writes its JSON/markdown under $OUT and its log to $OUT/logs/STAGE.log):
+#   tests        pytest -m gpu: every GPU test (kernels against mamba-ssm / causal-conv1d and the fp32 references)
+#   equivalence  scripts/kernel_equivalence.py against the kernels in $REFERENCE_TREE (bitwise outputs and gradients)
+#   kernels      the mixer op A/B (bench_kernels.py, Nano shape, A-vs-A control) and the SSD forward (bench_ssd_fwd.py)
+#   layers       per-layer A/B at Nano widths and the 52-layer projection (bench_layers.py)
+#   step         nano30b_slice training-step A/B (ab_step_time.py)
+#   loss_match   50-step loss match of torch, helion, mamba_ssm (backend_loss_match.py)
+#   data         nano30b_slice on the 131k-BPE stdlib corpus with validation loss (training run)
+#   hf           nano30b_slice exported to Hugging Face and checked against transformers (scripts/hf_check.py)
+#   memory       memory planner against measured peak memory (scripts/plan_vs_measured.py)
+#   convergence  scripts/convergence_ab.sh with recipe $RECIPE (two GPUs: one arm each)
+#   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
+#
+# Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
+# the packages are installed), BACKENDS (default "mamba_ssm,helion" for the A/B stages), REFERENCE_TREE
+# (equivalence), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), STAGE_TIMEOUT (seconds per stage,
+# default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code
+# is the number of failed stages.
+set -u
+cd "$(dirname "$0")/.."
+REPO="$PWD"
+OUT="${OUT:-runs/gpu_suite}"
+mkdir -p "$OUT/logs"
+OUT="$(cd "$OUT" && pwd)"
+export OUT
+BACKENDS="${BACKENDS:-mamba_ssm,helion}"
+A="${BACKENDS%%,*}"
+FAILED=0
+
+if [ "$#" -eq 0 ]; then
+    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+fi
+
+if [ "${SKIP_SETUP:-0}" != "1" ]; then
+    STAGES=("$@")
+    set --  # gpu_setup.sh reads its own arguments
+    # shellcheck source=gpu_setup.sh
+    if ! source scripts/gpu_setup.sh ${WHEELHOUSE:+"$WHEELHOUSE"} > "$OUT/logs/setup.log" 2>&1; then
+        echo "error: GPU setup failed (see $OUT/logs/setup.log)" >&2; tail -n 20 "$OUT/logs/setup.log" >&2; exit 1
+    fi
+    set -- "${STAGES[@]}"
+fi
+export PYTHONPATH="${PYTHONPATH:-$REPO}" PYTHONUNBUFFERED=1
+# mamba-ssm's Triton autotune results are cached with the compiled kernels: a warm cache skips minutes of tuning
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv \
+    > "$OUT/logs/nvidia_smi.csv" 2>&1
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+
+need_gpus() {  # need_gpus N STAGE
+    if [ "$NGPU" -lt "$1" ]; then echo "$2 needs $1 GPUs, this host has $NGPU"; return 1; fi
+}
+
+st_tests() { python3 -m pytest -q -m gpu tests -p no:cacheprovider; }
+st_equivalence() {
+    [ -n "${REFERENCE_TREE:-}" ] || { echo "equivalence needs REFERENCE_TREE (a folder holding the reference kernels/)"; return 2; }
+    python3 scripts/kernel_equivalence.py --reference-tree "$REFERENCE_TREE" --out "$OUT"
+}
+st_kernels() {
+    python3 scripts/bench_kernels.py --backend "$A" --compare "${BACKENDS#*,}" --shape nano --rounds 6 --iters 8 \
+        --out "$OUT" && python3 scripts/bench_ssd_fwd.py --shapes nano --rounds 6 --iters 8 --out "$OUT"
+}
+st_layers() { python3 scripts/bench_layers.py --backends "$BACKENDS" --out "$OUT"; }
+st_step() {
+    python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --warmup 3 --blocks 4 --block-steps 4 --discard 1 \
+        --profile-steps 2 --out "$OUT"
+}
+st_loss_match() { python3 scripts/backend_loss_match.py --backends "torch,${BACKENDS},torch" --out "$OUT"; }
+st_data() {
+    python3 -m nano_hybrid.train recipe=nano30b_slice_h200 kernels.backend=helion train.train_iters=60 \
+        train.eval_interval=20 train.eval_iters=4 run_dir="$OUT/data_nano30b_slice" checkpoint.interval=0 \
+        checkpoint.save_on_exit=false
+}
+st_hf() { python3 scripts/hf_check.py --out "$OUT"; }
+st_memory() { python3 scripts/plan_vs_measured.py --out "$OUT"; }
+st_convergence() {
+    need_gpus 2 convergence || return 1
+    OUT="$OUT" RECIPE="${RECIPE:-convergence_ab_h200_2000_lowlr}" GPUS="0 1" STOP_AT=1000 \
+        RESUME_EXTRA="checkpoint.save_on_exit=false" bash scripts/convergence_ab.sh
+}
+
+# parity: nano30b_slice widths, pattern MEM*E, seq 4096, global batch 4, identical initial weights in every layout
+# (model.use_cpu_initialization=true), lr 2e-4 with 20 warm-up steps. Tolerances, fixed before the runs, relative
+# loss difference per step against the single-GPU run: step 1 <= 2e-3 (same weights and batch, only bf16
+# rounding), every step <= 2% (reduction-order noise), mean <= 0.5% (a missed or doubled reduction shifts the whole
+# curve). The second single-GPU run is the A-vs-A control: reported, never failing.
+st_parity() {
+    need_gpus 2 parity || return 1
+    local steps=50 rc=0 name nproc
+    local common=(model=nano30b_slice "model.hybrid_override_pattern=MEM*E" model.use_cpu_initialization=true
+        kernels.backend="$A" data=default train.seq_length=4096 train.global_batch_size=4 train.train_iters=$steps
+        train.precision=bf16 train.device=cuda optim=adamw_wsd optim.lr=2e-4 optim.min_lr=2e-5 optim.warmup_iters=20
+        seed=1234 checkpoint.interval=0 checkpoint.save_on_exit=false checkpoint.load=none logger.wandb.mode=disabled)
+    for spec in "single 1 parallel=single train.micro_batch_size=4" "single_b 1 parallel=single train.micro_batch_size=4" \
+                "dp2 2 parallel=dp2 train.micro_batch_size=2" "tp2 2 parallel=tp2 train.micro_batch_size=4" \
+                "ep2 2 parallel=ep2 train.micro_batch_size=2"; do
+        read -r name nproc extra <<< "$spec"
+        rm -rf "$OUT/parity_$name"
+        if [ "$nproc" -eq 1 ]; then
+            python3 -m nano_hybrid.train "${common[@]}" $extra run_dir="$OUT/parity_$name" || rc=1
+        else
+            torchrun --standalone --nproc-per-node "$nproc" -m nano_hybrid.train "${common[@]}" $extra \
+                run_dir="$OUT/parity_$name" || rc=1
+        fi
+    done
+    for name in single_b dp2 tp2 ep2; do
+        python3 scripts/run_summary.py "$OUT/parity_$name" --ref "$OUT/parity_single" --steps $steps --rtol 0.02 \
+            --rtol-first 2e-3 --mean-rtol 0.005 --label "$name vs single" --out "$OUT/parity_${name}_vs_single.json" \
+            || { [ "$name" = single_b ] || rc=1; }
+    done
+    return $rc
+}
+
+export A BACKENDS NGPU
+export -f need_gpus $(declare -F | awk '$3 ~ /^st_/ {print $3}')
+printf 'stage\trc\tseconds\n' > "$OUT/stages.tsv"
+for stage in "$@"; do
+    if ! declare -F "st_$stage" > /dev/null; then
+        echo "error: unknown stage '$stage' (see: bash scripts/gpu_suite.sh)" >&2; exit 2
+    fi
+done
+for stage in "$@"; do
+    echo "=== [$stage] $(date -u +%H:%M:%S)"
+    t0=$(date +%s)
+    timeout --signal=TERM --kill-after=15 "${STAGE_TIMEOUT:-900}" bash -c "st_$stage" > "$OUT/logs/$stage.log" 2>&1
+    rc=$?
+    printf '%s\t%s\t%s\n' "$stage" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/stages.tsv"
+    tail -n 15 "$OUT/logs/$stage.log"
+    if [ "$rc" -ne 0 ]; then
+        FAILED=$((FAILED + 1))
+        { echo "stage $stage failed: exit code $rc"; tail -n 150 "$OUT/logs/$stage.log"; } > "$OUT/$stage.FAILED"
+        echo "[$stage] FAILED (rc $rc): $OUT/$stage.FAILED"
+    fi
+done
+cat "$OUT/stages.tsv"
+exit "$FAILED"
