@@ -165,7 +165,7 @@ def compose_cfg(a):
 def isolated_op_profile(cfg, plan, backend, iters: int) -> dict:
     """The mixer op (fused split-conv1d-scan + gated norm, fwd+bwd) alone at the model's mixer shape,
     profiled in the step's process: separates "the kernel is slow in this process" from "the kernel
-    is slow inside the step" (see docs/GPU_RUNBOOK.md, the step/op gap)."""
+    is slow inside the step"."""
     import torch
 
     import bench_kernels as bk

@@ -37,6 +37,14 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
+KNOWN="tests equivalence kernels layers step loss_match data hf memory convergence parity"
+for stage in "$@"; do
+    case " $KNOWN " in
+        *" $stage "*) ;;
+        *) echo "error: unknown stage '$stage' (known: $KNOWN)" >&2; exit 2 ;;
+    esac
+done
+
 if [ "${SKIP_SETUP:-0}" != "1" ]; then
     STAGES=("$@")
     set --  # gpu_setup.sh reads its own arguments
@@ -120,11 +128,6 @@ st_parity() {
 export A BACKENDS NGPU
 export -f need_gpus $(declare -F | awk '$3 ~ /^st_/ {print $3}')
 printf 'stage\trc\tseconds\n' > "$OUT/stages.tsv"
-for stage in "$@"; do
-    if ! declare -F "st_$stage" > /dev/null; then
-        echo "error: unknown stage '$stage' (see: bash scripts/gpu_suite.sh)" >&2; exit 2
-    fi
-done
 for stage in "$@"; do
     echo "=== [$stage] $(date -u +%H:%M:%S)"
     t0=$(date +%s)

@@ -1,4 +1,4 @@
-"""What scripts/gpu_2gpu.sh relies on to compare DP2/TP2/EP2 with one GPU: layout-invariant initial
+"""What `scripts/gpu_suite.sh parity` relies on to compare DP2/TP2/EP2 with one GPU: layout-invariant initial
 weights (``model.use_cpu_initialization``) and run_summary.py's loss check (max, first-step, mean).
 
 Two gloo ranks (CPU, where the host init is always on) build model=tiny under dp2, tp2 (+SP) and ep2;
@@ -185,7 +185,7 @@ def test_switch_reaches_megatron_config():
 
 
 def test_run_summary_mean_rtol_criterion(tmp_path):
-    """--mean-rtol adds a mean-per-step criterion to the max and first-step ones (gpu_2gpu.sh uses all 3)."""
+    """--mean-rtol adds a mean-per-step criterion to the max and first-step ones (the parity stage of gpu_suite.sh uses all 3)."""
     import importlib.util
     import json
     from pathlib import Path
@@ -219,7 +219,7 @@ def test_tp2_sp_training_matches_single_process(tmp_path):
     whole experts but route different sequence shards through them, so the expert grads must be summed
     over the TP ranks (the expert-data-parallel group). When they were not (megatron's ``allreduce``
     rule keyed on EP > 1 only) the grad norm was off at step 1 (0.6%), the loss from step 3 (0.1%,
-    then 0.3-1%), as in the GPU runs of scripts/gpu_2gpu.sh.
+    then 0.3-1%), as in the GPU runs of `scripts/gpu_suite.sh parity`.
     """
     import json
     import subprocess
