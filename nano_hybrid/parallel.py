@@ -131,8 +131,14 @@ def validate_parallel(cfg: DictConfig, world_size: int) -> dict:
             "tensor_model_parallel_size")
     elif ep > 1 or etp > 1:
         errors.append(f"expert_model_parallel_size={ep} / expert_tensor_parallel_size={etp} but the model has no MoE layers")
-    if sp:
-        div("seq_length", m["seq_length"], tp, "tensor_model_parallel_size (sequence parallel)")
+    if sp:  # the run's sequence length (train.seq_length, at most model.seq_length) is what gets split
+        train_cfg = cfg.get("train")
+        seq = train_cfg.get("seq_length") if train_cfg is not None else None
+        if seq is None:
+            div("seq_length", m["seq_length"], tp, "tensor_model_parallel_size (sequence parallel)")
+        elif int(seq) % tp:
+            errors.append(f"train.seq_length={seq} is not divisible by tensor_model_parallel_size={tp} "
+                          "(sequence parallel)")
     if errors:
         raise ConfigError("invalid parallel layout: " + "; ".join(errors))
     dp = world_size // (tp * pp * cp)

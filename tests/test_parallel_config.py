@@ -72,9 +72,14 @@ def test_unknown_parallel_key_rejected():
         validate_parallel(_cfg("+parallel.data_parallel_size=2"), 2)
 
 
-def test_sequence_parallel_length_checked():
-    with pytest.raises(ConfigError, match=r"seq_length=255 is not divisible by tensor_model_parallel_size \(sequence parallel\)=2"):
+def test_sequence_parallel_checks_the_runs_sequence_length():
+    msg = r"train.seq_length=255 is not divisible by tensor_model_parallel_size=2 \(sequence parallel\)"
+    with pytest.raises(ConfigError, match=msg):
         validate_parallel(compose(["model=tiny", "parallel=tp2", "model.seq_length=255"]), 2)
+    with pytest.raises(ConfigError, match=msg):  # the model allows 256, the run splits 255 tokens
+        validate_parallel(compose(["model=tiny", "parallel=tp2", "model.seq_length=256", "train.seq_length=255"]), 2)
+    # the run's 254 tokens split evenly even though the model's maximum (255) would not
+    assert validate_parallel(compose(["model=tiny", "parallel=tp2", "model.seq_length=255", "train.seq_length=254"]), 2)["dp"] == 1
 
 
 def test_initialize_single_process():
