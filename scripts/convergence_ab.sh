@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Convergence A/B (issue 8): the same recipe, seed and data once per kernel backend, each run stopped with
+# Convergence A/B: the same recipe, seed and data once per kernel backend, each run stopped with
 # SIGTERM after STOP_AT steps (it finishes the step, saves a checkpoint, exits 0) and resumed with the
 # same command; then scripts/compare_runs.py overlays the two loss curves.
 #   GPUS="0 1" bash scripts/convergence_ab.sh [extra Hydra overrides]    (both arms at once on two GPUs)
