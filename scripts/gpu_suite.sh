@@ -7,6 +7,7 @@
 #   tests        pytest -m gpu: every GPU test (kernels against mamba-ssm / causal-conv1d and the fp32 references)
 #   equivalence  scripts/kernel_equivalence.py against the kernels in $REFERENCE_TREE (bitwise outputs and gradients)
 #   kernels      the mixer op A/B (bench_kernels.py, Nano shape, A-vs-A control) and the SSD forward (bench_ssd_fwd.py)
+#   peer         the SSD forward against the fused peer kernel in $PEER_FILE at four shapes (bench_ssd_peer.py)
 #   layers       per-layer A/B at Nano widths and the 52-layer projection (bench_layers.py)
 #   step         nano30b_slice training-step A/B (ab_step_time.py)
 #   loss_match   50-step loss match of torch, helion, mamba_ssm (backend_loss_match.py)
@@ -18,7 +19,7 @@
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
 # the packages are installed), BACKENDS (default "mamba_ssm,helion" for the A/B stages), REFERENCE_TREE
-# (equivalence), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), STAGE_TIMEOUT (seconds per stage,
+# (equivalence), PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), STAGE_TIMEOUT (seconds per stage,
 # default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code
 # is the number of failed stages.
 set -u
@@ -37,7 +38,7 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
-KNOWN="tests equivalence kernels layers step loss_match data hf memory convergence parity"
+KNOWN="tests equivalence kernels peer layers step loss_match data hf memory convergence parity"
 for stage in "$@"; do
     case " $KNOWN " in
         *" $stage "*) ;;
@@ -73,6 +74,10 @@ st_equivalence() {
 st_kernels() {
     python3 scripts/bench_kernels.py --backend "$A" --compare "${BACKENDS#*,}" --shape nano --rounds 6 --iters 8 \
         --out "$OUT" && python3 scripts/bench_ssd_fwd.py --shapes nano --rounds 6 --iters 8 --out "$OUT"
+}
+st_peer() {
+    [ -n "${PEER_FILE:-}" ] || { echo "peer needs PEER_FILE (the fork's ssd_fused5.py)"; return 2; }
+    python3 scripts/bench_ssd_peer.py --peer-file "$PEER_FILE" --out "$OUT"
 }
 st_layers() { python3 scripts/bench_layers.py --backends "$BACKENDS" --out "$OUT"; }
 st_step() {
