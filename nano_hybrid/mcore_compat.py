@@ -54,6 +54,22 @@ def apply_mcore_compat() -> None:
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
 
+        # tensor_parallel/random.py:636 sets `self.fp8 = fp8 is not None`, so the default
+        # CheckpointWithoutOutput() (fp8=False) takes transformer-engine's fp8 path, which raises
+        # NameError on FP8GlobalStateManager without TE (random.py:589). The layernorm recompute of
+        # TransformerLayer (transformer_layer.py:577, :672) constructs it that way. Without TE, use
+        # a subclass whose fp8 flag is the argument's truth value.
+        import megatron.core.tensor_parallel as mcore_tp
+        import megatron.core.tensor_parallel.random as tp_random
+
+        if not tp_random.HAVE_TE and mcore_tp.CheckpointWithoutOutput is tp_random.CheckpointWithoutOutput:
+            class CheckpointWithoutOutputNoTE(tp_random.CheckpointWithoutOutput):
+                def __init__(self, fp8=False):
+                    super().__init__(fp8)
+                    self.fp8 = bool(fp8)
+
+            mcore_tp.CheckpointWithoutOutput = CheckpointWithoutOutputNoTE
+
         if not cuda_available():
             # CPU-only builds: megatron calls torch.cuda.current_device() for devices of new tensors
             # (ssm/mamba_mixer.py:303-360, utils.py:631 GlobalMemoryBuffer, moe/router.py:90 moves

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from nano_hybrid import mcore_compat
 from nano_hybrid.config import ConfigError
-from nano_hybrid.model.config import make_transformer_config, model_dict, padded_vocab_size
+from nano_hybrid.model.config import make_transformer_config, model_dict, padded_vocab_size, recompute_settings
 
 
 def default_device() -> torch.device:
@@ -69,6 +69,7 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
 
     m = model_dict(cfg.model)
     tcfg = make_transformer_config(cfg, device=device, dtype=dtype)
+    recompute, recompute_modules = recompute_settings(m)
     spec = hybrid_stack_spec(
         backend,
         attention_impl=m.get("attention_impl", "sdpa"),
@@ -76,6 +77,8 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
         num_experts=m.get("num_moe_experts"),
         mamba_chunk_size=int(m.get("mamba_chunk_size", 128)),
         mamba_conv_width=int(m.get("mamba_conv_width", 4)),
+        recompute=recompute,
+        recompute_modules=recompute_modules,
     )
     vocab = padded_vocab_size(int(m["vocab_size"]), int(m.get("make_vocab_size_divisible_by", 128)),
                               int(cfg.parallel.tensor_model_parallel_size))

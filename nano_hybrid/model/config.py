@@ -11,6 +11,8 @@ below is mostly 1:1. Keys that are not TransformerConfig fields:
 - ``squared_relu``: ``activation_func = squared_relu``, non-gated.
 - ``attention_impl`` (``sdpa`` | ``unfused``) and ``moe_experts_impl`` (``grouped`` | ``sequential``):
   which core-attention and expert modules the layer spec uses (see ``nano_hybrid.model.specs``).
+- ``recompute`` (``none`` | ``selective`` | ``full``) and ``recompute_modules`` (used by ``selective``):
+  activation recompute, see ``nano_hybrid.model.recompute``.
 - ``use_cpu_initialization`` (default false): megatron's field of that name, but only ever switched
   *on* by this key; CPU (and meta) builds always initialise on the host. When on, every weight is
   drawn on the host from the seed alone (the global torch CPU generator, the same on every rank), as a
@@ -26,7 +28,7 @@ below is mostly 1:1. Keys that are not TransformerConfig fields:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -37,6 +39,42 @@ from nano_hybrid.config import ConfigError
 ATTENTION_IMPLS = ("sdpa", "unfused")
 MOE_EXPERTS_IMPLS = ("grouped", "sequential")
 LAYER_SYMBOLS = set("ME*-")
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+# model.recompute / model.recompute_modules (see nano_hybrid.model.recompute); the first five are
+# recomputed by megatron's own TransformerLayer / Attention / MoELayer, ssd by BackendMambaMixer
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe", "shared_experts", "mlp")
+RECOMPUTE_MODULES = (*MEGATRON_RECOMPUTE_MODULES, "ssd")
+
+
+def recompute_settings(m: dict) -> tuple[str, tuple[str, ...]]:
+    """(choice, modules) from a model dict; modules are empty unless the choice is ``selective``.
+
+    Raises ``ValueError`` naming the key on a bad value (``check_model_cfg`` turns it into a ConfigError).
+    """
+    choice = m.get("recompute", "none")
+    if choice not in RECOMPUTE_CHOICES:
+        raise ValueError(f"model.recompute={choice!r}; choose one of {', '.join(RECOMPUTE_CHOICES)}")
+    modules = m.get("recompute_modules", [])
+    if modules is None:
+        modules = []
+    if isinstance(modules, str) or not all(isinstance(x, str) for x in modules):
+        raise ValueError(f"model.recompute_modules={modules!r} must be a list of names from {', '.join(RECOMPUTE_MODULES)}")
+    bad = sorted(set(modules) - set(RECOMPUTE_MODULES))
+    if bad:
+        raise ValueError(f"model.recompute_modules has unknown name(s) {bad}; choose from {', '.join(RECOMPUTE_MODULES)}")
+    if choice == "selective" and not modules:
+        raise ValueError("model.recompute=selective needs a non-empty model.recompute_modules")
+    return choice, (tuple(dict.fromkeys(modules)) if choice == "selective" else ())
+
+
+def megatron_recompute_kwargs(choice: str, modules: Iterable[str]) -> dict:
+    """The ``TransformerConfig`` fields for the part megatron's own layers recompute."""
+    mods = [x for x in modules if x in MEGATRON_RECOMPUTE_MODULES]
+    if choice != "selective" or not mods:
+        return {"recompute_granularity": None, "recompute_modules": []}
+    return {"recompute_granularity": "selective", "recompute_modules": mods}
+
 
 # model-yaml keys copied verbatim into TransformerConfig
 _PASSTHROUGH = (
@@ -52,7 +90,7 @@ _MODEL_ONLY = (
     "name", "hybrid_override_pattern", "vocab_size", "make_vocab_size_divisible_by", "seq_length",
     "untie_embeddings_and_output_weights", "position_embedding_type", "mamba_chunk_size",
     "mamba_conv_width", "squared_relu", "norm_epsilon", "attention_impl", "moe_experts_impl",
-    "use_cpu_initialization",
+    "use_cpu_initialization", "recompute", "recompute_modules",
 )
 REQUIRED = ("name", "hybrid_override_pattern", "hidden_size", "vocab_size", "seq_length")
 
@@ -82,6 +120,10 @@ def check_model_cfg(m: dict) -> None:
             f"model.moe_experts_impl={m.get('moe_experts_impl')!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
     if not isinstance(m.get("use_cpu_initialization", False), bool):
         raise ConfigError(f"model.use_cpu_initialization={m.get('use_cpu_initialization')!r} must be true or false")
+    try:
+        recompute_settings(m)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if "E" in pat and not m.get("num_moe_experts"):
         raise ConfigError(f"model.hybrid_override_pattern has MoE layers (E) but model.num_moe_experts={m.get('num_moe_experts')}")
     if "*" in pat and not m.get("num_attention_heads"):
@@ -149,6 +191,7 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
         sequence_parallel=bool(p.sequence_parallel),
         pipeline_dtype=dtype,
     )
+    kw.update(megatron_recompute_kwargs(*recompute_settings(m)))
     if m.get("num_moe_experts"):
         kw.setdefault("moe_token_dispatcher_type", "allgather")
         # the grouped-experts module is our own (nano_hybrid.model.experts); megatron's legacy

@@ -7,12 +7,14 @@ patched to select it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Optional
 
 import torch
 from einops import rearrange
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.mamba_mixer import MambaMixer, _check_mamba_sequence_packing_support
 
@@ -30,13 +32,16 @@ class BackendMambaMixer(MambaMixer):
       ``backend.mamba_chunk_scan_combined``.
     """
 
-    def __init__(self, config, submodules, d_model, *args, backend=None, **kwargs):
+    def __init__(self, config, submodules, d_model, *args, backend=None, recompute_ssd: bool = False, **kwargs):
         if backend is None:
             raise ValueError("BackendMambaMixer needs backend=<kernels.registry.KernelBackend> (set by the layer spec)")
         with mcore_compat.mamba_mixer_init_guard(backend.RMSNormGated):
             super().__init__(config, submodules, d_model, *args, **kwargs)
         # a plain attribute (not a module): the backend holds functions and a class
         self.kernel_backend = backend
+        # model.recompute_modules has ssd: _ssm_training (conv, scan, gating, gated norm) is one
+        # tensor_parallel.checkpoint region keeping only zxBCdt (see nano_hybrid.model.recompute)
+        self.recompute_ssd = recompute_ssd
         if config.use_cpu_initialization and config.perform_initialization:
             bound = inspect.signature(MambaMixer.__init__).bind(self, config, submodules, d_model, *args, **kwargs)
             bound.apply_defaults()
@@ -87,6 +92,14 @@ class BackendMambaMixer(MambaMixer):
         # D and the norm weight are ones (layout-invariant already)
 
     def _ssm_training(
+        self, zxBCdt: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None
+    ) -> torch.Tensor:
+        if self.recompute_ssd and self.training and torch.is_grad_enabled():
+            fn = functools.partial(self._ssm_training_region, packed_seq_params=packed_seq_params)
+            return tensor_parallel.checkpoint(fn, False, zxBCdt)
+        return self._ssm_training_region(zxBCdt, packed_seq_params)
+
+    def _ssm_training_region(
         self, zxBCdt: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None
     ) -> torch.Tensor:
         # (l, b, d) -> (b, l, d), as the fused op expects: a copy (as megatron does) unless the backend's op reads the

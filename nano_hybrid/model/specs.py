@@ -8,6 +8,8 @@ Layer structure is megatron-core's (``MambaLayer``, ``TransformerLayer`` + ``Sel
   renames them to the TE-spec names (``mixer.in_proj.layer_norm_``, ...), so dist checkpoints use the
   same keys as megatron's TE spec;
 - the Mamba mixer is ``BackendMambaMixer`` with the kernel backend passed as a spec param;
+- the Mamba layer is ``RecomputeMambaLayer`` and the stack ``HybridStack`` (``model/recompute.py``):
+  megatron's ``MambaLayer`` / ``MambaStack`` plus activation recompute (``model.recompute``);
 - core attention is ``SDPAttention`` (``attention_impl=sdpa``) inside ``GroupedQuerySelfAttention`` (a
   ``SelfAttention`` that hands it the GQA query without megatron's reshape copy) or megatron's
   ``DotProductAttention`` (``unfused``) inside megatron's ``SelfAttention``; experts are
@@ -19,7 +21,7 @@ from __future__ import annotations
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.ssm.mamba_block import MambaStackSubmodules
-from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_layer import MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -40,6 +42,7 @@ from nano_hybrid.model.config import ATTENTION_IMPLS, MOE_EXPERTS_IMPLS
 from nano_hybrid.model.experts import GroupedGemmExperts
 from nano_hybrid.model.mixer import BackendMambaMixer
 from nano_hybrid.model.moe import TopKPermuteMoELayer
+from nano_hybrid.model.recompute import HybridStack, RecomputeMambaLayer, recompute_settings
 
 CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
 # the self-attention module around each core attention: the grouped-query one needs SDPAttention's 5-D input
@@ -66,18 +69,28 @@ def hybrid_stack_spec(
     num_experts: int | None = None,
     mamba_chunk_size: int = 128,
     mamba_conv_width: int = 4,
+    recompute: str = "none",
+    recompute_modules: tuple[str, ...] = (),
 ) -> ModuleSpec:
-    """The stack spec for ``MambaModel`` with the given kernel backend and attention/expert modules."""
+    """The stack spec for ``MambaModel`` with the given kernel backend and attention/expert modules.
+
+    ``recompute`` / ``recompute_modules`` (see ``nano_hybrid.model.recompute``): the parts megatron's
+    layers do not recompute themselves (full-layer recompute in the stack, the Mamba layer's norm, the
+    mixer's SSD) are set here; the megatron parts come from the TransformerConfig.
+    """
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={attention_impl!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
+    recompute, recompute_modules = recompute_settings({"recompute": recompute, "recompute_modules": list(recompute_modules)})
     norm = mcore_compat.TorchRMSNorm
     mamba_layer = ModuleSpec(
-        module=MambaLayer,
+        module=RecomputeMambaLayer,
+        params={"recompute_norm": "layernorm" in recompute_modules},
         submodules=MambaLayerSubmodules(
             norm=norm,
             mixer=ModuleSpec(
                 module=BackendMambaMixer,
-                params={"backend": backend, "chunk_size": mamba_chunk_size, "d_conv": mamba_conv_width},
+                params={"backend": backend, "chunk_size": mamba_chunk_size, "d_conv": mamba_conv_width,
+                        "recompute_ssd": "ssd" in recompute_modules},
                 submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
             ),
             mamba_bda=get_bias_dropout_add,
@@ -119,7 +132,8 @@ def hybrid_stack_spec(
         ),
     )
     return ModuleSpec(
-        module=mcore_compat.local_norm_mamba_stack_class(),
+        module=HybridStack,
+        params={"recompute_full": recompute == "full"},
         submodules=MambaStackSubmodules(
             mamba_layer=mamba_layer, attention_layer=attention_layer, mlp_layer=mlp_layer, moe_layer=moe_layer
         ),
