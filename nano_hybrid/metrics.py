@@ -9,7 +9,8 @@ Only rank 0 writes (files, console, W&B). Record fields (all floats full precisi
     ``seq_load_balancing_loss``, mean per MoE layer) when the model has MoE layers.
 
 W&B (``logger.wandb.mode`` online|offline, default disabled): keys ``train/<field>``, x-axis
-``train/tokens`` (``define_metric``), default tags kernel backend, GPU name, git commit. The run id is
+``train/tokens`` (``define_metric``; validation fields ``val_loss``, ``val_ppl``, ``val_tokens``,
+``eval_time_s`` as ``val/...`` on the same axis), default tags kernel backend, GPU name, git commit. The run id is
 exposed as ``MetricsLogger.wandb_run_id`` so a checkpoint can store it and a resume can pass it back
 (``logger.wandb.id``; ``resume="allow"`` continues the same run).
 """
@@ -57,6 +58,11 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def wandb_key(field: str) -> str:
+    """W&B key of a record field: ``val/loss``, ``val/ppl``, ... for the validation fields, else ``train/<field>``."""
+    return f"val/{field[4:]}" if field.startswith("val_") else ("val/eval_time_s" if field == "eval_time_s" else f"train/{field}")
+
+
 def _fmt_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -79,8 +85,10 @@ def format_console_line(rec: dict[str, Any], train_iters: int, eta_s: float) -> 
         f"mem {rec['mem_gb']:.2f} GB",
         f"eta {_fmt_duration(eta_s)}",
     ]
-    aux = [k for k in rec if k.endswith("_loss") and isinstance(rec[k], float)]  # MoE aux losses
+    aux = [k for k in rec if k.endswith("_loss") and k != "val_loss" and isinstance(rec[k], float)]  # MoE aux losses
     parts[4:4] = [f"{k} {rec[k]:.4f}" for k in aux]
+    if "val_loss" in rec:  # a validation step (train.eval_interval)
+        parts[2:2] = [f"val_loss {rec['val_loss']:.4f}", f"val_ppl {rec['val_ppl']:.2f}"]
     return " | ".join(parts)
 
 
@@ -138,6 +146,7 @@ class MetricsLogger:
         )
         run.define_metric("train/tokens")
         run.define_metric("train/*", step_metric="train/tokens")
+        run.define_metric("val/*", step_metric="train/tokens")
         return run
 
     @property
@@ -161,7 +170,7 @@ class MetricsLogger:
         if console:
             self.print_fn(format_console_line(rec, self.train_iters, self.eta_seconds(rec["step"])), flush=True)
         if self._wandb_run is not None:
-            self._wandb_run.log({f"train/{k}": v for k, v in rec.items() if isinstance(v, (int, float))})
+            self._wandb_run.log({wandb_key(k): v for k, v in rec.items() if isinstance(v, (int, float))})
 
     def print(self, msg: str) -> None:
         if self.rank == 0:

@@ -40,11 +40,15 @@ from nano_hybrid.data import (  # noqa: E402
     DataConfigError,
     DataPreparationError,
     DataSpec,
+    TokenizerError,
+    TokenizerSpec,
     build_data_iterator,
+    build_datasets,
     build_tokenizer,
-    build_train_dataset,
+    corpus_tokenizer_type,
     ensure_corpus,
     missing_paths,
+    padded_vocab_size,
 )
 from nano_hybrid.signals import ExitRequest  # noqa: E402
 
@@ -83,6 +87,9 @@ class RunPlan:
     data: DataSpec
     seq_length: int
     tokenizer: Any
+    tokenizer_spec: Any = None  # nano_hybrid.data.TokenizerSpec (workers of a corpus build rebuild it)
+    eval_interval: int = 0  # validation every N steps (0: none)
+    eval_iters: int = 0  # global batches per validation
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -175,15 +182,25 @@ def validate(cfg: DictConfig) -> RunPlan:
             f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} x data-parallel size {dp}"
         )
 
-    # Data and tokenizer.
+    # Data and tokenizer: the tokenizer's ids must fit the model's embedding, padded as Megatron pads it.
     try:
-        tokenizer = build_tokenizer(str(cfg.data.tokenizer))
-    except ValueError as e:
-        raise ConfigError(f"data.tokenizer: {e}") from None
-    if tokenizer.vocab_size > int(cfg.model.vocab_size):
+        tok_spec = TokenizerSpec.from_cfg(cfg.data.tokenizer)
+        tokenizer = build_tokenizer(tok_spec)
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from None
+    tp = int(cfg.parallel.get("tensor_model_parallel_size", 1))
+    divisible_by = int(cfg.model.get("make_vocab_size_divisible_by", 128))
+    model_vocab = padded_vocab_size(int(cfg.model.vocab_size), divisible_by, tp)
+    if tokenizer.vocab_size > model_vocab:
         raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the {cfg.data.tokenizer} tokenizer's {tokenizer.vocab_size} ids"
+            f"the {tok_spec.type} tokenizer has {tokenizer.vocab_size:,} ids but the model's embedding has {model_vocab:,} "
+            f"(model.vocab_size={cfg.model.vocab_size} padded to a multiple of make_vocab_size_divisible_by={divisible_by} "
+            f"x TP={tp}); raise model.vocab_size or pick a smaller tokenizer"
         )
+    eval_interval = OmegaConf.select(cfg, "train.eval_interval", default=0)
+    if not isinstance(eval_interval, int) or isinstance(eval_interval, bool) or eval_interval < 0:
+        raise ConfigError(f"train.eval_interval={eval_interval!r} must be an integer >= 0 (0: no validation)")
+    eval_iters = _positive_int(cfg, "train.eval_iters") if eval_interval else 0
     spec = DataSpec.from_cfg(cfg.data)
     missing = missing_paths(spec) if spec.kind == "indexed" else []
     prepare = cfg.data.get("prepare_if_missing")
@@ -194,6 +211,19 @@ def validate(cfg: DictConfig) -> RunPlan:
         )
     if missing and str(prepare) != "stdlib":
         raise DataConfigError(f"data.prepare_if_missing={prepare!r}; supported: stdlib or null")
+    if eval_interval and spec.kind == "mock":
+        raise DataConfigError("data=mock has no validation data (synthetic tokens); set train.eval_interval=0")
+    if eval_interval and spec.kind == "indexed" and not spec.valid_paths and not spec.split_has_valid:
+        raise DataConfigError(
+            f"train.eval_interval={eval_interval} but data.split={spec.split!r} leaves no validation documents "
+            "(e.g. data.split=\"969,30,1\", or set data.valid_paths)"
+        )
+    for p in spec.paths + spec.valid_paths:  # a corpus written by prepare_data records its tokenizer
+        written_with = corpus_tokenizer_type(p)
+        if written_with is not None and written_with != tok_spec.type:
+            raise DataConfigError(
+                f"{p} was tokenized with the {written_with} tokenizer but data.tokenizer.type={tok_spec.type}"
+            )
 
     try:  # unknown / unavailable backends raise their own one-line errors
         backend = configure_backend(str(cfg.kernels.backend), autotune=bool(cfg.kernels.get("autotune", False)),
@@ -214,6 +244,9 @@ def validate(cfg: DictConfig) -> RunPlan:
         data=spec,
         seq_length=seq,
         tokenizer=tokenizer,
+        tokenizer_spec=tok_spec,
+        eval_interval=eval_interval,
+        eval_iters=eval_iters,
     )
 
 
@@ -247,7 +280,9 @@ def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
     import torch.distributed as dist
 
     if plan.data.kind == "indexed" and plan.rank == 0:
-        ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log)
+        ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log, tokenizer=plan.tokenizer_spec,
+                      workers=int(cfg.data.get("prepare_workers") or 1))
+
     if dist.is_initialized():
         dist.barrier()
     missing = missing_paths(plan.data) if plan.data.kind == "indexed" else []
@@ -256,15 +291,17 @@ def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
 
 
 def build_dataset(plan: RunPlan, cfg: DictConfig):
-    """Rank 0 builds megatron's index cache first, then the others read it."""
+    """(train, valid) datasets; rank 0 builds megatron's index cache first, then the others read it.
+    ``valid`` holds ``eval_iters x global_batch_size`` samples (None without validation)."""
     import torch.distributed as dist
 
-    num_samples = int(cfg.train.train_iters) * int(cfg.train.global_batch_size)
-    args = (plan.data, plan.tokenizer, plan.seq_length, num_samples, int(cfg.seed))
-    dataset = build_train_dataset(*args) if plan.rank == 0 else None
+    gbs = int(cfg.train.global_batch_size)
+    num_samples = int(cfg.train.train_iters) * gbs
+    args = (plan.data, plan.tokenizer, plan.seq_length, num_samples, int(cfg.seed), plan.eval_iters * gbs)
+    datasets = build_datasets(*args) if plan.rank == 0 else None
     if dist.is_initialized():
         dist.barrier()
-    return dataset if dataset is not None else build_train_dataset(*args)
+    return datasets if datasets is not None else build_datasets(*args)
 
 
 def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig):
@@ -433,6 +470,56 @@ def train_step(ctx: "Trainer") -> dict[str, float]:
     return out
 
 
+def evaluate(ctx: "Trainer") -> dict[str, float]:
+    """Validation loss over the first ``eval_iters`` global batches of the validation split, the same batches
+    at every evaluation (so the curve compares like with like and a resumed run sees what the uninterrupted
+    one saw). Forward only through megatron's schedule (any DP/TP/PP/EP layout; this rank's DP slice of each
+    global batch), under no_grad (the MoE router keeps no token counts), the model in eval mode, and the RNG
+    state (DataLoader seeds) restored afterwards so training draws the same numbers with or without it."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    plan, cfg = ctx.plan, ctx.cfg
+    t0 = time.perf_counter()
+    devices = [plan.device] if plan.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        iterator = build_data_iterator(ctx.valid_dataset, 0, int(cfg.train.micro_batch_size), ctx.dp_rank, plan.dp_size, 0)
+        ctx.model.eval()
+        acc = torch.zeros(2, dtype=torch.float64, device=plan.device)
+        try:
+            with torch.no_grad(), cpu_compat_mode(plan):
+                for _ in range(plan.eval_iters):
+                    reports = get_forward_backward_func()(
+                        forward_step_func=partial(_forward_step, device=plan.device, attention_mask=ctx.attention_mask),
+                        data_iterator=iterator,
+                        model=[ctx.model],
+                        num_microbatches=plan.num_microbatches,
+                        seq_length=plan.seq_length,
+                        micro_batch_size=int(cfg.train.micro_batch_size),
+                        decoder_seq_length=plan.seq_length,
+                        forward_only=True,
+                    )
+                    for r in reports:
+                        acc += r["lm loss"].to(torch.float64)
+        finally:
+            ctx.model.train()
+            clear_aux_losses_tracker()
+    dist.all_reduce(acc)  # ratios are unchanged by TP replicas; PP stages other than the last add zeros
+    val_loss = (acc[0] / acc[1].clamp(min=1)).item()
+    _sync(plan.device)
+    return {
+        "val_loss": val_loss,
+        "val_ppl": math.exp(min(val_loss, 700.0)),
+        "val_tokens": plan.eval_iters * int(cfg.train.global_batch_size) * plan.seq_length,
+        "eval_time_s": time.perf_counter() - t0,
+    }
+
+
+def eval_due(plan: RunPlan, step: int, train_iters: int) -> bool:
+    return plan.eval_interval > 0 and (step % plan.eval_interval == 0 or step == train_iters)
+
+
 # ------------------------------------------------------------------------------------------- loop
 @dataclass
 class Trainer:
@@ -449,6 +536,7 @@ class Trainer:
     attention_mask: Any = None
     data_iterator: Any = None
     checkpointer: Any = None  # nano_hybrid.checkpoint.Checkpointer
+    valid_dataset: Any = None  # eval_iters global batches of the validation split (None: no validation)
 
     def start_data(self) -> None:
         """(Re)start the data stream at ``state.consumed_samples`` (call after a checkpoint load)."""
@@ -483,7 +571,7 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
             cfg.logger.wandb.id = checkpointer.resume_wandb_run_id
     say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
     prepare_data(plan, cfg, say)
-    dataset = build_dataset(plan, cfg)
+    dataset, valid_dataset = build_dataset(plan, cfg)
     model, optimizer, scheduler = build_model_and_optimizer(plan, cfg)
     unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
     flops = training_flops_per_token(shape_from_megatron(unwrapped, plan.seq_length))
@@ -513,6 +601,7 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
         optimizer=optimizer,
         scheduler=scheduler,
         dataset=dataset,
+        valid_dataset=valid_dataset,
         state=TrainState(),
         logger=logger,
         flops_per_token=flops,
@@ -560,7 +649,9 @@ def train_loop(ctx: Trainer, stop=None) -> str | None:
         }
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss is {rec['loss']} at step {state.step}; stopping")
-        ctx.logger.log_step(rec, console=state.step % log_every == 0 or state.step in (1, iters))
+        if eval_due(plan, state.step, iters):  # validation keys join this step's record (and console line)
+            rec.update(evaluate(ctx))
+        ctx.logger.log_step(rec, console=state.step % log_every == 0 or state.step in (1, iters) or "val_loss" in rec)
         if ctx.checkpointer is not None:
             ctx.checkpointer.maybe_save(state, ctx.model, ctx.optimizer, ctx.scheduler, wandb_run_id=ctx.logger.wandb_run_id)
         reason = stop.should_exit() if stop is not None else None  # collective: all ranks stop after the same step

@@ -1,15 +1,31 @@
-"""Data: byte-level tokenizer, indexed-dataset preparation, megatron-core dataset loading and sampling."""
+"""Data: tokenizers (byte, tiktoken, hf), indexed-dataset preparation, megatron-core datasets (train and
+validation splits) and sampling."""
 
 from nano_hybrid.data.dataset import (
     DataConfigError,
     DataSpec,
     PretrainingSampler,
     build_data_iterator,
+    build_datasets,
     build_train_dataset,
+    build_valid_dataset,
     missing_paths,
 )
-from nano_hybrid.data.prepare import DataPreparationError, ensure_corpus, stdlib_sources, write_indexed_dataset
-from nano_hybrid.data.tokenizer import ByteTokenizer, build_tokenizer
+from nano_hybrid.data.prepare import (
+    DataPreparationError,
+    corpus_tokenizer_type,
+    ensure_corpus,
+    stdlib_sources,
+    write_indexed_dataset,
+)
+from nano_hybrid.data.tokenizer import (
+    ByteTokenizer,
+    MegatronTextTokenizer,
+    TokenizerError,
+    TokenizerSpec,
+    build_tokenizer,
+    padded_vocab_size,
+)
 
 __all__ = [
     "ByteTokenizer",
@@ -20,6 +36,13 @@ __all__ = [
     "build_data_iterator",
     "build_tokenizer",
     "build_train_dataset",
+    "build_valid_dataset",
+    "build_datasets",
+    "corpus_tokenizer_type",
+    "MegatronTextTokenizer",
+    "TokenizerError",
+    "TokenizerSpec",
+    "padded_vocab_size",
     "ensure_corpus",
     "missing_paths",
     "stdlib_sources",

@@ -13,7 +13,6 @@ from typing import Iterator
 
 import torch
 
-from nano_hybrid.data.tokenizer import ByteTokenizer
 
 
 class DataConfigError(ValueError):
@@ -28,6 +27,7 @@ class DataSpec:
     split: str
     cache_dir: str | None
     num_workers: int
+    valid_paths: tuple[str, ...] = ()  # separate validation prefixes (then ``split`` is not used)
 
     @staticmethod
     def from_cfg(data_cfg) -> "DataSpec":
@@ -35,41 +35,74 @@ class DataSpec:
         if kind not in ("indexed", "mock"):
             raise DataConfigError(f"data.kind must be 'indexed' or 'mock', got {kind!r}")
         paths = tuple(str(p) for p in (data_cfg.get("paths") or ()))
+        valid_paths = tuple(str(p) for p in (data_cfg.get("valid_paths") or ()))
         weights = data_cfg.get("weights")
         weights = tuple(float(w) for w in weights) if weights else None
+        split = str(data_cfg.get("split") or "100,0,0")
         if kind == "indexed":
             if not paths:
                 raise DataConfigError("data.paths is empty: give one or more indexed-dataset prefixes (without .bin/.idx)")
             if weights is not None and (len(weights) != len(paths) or any(w <= 0 for w in weights)):
                 raise DataConfigError(f"data.weights must be {len(paths)} positive numbers, got {list(weights)}")
+            parts = split.replace("/", ",").split(",")
+            try:
+                nums = [float(x) for x in parts]
+            except ValueError:
+                nums = []
+            if not 1 <= len(nums) <= 3 or any(x < 0 for x in nums) or not sum(nums) > 0 or nums[0] <= 0:
+                raise DataConfigError(
+                    f"data.split={split!r} must be Megatron's train,valid,test weights, e.g. \"969,30,1\" (train > 0)"
+                )
         num_workers = int(data_cfg.get("num_workers", 0))
         if num_workers < 0:
             raise DataConfigError(f"data.num_workers must be >= 0, got {num_workers}")
-        return DataSpec(kind, paths, weights, str(data_cfg.get("split", "100,0,0")), data_cfg.get("cache_dir"), num_workers)
+        return DataSpec(kind, paths, weights, split, data_cfg.get("cache_dir"), num_workers, valid_paths)
+
+    @property
+    def split_has_valid(self) -> bool:
+        parts = self.split.replace("/", ",").split(",")
+        return len(parts) > 1 and float(parts[1]) > 0
 
 
 def missing_paths(spec: DataSpec) -> list[str]:
-    return [p for p in spec.paths if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file())]
+    return [p for p in spec.paths + spec.valid_paths if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file())]
 
 
-def build_train_dataset(spec: DataSpec, tokenizer: ByteTokenizer, seq_length: int, num_samples: int, seed: int):
-    """The training split as built by megatron-core (GPTDataset, or BlendedDataset over several prefixes)."""
+def build_datasets(spec: DataSpec, tokenizer, seq_length: int, num_samples: int, seed: int, valid_samples: int = 0):
+    """(train, valid) as built by megatron-core's BlendedMegatronDatasetBuilder (GPTDataset, a BlendedDataset
+    over several prefixes, or MockGPTDataset). The validation split comes from ``spec.split`` (Megatron's
+    train,valid,test weights over each prefix's documents) or from ``spec.valid_paths``; ``valid`` is None
+    when ``valid_samples`` is 0."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+    blend = blend_per_split = None
     if spec.kind == "indexed":
         missing = missing_paths(spec)
         if missing:
             raise DataConfigError(f"data path(s) not found: {', '.join(p + '.bin/.idx' for p in missing)}")
         cache = spec.cache_dir or str(Path(spec.paths[0]).parent / "cache")
-        blend = (list(spec.paths), list(spec.weights) if spec.weights else None)
-        cls, split = GPTDataset, spec.split
+        weights = list(spec.weights) if spec.weights else None
+        if spec.valid_paths:
+            blend_per_split = [(list(spec.paths), weights), (list(spec.valid_paths), None), None]
+            split = None
+        else:
+            blend, split = (list(spec.paths), weights), spec.split
+            if valid_samples and not spec.split_has_valid:
+                raise DataConfigError(
+                    f"train.eval_interval asks for validation but data.split={spec.split!r} gives the validation "
+                    "split no documents (e.g. data.split=\"969,30,1\", or set data.valid_paths)"
+                )
+        cls = GPTDataset
     else:
-        cache, blend, cls, split = spec.cache_dir, None, MockGPTDataset, None
+        if valid_samples:
+            raise DataConfigError("data=mock has no validation data (synthetic tokens); set train.eval_interval=0")
+        cache, cls, split = spec.cache_dir, MockGPTDataset, None
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=blend_per_split,
         split=split,
         path_to_cache=cache,
         tokenizer=tokenizer,
@@ -80,11 +113,24 @@ def build_train_dataset(spec: DataSpec, tokenizer: ByteTokenizer, seq_length: in
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
-    train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
+    train, valid, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, valid_samples, 0], lambda: True, config).build()
     if train is None or len(train) < num_samples:
         n = 0 if train is None else len(train)
         raise DataConfigError(f"the training split holds {n} samples, {num_samples} are needed")
-    return train
+    if valid_samples and (valid is None or len(valid) < valid_samples):
+        n = 0 if valid is None else len(valid)
+        raise DataConfigError(f"the validation split holds {n} samples, {valid_samples} are needed")
+    return train, (valid if valid_samples else None)
+
+
+def build_train_dataset(spec: DataSpec, tokenizer, seq_length: int, num_samples: int, seed: int):
+    """The training split as built by megatron-core (GPTDataset, or BlendedDataset over several prefixes)."""
+    return build_datasets(spec, tokenizer, seq_length, num_samples, seed)[0]
+
+
+def build_valid_dataset(spec: DataSpec, tokenizer, seq_length: int, num_samples: int, seed: int):
+    """The validation split (``num_samples`` samples) of the same build as the training split."""
+    return build_datasets(spec, tokenizer, seq_length, 0, seed, valid_samples=num_samples)[1]
 
 
 class PretrainingSampler:
