@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"],
+                   help="input dtype of every arm (the peer's medium precision compiles for fp16 only)")
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     args = p.parse_args(argv)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -121,18 +123,25 @@ def run(args) -> dict:
         raise SystemExit("error: bench_ssd_peer.py needs a CUDA GPU")
     peer = load_peer(args.peer_file)
     fns = arms(peer)
-    names = list(fns)
-    res = {"env": bl.env_info(), "args": vars(args), "chunk_size": CHUNK, "arms": names, "shapes": {}}
+    res = {"env": bl.env_info(), "args": vars(args), "chunk_size": CHUNK, "arms": list(fns), "shapes": {}}
     for sname in args.shapes:
-        t = inputs(SHAPES[sname])
+        t = inputs(SHAPES[sname], dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype])
+        failed = {}
         with torch.no_grad():
             ref = reference(t)
             errs = {}
-            for a in names[:-1]:
-                out = fns[a](t)
+            for a in list(fns)[:-1]:
+                try:
+                    out = fns[a](t)
+                except Exception as e:  # an arm that cannot run this dtype/shape is reported, not timed
+                    failed[a] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+                    print(f"[{sname}] {a} failed: {failed[a]}", flush=True)
+                    continue
                 errs[a] = float((out.float() - ref).abs().max() / ref.abs().max())
-            del ref, out
+                del out
+            del ref
             torch.cuda.empty_cache()
+            names = [a for a in fns if a not in failed]
             for a in names:
                 for _ in range(args.warmup):
                     fns[a](t)
@@ -151,20 +160,22 @@ def run(args) -> dict:
             "speedup_vs_mamba_ssm": {a: bl.ratio_summary(base, times[a]) for a in names[1:]},
             "device_us_per_call": device_us,
             "max_err_vs_fp32_ref": errs,
+            "arms": names,
+            "failed": failed,
         }
         print(f"[{sname}] " + ", ".join(f"{a} {bl.median(times[a]):.3f} ms" for a in names), flush=True)
     return res
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# SSD forward: mamba-ssm, helion and the fused peer (chunk {res['chunk_size']}, bf16)", "",
+    lines = [f"# SSD forward: mamba-ssm, helion and the fused peer (chunk {res['chunk_size']}, {res['args']['dtype']})", "",
              bl.env_markdown(res["env"]), ""]
     for sname, r in res["shapes"].items():
         s = r["shape"]
         lines += [f"## {sname}: batch {s['b']}, seqlen {s['l']}, heads {s['h']} x {s['p']}, groups {s['g']}, "
                   f"d_state {s['n']}", ""]
         rows = []
-        for a in res["arms"]:
+        for a in r["arms"]:
             t = r["times_ms"][a]
             sp = r["speedup_vs_mamba_ssm"].get(a)
             rows.append([a, f"{t['median']:.3f}", f"{t['p10']:.3f}-{t['p90']:.3f}",
@@ -173,6 +184,7 @@ def markdown(res: dict) -> str:
                          f"{r['max_err_vs_fp32_ref'][a]:.2e}" if a in r["max_err_vs_fp32_ref"] else "-"])
         lines += [bl.md_table(["arm", "median ms", "p10-p90", "device us", "vs mamba_ssm [95% CI]",
                                "max err / max ref (fp32 ref)"], rows), ""]
+        lines += [f"- {a} does not run here: {why}" for a, why in r.get("failed", {}).items()] + [""]
     return "\n".join(lines)
 
 
@@ -180,7 +192,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     res = run(args)
     out = Path(args.out) if args.out else bl.default_out_dir()
-    j, m = bl.write_results(out, "ssd_peer_" + "_".join(args.shapes), res, markdown(res))
+    j, m = bl.write_results(out, f"ssd_peer_{args.dtype}_" + "_".join(args.shapes), res, markdown(res))
     print(markdown(res))
     print(f"wrote {j} and {m}")
     return 0

@@ -35,11 +35,12 @@ def test_reference_matches_the_step_by_step_recurrence():
 def test_markdown_reports_every_arm_with_its_ratio_and_error():
     t = {"median": 1.0, "p10": 0.9, "p90": 1.1}
     sp = {"speedup": 2.0, "ci_lo": 1.9, "ci_hi": 2.1}
-    res = {"env": {"gpu": "NVIDIA H200"}, "chunk_size": 128, "arms": ["mamba_ssm", "helion", "mamba_ssm#2"],
-           "shapes": {"nano": {"shape": bp.SHAPES["nano"], "times_ms": {a: t for a in ["mamba_ssm", "helion", "mamba_ssm#2"]},
+    res = {"env": {"gpu": "NVIDIA H200"}, "chunk_size": 128, "args": {"dtype": "bf16"}, "arms": ["mamba_ssm", "helion", "mamba_ssm#2"],
+           "shapes": {"nano": {"shape": bp.SHAPES["nano"], "arms": ["mamba_ssm", "helion", "mamba_ssm#2"], "failed": {"peer_medium": "ValueError: bf16"}, "times_ms": {a: t for a in ["mamba_ssm", "helion", "mamba_ssm#2"]},
                                "speedup_vs_mamba_ssm": {"helion": sp, "mamba_ssm#2": sp},
                                "device_us_per_call": {"mamba_ssm": 700.0, "helion": 455.0},
                                "max_err_vs_fp32_ref": {"mamba_ssm": 2e-3, "helion": 2e-3}}}}
     md = bp.markdown(res)
     assert "| helion | 1.000 | 0.900-1.100 | 455.0 | 2.000x [1.900, 2.100] | 2.00e-03 |" in md
     assert "| mamba_ssm#2 | 1.000 | 0.900-1.100 | - | 2.000x [1.900, 2.100] | - |" in md
+    assert "- peer_medium does not run here: ValueError: bf16" in md
