@@ -15,6 +15,14 @@ every rank has finished writing, then the tracker is replaced. A crash at any po
 previous checkpoint as the one that loads. Incomplete directories are removed at the next start
 (``checkpoint.load=auto``).
 
+Integrity: the manifest holds the size and CRC-32 checksums (per 64 MiB chunk, :mod:`nano_hybrid.integrity`)
+of every other file of the checkpoint. A load verifies them first (``checkpoint.verify``, default on): a
+missing, truncated or corrupt file is one line naming it. With ``checkpoint.load=auto`` a checkpoint that
+fails verification is moved to ``<dir>/corrupt/`` (never deleted) and the newest one that verifies loads,
+with a loud message. A model with a non-finite value is never saved; a save that fails (disk full, I/O
+error, permission) is one line naming the cause, its partial directory is removed and the previous
+checkpoint stays the one that loads.
+
 Before touching dist_checkpointing, a resume compares the saved ``nano_hybrid_checkpoint.json`` with
 the current model (every tensor's global shape, so vocab and layer pattern too) and parallel layout,
 and refuses an incompatible checkpoint with one line (:class:`CheckpointError`).
@@ -22,11 +30,14 @@ and refuses an incompatible checkpoint with one line (:class:`CheckpointError`).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
 import signal
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -35,18 +46,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from nano_hybrid import integrity
+from nano_hybrid.errors import EXIT_FAILED, RunError
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 META_FILE = "nano_hybrid_checkpoint.json"
 FORMAT = "nano-hybrid-checkpoint/1"
 # Sharding of Megatron's DistributedOptimizer state. ``dp_reshardable`` is the format that saves and
 # loads on CPU and GPU in megatron-core 0.16.1 (see docs/ and ../shared/reference/megatron_core_cpu_notes.md).
 DISTRIB_OPTIM_SHARDING = "dp_reshardable"
-# Test hook: SIGKILL this process after the sharded data of iteration N is written, before it is published.
-KILL_DURING_SAVE_ENV = "NANO_HYBRID_TEST_KILL_DURING_SAVE"
+CORRUPT_DIR = "corrupt"  # <checkpoint.dir>/corrupt/: checkpoints that failed verification, kept for inspection
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded (missing, incomplete or incompatible); one-line message."""
+class CheckpointError(RunError):
+    """A checkpoint that cannot be loaded (missing, incomplete, corrupt or incompatible); one-line message."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed (the previous checkpoint stays the one that loads); one-line message."""
+
+    exit_code = EXIT_FAILED
 
 
 @dataclass
@@ -100,20 +119,45 @@ def _atomic_write_text(path: Path, text: str) -> None:
         os.close(dfd)
 
 
-def _ignore_stop_signals() -> None:
+def _end_with_parent(parent_pid: int) -> None:
+    """In a helper process: die when the trainer ``parent_pid`` dies, even by SIGKILL.
+
+    Linux ``PR_SET_PDEATHSIG`` delivers SIGKILL when the parent exits; a watchdog thread that checks the
+    parent pid every second covers other platforms and the race before the prctl call.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(0)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="end-with-trainer", daemon=True).start()
+
+
+def _writer_helper_init(parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_with_parent(parent_pid)
 
 
 def _start_checkpoint_writer_queue() -> None:
-    """Start dist_checkpointing's result-queue manager process now, immune to SIGTERM/SIGINT.
+    """Start dist_checkpointing's result-queue manager process now, immune to SIGTERM/SIGINT, ending with the trainer.
 
     megatron-core's checkpoint writer (dist_checkpointing/strategies/filesystem_async.py:51-56) sends its
     results through a ``multiprocessing`` Manager queue whose server process it spawns on the first save and
     caches in the module global ``_results_queue``. Slurm, ``timeout`` and Ctrl-C signal the whole process
     group, so that server died with the trainer's SIGTERM/SIGINT and the final save failed with
     BrokenPipeError. Started here, before any stop signal can arrive, with those signals ignored, it lives
-    until the trainer exits (the manager is shut down at interpreter exit).
+    until the trainer exits: the manager is shut down at interpreter exit, and a trainer killed with
+    SIGKILL takes it along (:func:`_end_with_parent`).
     """
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
@@ -122,7 +166,7 @@ def _start_checkpoint_writer_queue() -> None:
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=mp.get_context("spawn"))  # what filesystem_async does, plus the initializer
-        manager.start(initializer=_ignore_stop_signals)
+        manager.start(initializer=_writer_helper_init, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()
         _WRITER_MANAGER.append(manager)  # keep the server alive as long as the queue is used
 
@@ -282,10 +326,58 @@ def set_rng_state(state: dict) -> None:
 
 # ------------------------------------------------------------------------------ directory queries
 def read_meta(ckpt: Path) -> dict | None:
+    """The completion manifest (None when absent); an unreadable one is a CheckpointError naming it."""
     f = Path(ckpt) / META_FILE
     if not f.is_file():
         return None
-    return json.loads(f.read_text())
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: unreadable checkpoint manifest ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{f}: unreadable checkpoint manifest (not a JSON object)")
+    return meta
+
+
+def verify_checkpoint(ckpt: Path, workers: int | None = None) -> dict:
+    """Check every file of a complete checkpoint against the manifest's sizes and checksums; return the manifest.
+
+    Raises CheckpointError naming the first missing, truncated or corrupt file.
+    """
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    if meta is None:
+        raise CheckpointError(f"{ckpt}: not a complete checkpoint (no {META_FILE})")
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{ckpt / META_FILE}: lists no file checksums (saved by an older nano-hybrid?); "
+                              "load it with checkpoint.verify=false")
+    if meta.get("checksum") != integrity.ALGORITHM:
+        raise CheckpointError(f"{ckpt / META_FILE}: checksum algorithm {meta.get('checksum')!r}, expected {integrity.ALGORITHM!r}")
+    t0 = time.perf_counter()
+    problem = integrity.verify_files(ckpt, files, workers)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt} fails verification: {problem}")
+    nbytes = sum(int(v["size"]) for v in files.values())
+    dt = time.perf_counter() - t0
+    _log(f"verified {ckpt} ({len(files)} files, {nbytes / 1e9:.2f} GB checksummed in {dt:.2f}s, "
+         f"{nbytes / max(dt, 1e-9) / 1e9:.2f} GB/s)")
+    return meta
+
+
+def set_aside(ckpt: Path, reason: str) -> Path:
+    """Move a checkpoint that fails verification to ``<root>/corrupt/`` (never deleted); return the new path."""
+    ckpt = Path(ckpt)
+    dest_root = ckpt.parent / CORRUPT_DIR
+    dest_root.mkdir(exist_ok=True)
+    dest = dest_root / ckpt.name
+    n = 1
+    while dest.exists():
+        dest = dest_root / f"{ckpt.name}.{n}"
+        n += 1
+    os.replace(ckpt, dest)
+    (dest / "WHY.txt").write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}\n")
+    return dest
 
 
 def is_complete(ckpt: Path) -> bool:
@@ -334,39 +426,99 @@ def latest_complete(root: Path) -> Path | None:
 def remove_incomplete(root: Path) -> None:
     """Rank 0 deletes iter_* dirs that never completed (a crash during save)."""
     if _rank() == 0:
-        for d in list_checkpoints(root)[1]:
-            _log(f"removing incomplete checkpoint {d}")
-            shutil.rmtree(d, ignore_errors=True)
+        _remove_incomplete_here(root)
     _barrier()
 
 
-def resolve_load_path(load: str | None, ckpt_dir: str | Path) -> Path | None:
-    """``checkpoint.load`` -> checkpoint dir to load, or None for a fresh start.
+def _remove_incomplete_here(root: Path) -> None:
+    for d in list_checkpoints(root)[1]:
+        _log(f"removing incomplete checkpoint {d}")
+        shutil.rmtree(d, ignore_errors=True)
 
-    ``none``/null: fresh start. ``auto``: newest complete checkpoint in ``ckpt_dir`` (fresh start if there is
-    none). A path: an ``iter_*`` checkpoint dir, or a checkpoints dir with a tracker file; it must exist and
-    be complete, else CheckpointError (never a silent fresh start).
+
+def _newest_verified(root: Path, verify: bool) -> Path | None:
+    """``auto``: the newest complete checkpoint under ``root`` that verifies; the ones that fail are set aside."""
+    root = Path(root)
+    _remove_incomplete_here(root)
+    set_aside_now: list[str] = []
+    while True:
+        try:
+            ckpt = latest_complete(root)
+        except CheckpointError:  # an unreadable tracker: the newest complete checkpoint decides
+            (root / TRACKER_FILE).unlink()
+            ckpt = latest_complete(root)
+        if ckpt is None:
+            if set_aside_now:
+                raise CheckpointError(
+                    f"no checkpoint in {root} verifies (set aside: {', '.join(set_aside_now)}); "
+                    "refusing to start from scratch (load one with checkpoint.load=<path> or start over with "
+                    "checkpoint.load=none)"
+                )
+            return None
+        try:
+            if verify:
+                verify_checkpoint(ckpt)
+            else:
+                read_meta(ckpt)
+        except CheckpointError as e:
+            dest = set_aside(ckpt, str(e))
+            set_aside_now.append(str(dest))
+            _log(f"WARNING: {e}")
+            _log(f"WARNING: moved {ckpt} to {dest} (kept for inspection); falling back to the previous checkpoint")
+            continue
+        if set_aside_now:
+            _atomic_write_text(root / TRACKER_FILE, f"{int(ckpt.name[len('iter_'):])}\n")
+            _log(f"WARNING: resuming from {ckpt}, an older checkpoint; {len(set_aside_now)} newer one(s) failed verification")
+        return ckpt
+
+
+def resolve_load_path(load: str | None, ckpt_dir: str | Path, *, verify: bool = True) -> Path | None:
+    """``checkpoint.load`` -> checkpoint dir to load, or None for a fresh start. Rank 0 decides, all ranks get it.
+
+    ``none``/null: fresh start. ``auto``: newest complete checkpoint in ``ckpt_dir`` that verifies (fresh start
+    if there is none; one that fails verification is set aside and the previous one is used). A path: an
+    ``iter_*`` checkpoint dir, or a checkpoints dir with a tracker file; it must exist, be complete and
+    verify, else CheckpointError (never a silent fresh start).
     """
     if load is None or str(load).lower() in ("none", "null", ""):
         return None
-    if str(load) == "auto":
-        root = Path(ckpt_dir)
-        if root.is_dir():
-            remove_incomplete(root)
-        return latest_complete(root)
+    found, error = None, None
+    if _rank() == 0:
+        try:
+            p = _resolve_here(str(load), Path(ckpt_dir), verify)
+            found = None if p is None else str(p)
+        except CheckpointError as e:
+            error = str(e)
+    if _world() > 1:
+        box = [found, error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        found, error = box
+    if error is not None:
+        raise CheckpointError(error, collective=True)
+    return None if found is None else Path(found)
+
+
+def _resolve_here(load: str, ckpt_dir: Path, verify: bool) -> Path | None:
+    if load == "auto":
+        return _newest_verified(ckpt_dir, verify) if ckpt_dir.is_dir() else None
     p = Path(load)
     if not p.exists():
         raise CheckpointError(f"checkpoint.load={load}: no such checkpoint (refusing to start from scratch)")
+    found = None
     if is_complete(p):
-        return p
-    if (p / TRACKER_FILE).is_file() or list_checkpoints(p)[0]:
+        found = p
+    elif (p / TRACKER_FILE).is_file() or list_checkpoints(p)[0]:
         found = latest_complete(p)
-        if found is not None:
-            return found
-    raise CheckpointError(
-        f"checkpoint.load={load}: not a complete checkpoint (no {META_FILE}; a save was interrupted?) "
-        "(refusing to start from scratch)"
-    )
+    if found is None:
+        raise CheckpointError(
+            f"checkpoint.load={load}: not a complete checkpoint (no {META_FILE}; a save was interrupted?) "
+            "(refusing to start from scratch)"
+        )
+    if verify:
+        verify_checkpoint(found)
+    else:
+        read_meta(found)
+    return found
 
 
 # ---------------------------------------------------------------------------------- compatibility
@@ -409,6 +561,87 @@ def check_compatible(meta: dict, model, optimizer, path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------- save/load
+def _agree(error: str | None) -> str | None:
+    """Collective: the first rank's error message (None when every rank succeeded)."""
+    if _world() == 1:
+        return error
+    errors: list = [None] * _world()
+    torch.distributed.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
+
+
+def _os_cause(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: its chain, or a rank's failure inside torch.distributed.checkpoint."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def describe_save_failure(exc: BaseException, where: Path) -> str:
+    """One line: the OS error (ENOSPC, EIO, EACCES/EPERM, ...) behind a failed write, or the exception."""
+    os_err = _os_cause(exc)
+    if os_err is not None:
+        name = errno.errorcode.get(os_err.errno, str(os_err.errno))
+        fname = f" ({os_err.filename})" if os_err.filename else ""
+        return f"{os.strerror(os_err.errno)} [{name}]{fname}"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    try:  # writers that lose the errno (torch.save: "unexpected pos ...") on a full disk
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        free = None
+    hint = f"; {free / 2**20:.0f} MiB free on that filesystem (disk full?)" if free is not None and free < 2**30 else ""
+    return f"{type(exc).__name__}: {first}{hint}"
+
+
+def nonfinite_parameters(model, limit: int = 3) -> list[str]:
+    """Names of (up to ``limit``) model parameters or buffers holding NaN/Inf on this rank."""
+    bad = []
+    for m in _unwrap(model):
+        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(name)
+                if len(bad) >= limit:
+                    return bad
+    return bad
+
+
+def _write_state(ckpt: Path, state: dict) -> None:
+    """Every rank: the sharded state (dist_checkpointing) and this rank's RNG streams."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(state, str(ckpt))
+    (ckpt / "rng").mkdir(exist_ok=True)
+    torch.save(get_rng_state(), ckpt / "rng" / f"rank_{_rank():05d}.pt")
+
+
+def _publish(root: Path, ckpt: Path, meta: dict, cfg_yaml: str | None, keep_last: int | None) -> float:
+    """Rank 0, after every rank wrote: config, checksums, manifest (= complete), tracker, pruning.
+
+    Returns the seconds spent on checksums."""
+    if cfg_yaml is not None:
+        (ckpt / "config.yaml").write_text(cfg_yaml)
+    t0 = time.perf_counter()
+    files = integrity.list_files(ckpt, exclude=(META_FILE,))
+    meta["checksum"] = integrity.ALGORITHM
+    meta["files"] = integrity.checksum_files(ckpt, files)
+    t_sum = time.perf_counter() - t0
+    _atomic_write_text(ckpt / META_FILE, json.dumps(meta, indent=1) + "\n")  # complete from here on
+    _atomic_write_text(root / TRACKER_FILE, f"{meta['iteration']}\n")
+    if keep_last:
+        prune(root, keep_last)
+    return t_sum
+
+
 def save_checkpoint(
     root: str | Path,
     train_state,
@@ -423,21 +656,47 @@ def save_checkpoint(
 ) -> Path:
     """Save everything needed to resume at ``train_state.step`` and publish it atomically. All ranks call it.
 
-    ``train_state`` is the loop's dataclass (step, consumed_samples, consumed_tokens).
+    ``train_state`` is the loop's dataclass (step, consumed_samples, consumed_tokens). A model holding a
+    non-finite value is refused; a failed write raises CheckpointSaveError (one line, same on every rank)
+    after removing the partial directory, so the previous checkpoint stays the one that loads.
     """
-    from megatron.core import dist_checkpointing
-
     t0 = time.perf_counter()
     root = Path(root)
     step = int(train_state.step)
     ckpt = root / iter_dir_name(step)
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if ckpt.exists():  # a leftover from an interrupted save, or an older timeline: unpublish, then replace
-            (ckpt / META_FILE).unlink(missing_ok=True)
-            shutil.rmtree(ckpt)
-        ckpt.mkdir(parents=True)
-    _barrier()
+
+    bad = nonfinite_parameters(model)
+    problem = _agree(f"{bad} on rank {_rank()}" if bad else None)
+    if problem is not None:
+        raise CheckpointSaveError(f"refusing to save step {step}: non-finite values in {problem}; the previous "
+                                  "checkpoint stays the one that loads", collective=True)
+
+    def attempt(fn) -> None:
+        try:
+            fn()
+            err = None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 (torch's CheckpointException is a BaseException)
+            err = describe_save_failure(e, ckpt)
+        err = _agree(err)
+        if err is not None:
+            if _rank() == 0 and ckpt.exists():
+                (ckpt / META_FILE).unlink(missing_ok=True)
+                shutil.rmtree(ckpt, ignore_errors=True)
+            prev = latest_complete(root) if root.is_dir() else None
+            keeps = f"{prev} stays the checkpoint that loads" if prev else "no earlier checkpoint exists"
+            raise CheckpointSaveError(f"saving checkpoint step {step} to {ckpt} failed: {err}; {keeps}", collective=True)
+
+    def prepare_dir():
+        if _rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if ckpt.exists():  # a leftover from an interrupted save, or an older timeline: unpublish, then replace
+                (ckpt / META_FILE).unlink(missing_ok=True)
+                shutil.rmtree(ckpt)
+            ckpt.mkdir(parents=True)
+
+    attempt(prepare_dir)
 
     if _world() > 1:  # only rank 0 talks to W&B; the common part must agree on every rank
         box = [wandb_run_id]
@@ -451,16 +710,13 @@ def save_checkpoint(
         state["scheduler"] = scheduler.state_dict()
     state["train_state"] = asdict(train_state)
     state["wandb_run_id"] = wandb_run_id
-    dist_checkpointing.save(state, str(ckpt))
-    (ckpt / "rng").mkdir(exist_ok=True)
-    torch.save(get_rng_state(), ckpt / "rng" / f"rank_{_rank():05d}.pt")
+    attempt(lambda: _write_state(ckpt, state))
 
-    if os.environ.get(KILL_DURING_SAVE_ENV) == str(step):
-        print(f"[checkpoint] test hook {KILL_DURING_SAVE_ENV}={step}: SIGKILL during save", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    _barrier()
+    t_sum = [0.0]
 
-    if _rank() == 0:
+    def publish():
+        if _rank() != 0:
+            return
         dist_opt = _uses_distributed_optimizer(optimizer)
         meta = {
             "format": FORMAT,
@@ -476,17 +732,15 @@ def save_checkpoint(
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "torch": torch.__version__,
         }
+        cfg_yaml = None
         if config is not None:
             from omegaconf import OmegaConf
 
             cfg_yaml = OmegaConf.to_yaml(config, resolve=True) if OmegaConf.is_config(config) else str(config)
-            (ckpt / "config.yaml").write_text(cfg_yaml)
-        _atomic_write_text(ckpt / META_FILE, json.dumps(meta, indent=1) + "\n")  # complete from here on
-        _atomic_write_text(root / TRACKER_FILE, f"{step}\n")
-        if keep_last:
-            prune(root, keep_last)
-    _barrier()
-    _log(f"saved {ckpt} (step {step}) in {time.perf_counter() - t0:.2f}s")
+        t_sum[0] = _publish(root, ckpt, meta, cfg_yaml, keep_last)
+
+    attempt(publish)
+    _log(f"saved {ckpt} (step {step}) in {time.perf_counter() - t0:.2f}s (checksums {t_sum[0]:.2f}s)")
     return ckpt
 
 
@@ -519,7 +773,12 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, *, 
     template: dict[str, Any] = dict(model_sd)
     if optimizer is not None:
         template["optimizer"] = _optimizer_sharded_state_dict(optimizer, model_sd, is_loading=True)
-    loaded = dist_checkpointing.load(template, str(path))
+    try:
+        loaded = dist_checkpointing.load(template, str(path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 (torch's CheckpointException is a BaseException)
+        raise CheckpointError(f"{path}: cannot be read ({describe_save_failure(e, path)})") from None
 
     chunks = _unwrap(model)
     if len(chunks) == 1:
@@ -538,8 +797,13 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, *, 
 
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
     rng_state = None
-    if meta["parallel"]["world_size"] == _world() and rng_file.is_file():
-        rng_state = torch.load(rng_file, weights_only=False)
+    if meta["parallel"]["world_size"] == _world():
+        if not rng_file.is_file():
+            raise CheckpointError(f"{rng_file}: missing (this rank's RNG streams)")
+        try:
+            rng_state = torch.load(rng_file, weights_only=False)
+        except Exception as e:  # noqa: BLE001 (torch.load raises many types for a damaged file)
+            raise CheckpointError(f"{rng_file}: unreadable ({type(e).__name__}: {e})") from None
         if restore_rng:
             set_rng_state(rng_state)
     else:
@@ -575,6 +839,7 @@ class Checkpointer:
         self.keep_last = int(c.keep_last or 0)
         self.load = None if c.load is None else str(c.load)
         self.save_on_exit = bool(c.save_on_exit)
+        self.verify = bool(c.get("verify", True))
         if self.interval < 0 or self.keep_last < 0:
             raise CheckpointError(f"checkpoint.interval ({self.interval}) and keep_last ({self.keep_last}) must be >= 0")
         self.last_saved_step: int | None = None
@@ -587,7 +852,7 @@ class Checkpointer:
     def locate(self) -> Path | None:
         """Resolve ``checkpoint.load`` once (raises CheckpointError for a bad explicit path)."""
         if not self._located:
-            self.load_path = resolve_load_path(self.load, self.dir)
+            self.load_path = resolve_load_path(self.load, self.dir, verify=self.verify)
             self.load_meta = read_meta(self.load_path) if self.load_path is not None else None
             self._located = True
         return self.load_path
@@ -612,6 +877,32 @@ class Checkpointer:
         self._rng_state = loaded.rng_state
         self.last_saved_step = train_state.step
         return loaded
+
+    @property
+    def resume_step(self) -> int:
+        """The step the run continues from (0 for a fresh start)."""
+        self.locate()
+        return 0 if self.load_meta is None else int(self.load_meta["iteration"])
+
+    def extra_checkpoints(self, train_iters: int) -> int:
+        """How many more checkpoints than the directory holds now this run needs room for at its peak
+        (a new one is written before the oldest beyond ``keep_last`` is pruned)."""
+        start = self.resume_step
+        new = (train_iters // self.interval - start // self.interval) if self.interval else 0
+        new += int(self.save_on_exit and (not self.interval or train_iters % self.interval != 0))
+        have = len(list_checkpoints(self.dir)[0]) if self.dir.is_dir() else 0
+        peak = have + new if not self.keep_last else min(have + new, self.keep_last + 1)
+        return max(min(new, 1), peak - have)
+
+    def check_free_space(self, model, optimizer, train_iters: int) -> int:
+        """Rank 0: StorageError unless ``dir`` has room for the checkpoints this run adds; returns one's bytes."""
+        from nano_hybrid import storage
+
+        params = [p for m in _unwrap(model) for p in m.parameters()]
+        one = storage.checkpoint_bytes(model_signature(model), params[0].element_size() if params else 4,
+                                       has_optimizer=optimizer is not None)
+        storage.check_free_space(self.dir, one, self.extra_checkpoints(train_iters), self.keep_last)
+        return one
 
     def restore_rng(self) -> None:
         if self._rng_state is not None:

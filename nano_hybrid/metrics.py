@@ -5,7 +5,7 @@ Only rank 0 writes (files, console, W&B). Record fields (all floats full precisi
     step, tokens (tokens seen after this step), consumed_samples, loss, lr, grad_norm, step_time_s,
     tokens_per_step, tokens_per_s (global), tokens_per_s_per_gpu, tflops_per_gpu, mem_gb (peak
     allocated on this rank's accelerator since the previous step; CPU: process max RSS), world_size,
-    backend, skipped (1 if the optimizer skipped the update), plus megatron's MoE auxiliary losses (e.g.
+    backend, skipped (1 if the update was skipped: non-finite loss or gradient norm), plus megatron's MoE auxiliary losses (e.g.
     ``seq_load_balancing_loss``, mean per MoE layer) when the model has MoE layers.
 
 W&B (``logger.wandb.mode`` online|offline, default disabled): keys ``train/<field>``, x-axis
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,37 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def truncate_records(path: str | Path, step: int) -> int:
+    """Drop the records after ``step`` (and any partial line a crash left) from a ``metrics.jsonl``; keep the rest.
+
+    A resumed run continues at the checkpoint's step; the records a crashed segment wrote after that
+    step are re-run, so they leave the file first and every step appears once. The file is replaced
+    atomically. Returns the number of lines dropped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+            ok = isinstance(rec, dict) and int(rec["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            keep.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write("".join(x + "\n" for x in keep))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 def wandb_key(field: str) -> str:
     """W&B key of a record field: ``val/loss``, ``val/ppl``, ... for the validation fields, else ``train/<field>``."""
     return f"val/{field[4:]}" if field.startswith("val_") else ("val/eval_time_s" if field == "eval_time_s" else f"train/{field}")
@@ -87,6 +119,8 @@ def format_console_line(rec: dict[str, Any], train_iters: int, eta_s: float) -> 
     ]
     aux = [k for k in rec if k.endswith("_loss") and k != "val_loss" and isinstance(rec[k], float)]  # MoE aux losses
     parts[4:4] = [f"{k} {rec[k]:.4f}" for k in aux]
+    if rec.get("skipped"):
+        parts.insert(1, "SKIPPED (non-finite loss or grad norm: no update)")
     if "val_loss" in rec:  # a validation step (train.eval_interval)
         parts[2:2] = [f"val_loss {rec['val_loss']:.4f}", f"val_ppl {rec['val_ppl']:.2f}"]
     return " | ".join(parts)
@@ -108,6 +142,7 @@ class MetricsLogger:
         wandb_cfg: Any = None,
         run_config: dict | None = None,
         print_fn=print,
+        start_step: int | None = None,
     ) -> None:
         self.rank = rank
         self.train_iters = train_iters
@@ -120,7 +155,13 @@ class MetricsLogger:
         if rank != 0:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # Appending keeps the records of a resumed run's earlier segment; the loop logs each step once.
+        # Appending keeps the records of a resumed run's earlier segment; records after the step the run
+        # continues from (``start_step``: a crashed segment's re-run steps) are dropped first.
+        if start_step is not None:
+            dropped = truncate_records(self.run_dir / "metrics.jsonl", start_step)
+            if dropped:
+                print_fn(f"metrics.jsonl: dropped {dropped} record(s) after step {start_step} "
+                         "(they are re-run from the checkpoint)", flush=True)
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         mode = "disabled" if wandb_cfg is None else str(wandb_cfg.get("mode", "disabled"))
         if mode not in WANDB_MODES:

@@ -2,7 +2,9 @@
 
 - an uninterrupted run of 2N steps == N steps + resume for N steps: per-step losses bitwise, final
   model and optimizer state bitwise;
-- a process SIGKILLed while writing a checkpoint resumes from the previous complete one;
+- a process SIGKILLed while writing a checkpoint resumes from the previous complete one; its checkpoint
+  writer helper processes end with it; the resume drops the re-run steps from ``metrics.jsonl`` first, so
+  every step is logged once;
 - SIGTERM mid-run: checkpoint written, exit code 0, the resume continues the curve; the first step
   after a resume is logged once; ``train.exit_after_minutes`` stops the same way;
 - an incompatible checkpoint (vocab) and a missing ``checkpoint.load`` path are refused with one line;
@@ -38,15 +40,33 @@ def _env(**extra):
     return env
 
 
-def _run(cmd, env, log: Path, timeout: float, on_start=None) -> subprocess.CompletedProcess:
-    """Run in a new session with output in files: a SIGKILLed trainer leaves children (the dist-checkpoint
-    writer's multiprocessing manager, the W&B service) that would hold pipes open; they are killed here."""
+def group_processes(pgid: int) -> list[str]:
+    """Command lines of the live processes in process group ``pgid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                out.append((d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _run(cmd, env, log: Path, timeout: float, on_start=None, after_exit=None) -> subprocess.CompletedProcess:
+    """Run in a new session with output in files: a SIGKILLed trainer can leave children (the W&B service)
+    that would hold pipes open; they are killed here, after ``after_exit(proc)`` had a look."""
     with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
         try:
             if on_start is not None:
                 on_start(proc)
             rc = proc.wait(timeout=timeout)
+            if after_exit is not None:
+                after_exit(proc)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # this run's leftover children (its own process group)
@@ -56,11 +76,14 @@ def _run(cmd, env, log: Path, timeout: float, on_start=None) -> subprocess.Compl
     return subprocess.CompletedProcess(cmd, rc, log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text())
 
 
-def train(run_dir: Path, *overrides: str, env=None, timeout=300, on_start=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "nano_hybrid.train", *COMMON, f"run_dir={run_dir}", *overrides]
+def train(run_dir: Path, *overrides: str, env=None, timeout=300, on_start=None, after_exit=None,
+          hooked=False) -> subprocess.CompletedProcess:
+    """``python -m nano_hybrid.train``; ``hooked``: through tests/hooked_train.py (faults from the environment)."""
+    launcher = [sys.executable, str(REPO / "tests" / "hooked_train.py")] if hooked else [sys.executable, "-m", "nano_hybrid.train"]
+    cmd = [*launcher, *COMMON, f"run_dir={run_dir}", *overrides]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     n = len(list(run_dir.parent.glob(f"{run_dir.name}.log*.out")))
-    return _run(cmd, env or _env(), run_dir.parent / f"{run_dir.name}.log{n}", timeout, on_start)
+    return _run(cmd, env or _env(), run_dir.parent / f"{run_dir.name}.log{n}", timeout, on_start, after_exit)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -96,9 +119,21 @@ def runs(tmp_path_factory):
     pa = train(a, f"train.train_iters={2 * N}", "checkpoint.interval=0")
     _assert_ok(pa)
     wb = ["logger.wandb.mode=offline", "logger.wandb.project=nano-hybrid-test"]
-    pb1 = train(b, f"train.train_iters={2 * N}", f"checkpoint.interval={N}", *wb,
-                env=_env(NANO_HYBRID_TEST_KILL_DURING_SAVE=str(2 * N)))
+    helpers: list[str] = []
+
+    def helpers_left(proc):  # checkpoint-writer helpers (multiprocessing) still alive 5 s after the SIGKILL
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            helpers[:] = [c for c in group_processes(proc.pid) if "multiprocessing" in c]
+            if not helpers:
+                return
+            time.sleep(0.2)
+
+    pb1 = train(b, f"train.train_iters={2 * N}", f"checkpoint.interval={N}", *wb, hooked=True,
+                env=_env(NANO_HYBRID_TEST_KILL_DURING_SAVE=str(2 * N)), after_exit=helpers_left)
     b_after_kill = {
+        "helpers_left": list(helpers),
+        "steps_logged": [r["step"] for r in records(b)],
         "rc": pb1.returncode,
         "stdout": pb1.stdout,
         "dirs": sorted(d.name for d in (b / "checkpoints").glob("iter_*")),
@@ -140,12 +175,19 @@ def test_resume_is_bitwise_identical(runs, tmp_path):
     assert any(torch.count_nonzero(ta[k]) > 0 for k in tensor_keys if k.endswith("expert_bias"))
 
 
-def test_first_step_after_resume_logged_once(runs):
-    steps = [r["step"] for r in records(runs["B"])]
-    # segment 1 logged 1..2N (killed while saving 2N), segment 2 resumed at N and logged N+1..2N once
-    assert steps == list(range(1, 2 * N + 1)) + list(range(N + 1, 2 * N + 1))
-    seg2 = records(runs["B"])[2 * N:]
-    assert seg2[0]["tokens"] == (N + 1) * 4 * 64 and seg2[0]["consumed_samples"] == (N + 1) * 4
+def test_kill9_resume_logs_each_step_once(runs):
+    # segment 1 logged 1..2N (killed while saving 2N); segment 2 resumed at N: it first dropped N+1..2N
+    # from metrics.jsonl, then logged them again
+    assert runs["b_after_kill"]["steps_logged"] == list(range(1, 2 * N + 1))
+    assert f"dropped {N} record(s) after step {N}" in runs["pb2"].stdout
+    recs = records(runs["B"])
+    assert [r["step"] for r in recs] == list(range(1, 2 * N + 1))
+    assert recs[N]["tokens"] == (N + 1) * 4 * 64 and recs[N]["consumed_samples"] == (N + 1) * 4
+
+
+def test_helper_processes_end_with_the_trainer(runs):
+    assert runs["b_after_kill"]["rc"] == -signal.SIGKILL
+    assert runs["b_after_kill"]["helpers_left"] == []
 
 
 def test_wandb_offline_resume_keeps_run_id(runs):
@@ -218,3 +260,63 @@ def test_distributed_optimizer_resume_is_bitwise_identical(tmp_path):
     assert model_keys and any(k.endswith("expert_bias") for k in model_keys)
     for k in model_keys:
         assert torch.equal(ta[k], tb[k]), k
+
+
+def test_stale_lock_of_killed_trainer_is_taken_over(runs):
+    assert "taking over a stale lock" in runs["pb2"].stdout and "that process is gone" in runs["pb2"].stdout
+    assert not (runs["B"] / ".nano_hybrid.lock").exists()  # released at the clean exit
+
+
+def _flip(path: Path, offset: int, n: int = 4096) -> None:
+    """Invert ``n`` bytes in place (same size: only a checksum notices)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_corrupt_shard_auto_falls_back_and_explicit_load_refuses(runs, tmp_path):
+    import shutil
+
+    run = tmp_path / "F"
+    shutil.copytree(runs["B"] / "checkpoints", run / "checkpoints")
+    newest = run / "checkpoints" / f"iter_{2 * N:07d}"
+    shard = sorted(newest.glob("*.distcp"))[0]
+    _flip(shard, shard.stat().st_size // 2)
+    # an explicit path: one line naming the file, nothing loaded
+    p = train(tmp_path / "G", f"train.train_iters={2 * N}", f"checkpoint.load={newest}")
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and str(shard) in err[0] and "checksum mismatch" in err[0], p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    # auto: the corrupt checkpoint is set aside (kept), the previous one loads, the curve is the uninterrupted one
+    p = train(run, f"train.train_iters={2 * N}", "checkpoint.interval=0")
+    _assert_ok(p)
+    assert "fails verification" in p.stdout and f"loaded {run / 'checkpoints' / f'iter_{N:07d}'}" in p.stdout
+    kept = run / "checkpoints" / "corrupt" / newest.name
+    assert (kept / shard.name).is_file() and not newest.exists()
+    assert "checksum mismatch" in (kept / "WHY.txt").read_text()
+    la, lf = losses(runs["A"]), losses(run)
+    assert sorted(lf) == list(range(N + 1, 2 * N + 1)) and all(lf[s] == la[s] for s in lf), (la, lf)
+
+
+def test_damaged_files_are_one_line_naming_them(runs, tmp_path):
+    import shutil
+
+    src = runs["B"] / "checkpoints" / f"iter_{N:07d}"
+    cases = {
+        "common.pt": lambda d: (d / "common.pt").write_bytes((d / "common.pt").read_bytes()[:100]),
+        "rng/rank_00000.pt": lambda d: (d / "rng" / "rank_00000.pt").unlink(),
+        "nano_hybrid_checkpoint.json": lambda d: (d / "nano_hybrid_checkpoint.json").write_text('{"format": "nano-hy'),
+    }
+    expect = {"common.pt": "truncated", "rng/rank_00000.pt": "missing", "nano_hybrid_checkpoint.json": "unreadable"}
+    for name, damage in cases.items():
+        d = tmp_path / name.replace("/", "_") / src.name
+        shutil.copytree(src, d)
+        damage(d)
+        p = train(tmp_path / "H", "train.train_iters=2", f"checkpoint.load={d}")
+        err = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+        assert p.returncode == 2 and len(err) == 1, (name, p.stderr[-2000:])
+        assert str(d / name) in err[0] and expect[name] in err[0], err
+        assert "Traceback" not in p.stderr
