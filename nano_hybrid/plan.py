@@ -1,0 +1,461 @@
+"""Memory planner: per-GPU memory of a training run from the config alone (no GPU, no model build).
+
+    python -m nano_hybrid.plan model=nano30b parallel=ep2 plan.gpus=8 train.micro_batch_size=1
+    python -m nano_hybrid.plan recipe=nano30b_slice_h200 model.recompute=selective plan.format=json
+
+Same Hydra config as ``nano_hybrid.train`` (model, parallel, train, plus the ``plan`` group: ``gpus``,
+``format``). It prints, per GPU (the fullest pipeline stage): parameters, gradients, optimizer states,
+activations per layer kind for every recompute choice, the LM-head logits, the peak, the checkpoint
+size on disk and a verdict for 80 / 141 / 192 GB GPUs. ``train.memory_check`` (on by default, CUDA
+only) makes training refuse to start when ``must_not_fit`` says the run cannot fit the GPU.
+
+What is counted (bytes; a = bytes of the training dtype: 2 for bf16, 4 for fp32)
+----------------------------------------------------------------------------------
+Static, per parameter held by this GPU (its TP/EP shard of its pipeline stage), as ``train.py`` sets
+up megatron (DDP with ``grad_reduce_in_fp32=True``; Adam):
+
+- weights: a; gradients: 4 (DDP's fp32 main-grad buffer);
+- optimizer: bf16: 12 (fp32 main weights + Adam m, v), fp32: 8 (m, v); with
+  ``use_distributed_optimizer`` divided by the data-parallel size (experts: expert-data-parallel size);
+- optimizer step transient: torch's foreach AdamW allocates one fp32 temporary per state tensor of
+  the larger of the dense / expert optimizers (4 bytes per main parameter of that optimizer).
+
+Activations: what the backward keeps of one micro-batch, per layer, from the modules' saved tensors
+(T = micro_batch_size x seq_length tokens; T_sp = T / TP with sequence parallelism, else T; widths
+are per TP rank; ``h`` hidden, ``di`` = mamba heads x head dim, ``D_in`` = 2 di + 2 groups x state +
+heads, ``k`` top-k, ``f`` expert FFN, ``fs`` shared-expert FFN, ``E`` experts, ``V`` padded vocab):
+
+- every layer: its input (saved by its pre-norm: a T_sp h + 4 T_sp for the fp32 rstd) and the norm
+  output (saved by the next projection: a T_sp h);
+- Mamba (M): ``zxBCdt`` and ``out_x`` (saved by the fused split-conv1d-scan op: a T D_in + a T di), the
+  gated output before the gated norm and that norm's output (saved by the norm and by out_proj: 2 a T di)
+  and the norm's fp32 rstd per group; the helion backend also keeps two fp32 (b, heads, l) tensors;
+- attention (*): the fused QKV projection output, which the SDPA backward keeps (q, k, v are views:
+  a T (heads + 2 groups) kv), the attention output (a T heads kv, saved by the output projection) and the
+  fp32 log-sum-exp (4 T heads);
+- MoE (E), all-gather dispatch (tokens stay local up to EP): the router's fp32 logits / scores / probs
+  (~5 x 4 T E), each token's k copies in expert order (a T k h, saved by the first grouped GEMM), the expert
+  FFN before and after the activation (2 a T k f), the fp32 routing weights and int64 permutation indices
+  (4 + 16 bytes per copy), the shared expert's FFN before and after its activation (2 a T fs);
+- dense MLP (-): the FFN before and after the activation (2 a T ffn);
+- LM head (last stage): final norm input and output (2 a T_sp h), the fp32 logits the cross-entropy
+  keeps (4 T V) and, while the loss is formed and again at the start of the backward, the logits in the
+  training dtype beside them (a T V, transient).
+
+Recompute: ``full`` keeps only each layer's input (a T_sp h) and, during one layer's backward, holds that
+layer's activations again; ``selective`` drops the pieces its modules rebuild: ``layernorm`` the norm
+outputs, ``moe`` everything of an MoE layer except its input and norm output (only its input with
+``layernorm`` too), ``shared_experts`` the shared expert's two FFN tensors, ``ssd`` out_x, the gated
+output, the rstd (Mamba keeps zxBCdt and the norm output), ``core_attn`` the log-sum-exp (the SDPA
+output stays as out-projection input), ``mlp`` the dense FFN tensors.
+
+Peak per GPU = static + in-flight micro-batches x (sum of the stage's layer activations + head) + the
+largest backward transient (the LM-head logits in the training dtype, or one layer's backward work
+space, taken as that layer's activations; with ``full`` plus its rebuilt activations). Pipeline stage
+``r`` of ``PP`` holds up to ``min(PP - r, micro-batches)`` micro-batches (1F1B). The allocator's
+fragmentation and the CUDA context are not in ``torch.cuda.max_memory_allocated``; the verdict keeps a
+margin for them (``FIT_MARGIN``, ``CONTEXT_GIB``).
+
+Checkpoint on disk (``checkpoint.py``, megatron dist_checkpointing): the weights in the training dtype
+plus the optimizer states (fp32 main weights for bf16 and Adam m, v) of the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+
+# megatron-core (imported through the parallel-layout checks) warns that TE/Apex are absent; not relevant here
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from nano_hybrid.config import ConfigError
+from nano_hybrid.model.config import RECOMPUTE_CHOICES, check_model_cfg, model_dict, padded_vocab_size, recompute_settings
+
+GIB = 1024**3
+# GPUs of the verdict: name -> memory torch reports as total_memory (GiB)
+GPUS = {"80 GB (H100/A100)": 79.2, "141 GB (H200)": 139.8, "192 GB (B200)": 178.4}
+FIT_MARGIN = 0.08  # fraction of the GPU kept for allocator fragmentation
+CONTEXT_GIB = 1.0  # CUDA context + cuBLAS/cuDNN workspaces (outside max_memory_allocated)
+SURE_FACTOR = 0.9  # must_not_fit: even 90% of the planned peak exceeds the GPU's memory
+
+
+@dataclass
+class Shape:
+    pattern: str
+    h: int
+    vocab: int  # padded
+    seq: int
+    mbs: int
+    a: int  # bytes per activation / weight element
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    edp: int
+    sp: bool
+    dist_opt: bool
+    num_microbatches: int
+    backend: str
+    # Mamba
+    m_heads: int = 0
+    m_hdim: int = 0
+    m_state: int = 0
+    m_groups: int = 0
+    m_conv: int = 4
+    # attention
+    heads: int = 0
+    groups: int = 0
+    kv: int = 0
+    # MoE / MLP
+    experts: int = 0
+    topk: int = 0
+    f: int = 0
+    fs: int = 0
+    ffn: int = 0
+    untied: bool = True
+
+    @property
+    def di(self) -> int:
+        return self.m_heads * self.m_hdim
+
+    @property
+    def d_in(self) -> int:
+        return 2 * self.di + 2 * self.m_groups * self.m_state + self.m_heads
+
+
+# ------------------------------------------------------------------------------------------ params
+def layer_params(s: Shape, kind: str) -> tuple[int, int]:
+    """(dense, expert) parameter counts of one layer of ``kind`` for the whole model (unsharded)."""
+    h = s.h
+    if kind == "M":
+        conv_ch = s.di + 2 * s.m_groups * s.m_state
+        return h + h * s.d_in + conv_ch * s.m_conv + conv_ch + 3 * s.m_heads + s.di + s.di * h, 0
+    if kind == "*":
+        return h + h * (s.heads + 2 * s.groups) * s.kv + s.heads * s.kv * h, 0
+    if kind == "E":
+        shared = 2 * h * s.fs
+        return h + s.experts * h + shared, s.experts * 2 * h * s.f
+    if kind == "-":
+        return h + 2 * h * s.ffn, 0
+    raise ValueError(kind)
+
+
+def local_layer_params(s: Shape, kind: str) -> tuple[float, float]:
+    """(dense, expert) parameters of one layer held by one GPU (its TP / EP x ETP shard)."""
+    dense, expert = layer_params(s, kind)
+    h = s.h
+    replicated = h  # the pre-norm
+    if kind == "E":
+        replicated += s.experts * h  # router
+    return replicated + (dense - replicated) / s.tp, expert / (s.ep * s.etp)
+
+
+def stage_layers(s: Shape) -> list[str]:
+    n = len(s.pattern) // s.pp
+    return [s.pattern[i * n:(i + 1) * n] for i in range(s.pp)]
+
+
+def stage_params(s: Shape, stage: int) -> tuple[float, float]:
+    """(dense, expert) parameters on one GPU of pipeline stage ``stage``."""
+    dense = expert = 0.0
+    for kind in stage_layers(s)[stage]:
+        d, e = local_layer_params(s, kind)
+        dense, expert = dense + d, expert + e
+    if stage == 0:
+        dense += s.vocab * s.h / s.tp
+    if stage == s.pp - 1:
+        dense += s.h  # final norm
+        if s.untied or s.pp > 1:
+            dense += s.vocab * s.h / s.tp
+    return dense, expert
+
+
+def total_params(s: Shape) -> tuple[int, int]:
+    dense = s.vocab * s.h * (2 if s.untied else 1) + s.h
+    expert = 0
+    for kind in s.pattern:
+        d, e = layer_params(s, kind)
+        dense, expert = dense + d, expert + e
+    return dense, expert
+
+
+# ------------------------------------------------------------------------------------- activations
+def layer_activations(s: Shape, kind: str, modules: tuple[str, ...] = ()) -> dict[str, float]:
+    """Bytes one layer keeps for the backward of one micro-batch, by piece (``modules``: the selective
+    recompute list; pieces it rebuilds are left out)."""
+    a, t = s.a, s.mbs * s.seq
+    tsp = t / s.tp if s.sp else t
+    h = s.h
+    rec = set(modules)
+    out: dict[str, float] = {"input": a * tsp * h + 4 * tsp}
+    if "layernorm" not in rec:
+        out["norm_out"] = a * tsp * h
+    if kind == "M":
+        di, d_in = s.di / s.tp, s.d_in / s.tp
+        out["zxBCdt"] = a * t * d_in
+        if "ssd" not in rec:
+            out["out_x"] = a * t * di
+            out["gated_y"] = a * t * di + 4 * t * max(1, s.m_groups // s.tp)
+            if s.backend == "helion":
+                out["cumsum"] = 2 * 4 * t * s.m_heads / s.tp
+        out["y_norm"] = a * t * di
+    elif kind == "*":
+        heads, groups = s.heads / s.tp, max(1, s.groups // s.tp)
+        out["qkv"] = a * t * (heads + 2 * groups) * s.kv
+        out["attn_out"] = a * t * heads * s.kv
+        if "core_attn" not in rec:
+            out["lse"] = 4 * t * heads
+    elif kind == "E":
+        if "moe" in rec:
+            if "layernorm" not in rec:
+                out["norm_out"] = a * tsp * h  # the MoE checkpoint's input
+        else:
+            # tokens of this rank's experts: T k on average (EP spreads them; all-gather at TP/SP)
+            copies = t * s.topk
+            out["router"] = 5 * 4 * t * s.experts
+            out["expert_in"] = a * copies * h
+            out["expert_ffn"] = 2 * a * copies * s.f / s.etp
+            out["probs_idx"] = (4 + 16) * copies
+            if "shared_experts" not in rec:
+                out["shared_ffn"] = 2 * a * t * s.fs / s.tp
+    elif kind == "-":
+        if "mlp" not in rec:
+            out["ffn"] = 2 * a * t * s.ffn / s.tp
+    return out
+
+
+def head_activations(s: Shape) -> dict[str, float]:
+    a, t = s.a, s.mbs * s.seq
+    tsp = t / s.tp if s.sp else t
+    return {"final_norm": 2 * a * tsp * s.h + 4 * tsp, "logits_fp32": 4 * t * s.vocab / s.tp}
+
+
+def head_transient(s: Shape) -> float:
+    """The logits in the training dtype beside the fp32 ones (none in fp32: .float() is a no-op)."""
+    t = s.mbs * s.seq
+    return 0.0 if s.a == 4 else s.a * t * s.vocab / s.tp
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    layers: str
+    in_flight: int
+    params_dense: float
+    params_expert: float
+    weights: float
+    grads: float
+    optimizer: float
+    optimizer_step_transient: float
+    activations_by_kind: dict = field(default_factory=dict)  # kind -> bytes per micro-batch (all layers of that kind)
+    head: float = 0.0
+    transient: float = 0.0
+    activations: float = 0.0  # in-flight micro-batches x (layers + head)
+    peak: float = 0.0
+
+
+def plan_stage(s: Shape, stage: int, choice: str, modules: tuple[str, ...]) -> StagePlan:
+    dense, expert = stage_params(s, stage)
+    p = dense + expert
+    weights, grads = s.a * p, 4 * p
+    per_param_opt = 12 if s.a == 2 else 8
+    opt_dense = per_param_opt * dense / (s.dp if s.dist_opt else 1)
+    opt_expert = per_param_opt * expert / (s.edp if s.dist_opt else 1)
+    step_transient = 4 * max(dense / (s.dp if s.dist_opt else 1), expert / (s.edp if s.dist_opt else 1))
+    layers = stage_layers(s)[stage]
+    in_flight = min(s.pp - stage, s.num_microbatches)
+    by_kind: dict[str, float] = {}
+    workspace = 0.0
+    for kind in layers:
+        full_set = sum(layer_activations(s, kind).values())
+        if choice == "full":
+            kept = s.a * (s.mbs * s.seq / (s.tp if s.sp else 1)) * s.h
+            workspace = max(workspace, 2 * full_set)  # rebuilt activations + their backward work space
+        else:
+            kept = sum(layer_activations(s, kind, modules).values())
+            workspace = max(workspace, full_set)
+        by_kind[kind] = by_kind.get(kind, 0.0) + kept
+    head = sum(head_activations(s).values()) if stage == s.pp - 1 else 0.0
+    transient = max(head_transient(s) if stage == s.pp - 1 else 0.0, workspace)
+    acts = in_flight * (sum(by_kind.values()) + head)
+    train_peak = weights + grads + opt_dense + opt_expert + acts + transient
+    step_peak = weights + grads + opt_dense + opt_expert + step_transient
+    return StagePlan(
+        stage=stage, layers=layers, in_flight=in_flight, params_dense=dense, params_expert=expert,
+        weights=weights, grads=grads, optimizer=opt_dense + opt_expert, optimizer_step_transient=step_transient,
+        activations_by_kind=by_kind, head=head, transient=transient, activations=acts,
+        peak=max(train_peak, step_peak),
+    )
+
+
+# ------------------------------------------------------------------------------------------ config
+def shape_from_cfg(cfg: DictConfig, world_size: int | None = None) -> tuple[Shape, int]:
+    """The planner's view of a composed config (validated like training's) and the world size it plans for."""
+    from nano_hybrid.parallel import validate_parallel
+
+    m = model_dict(cfg.model)
+    check_model_cfg(m)
+    p = cfg.parallel
+    tp, pp, cp = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size), int(p.context_parallel_size)
+    ep, etp = int(p.expert_model_parallel_size), int(p.expert_tensor_parallel_size)
+    if world_size is None:
+        gpus = OmegaConf.select(cfg, "plan.gpus")
+        world_size = int(gpus) if gpus is not None else _lcm(tp * pp * cp, etp * ep * pp)
+    sizes = validate_parallel(cfg, world_size)
+    mbs, gbs = int(cfg.train.micro_batch_size), int(cfg.train.global_batch_size)
+    if gbs % (mbs * sizes["dp"]):
+        raise ConfigError(f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} "
+                          f"x data-parallel size {sizes['dp']}")
+    precision = str(cfg.train.precision)
+    if precision == "auto":
+        device = str(cfg.train.device)
+        precision = "fp32" if device == "cpu" else "bf16"
+    return Shape(
+        pattern=str(m["hybrid_override_pattern"]), h=int(m["hidden_size"]),
+        vocab=padded_vocab_size(int(m["vocab_size"]), int(m.get("make_vocab_size_divisible_by", 128)), tp),
+        seq=int(cfg.train.seq_length), mbs=mbs, a=2 if precision == "bf16" else 4,
+        tp=tp, pp=pp, ep=ep, etp=etp, dp=sizes["dp"], edp=sizes["edp"], sp=bool(p.sequence_parallel),
+        dist_opt=bool(p.use_distributed_optimizer), num_microbatches=gbs // (mbs * sizes["dp"]),
+        backend=str(cfg.kernels.backend),
+        m_heads=int(m.get("mamba_num_heads") or 0), m_hdim=int(m.get("mamba_head_dim") or 0),
+        m_state=int(m.get("mamba_state_dim") or 0), m_groups=int(m.get("mamba_num_groups") or 0),
+        m_conv=int(m.get("mamba_conv_width", 4)),
+        heads=int(m.get("num_attention_heads") or 0),
+        groups=int(m.get("num_query_groups") or m.get("num_attention_heads") or 0),
+        kv=int(m.get("kv_channels") or 0),
+        experts=int(m.get("num_moe_experts") or 0), topk=int(m.get("moe_router_topk") or 0),
+        f=int(m.get("moe_ffn_hidden_size") or m.get("ffn_hidden_size") or 0),
+        fs=int(m.get("moe_shared_expert_intermediate_size") or 0), ffn=int(m.get("ffn_hidden_size") or 0),
+        untied=bool(m.get("untie_embeddings_and_output_weights", True)),
+    ), world_size
+
+
+def _lcm(x: int, y: int) -> int:
+    return x * y // math.gcd(x, y)
+
+
+def make_plan(cfg: DictConfig, world_size: int | None = None) -> dict[str, Any]:
+    """The full plan as a dict: per recompute choice the fullest stage's memory, the configured choice's
+    stages, checkpoint size, verdicts."""
+    s, world = shape_from_cfg(cfg, world_size)
+    m = model_dict(cfg.model)
+    choice, modules = recompute_settings(m)
+    selective_modules = modules or tuple(m.get("recompute_modules") or ("moe", "layernorm"))
+    choices = {"none": ("none", ()), "selective": ("selective", selective_modules), "full": ("full", ())}
+    by_choice = {}
+    for name in RECOMPUTE_CHOICES:
+        c, mods = choices[name]
+        stages = [plan_stage(s, r, c, mods) for r in range(s.pp)]
+        worst = max(stages, key=lambda x: x.peak)
+        by_choice[name] = {"modules": list(mods), "peak_gib": worst.peak / GIB, "stage": worst.stage,
+                           "activations_gib": worst.activations / GIB}
+    stages = [plan_stage(s, r, choice, modules) for r in range(s.pp)]
+    worst = max(stages, key=lambda x: x.peak)
+    dense, expert = total_params(s)
+    ckpt = (dense + expert) * (s.a + (12 if s.a == 2 else 8))
+    verdict = {name: fit_verdict(worst.peak, cap) for name, cap in GPUS.items()}
+    return {
+        "model": str(m["name"]), "pattern": s.pattern, "world_size": world,
+        "layout": {"tp": s.tp, "pp": s.pp, "ep": s.ep, "etp": s.etp, "dp": s.dp, "edp": s.edp, "sp": s.sp,
+                   "distributed_optimizer": s.dist_opt},
+        "micro_batch_size": s.mbs, "seq_length": s.seq, "num_microbatches": s.num_microbatches,
+        "dtype": "bf16" if s.a == 2 else "fp32", "recompute": choice, "recompute_modules": list(modules),
+        "params_total": dense + expert, "params_expert_total": expert,
+        "stages": [_stage_dict(x) for x in stages],
+        "peak_gib": worst.peak / GIB, "peak_stage": worst.stage,
+        "by_recompute": by_choice,
+        "checkpoint_gib": ckpt / GIB,
+        "verdict": verdict,
+    }
+
+
+def _stage_dict(x: StagePlan) -> dict:
+    d = asdict(x)
+    for k in ("weights", "grads", "optimizer", "optimizer_step_transient", "head", "transient", "activations", "peak"):
+        d[k + "_gib"] = d.pop(k) / GIB
+    d["activations_by_kind_gib"] = {k: v / GIB for k, v in d.pop("activations_by_kind").items()}
+    return d
+
+
+def fit_verdict(peak_bytes: float, capacity_gib: float) -> str:
+    need = peak_bytes / GIB
+    usable = capacity_gib * (1 - FIT_MARGIN) - CONTEXT_GIB
+    if need <= usable:
+        return "fits"
+    if need <= capacity_gib:
+        return "tight"
+    return "does not fit"
+
+
+def must_not_fit(plan: dict, capacity_bytes: float) -> bool:
+    """True when even ``SURE_FACTOR`` of the planned peak is above the GPU's total memory."""
+    return SURE_FACTOR * plan["peak_gib"] * GIB > capacity_bytes
+
+
+def format_text(plan: dict) -> str:
+    lay = plan["layout"]
+    lines = [
+        f"model {plan['model']} ({plan['params_total'] / 1e9:.2f}B params, {len(plan['pattern'])} layers) on "
+        f"{plan['world_size']} GPU(s): TP{lay['tp']} PP{lay['pp']} EP{lay['ep']} ETP{lay['etp']} DP{lay['dp']}"
+        f"{' SP' if lay['sp'] else ''}{' dist-opt' if lay['distributed_optimizer'] else ''}; "
+        f"micro-batch {plan['micro_batch_size']} x {plan['seq_length']} tokens, {plan['num_microbatches']} "
+        f"micro-batch(es) per step, {plan['dtype']}, recompute={plan['recompute']}"
+        + (f" {plan['recompute_modules']}" if plan["recompute_modules"] else ""),
+        "",
+        "per GPU (GiB)       " + "".join(f"stage {x['stage']:<5}" for x in plan["stages"]),
+    ]
+
+    def row(label, key, fmt="{:>11.2f}"):
+        lines.append(f"{label:<20}" + "".join(fmt.format(x[key]) for x in plan["stages"]))
+
+    lines.append(f"{'layers':<20}" + "".join(f"{x['layers']:>11}" for x in plan["stages"]))
+    lines.append(f"{'params (M)':<20}" + "".join(f"{(x['params_dense'] + x['params_expert']) / 1e6:>11.1f}"
+                                                 for x in plan["stages"]))
+    row("weights", "weights_gib")
+    row("gradients (fp32)", "grads_gib")
+    row("optimizer states", "optimizer_gib")
+    kinds = sorted({k for x in plan["stages"] for k in x["activations_by_kind_gib"]}, key="ME*-".index)
+    names = {"M": "act Mamba", "*": "act attention", "E": "act MoE", "-": "act MLP"}
+    for k in kinds:
+        lines.append(f"{names[k] + ' /mb':<20}" + "".join(f"{x['activations_by_kind_gib'].get(k, 0.0):>11.2f}"
+                                                          for x in plan["stages"]))
+    row("act LM head /mb", "head_gib")
+    lines.append(f"{'in-flight mb':<20}" + "".join(f"{x['in_flight']:>11d}" for x in plan["stages"]))
+    row("activations", "activations_gib")
+    row("bwd transient", "transient_gib")
+    row("peak", "peak_gib")
+    lines += ["", "peak per recompute choice (fullest stage):"]
+    for name, r in plan["by_recompute"].items():
+        mods = f" {r['modules']}" if r["modules"] else ""
+        lines.append(f"  {name + mods:<34} {r['peak_gib']:8.2f} GiB (activations {r['activations_gib']:.2f})")
+    lines += ["", f"checkpoint on disk: {plan['checkpoint_gib']:.1f} GiB (weights + optimizer states)", "verdict:"]
+    for gpu, v in plan["verdict"].items():
+        lines.append(f"  {gpu:<18} {v}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nano_hybrid.config import compose, overrides_from_argv
+
+    try:
+        cfg = compose(overrides_from_argv(sys.argv[1:] if argv is None else argv))
+        fmt = str(OmegaConf.select(cfg, "plan.format") or "text")
+        if fmt not in ("text", "json"):
+            raise ConfigError(f"plan.format={fmt!r}; choose text or json")
+        plan = make_plan(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if fmt == "json" else format_text(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""Memory planner (``nano_hybrid.plan``): parameter counts equal the built model's, the peaks agree with
+peaks measured on an H200, recompute and sharding move the numbers the right way, and the CLI fails
+with one ``error:`` line on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nano_hybrid.config import compose
+from nano_hybrid.plan import GIB, GPUS, fit_verdict, make_plan, must_not_fit, shape_from_cfg, total_params
+
+GPU = ["train.device=cuda", "train.precision=bf16", "kernels.backend=mamba_ssm"]
+SLICE5 = ["model=nano30b_slice", "model.hybrid_override_pattern=MEM*E", "train.seq_length=4096"]
+
+# torch.cuda.max_memory_allocated (GiB) over a training step on one H200 per GPU (bf16, sdpa attention,
+# grouped experts, mamba_ssm or helion kernels; training runs of nano_hybrid.train, metrics.jsonl mem_gb)
+H200_PEAKS = [
+    ([*SLICE5, "train.micro_batch_size=4", "train.global_batch_size=4", "kernels.backend=helion"], 1, 42.53),
+    ([*SLICE5, "train.micro_batch_size=4", "train.global_batch_size=4", "train.seq_length=1024",
+      "kernels.backend=helion"], 1, 30.49),
+    ([*SLICE5, "train.micro_batch_size=2", "train.global_batch_size=4", "parallel=dp2"], 2, 25.44),
+    ([*SLICE5, "train.micro_batch_size=2", "train.global_batch_size=4", "parallel=ep2"], 2, 23.71),
+    ([*SLICE5, "train.micro_batch_size=4", "train.global_batch_size=4", "parallel=tp2"], 2, 23.10),
+    (["model=nano30b_slice", "train.micro_batch_size=1", "train.global_batch_size=4", "train.seq_length=8192"], 1, 59.02),
+]
+
+
+@pytest.mark.parametrize("overrides,world,measured", H200_PEAKS,
+                         ids=["mbs4-s4096-helion", "mbs4-s1024-helion", "dp2", "ep2", "tp2-sp", "slice13-mbs1-ga4"])
+def test_peak_matches_h200_measurements(overrides, world, measured):
+    plan = make_plan(compose([*GPU, *overrides]), world)
+    assert abs(plan["peak_gib"] / measured - 1) < 0.06, (plan["peak_gib"], measured)
+
+
+def test_param_counts_equal_built_model():
+    """Analytic totals vs the modules megatron builds (meta device, one process)."""
+    from nano_hybrid.inspect import inspect_model
+
+    for overrides in (["model=tiny", "model.hybrid_override_pattern=MEM*E-"], ["model=nano30b_slice"]):
+        built = inspect_model(overrides)
+        s, _ = shape_from_cfg(compose([*overrides, "train.device=cpu"]))
+        dense, expert = total_params(s)
+        assert dense + expert == built["total_params"]
+        assert expert == built["routed_expert_params"]
+
+
+def test_nano30b_layouts_and_recompute():
+    plan = make_plan(compose(["model=nano30b", *GPU, "train.micro_batch_size=1", "train.global_batch_size=8"]))
+    assert plan["params_total"] == pytest.approx(31.58e9, rel=1e-3)
+    r = plan["by_recompute"]
+    assert r["none"]["activations_gib"] > r["selective"]["activations_gib"] > r["full"]["activations_gib"]
+    # one GPU: the optimizer step (states + foreach temporaries) is the peak, whatever the recompute
+    assert r["none"]["peak_gib"] == r["full"]["peak_gib"]
+    assert r["selective"]["modules"] == ["moe", "layernorm"]
+    # one GPU holds weights + fp32 grads + 12 bytes of optimizer state per parameter: ~470 GiB
+    assert plan["stages"][0]["weights_gib"] + plan["stages"][0]["grads_gib"] + plan["stages"][0]["optimizer_gib"] \
+        == pytest.approx(31.58e9 * 18 / GIB, rel=1e-3)
+    assert set(plan["verdict"].values()) == {"does not fit"}
+    assert must_not_fit(plan, 141e9)
+    # checkpoint: bf16 weights + fp32 main weights + Adam m, v = 14 bytes per parameter
+    assert plan["checkpoint_gib"] == pytest.approx(31.58e9 * 14 / GIB, rel=1e-3)
+
+    # 8 GPUs, EP8 + distributed optimizer: experts and optimizer states are sharded 8 ways
+    ep8 = make_plan(compose(["model=nano30b", *GPU, "parallel=ep2", "parallel.expert_model_parallel_size=8",
+                             "plan.gpus=8", "train.micro_batch_size=1", "train.global_batch_size=8"]))
+    st = ep8["stages"][0]
+    assert ep8["layout"]["dp"] == 8 and ep8["layout"]["edp"] == 1
+    assert st["params_expert"] == pytest.approx(plan["params_expert_total"] / 8)
+    assert ep8["peak_gib"] < plan["peak_gib"] / 3
+
+
+def test_pipeline_stages_split_layers_and_in_flight_micro_batches():
+    cfg = compose(["model=nano30b", *GPU, "parallel=single", "parallel.pipeline_model_parallel_size=2",
+                   "train.micro_batch_size=1", "train.global_batch_size=8"])
+    plan = make_plan(cfg)
+    s0, s1 = plan["stages"]
+    pattern = plan["pattern"]
+    assert s0["layers"] + s1["layers"] == pattern and len(s0["layers"]) == 26
+    assert (s0["in_flight"], s1["in_flight"]) == (2, 1)  # 1F1B: stage r keeps PP - r micro-batches
+    assert s0["params_dense"] + s0["params_expert"] + s1["params_dense"] + s1["params_expert"] \
+        == pytest.approx(plan["params_total"])
+    assert s0["head_gib"] == 0 and s1["head_gib"] > 0
+    one = make_plan(compose(["model=nano30b", *GPU, "train.micro_batch_size=1", "train.global_batch_size=8"]))
+    assert plan["peak_gib"] < one["peak_gib"]
+
+
+def test_activations_scale_with_tokens_and_fp32_has_no_transient_logits():
+    small = make_plan(compose(["model=nano30b_slice", *GPU, "train.micro_batch_size=1", "train.global_batch_size=1"]))
+    big = make_plan(compose(["model=nano30b_slice", *GPU, "train.micro_batch_size=2", "train.global_batch_size=2"]))
+    assert big["stages"][0]["activations_gib"] == pytest.approx(2 * small["stages"][0]["activations_gib"])
+    assert big["stages"][0]["weights_gib"] == small["stages"][0]["weights_gib"]
+    r = big["by_recompute"]
+    assert r["none"]["peak_gib"] > r["selective"]["peak_gib"] > r["full"]["peak_gib"]
+    cpu = make_plan(compose(["model=tiny", "train.device=cpu"]))
+    assert cpu["dtype"] == "fp32"
+
+
+def test_verdict_thresholds():
+    cap = GPUS["141 GB (H200)"]
+    assert fit_verdict(100 * GIB, cap) == "fits"
+    assert fit_verdict((cap - 1) * GIB, cap) == "tight"
+    assert fit_verdict((cap + 1) * GIB, cap) == "does not fit"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "nano_hybrid.plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_text_json_and_errors():
+    r = _cli("model=nano30b_slice", "train.device=cuda", "train.micro_batch_size=1", "plan.format=json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["model"] == "nano30b_slice" and plan["dtype"] == "bf16"
+    r = _cli("model=nano30b_slice", "train.device=cuda", "train.micro_batch_size=1")
+    assert r.returncode == 0 and "peak per recompute choice" in r.stdout and "141 GB (H200)" in r.stdout
+    bad = _cli("model=nano30b", "parallel=tp2", "plan.gpus=3")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error: invalid parallel layout")
+    bad = _cli("model=tiny", "plan.format=yaml")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: plan.format='yaml'; choose text or json"
