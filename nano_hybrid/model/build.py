@@ -31,7 +31,8 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
             fp32 main weights in its optimizer: pass ``torch.bfloat16`` for that).
 
     Requires megatron's model-parallel state (``nano_hybrid.parallel.initialize_parallel(cfg)`` first).
-    Returns an un-wrapped ``megatron.core.models.mamba.MambaModel`` (no DDP / Float16Module).
+    Returns an un-wrapped ``megatron.core.models.mamba.MambaModel`` (``nano_hybrid.model.lm_loss.LMLossMambaModel``:
+    ``model.lm_head_loss`` picks the LM head + loss; no DDP / Float16Module).
     Its forward is megatron's: ``model(input_ids [b, s], position_ids [b, s], attention_mask, labels=...)``
     returning the per-token loss [b, s] when labels are given (logits [b, s, vocab] otherwise).
     ``attention_mask``: a bool [1|b, 1, s, s] mask, True = masked (as GPTDataset yields). It is ignored by
@@ -39,9 +40,9 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
     default causal mask is allocated on ``"cuda"``).
     """
     from megatron.core import parallel_state
-    from megatron.core.models.mamba import MambaModel
 
     from kernels.registry import KernelSwitchError, configure_backend
+    from nano_hybrid.model.lm_loss import LMLossMambaModel, lm_head_settings
     from nano_hybrid.model.specs import hybrid_stack_spec
 
     kcfg = cfg.kernels
@@ -68,6 +69,7 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
         raise ConfigError("kernels.backend=mamba_ssm needs a CUDA device; use kernels.backend=torch on CPU")
 
     m = model_dict(cfg.model)
+    lm_head_loss, lm_loss_chunk_tokens = lm_head_settings(m)
     tcfg = make_transformer_config(cfg, device=device, dtype=dtype)
     recompute, recompute_modules = recompute_settings(m)
     spec = hybrid_stack_spec(
@@ -87,7 +89,7 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
         else _meta_context()
     )
     with ctx:
-        model = MambaModel(
+        model = LMLossMambaModel(
             config=tcfg,
             mamba_stack_spec=spec,
             vocab_size=vocab,
@@ -97,6 +99,8 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
             post_process=parallel_state.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
             position_embedding_type=m.get("position_embedding_type", "none"),
+            lm_head_loss=lm_head_loss,
+            lm_loss_chunk_tokens=lm_loss_chunk_tokens,
         )
     # megatron's SequentialMLP expert linears: reduce their grads over the expert-DP group whenever the
     # expert grid is not the dense one (e.g. TP2 with ETP1; see experts.experts_allreduce_with_dense)

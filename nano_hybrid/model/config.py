@@ -11,6 +11,8 @@ below is mostly 1:1. Keys that are not TransformerConfig fields:
 - ``squared_relu``: ``activation_func = squared_relu``, non-gated.
 - ``attention_impl`` (``sdpa`` | ``unfused``) and ``moe_experts_impl`` (``grouped`` | ``sequential``):
   which core-attention and expert modules the layer spec uses (see ``nano_hybrid.model.specs``).
+- ``lm_head_loss`` (``plain`` | ``chunked``) and ``lm_loss_chunk_tokens``: the LM head + cross-entropy,
+  see ``nano_hybrid.model.lm_loss``.
 - ``recompute`` (``none`` | ``selective`` | ``full``) and ``recompute_modules`` (used by ``selective``):
   activation recompute, see ``nano_hybrid.model.recompute``.
 - ``use_cpu_initialization`` (default false): megatron's field of that name, but only ever switched
@@ -35,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nano_hybrid import mcore_compat
 from nano_hybrid.config import ConfigError
+from nano_hybrid.model.lm_loss import lm_head_settings
 
 ATTENTION_IMPLS = ("sdpa", "unfused")
 MOE_EXPERTS_IMPLS = ("grouped", "sequential")
@@ -90,7 +93,7 @@ _MODEL_ONLY = (
     "name", "hybrid_override_pattern", "vocab_size", "make_vocab_size_divisible_by", "seq_length",
     "untie_embeddings_and_output_weights", "position_embedding_type", "mamba_chunk_size",
     "mamba_conv_width", "squared_relu", "norm_epsilon", "attention_impl", "moe_experts_impl",
-    "use_cpu_initialization", "recompute", "recompute_modules",
+    "use_cpu_initialization", "recompute", "recompute_modules", "lm_head_loss", "lm_loss_chunk_tokens",
 )
 REQUIRED = ("name", "hybrid_override_pattern", "hidden_size", "vocab_size", "seq_length")
 
@@ -122,6 +125,10 @@ def check_model_cfg(m: dict) -> None:
         raise ConfigError(f"model.use_cpu_initialization={m.get('use_cpu_initialization')!r} must be true or false")
     try:
         recompute_settings(m)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        lm_head_settings(m)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if "E" in pat and not m.get("num_moe_experts"):
