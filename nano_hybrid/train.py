@@ -21,20 +21,20 @@ import math
 import os
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-# megatron-core warns once per module import that TE/Apex are absent; the fallbacks are intended here.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+from nano_hybrid.errors import RunError, decided_on_rank0, filter_startup_warnings, report_error  # noqa: E402
+
+filter_startup_warnings()  # known harmless megatron-core start-up warnings (no TE/Apex): nano_hybrid/errors.py
 
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from nano_hybrid.checkpoint import CheckpointError, Checkpointer  # noqa: E402
+from nano_hybrid.checkpoint import Checkpointer  # noqa: E402
 from nano_hybrid.config import ConfigError, compose, overrides_from_argv  # noqa: E402
 from nano_hybrid.data import (  # noqa: E402
     DataConfigError,
@@ -53,6 +53,10 @@ from nano_hybrid.data import (  # noqa: E402
 from nano_hybrid.signals import ExitRequest  # noqa: E402
 
 EXIT_BAD_INPUT = 2
+# The only places data.prepare_if_missing=stdlib builds the stdlib corpus: byte tokens (data=default) and the
+# 131k Tekken BPE (data=stdlib_bpe131k, the Nano default), each with the configured data.tokenizer.
+DEFAULT_CORPORA = ("data/stdlib/stdlib", "data/stdlib_bpe131k/stdlib")
+DEFAULT_CORPUS = DEFAULT_CORPORA[0]
 
 
 @dataclass
@@ -174,6 +178,12 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise ConfigError(f"train.exit_after_minutes={t.exit_after_minutes} must be > 0 or null")
     if t.torch_threads is not None and int(t.torch_threads) <= 0:
         raise ConfigError(f"train.torch_threads={t.torch_threads} must be a positive integer or null")
+    mss = t.get("max_skipped_steps")
+    if mss is not None and (not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0):
+        raise ConfigError(f"train.max_skipped_steps={mss!r} must be a positive integer or null")
+    for key in ("verify", "check_free_space"):
+        if not isinstance(cfg.checkpoint.get(key), bool):
+            raise ConfigError(f"checkpoint.{key}={cfg.checkpoint.get(key)!r} must be true or false")
     device = resolve_device(str(t.device), local_rank)
     dtype = resolve_dtype(str(t.precision), device)
     validate_optim(cfg.optim, iters)
@@ -225,6 +235,12 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise DataConfigError(
             f"train.eval_interval={eval_interval} but data.split={spec.split!r} leaves no validation documents "
             "(e.g. data.split=\"969,30,1\", or set data.valid_paths)"
+        )
+    if missing and os.path.abspath(spec.paths[0]) not in {os.path.abspath(p) for p in DEFAULT_CORPORA}:
+        raise DataConfigError(
+            f"data path not found: {spec.paths[0]}.bin/.idx (data.prepare_if_missing=stdlib builds the default "
+            f"corpus only at its default locations {', '.join(DEFAULT_CORPORA)}; build other corpora with "
+            "scripts/prepare_data.py)"
         )
     for p in spec.paths + spec.valid_paths:  # a corpus written by prepare_data records its tokenizer
         written_with = corpus_tokenizer_type(p)
@@ -283,6 +299,19 @@ def resolve_run_dir(cfg: DictConfig, plan: RunPlan) -> Path:
     return Path(run_dir)
 
 
+_RUN_LOCK: list = []  # rank 0's lock on run_dir, held until the process exits
+
+
+def claim_run_dir(run_dir: Path, ckpt_dir: Path) -> None:
+    """Rank 0: write probes in run_dir and checkpoint.dir, then the exclusive run-dir lock (one line if not)."""
+    from nano_hybrid.runlock import RunLock
+    from nano_hybrid.storage import check_writable
+
+    check_writable(run_dir, "run_dir")
+    check_writable(ckpt_dir, "checkpoint.dir")
+    _RUN_LOCK.append(RunLock(run_dir).acquire())
+
+
 def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
     """Build a missing default corpus on rank 0 (others wait); fail loudly if that is impossible."""
     import torch.distributed as dist
@@ -290,7 +319,6 @@ def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
     if plan.data.kind == "indexed" and plan.rank == 0:
         ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log, tokenizer=plan.tokenizer_spec,
                       workers=int(cfg.data.get("prepare_workers") or 1))
-
     if dist.is_initialized():
         dist.barrier()
     missing = missing_paths(plan.data) if plan.data.kind == "indexed" else []
@@ -450,22 +478,24 @@ def train_step(ctx: "Trainer") -> dict[str, float]:
         reduce_aux_losses_tracker_across_ranks,
     )
 
+    from nano_hybrid.stepguard import guarded_step
+
     plan, cfg = ctx.plan, ctx.cfg
     reports = forward_backward(ctx)
-    with cpu_compat_mode(plan):
-        update_ok, grad_norm, _ = ctx.optimizer.step()
-    if update_ok:
-        ctx.scheduler.step(increment=1)
-
     # Loss over the global batch: sum(loss), sum(tokens) over micro-batches, then over all ranks
     # (ratios are unchanged by TP replicas; PP stages other than the last contribute zeros).
     acc = torch.zeros(2, dtype=torch.float64, device=plan.device)
     for r in reports:
         acc += r["lm loss"].to(torch.float64)
     dist.all_reduce(acc)
+    loss = (acc[0] / acc[1].clamp(min=1)).item()
+    with cpu_compat_mode(plan):  # a non-finite loss or gradient norm skips the update (same on all ranks)
+        update_ok, grad_norm = guarded_step(ctx.optimizer, loss)
+    if update_ok:
+        ctx.scheduler.step(increment=1)
     out = {
-        "loss": (acc[0] / acc[1].clamp(min=1)).item(),
-        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "loss": loss,
+        "grad_norm": grad_norm,
         "lr": float(ctx.optimizer.param_groups[0]["lr"]),
         "skipped": 0 if update_ok else 1,
     }
@@ -574,6 +604,8 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
         torch.set_num_threads(int(cfg.train.torch_threads))
     init_distributed(plan, cfg)
     run_dir = resolve_run_dir(cfg, plan)
+    # Before any work: run_dir and checkpoint.dir take a write, and no other trainer uses run_dir.
+    decided_on_rank0(claim_run_dir, run_dir, Path(str(cfg.checkpoint.dir)))
     # Find the checkpoint to resume now (a bad checkpoint.load fails before any work) and continue its W&B run.
     checkpointer = Checkpointer(cfg)
     if checkpointer.locate() is not None and cfg.logger.wandb.id is None:
@@ -583,6 +615,8 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
     prepare_data(plan, cfg, say)
     dataset, valid_dataset = build_dataset(plan, cfg)
     model, optimizer, scheduler = build_model_and_optimizer(plan, cfg)
+    if bool(cfg.checkpoint.check_free_space) and (checkpointer.interval or checkpointer.save_on_exit):
+        decided_on_rank0(checkpointer.check_free_space, model, optimizer, int(cfg.train.train_iters))
     unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
     flops = training_flops_per_token(shape_from_megatron(unwrapped, plan.seq_length))
     if plan.rank == 0:
@@ -595,6 +629,7 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
         backend=plan.backend_name,
         wandb_cfg=cfg.logger.wandb,
         run_config=OmegaConf.to_container(cfg, resolve=True),
+        start_step=checkpointer.resume_step,  # records after it (a crashed segment's) are re-run: dropped
     )
     n_params = sum(p.numel() for p in unwrapped.parameters())
     logger.print(
@@ -628,11 +663,13 @@ def _sync(device: torch.device) -> None:
 def train_loop(ctx: Trainer, stop=None) -> str | None:
     """Train until ``train.train_iters``, or until ``stop`` (an ExitRequest) asks; returns the stop reason."""
     from nano_hybrid.metrics import peak_memory_gb
+    from nano_hybrid.stepguard import SkipCounter
 
     cfg, plan, state = ctx.cfg, ctx.plan, ctx.state
     iters, gbs = int(cfg.train.train_iters), int(cfg.train.global_batch_size)
     log_every = int(cfg.train.log_interval)
     tokens_per_step = gbs * plan.seq_length
+    skips = SkipCounter(cfg.train.get("max_skipped_steps"))
     while state.step < iters:
         _sync(plan.device)
         t0 = time.perf_counter()
@@ -657,12 +694,11 @@ def train_loop(ctx: Trainer, stop=None) -> str | None:
             "world_size": plan.world_size,
             **out,
         }
-        if not math.isfinite(rec["loss"]):
-            raise FloatingPointError(f"loss is {rec['loss']} at step {state.step}; stopping")
         if eval_due(plan, state.step, iters):  # validation keys join this step's record (and console line)
             rec.update(evaluate(ctx))
         ctx.logger.log_step(rec, console=state.step % log_every == 0 or state.step in (1, iters) or "val_loss" in rec)
-        if ctx.checkpointer is not None:
+        skips.update(bool(rec["skipped"]), state.step, rec)  # too many in a row: TrainingDivergedError
+        if ctx.checkpointer is not None and not rec["skipped"]:  # a skipped step is never checkpointed
             ctx.checkpointer.maybe_save(state, ctx.model, ctx.optimizer, ctx.scheduler, wandb_run_id=ctx.logger.wandb_run_id)
         reason = stop.should_exit() if stop is not None else None  # collective: all ranks stop after the same step
         if reason is not None:
@@ -688,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(overrides_from_argv(argv))
         plan = validate(cfg)
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report_error(str(e))
         return EXIT_BAD_INPUT
     ctx = None
     try:
@@ -702,9 +738,12 @@ def main(argv: list[str] | None = None) -> int:
                                         wandb_run_id=ctx.logger.wandb_run_id)
         if plan.rank == 0:
             ctx.logger.print(f"done: {ctx.state.step} steps, {ctx.state.consumed_tokens:,} tokens; metrics in {ctx.run_dir}/metrics.jsonl")
-    except (DataPreparationError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except DataPreparationError as e:
+        report_error(str(e))
         return EXIT_BAD_INPUT
+    except RunError as e:  # checkpoint, storage, run-dir lock, divergence: one line (once per job if collective)
+        report_error(str(e), collective=e.collective)
+        return e.exit_code
     finally:
         shutdown(ctx)
     return 0
