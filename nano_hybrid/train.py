@@ -256,6 +256,14 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise ConfigError(str(e)) from None
     if str(cfg.logger.wandb.mode) not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}; choose one of {', '.join(WANDB_MODES)}")
+    init_hf = OmegaConf.select(cfg, "checkpoint.init_from_hf")
+    if init_hf not in (None, ""):  # the folder's config.json must describe this model (first mismatch named)
+        from nano_hybrid.hf import HFBridgeError, MappingError, check_init_from_hf
+
+        try:
+            check_init_from_hf(cfg, str(init_hf))
+        except (HFBridgeError, MappingError) as e:
+            raise ConfigError(str(e)) from None
     return RunPlan(
         world_size=world_size,
         rank=rank,
@@ -340,8 +348,11 @@ def build_dataset(plan: RunPlan, cfg: DictConfig):
     return datasets if datasets is not None else build_datasets(*args)
 
 
-def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig):
-    """Model -> (Float16Module on bf16) -> Megatron DDP; Megatron optimizer; OptimizerParamScheduler."""
+def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: str | None = None):
+    """Model -> (Float16Module on bf16) -> Megatron DDP; Megatron optimizer; OptimizerParamScheduler.
+
+    ``init_from_hf``: a Hugging Face Nemotron-H folder whose weights replace the initial ones (each rank
+    its own slice), before the optimizer takes its copy of them."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -351,6 +362,12 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig):
     from nano_hybrid.optim import set_adam_fused
 
     model = build_model(cfg, device=plan.device, dtype=plan.dtype)
+    if init_from_hf:
+        from nano_hybrid.hf import load_hf_weights
+
+        info = load_hf_weights(model, init_from_hf, cfg)
+        if plan.rank == 0:
+            print(f"init_from_hf: {info['tensors']} tensors from {init_from_hf} in {info['seconds']:.1f}s", flush=True)
     config = model.config
     if plan.dtype == torch.bfloat16:
         model = Float16Module(config, model)
@@ -614,7 +631,9 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
     say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
     prepare_data(plan, cfg, say)
     dataset, valid_dataset = build_dataset(plan, cfg)
-    model, optimizer, scheduler = build_model_and_optimizer(plan, cfg)
+    # checkpoint.init_from_hf starts a fresh run only; a run that resumes loads its own checkpoint
+    init_hf = OmegaConf.select(cfg, "checkpoint.init_from_hf") if checkpointer.load_path is None else None
+    model, optimizer, scheduler = build_model_and_optimizer(plan, cfg, init_from_hf=str(init_hf) if init_hf else None)
     if bool(cfg.checkpoint.check_free_space) and (checkpointer.interval or checkpointer.save_on_exit):
         decided_on_rank0(checkpointer.check_free_space, model, optimizer, int(cfg.train.train_iters))
     unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
