@@ -40,7 +40,9 @@ heads, ``k`` top-k, ``f`` expert FFN, ``fs`` shared-expert FFN, ``E`` experts, `
 - dense MLP (-): the FFN before and after the activation (2 a T ffn);
 - LM head (last stage): final norm input and output (2 a T_sp h), the fp32 logits the cross-entropy
   keeps (4 T V) and, while the loss is formed and again at the start of the backward, the logits in the
-  training dtype beside them (a T V, transient).
+  training dtype beside them (a T V, transient). With ``model.lm_head_loss=chunked``: the kept
+  ``softmax - onehot`` in the model dtype (a T V) and, transient, one chunk's logits (chunk x V x (a + 8))
+  or the output layer's weight gradient (a V h).
 
 Recompute: ``full`` keeps only each layer's input (a T_sp h) and, during one layer's backward, holds that
 layer's activations again; ``selective`` drops the pieces its modules rebuild: ``layernorm`` the norm
@@ -120,6 +122,8 @@ class Shape:
     fs: int = 0
     ffn: int = 0
     untied: bool = True
+    lm_head_loss: str = "plain"  # plain | chunked (model.lm_head_loss)
+    lm_chunk: int = 4096  # model.lm_loss_chunk_tokens
 
     @property
     def di(self) -> int:
@@ -234,12 +238,21 @@ def layer_activations(s: Shape, kind: str, modules: tuple[str, ...] = ()) -> dic
 def head_activations(s: Shape) -> dict[str, float]:
     a, t = s.a, s.mbs * s.seq
     tsp = t / s.tp if s.sp else t
-    return {"final_norm": 2 * a * tsp * s.h + 4 * tsp, "logits_fp32": 4 * t * s.vocab / s.tp}
+    out = {"final_norm": 2 * a * tsp * s.h + 4 * tsp}
+    if s.lm_head_loss == "chunked":
+        out["softmax_minus_onehot"] = a * t * s.vocab  # D = softmax - onehot in the model dtype
+    else:
+        out["logits_fp32"] = 4 * t * s.vocab / s.tp
+    return out
 
 
 def head_transient(s: Shape) -> float:
-    """The logits in the training dtype beside the fp32 ones (none in fp32: .float() is a no-op)."""
+    """plain: the logits in the training dtype beside the fp32 ones (none in fp32: .float() is a no-op);
+    chunked: one chunk's logits in the model dtype plus two fp32 copies, or the output-layer weight
+    gradient in the model dtype in the backward, whichever is larger."""
     t = s.mbs * s.seq
+    if s.lm_head_loss == "chunked":
+        return max(min(s.lm_chunk, t) * s.vocab * (s.a + 8), s.a * s.vocab * s.h)
     return 0.0 if s.a == 4 else s.a * t * s.vocab / s.tp
 
 
@@ -334,6 +347,7 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None) -> tuple[Shap
         f=int(m.get("moe_ffn_hidden_size") or m.get("ffn_hidden_size") or 0),
         fs=int(m.get("moe_shared_expert_intermediate_size") or 0), ffn=int(m.get("ffn_hidden_size") or 0),
         untied=bool(m.get("untie_embeddings_and_output_weights", True)),
+        lm_head_loss=str(m.get("lm_head_loss", "plain")), lm_chunk=int(m.get("lm_loss_chunk_tokens", 4096)),
     ), world_size
 
 
@@ -397,6 +411,19 @@ def fit_verdict(peak_bytes: float, capacity_gib: float) -> str:
 def must_not_fit(plan: dict, capacity_bytes: float) -> bool:
     """True when even ``SURE_FACTOR`` of the planned peak is above the GPU's total memory."""
     return SURE_FACTOR * plan["peak_gib"] * GIB > capacity_bytes
+
+
+def check_memory(cfg: DictConfig, world_size: int, capacity_bytes: float) -> None:
+    """Training's start-up check (``train.memory_check``): ``ConfigError`` when the run cannot fit."""
+    plan = make_plan(cfg, world_size)
+    if must_not_fit(plan, capacity_bytes):
+        st = plan["stages"][plan["peak_stage"]]
+        raise ConfigError(
+            f"the memory planner puts this run at {plan['peak_gib']:.1f} GiB per GPU (pipeline stage {st['stage']}: "
+            f"weights+grads+optimizer {st['weights_gib'] + st['grads_gib'] + st['optimizer_gib']:.1f}, activations "
+            f"{st['activations_gib']:.1f}, backward transient {st['transient_gib']:.1f}), above this GPU's "
+            f"{capacity_bytes / GIB:.1f} GiB; see python -m nano_hybrid.plan with the same overrides for layouts "
+            f"that fit (more GPUs, recompute, a smaller micro-batch), or set train.memory_check=false to start anyway")
 
 
 def format_text(plan: dict) -> str:

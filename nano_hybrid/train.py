@@ -199,6 +199,14 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise ConfigError(
             f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} x data-parallel size {dp}"
         )
+    # The memory planner (nano_hybrid.plan) against this GPU: refuse a run that cannot fit.
+    memory_check = t.get("memory_check", True)
+    if not isinstance(memory_check, bool):
+        raise ConfigError(f"train.memory_check={memory_check!r} must be true or false")
+    if memory_check and device.type == "cuda":
+        from nano_hybrid.plan import check_memory
+
+        check_memory(cfg, world_size, torch.cuda.get_device_properties(device).total_memory)
 
     # Data and tokenizer: the tokenizer's ids must fit the model's embedding, padded as Megatron pads it.
     try:

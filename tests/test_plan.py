@@ -122,3 +122,16 @@ def test_cli_text_json_and_errors():
     assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error: invalid parallel layout")
     bad = _cli("model=tiny", "plan.format=yaml")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: plan.format='yaml'; choose text or json"
+
+
+def test_training_memory_check():
+    from nano_hybrid.config import ConfigError
+    from nano_hybrid.plan import check_memory
+
+    with pytest.raises(ConfigError, match=r"^the memory planner puts this run at 6\d\d\.\d GiB per GPU .* "
+                                          r"above this GPU's 131\.3 GiB; .* train\.memory_check=false"):
+        check_memory(compose(["model=nano30b", *GPU, "train.micro_batch_size=1"]), 1, 141e9)
+    check_memory(compose(["model=nano30b_slice", *GPU, "train.micro_batch_size=1"]), 1, 141e9)  # fits: no error
+    r = subprocess.run([sys.executable, "-m", "nano_hybrid.train", "train.memory_check=maybe"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "error: train.memory_check='maybe' must be true or false"
