@@ -163,6 +163,37 @@ def test_exported_tokenizer_encodes_bytes(exported):
     assert tok.decode(list(text.encode("utf-8"))) == text
 
 
+def test_tiktoken_tokenizer_converts_exactly(tmp_path):
+    """A Megatron TikTokenizer file (10 special ids, 256 bytes and some merges) written as tokenizer.json:
+    AutoTokenizer gives megatron's ids for every text, special tokens included, and decodes back."""
+    import base64
+
+    from transformers import AutoTokenizer
+
+    from nano_hybrid.data import TokenizerSpec, build_tokenizer
+    from nano_hybrid.hf.tokenizer import write_tokenizer_files
+
+    merged = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b"  ", b"    ", b"re", b"turn", b"ur", b"rn",
+              b"tu", b"retu", b"return", b"\xc3\xa9", b"de", b"def", b"ef"]
+    ranks = [bytes([i]) for i in range(256)] + merged
+    (tmp_path / "bpe.json").write_text(json.dumps([
+        {"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": t.decode("utf-8", "replace")}
+        for i, t in enumerate(ranks)]))
+    spec = TokenizerSpec.from_cfg({"type": "tiktoken", "path": str(tmp_path / "bpe.json"), "vocab_size": 10 + len(ranks),
+                                   "num_special_tokens": 10, "pattern": "v2"})
+    ours = build_tokenizer(spec)
+    files, note = write_tokenizer_files(spec, ours, tmp_path)
+    assert note is None and "tokenizer.json" in files
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    texts = ["def the(): return thing\n    the é  ", "x</s>y <s> <SPECIAL_9> 😀\r\n\tturn retu", " " * 9 + "inning"]
+    for text in texts:
+        ids = ours.tokenize(text)
+        assert hf(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert hf.decode(ids) == text
+    assert any(i >= 10 + 256 for i in ours.tokenize(texts[0]))  # merges were used
+    assert (hf.eos_token_id, hf.pad_token_id, hf.bos_token_id) == (ours.eod, ours.pad, ours.bos) == (2, 4, 1)
+
+
 def test_wrong_mapping_fails(exported, tmp_path, monkeypatch):
     """Attention q/k/v taken as three contiguous blocks (not megatron's per-group interleave), and a config
     with the MoE scaling factor left at 1.0: both must fail the logits check."""
