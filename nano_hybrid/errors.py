@@ -76,7 +76,9 @@ def report_error(message: str, *, rank: int | None = None, collective: bool = Fa
     if err_file:
         try:
             with open(err_file, "w") as f:
-                json.dump({"message": line, "timestamp": str(int(time.time()))}, f)
+                # torch.distributed.elastic's error-file layout; the summary's "traceback" field shows py_callstack
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass  # the printed line is the report; the summary then shows torchrun's generic text
 

@@ -164,3 +164,167 @@ def test_exit_request_signal_and_time_limit():
         assert req.should_exit() == "signal"
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C stops at once
+
+
+# ------------------------------------------------------------------------ integrity, save failures, guards
+def _flip(path, offset, n=4096):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(n)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_checksums_in_manifest_and_corruption_named(dist_world1, tmp_path):
+    from nano_hybrid import integrity
+
+    c = ck.Checkpointer(_cfg(tmp_path, keep_last=0))
+    p = c.save(State(step=2), _model())
+    meta = ck.read_meta(p)
+    assert meta["checksum"] == integrity.ALGORITHM
+    listed = set(meta["files"])
+    assert {"common.pt", "metadata.json", ".metadata", "config.yaml", "rng/rank_00000.pt"} <= listed
+    assert any(f.endswith(".distcp") for f in listed) and ck.META_FILE not in listed
+    assert listed == set(integrity.list_files(p, exclude=(ck.META_FILE,)))
+    ck.verify_checkpoint(p)  # intact
+    shard = sorted(p.glob("*.distcp"))[0]
+    _flip(shard, 0, 64)
+    with pytest.raises(ck.CheckpointError, match=rf"{shard}: checksum mismatch in bytes 0-\d+ \(corrupt file\)"):
+        ck.resolve_load_path(str(p), tmp_path / "ckpt")
+    assert ck.resolve_load_path(str(p), tmp_path / "ckpt", verify=False) == p  # checkpoint.verify=false
+    (p / "common.pt").write_bytes(b"x")
+    with pytest.raises(ck.CheckpointError, match=r"common.pt: 1 bytes, the manifest says \d+ \(truncated"):
+        ck.verify_checkpoint(p)
+
+
+def test_auto_falls_back_past_corrupt_checkpoints_and_keeps_them(dist_world1, tmp_path, capsys):
+    cfg = _cfg(tmp_path, keep_last=0)
+    m = _model()
+    c = ck.Checkpointer(cfg)
+    for step in (2, 4, 6):
+        c.save(State(step=step, consumed_samples=step), m)
+    root = tmp_path / "ckpt"
+    _flip(sorted((root / "iter_0000006").glob("*.distcp"))[0], 10)
+    (root / "iter_0000004" / "rng" / "rank_00000.pt").unlink()
+    c2 = ck.Checkpointer(cfg)
+    assert c2.locate() == root / "iter_0000002"
+    assert c2.resume_step == 2
+    out = capsys.readouterr().out
+    assert "fails verification" in out and "falling back" in out and "newer one(s) failed verification" in out
+    assert sorted(d.name for d in (root / "corrupt").iterdir()) == ["iter_0000004", "iter_0000006"]
+    assert "missing" in (root / "corrupt" / "iter_0000004" / "WHY.txt").read_text()
+    assert (root / ck.TRACKER_FILE).read_text() == "2\n"
+    assert sorted(d.name for d in root.glob("iter_*")) == ["iter_0000002"]
+    # nothing verifies: an error, never a silent fresh start
+    _flip(sorted((root / "iter_0000002").glob("*.distcp"))[0], 10)
+    with pytest.raises(ck.CheckpointError, match="no checkpoint in .* verifies .*refusing to start from scratch"):
+        ck.Checkpointer(cfg).locate()
+    assert len(list((root / "corrupt").iterdir())) == 3  # kept, never deleted
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EIO", "EACCES"])
+def test_failed_save_is_one_line_and_previous_checkpoint_loads(dist_world1, tmp_path, monkeypatch, code):
+    import errno
+    import os
+
+    cfg = _cfg(tmp_path, keep_last=2)
+    m = _model()
+    c = ck.Checkpointer(cfg)
+    c.save(State(step=2), m)
+    real = ck._write_state
+
+    def disk_fails(ckpt, state):
+        (ckpt / "__0_0.distcp").write_bytes(b"\0" * 1000)  # part of a shard, then the error
+        n = getattr(errno, code)
+        raise OSError(n, os.strerror(n), str(ckpt / "__0_0.distcp"))
+
+    monkeypatch.setattr(ck, "_write_state", disk_fails)
+    with pytest.raises(ck.CheckpointSaveError) as e:
+        c.save(State(step=4), m)
+    msg = str(e.value)
+    assert "\n" not in msg and f"[{code}]" in msg and os.strerror(getattr(errno, code)) in msg
+    assert "iter_0000002 stays the checkpoint that loads" in msg and e.value.exit_code == 1
+    root = tmp_path / "ckpt"
+    assert not (root / "iter_0000004").exists() and (root / ck.TRACKER_FILE).read_text() == "2\n"
+    monkeypatch.setattr(ck, "_write_state", real)
+    assert ck.Checkpointer(cfg).locate() == root / "iter_0000002"
+    # torch.save on a full disk loses the errno ("unexpected pos ..."): the line says what the filesystem has
+    monkeypatch.setattr(ck, "_write_state", lambda ckpt, state: (_ for _ in ()).throw(RuntimeError("unexpected pos 704 vs 598")))
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: type("U", (), {"free": 5 * 2**20})())
+    with pytest.raises(ck.CheckpointSaveError, match=r"RuntimeError: unexpected pos 704 vs 598; 5 MiB free .*disk full"):
+        c.save(State(step=6), m)
+
+
+def test_nonfinite_model_is_never_saved(dist_world1, tmp_path):
+    m = _model()
+    with torch.no_grad():
+        m.proj.weight[0, 0] = float("nan")
+    with pytest.raises(ck.CheckpointSaveError, match=r"refusing to save step 2: non-finite values in \['proj.weight'\]"):
+        ck.Checkpointer(_cfg(tmp_path)).save(State(step=2), m)
+    assert not list((tmp_path / "ckpt").glob("iter_*")) if (tmp_path / "ckpt").exists() else True
+
+
+def test_extra_checkpoints_and_free_space(dist_world1, tmp_path, monkeypatch):
+    from nano_hybrid import storage
+
+    c = ck.Checkpointer(_cfg(tmp_path, interval=10, keep_last=2))
+    assert c.extra_checkpoints(100) == 3  # keep_last + the one being written
+    assert ck.Checkpointer(_cfg(tmp_path, interval=10, keep_last=0)).extra_checkpoints(100) == 10  # keeps all
+    assert ck.Checkpointer(_cfg(tmp_path, interval=0, keep_last=2)).extra_checkpoints(100) == 1  # final save only
+    m = _model()  # 32*8 + 8*8 + 4 = 324 numbers
+    one = storage.checkpoint_bytes(ck.model_signature(m), 4)
+    assert one == int(324 * 12 * storage.MARGIN)
+    assert storage.checkpoint_bytes(ck.model_signature(m), 2) == int(324 * 14 * storage.MARGIN)  # bf16 + fp32 main
+    monkeypatch.setattr(storage, "free_bytes", lambda p: 3 * one - 1)
+    with pytest.raises(storage.StorageError, match=r"checkpoint.dir .*: 0.0 GB free, this run needs about .*3 more checkpoint"):
+        c.check_free_space(m, object(), 100)
+    monkeypatch.setattr(storage, "free_bytes", lambda p: 3 * one)
+    assert c.check_free_space(m, object(), 100) == one
+
+
+def test_writable_probe(tmp_path, monkeypatch):
+    import os
+
+    from nano_hybrid import storage
+
+    storage.check_writable(tmp_path / "a" / "b", "run_dir")
+    assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(storage.StorageError, match=r"run_dir .*/file/run is not writable: .*\[(ENOTDIR|EEXIST)\]"):
+        storage.check_writable(tmp_path / "file" / "run", "run_dir")
+    real_open = os.open
+
+    def denied(path, flags, *a):
+        if "write_probe" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(storage.StorageError, match=r"checkpoint.dir .* is not writable: Permission denied \[EACCES\]"):
+        storage.check_writable(tmp_path / "ck", "checkpoint.dir")
+
+
+def test_run_lock_exclusive_stale_and_released(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from nano_hybrid.runlock import LOCK_FILE, RunLock, RunLockError
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from nano_hybrid.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "print('locked', flush=True); time.sleep(60)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLockError, match=rf"run_dir {tmp_path} is in use by pid {holder.pid} on "):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the killed holder's file is still there (kill -9: no clean-up); the next trainer takes it over
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == holder.pid
+    said = []
+    lock = RunLock(tmp_path, log=said.append).acquire()
+    assert lock.stale["pid"] == holder.pid and "stale lock" in said[0]
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()

@@ -1,0 +1,146 @@
+"""Long runs that cannot be poisoned, end to end on CPU (``python -m nano_hybrid.train``, model=tiny, mock data):
+
+- a NaN step skips its update, is logged ``skipped``, is never checkpointed, and ``train.max_skipped_steps``
+  consecutive skips stop the run with one line and the last good checkpoint intact;
+- storage: an unwritable run dir, too little free space for the checkpoints, a save that fails (ENOSPC)
+  -> one line; the failed save leaves the previous checkpoint as the one that loads;
+- a second trainer on a run dir in use refuses with one line naming the first;
+- a typo'd data path is an error, not a new corpus; metrics.jsonl truncation on resume (unit);
+- under torchrun the one error line reaches torchrun's failure summary.
+
+Faults (a full disk) are injected by tests/hooked_train.py, never by the product code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from test_checkpoint_resume import COMMON, REPO, _env, ckpt_tensors, records, train
+
+
+def _errors(p) -> list[str]:
+    return [x for x in p.stderr.splitlines() if x.startswith("error:")]
+
+
+def _one_error(p, rc: int, *needles: str) -> str:
+    err = _errors(p)
+    assert p.returncode == rc and len(err) == 1, f"rc={p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    for n in needles:
+        assert n in err[0], err[0]
+    return err[0]
+
+
+def test_nan_steps_skip_update_never_checkpointed_and_stop(tmp_path):
+    run = tmp_path / "nan"
+    # lr 1e3: steps 1-2 are finite, from step 3 on the loss and the gradient norm are NaN
+    p = train(run, "optim.lr=1e3", "train.train_iters=8", "train.max_skipped_steps=2", "checkpoint.interval=1",
+              "checkpoint.keep_last=0")
+    _one_error(p, 1, "2 consecutive steps skipped", "train.max_skipped_steps=2", "last checkpoint is intact")
+    recs = records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert [r["skipped"] for r in recs] == [0, 0, 1, 1]
+    assert all(not math.isfinite(r["grad_norm"]) or not math.isfinite(r["loss"]) for r in recs[2:])
+    ck = run / "checkpoints"
+    assert sorted(d.name for d in ck.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    tensors = ckpt_tensors(ck / "iter_0000002", tmp_path)
+    assert tensors and all(torch.isfinite(v).all() for v in tensors.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def test_unwritable_dirs_and_too_little_space_refused_before_work(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    cmd = [sys.executable, "-m", "nano_hybrid.train", *COMMON, f"run_dir={blocker / 'run'}", "train.train_iters=2"]
+    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    _one_error(p, 2, f"run_dir {blocker / 'run'} is not writable", "[ENOTDIR]")
+    p = train(tmp_path / "r2", "train.train_iters=2", f"checkpoint.dir={blocker / 'ck'}")
+    _one_error(p, 2, f"checkpoint.dir {blocker / 'ck'} is not writable")
+    assert not (tmp_path / "r2" / "metrics.jsonl").exists()
+    # 1 MB free: a tiny-model checkpoint is ~45 MB, keep_last=2 needs room for 3
+    p = train(tmp_path / "r3", "train.train_iters=4", "checkpoint.interval=1", hooked=True,
+              env=_env(NANO_HYBRID_TEST_FREE_BYTES=str(10**6)))
+    _one_error(p, 2, "0.0 GB free, this run needs about 0.1 GB", "3 more checkpoint(s)", "checkpoint.keep_last=2")
+    assert not (tmp_path / "r3" / "metrics.jsonl").exists()
+
+
+def test_failed_save_is_one_line_and_previous_checkpoint_loads(tmp_path):
+    run = tmp_path / "full"
+    p = train(run, "train.train_iters=3", "checkpoint.interval=1", hooked=True,
+              env=_env(NANO_HYBRID_TEST_SAVE_ERRNO="2:ENOSPC"))
+    ck = run / "checkpoints"
+    _one_error(p, 1, "saving checkpoint step 2", "No space left on device [ENOSPC]",
+               f"{ck / 'iter_0000001'} stays the checkpoint that loads")
+    assert sorted(d.name for d in ck.glob("iter_*")) == ["iter_0000001"]
+    p = train(run, "train.train_iters=3", "checkpoint.interval=1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"loaded {ck / 'iter_0000001'} (step 1" in p.stdout
+    assert [r["step"] for r in records(run)] == [1, 2, 3]
+
+
+def test_second_trainer_on_a_run_dir_refuses(tmp_path):
+    run = tmp_path / "shared"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "nano_hybrid.train", "model=tiny", "data=mock", "kernels.backend=torch",
+         "train.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=4", "optim.warmup_iters=1",
+         "train.torch_threads=1", "train.train_iters=100000", "checkpoint.interval=0", "checkpoint.save_on_exit=false",
+         f"run_dir={run}"],
+        cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, "first trainer did not start"
+            time.sleep(0.2)
+        p = train(run, "train.train_iters=3")
+        _one_error(p, 2, f"run_dir {run} is in use by pid {first.pid}", "one trainer per run directory")
+        assert first.poll() is None  # the first one trains on
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)
+        first.wait(timeout=120)
+    steps = [r["step"] for r in records(run)]
+    assert steps == list(range(1, len(steps) + 1))  # every step once: the second trainer logged nothing
+
+
+def test_typo_data_path_is_an_error_not_a_new_corpus(tmp_path):
+    typo = tmp_path / "data" / "stdlib" / "stdlbi"
+    cmd = [sys.executable, "-m", "nano_hybrid.train", "model=tiny", f"data.paths=[{typo}]", f"run_dir={tmp_path / 'r'}"]
+    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    _one_error(p, 2, f"data path not found: {typo}.bin/.idx", "default location")
+    assert not typo.parent.exists() and not (tmp_path / "r").exists()
+
+
+def test_metrics_truncated_to_the_resume_step(tmp_path):
+    from nano_hybrid.metrics import MetricsLogger, truncate_records
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in (1, 2, 3, 4, 5, 3, 4)) + '{"step": 5, "lo')
+    said = []
+    MetricsLogger(tmp_path, rank=0, train_iters=9, backend="torch", start_step=2,
+                  print_fn=lambda m, **k: said.append(m)).close()
+    assert [json.loads(x)["step"] for x in f.read_text().splitlines()] == [1, 2]
+    assert said == ["metrics.jsonl: dropped 6 record(s) after step 2 (they are re-run from the checkpoint)"]
+    assert truncate_records(f, 2) == 0 and truncate_records(tmp_path / "absent.jsonl", 0) == 0
+
+
+def test_torchrun_error_is_one_line_per_rank_and_named_in_the_summary(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "nano_hybrid.train", "parallel=dp2", "data=mock", "model=tiny", "kernels.backend=torch",
+           f"run_dir={tmp_path / 'r'}"]
+    p = subprocess.run(cmd, cwd=REPO, env=_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    line = "error: train.global_batch_size=8 must be a multiple of train.micro_batch_size=8 x data-parallel size 2"
+    assert p.returncode != 0
+    ours = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    # one line per rank that got that far (torchrun stops the other rank once one has failed); no traceback of ours
+    assert ours and set(ours) == {line} and len(ours) <= 2, p.stderr[-3000:]
+    assert "nano_hybrid/train.py" not in p.stderr
+    summary = p.stderr[p.stderr.index("Root Cause"):]
+    assert f"traceback : {line}" in summary, summary
