@@ -3,10 +3,10 @@
 ``mamba_split_conv1d_scan_combined_helion`` has mamba-ssm 2.3.2's ``mamba_split_conv1d_scan_combined``
 signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward saves only zxbcdt,
 the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx) and, unlike mamba-ssm, the two
-small fp32 (b, h, l) tensors dA_cumsum and dt_out (``SAVE_CUMSUM``); the backward recomputes the conv and the
-forward pieces it needs (chunk_state+state_passing in x's dtype, ``BWD_STATES``; C.B^T in fp32; the chunk cumsum too with
-NANO_HELION_SAVE_CUMSUM=0, which the SSD forward variant "v5" computes inside chunk_state_passing) and runs
-the Helion backward of ``kernels/ssd_helion_bwd.py``.
+small fp32 (b, h, l) tensors dA_cumsum and dt_out (``HelionSettings.save_cumsum``); the backward recomputes the
+conv and the forward pieces it needs (chunk_state+state_passing in ``HelionSettings.bwd_states_dtype``; C.B^T in
+fp32; the chunk cumsum too without save_cumsum) and runs the Helion backward of ``kernels/ssd_helion_bwd.py``.
+``settings`` (a ``kernels.settings.HelionSettings``; the backend binds its own) picks those dtypes and options.
 
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
 runs as its own module); those raise NotImplementedError here.
@@ -23,30 +23,13 @@ prints the count).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels import ssd_helion, tuning
 from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
+from kernels.settings import HelionSettings
 from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
 from kernels.ssd_helion_bwd import ssd_backward_helion
-
-
-# The forward keeps dA_cumsum and dt_out (both (b, h, l) fp32: 4 MB each per layer at the Nano shape, 2.4% of the
-# zxbcdt it saves) for the backward, which then skips the chunk cumsum's recompute (one launch; mamba-ssm recomputes
-# it). The values are the same either way. NANO_HELION_SAVE_CUMSUM=0 recomputes it, as mamba-ssm does.
-SAVE_CUMSUM = os.environ.get("NANO_HELION_SAVE_CUMSUM", "1") != "0"
-
-# The dtype of the states the backward recomputes (chunk_state+state_passing): "input" (x's dtype, bf16 in training;
-# the default since session 8) or "fp32" (as mamba-ssm's backward, NANO_HELION_BWD_STATES=fp32). Of their readers only
-# the backward state passing's ddA sums (sum over p*n of dL * state, fp32 accumulate) see the difference: the dB/dC
-# kernels round the states to x's dtype before their GEMMs either way. bf16 halves the 268 MB (Nano shape, per layer)
-# the recompute writes and the two kernels read. Its accuracy at the Nano shape against the fp32 reference is the
-# GPU test tests/test_mamba_split_helion.py::test_bwd_states_dtype_nano_bf16.
-BWD_STATES_DTYPES = ("input", "fp32")
-BWD_STATES = tuning.env_choice("NANO_HELION_BWD_STATES", BWD_STATES_DTYPES, "input", "states dtype")
 
 
 def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Tensor:
@@ -57,7 +40,7 @@ def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Ten
 class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
-                dt_limit, return_final_states, activation, headdim, ngroups):
+                dt_limit, return_final_states, activation, headdim, ngroups, settings):
         nheads, headdim, dim, dstate = split_dims(zxbcdt, conv1d_weight, D, headdim, ngroups)
         if activation not in ("silu", "swish", None):
             raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
@@ -65,16 +48,13 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
-        # the SSD forward variant (ssd_helion.set_variant / NANO_HELION_SSD_FWD_VARIANT), kept for the backward's
-        # recompute: "v5" computes the chunk cumsum inside chunk_state_passing in both
-        variant = ssd_helion.get_variant()
         out, out_x, dt_out, dA_cumsum, _, final_states = ssd_forward_helion(
             x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),
             chunk_size, D=D, z=z.reshape(b, l, nheads, headdim), dt_bias=dt_bias, initial_states=initial_states,
-            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit, variant=variant,
+            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
         )
-        ctx.variant = variant
-        if not SAVE_CUMSUM:
+        ctx.settings = settings
+        if not settings.save_cumsum:
             dt_out = dA_cumsum = None
         ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx,
                               dt_out, dA_cumsum)
@@ -104,7 +84,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
             B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
             initial_states=initial_states, seq_idx=seq_idx,
-            state_dtype=torch.float32 if BWD_STATES == "fp32" else x.dtype, variant=ctx.variant,
+            state_dtype=torch.float32 if ctx.settings.bwd_states_dtype == "fp32" else x.dtype,
             cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out))
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)
@@ -115,6 +95,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
             dout.reshape(b, l, nheads, headdim), x, z.reshape(b, l, nheads, headdim), out_x, dt, A, B, C, D, dt_bias,
             dt_out, dA_cumsum, states_in, CB, chunk_size, seq_idx=seq_idx, dfinal_states=dfinal, dt_softplus=True,
             dt_limit=ctx.dt_limit, return_dinitial_states=initial_states is not None,
+            dstates_dtype=ctx.settings.bwd_dstates_dtype,
             out=dict(dx=dx.reshape(b, l, nheads, headdim), dz=dz.reshape(b, l, nheads, headdim),
                      dB=dB.reshape(b, l, ngroups, dstate), dC=dC.reshape(b, l, ngroups, dstate), ddt=ddt),
         )
@@ -123,13 +104,14 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
             xBC.transpose(1, 2), conv1d_weight, conv1d_bias, dxBC.transpose(1, 2), seq_idx, ctx.activation,
             dx=dxBC_given.transpose(1, 2))
         return (dzxbcdt, dweight, dbias, g["ddt_bias"], g["dA"], g["dD"], None, g["dinitial_states"], None, None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def mamba_split_conv1d_scan_combined_helion(
     zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=None, seq_idx=None,
     dt_limit=(0.0, float("inf")), return_final_states=False, activation="silu", rmsnorm_weight=None,
     rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1, norm_before_gate=True,
+    settings: HelionSettings | None = None,
 ):
     """mamba-ssm 2.3.2 ``mamba_split_conv1d_scan_combined`` on the Helion SSD kernels.
 
@@ -144,5 +126,5 @@ def mamba_split_conv1d_scan_combined_helion(
         raise ValueError(f"zxbcdt must be (batch, seqlen, width), got {tuple(zxbcdt.shape)}")
     return MambaSplitConv1dScanCombinedHelionFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
-        return_final_states, activation, headdim, ngroups,
+        return_final_states, activation, headdim, ngroups, HelionSettings() if settings is None else settings,
     )

@@ -10,17 +10,22 @@ Backends:
   helion     our Helion kernels with per-GPU configs from ``kernels/configs/<arch>/``
 
 Selection is explicit: an unknown or unavailable backend raises one clear error naming what is
-missing; nothing falls back silently.
+missing; nothing falls back silently. The helion backend carries its ``HelionSettings`` (``kernels.settings``:
+every setting that changes what it computes or how fast), bound into its ops; ``settings_dict()`` records them.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+from kernels.settings import HelionSettings, HelionSettingsError
 
 BACKENDS = ("torch", "mamba_ssm", "helion")
 
@@ -48,6 +53,12 @@ class KernelBackend:
     # (l, b, d) in_proj output) and allocates its gradient with the same strides: the mixer then skips the
     # (l, b, d) -> (b, l, d) copy and its backward twin (338 MB each per layer at the Nano shape)
     strided_zxbcdt: bool = False
+    # the helion backend's settings (None for the others)
+    settings: HelionSettings | None = None
+
+    def settings_dict(self) -> dict[str, Any]:
+        """{"backend": name, **settings}: what a run or benchmark records about the kernels it ran."""
+        return {"backend": self.name, **({} if self.settings is None else self.settings.as_dict())}
 
 
 def _torch_backend() -> KernelBackend:
@@ -113,12 +124,7 @@ _HELION_PARTS = {
 }
 
 
-# NANO_HELION_ZXBCDT_IN_PLACE=0 makes the Mamba mixer copy zxbcdt to (b, l, d) for the helion backend too, as megatron
-# does for mamba-ssm (for A/B measurements of the copy)
-ZXBCDT_IN_PLACE = os.environ.get("NANO_HELION_ZXBCDT_IN_PLACE", "1") != "0"
-
-
-def _helion_backend() -> KernelBackend:
+def _helion_backend(settings: HelionSettings) -> KernelBackend:
     import torch
 
     try:
@@ -141,12 +147,12 @@ def _helion_backend() -> KernelBackend:
             parts[field] = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
             missing.append(f"{mod}.{attr} ({type(e).__name__}: {e})")
-        except ValueError as e:  # a bad NANO_HELION_* variant setting, checked when the module loads
-            raise BackendUnavailableError(f"kernel backend 'helion': {e}") from None
     if missing:
         raise BackendUnavailableError("kernel backend 'helion' is incomplete: missing " + "; ".join(missing))
-    return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs", strided_zxbcdt=ZXBCDT_IN_PLACE,
-                         **parts)
+    parts["mamba_split_conv1d_scan_combined"] = functools.partial(parts["mamba_split_conv1d_scan_combined"],
+                                                                  settings=settings)
+    return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs",
+                         strided_zxbcdt=settings.zxbcdt_in_place, settings=settings, **parts)
 
 
 def _cpu_mm_dtype_available() -> bool:
@@ -160,23 +166,43 @@ def _cpu_mm_dtype_available() -> bool:
 
 
 _FACTORIES = {"torch": _torch_backend, "mamba_ssm": _mamba_ssm_backend, "helion": _helion_backend}
-_CACHE: dict[str, KernelBackend] = {}
+_CACHE: dict[tuple[str, HelionSettings | None], KernelBackend] = {}
 
 
-def get_backend(name: str) -> KernelBackend:
-    """The backend called ``name``; raises UnknownBackendError / BackendUnavailableError (one line)."""
+def _helion_settings(helion: HelionSettings | Mapping[str, Any] | None) -> HelionSettings:
+    if isinstance(helion, HelionSettings):
+        return helion
+    try:
+        return HelionSettings.from_mapping(helion)
+    except (HelionSettingsError, TypeError) as e:
+        raise KernelSwitchError(str(e)) from None
+
+
+def get_backend(name: str, helion: HelionSettings | Mapping[str, Any] | None = None) -> KernelBackend:
+    """The backend called ``name``; raises UnknownBackendError / BackendUnavailableError (one line).
+
+    ``helion``: the helion backend's settings (a ``HelionSettings`` or a mapping of its keys; None: the defaults);
+    giving them for another backend is a ``KernelSwitchError``."""
     if name not in _FACTORIES:
         raise UnknownBackendError(f"unknown kernel backend {name!r}; choose one of: {', '.join(BACKENDS)}")
-    if name not in _CACHE:
-        _CACHE[name] = _FACTORIES[name]()
-    return _CACHE[name]
+    if name != "helion" and helion is not None and helion != {}:
+        raise KernelSwitchError(f"kernels.helion settings apply to kernels.backend=helion only (got {name!r})")
+    settings = _helion_settings(helion) if name == "helion" else None
+    key = (name, settings)
+    if key not in _CACHE:
+        _CACHE[key] = _FACTORIES[name](settings) if name == "helion" else _FACTORIES[name]()
+    return _CACHE[key]
 
 
-def configure_backend(name: str, *, autotune: bool = False, deterministic: bool = False) -> KernelBackend:
-    """Resolve backend ``name`` and apply the ``kernels.autotune`` / ``kernels.deterministic`` switches.
+def configure_backend(name: str, *, autotune: bool = False, deterministic: bool = False,
+                      helion: HelionSettings | Mapping[str, Any] | None = None) -> KernelBackend:
+    """Resolve backend ``name`` and apply the ``kernels.autotune`` / ``kernels.deterministic`` switches and the
+    process-wide part of the helion settings (``fast_launch``).
 
     * ``autotune``: only the helion backend has a tuner we drive (configs are otherwise read from
       ``kernels/configs/<arch>/``); asking for it with another backend is an error, not a no-op.
+    * ``helion``: ``HelionSettings`` or a mapping of its keys (``cfg.kernels.helion``); a bad key or value is a
+      ``KernelSwitchError``.
     * ``deterministic``: helion's kernels reduce through per-program partials in a fixed order (no
       atomics), so gradients are bitwise repeatable under every config; the torch reference is
       deterministic as it stands; mamba-ssm honours ``MAMBA_DETERMINISTIC=1`` (it then cuts each
@@ -191,11 +217,12 @@ def configure_backend(name: str, *, autotune: bool = False, deterministic: bool 
             raise KernelSwitchError("kernels.deterministic=true with mamba_ssm needs MAMBA_DETERMINISTIC=1 before mamba-ssm "
                              "is imported; set it in the environment")
         os.environ["MAMBA_DETERMINISTIC"] = "1"
-    backend = get_backend(name)
+    backend = get_backend(name, helion)
     if name == "helion":
         from kernels import ssd_helion_bwd, tuning
 
         tuning.set_autotune(autotune)
+        tuning.set_fast_launch(backend.settings.fast_launch)
         ssd_helion_bwd.set_deterministic(deterministic)
     return backend
 

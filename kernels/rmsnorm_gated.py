@@ -128,40 +128,6 @@ def rmsnorm_gated_fwd_kernel(
     return y, rstd
 
 
-# v2 forward (opt-in, set_fwd_variant("v2")): like the backward, each program walks
-# `rows_per_program` rows of one group in tiles of block_sizes[0] rows with the weight row held in
-# registers, so the row loop can be software-pipelined (range_num_stages); v1 is one tile per program.
-@helion.kernel(static_shapes=True)
-def rmsnorm_gated_fwd_kernel_v2(
-    x: torch.Tensor,  # (M, G, D)
-    weight: torch.Tensor,  # (G, D)
-    z: torch.Tensor,  # (M, G, D); ignored unless has_z
-    eps: float,
-    has_z: hl.constexpr,
-    norm_before_gate: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    m, g, d = x.size()
-    d = hl.specialize(d)
-    rows = hl.register_tunable("rows_per_program", PowerOfTwoFragment(1, 16384, 64))
-    y = torch.empty_like(x)
-    rstd = torch.empty([m, g], dtype=torch.float32, device=x.device)
-    for tp, tg in hl.tile([m, g], block_size=[rows, 1]):
-        wt = weight[tg, :].to(torch.float32)[None, :, :]
-        for tm in hl.tile(tp.begin, tp.end):
-            xt = x[tm, tg, :].to(torch.float32)
-            if has_z and not norm_before_gate:
-                zt = z[tm, tg, :].to(torch.float32)
-                xt = xt * (zt * torch.sigmoid(zt))
-            r = torch.rsqrt(torch.mean(xt * xt, dim=-1) + eps)
-            out = xt * r[:, :, None] * wt
-            if has_z and norm_before_gate:
-                zt2 = z[tm, tg, :].to(torch.float32)
-                out = out * (zt2 * torch.sigmoid(zt2))
-            y[tm, tg, :] = out.to(y.dtype)
-            rstd[tm, tg] = r
-    return y, rstd
-
-
 @helion.kernel(static_shapes=True)
 def rmsnorm_gated_bwd_kernel(
     dy: torch.Tensor,  # (M, G, D)
@@ -213,18 +179,7 @@ def rmsnorm_gated_bwd_kernel(
 
 # Generic configs used when no tuned file entry exists (also the search's reference).
 RMSNORM_FWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4)
-RMSNORM_FWD_V2_DEFAULT = helion.Config(block_sizes=[4], num_warps=2, rows_per_program=64, range_num_stages=[0, 2])
 RMSNORM_BWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4, rows_per_program=64)
-
-# forward kernel variant: "v1" (committed, tuned) or "v2" (rmsnorm_gated_fwd_kernel_v2; its own tuned
-# configs under the name rmsnorm_fwd_v2); selected by set_fwd_variant, default v1 until measured
-_FWD = tuning.KernelVariants("RMSNorm forward", {
-    "v1": ("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, RMSNORM_FWD_DEFAULT),
-    "v2": ("rmsnorm_fwd_v2", rmsnorm_gated_fwd_kernel_v2, RMSNORM_FWD_V2_DEFAULT),
-}, default="v1")
-set_fwd_variant = _FWD.set  # the RMSNorm forward kernel: "v1" or "v2" (see rmsnorm_gated_fwd_kernel_v2)
-get_fwd_variant = _FWD.get
-
 
 def _norm_dims(m: int, g: int, d: int, has_z: bool, nbg: bool, dtype: torch.dtype) -> dict:
     return dict(m=m, g=g, gs=d, z=bool(has_z), nbg=bool(nbg), dt=str(dtype).replace("torch.", ""))
@@ -272,16 +227,13 @@ def _view3(t, shape3):
 
 def _fwd(x3, w2, z3, eps, nbg, p: _Plan):
     args = (x3, w2, x3 if z3 is None else z3, eps, z3 is not None, nbg)
-    name, kernel, default = _FWD.current()
-    return tuning.tuned_call(name, kernel, args, p.dims, default)
+    return tuning.tuned_call("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, args, p.dims, RMSNORM_FWD_DEFAULT)
 
 
 def rmsnorm_dweight_sum(dw_partial: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dweight (G*D,) in weight's dtype from the backward's (P, G, D) fp32 partials (fixed-order torch
-    sum, no atomics). A one-launch Helion reduction was tried on the H200 (session 4, call 2,
-    bench_norm_conv --profile): it saves ~1 us of device time, while the backward there is host-bound
-    (230 us wall per call back to back vs 107 us of device time), so it stays two torch ops; the two
-    versions were not timed under the same host load."""
+    sum, no atomics). A one-launch Helion reduction would save ~1 us of device time (H200, bench_norm_conv
+    --profile), while the backward is host-bound there, so it stays two torch ops (docs/kernels_tried.md)."""
     return dw_partial.sum(0).reshape(-1).to(weight.dtype)
 
 
@@ -349,7 +301,7 @@ class RMSNormGatedHelionFn(torch.autograd.Function):
 def rmsnorm_fn_helion(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
     """``mamba_ssm.ops.triton.layernorm_gated.rmsnorm_fn`` signature (bias must be None: RMSNorm has none)."""
     if bias is not None:
-        raise ValueError("rmsnorm_fn_helion: bias is not supported (mamba-ssm's RMSNorm has no bias)")
+        raise NotImplementedError("rmsnorm_fn_helion: bias is not supported (mamba-ssm's RMSNorm has no bias; a gated norm with bias is its LayerNorm)")
     return RMSNormGatedHelionFn.apply(x, weight, z, eps, group_size, norm_before_gate)
 
 
@@ -362,10 +314,9 @@ class RMSNormGatedHelion(_RMSNormGatedModule):
 
 
 # Position of each load in the kernels' load_eviction_policies list at the tuned call (z=None,
-# norm_before_gate=False), read from the generated code: fwd v1 [x, weight, -, -, -], fwd v2
-# [weight, x, -, -], bwd [weight, x, dy, rstd] (the "-" entries belong to no load there).
-_EV_SLOTS = {"fwd": {"x": 0, "weight": 1}, "fwd_v2": {"weight": 0, "x": 1},
-             "bwd": {"weight": 0, "x": 1, "dy": 2, "rstd": 3}}
+# norm_before_gate=False), read from the generated code: fwd [x, weight, -, -, -], bwd [weight, x, dy, rstd]
+# (the "-" entries belong to no load there).
+_EV_SLOTS = {"fwd": {"x": 0, "weight": 1}, "bwd": {"weight": 0, "x": 1, "dy": 2, "rstd": 3}}
 
 
 def _access_seeds(kind: str, n_ev: int, bases: list[dict]) -> list[dict]:
@@ -416,21 +367,7 @@ def _rmsnorm_case(kind: str):
         # Megatron's MambaMixer path: z=None, norm_before_gate=False
         kd = _norm_dims(m, g, d, False, False, torch.bfloat16)
         # Seeds: the TMA / eviction-policy variants of the best shapes first (the H200 winners first:
-        # fwd [8] 1 warp; fwd v2 [8] 2 warps 16 rows stages [0, 3]; bwd [4] 2 warps 128 rows stages
-        # [0, 2]), then a plain grid around them; <= 60 each.
-        if kind == "fwd_v2":
-            args = (x, w, x, 1e-5, False, False)
-            bases = [dict(block_sizes=[8], num_warps=2, rows_per_program=16, range_num_stages=[0, 3]),
-                     dict(block_sizes=[8], num_warps=2, rows_per_program=32, range_num_stages=[0, 3]),
-                     dict(block_sizes=[4], num_warps=2, rows_per_program=16, range_num_stages=[0, 2]),
-                     dict(block_sizes=[8], num_warps=1, rows_per_program=16, range_num_stages=[0, 3]),
-                     dict(block_sizes=[8], num_warps=4, rows_per_program=64, range_num_stages=[0, 2])]
-            seeds = _access_seeds(kind, _n_eviction(rmsnorm_gated_fwd_kernel_v2, args), bases) + tuning.grid_seeds(
-                rows_per_program=[16, 32, 64], block_sizes=[[4], [8]], num_warps=[1, 2, 4],
-                range_num_stages=[[0, 2], [0, 3]])
-            seeds = [s for s in _dedup(seeds) if s["block_sizes"][0] <= s["rows_per_program"]]
-            return tuning.TuneCase(rmsnorm_gated_fwd_kernel_v2, args, kd, RMSNORM_FWD_V2_DEFAULT, seeds, atol=2e-2,
-                                   rtol=2e-2, n_random=0)
+        # fwd [8] 1 warp; bwd [4] 2 warps 128 rows stages [0, 2]), then a plain grid around them; <= 60 each.
         if kind == "fwd":
             args = (x, w, x, 1e-5, False, False)
             bases = [dict(block_sizes=[8], num_warps=1), dict(block_sizes=[4], num_warps=4),
@@ -470,5 +407,4 @@ def _rmsnorm_case(kind: str):
     return build
 
 
-TUNABLE_KERNELS = {"rmsnorm_fwd": _rmsnorm_case("fwd"), "rmsnorm_fwd_v2": _rmsnorm_case("fwd_v2"),
-                   "rmsnorm_bwd": _rmsnorm_case("bwd")}
+TUNABLE_KERNELS = {"rmsnorm_fwd": _rmsnorm_case("fwd"), "rmsnorm_bwd": _rmsnorm_case("bwd")}

@@ -9,10 +9,8 @@ g ngroups, n dstate, c chunk_size, nc = ceil(l / c)):
 ``ssd_state_passing_helion(states, dAlast..)`` -> (states_in (b, nc, h, p, n), final (b, h, p, n) fp32)
 ``ssd_chunk_state_passing_helion(...)``        chunk_state + state_passing fused (serial over chunks,
                                                the fp32 per-chunk states never reach memory)
-``ssd_chunk_cumsum_state_passing_helion(..)``  chunk_cumsum + chunk_state + state_passing in one kernel
-                                               -> (dA_cumsum, dt_out, states_in, final_states) (variant "v5")
 ``ssd_bmm_chunk_helion(C, B, c, seq_idx)``     -> CB (b, nc, g, c, c) fp32
-``ssd_chunk_pieces_helion(B, x, C, dt, A, c)`` -> (dA_cumsum, dt_out, states_in, final_states, CB) per variant
+``ssd_chunk_pieces_helion(B, x, C, dt, A, c)`` -> (dA_cumsum, dt_out, states_in, final_states, CB)
 ``ssd_chunk_scan_helion(CB, x, dt, dA, C, ..)`` -> (out, out_x) (b, l, h, p) in x.dtype
 ``ssd_forward_helion(...)``                    -> (out, out_x, dt_out, dA_cumsum, states_in, final_states)
 ``mamba_chunk_scan_combined_helion(...)``      forward-only, mamba-ssm's signature
@@ -37,7 +35,6 @@ Each (kernel, config) pair is one ``helion.kernel`` with a fixed config: no auto
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable
 
 import torch
@@ -57,46 +54,10 @@ _LOG2E = 1.4426950408889634
 # ----------------------------------------------------------------------------------------------
 
 
+# The chunk cumsum on (heads, chunk) tiles, as mamba-ssm's _chunk_cumsum_fwd_kernel: the (c, heads) tile of dt is
+# transposed right after its strided load, the cumsum runs along the chunk and both stores are chunk-contiguous. The
+# softplus is mamba-ssm's log(1 + exp(d)) on the fast exp2 / log.
 def _chunk_cumsum_kernel(
-    dt: torch.Tensor,  # (b, L, h) any float dtype, L = nc * c
-    A: torch.Tensor,  # (h,)
-    dt_bias: torch.Tensor | None,  # (h,)
-    chunk_size: int,
-    seqlen: int,
-    dt_min: float,
-    dt_max: float,
-    dt_softplus: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    b, L, h = dt.shape
-    c = hl.specialize(chunk_size)
-    nc = L // c
-    dA_cumsum = torch.empty([b, h, nc, c], dtype=torch.float32, device=dt.device)
-    dt_out = torch.empty([b, h, nc, c], dtype=torch.float32, device=dt.device)
-    block_h = hl.register_block_size(1, h)
-    for tb, tc, th in hl.tile([b, nc, h], block_size=[1, 1, block_h]):
-        for tk in hl.tile(c, block_size=c):
-            d = dt[tb.begin, tc.begin * c + tk.index, th].to(torch.float32)  # (c, BH)
-            if dt_bias is not None:
-                d = d + dt_bias[th].to(torch.float32)[None, :]
-            if dt_softplus:
-                d = torch.where(d <= 20.0, torch.log1p(torch.exp(d)), d)
-            d = torch.clamp(d, min=dt_min, max=dt_max)
-            pos = tc.begin * c + tk.index
-            d = torch.where((pos < seqlen)[:, None], d, 0.0)
-            dA = d * A[th].to(torch.float32)[None, :]
-            dA_cs = torch.cumsum(dA, dim=0)
-            dt_out[tb.begin, th, tc.begin, tk] = d.permute(1, 0)
-            dA_cumsum[tb.begin, th, tc.begin, tk] = dA_cs.permute(1, 0)
-    return dA_cumsum, dt_out
-
-
-# ssd_chunk_cumsum_t (forward variants "v9", "v10"): ssd_chunk_cumsum's values (to fp32 rounding: the softplus is
-# mamba-ssm's log(1 + exp(d)) on fast exp2/log), computed on (heads, chunk) tiles as mamba-ssm's
-# _chunk_cumsum_fwd_kernel does (the (c, heads) tile of dt is transposed right after the load, the cumsum runs along
-# the chunk and both stores are chunk-contiguous with no transpose before them). On the H200 ssd_chunk_cumsum took
-# 8.4 us of device time per call against mamba-ssm's 5.4 us (session 7, call 1), the first ssd_chunk_cumsum_t (exact
-# log1p/exp) 5.7 us (call 2).
-def _chunk_cumsum_t_kernel(
     dt: torch.Tensor,  # (b, L, h) any float dtype, L = nc * c
     A: torch.Tensor,  # (h,)
     dt_bias: torch.Tensor | None,  # (h,)
@@ -119,7 +80,7 @@ def _chunk_cumsum_t_kernel(
                 d = d + dt_bias[th].to(torch.float32)[:, None]
             if dt_softplus:
                 # log(1 + exp(d)) as mamba-ssm computes it (Triton 3: tl.math.log(tl.math.exp(dt) + 1)), on the fast
-                # exp2 / log (ex2.approx, lg2.approx); v1's log1p(exp(d)) lowers to libdevice's exact log1p and exp
+                # exp2 / log (ex2.approx, lg2.approx); log1p(exp(d)) would lower to libdevice's exact log1p and exp
                 d = torch.where(d <= 20.0, torch.log(torch.exp2(d * _LOG2E) + 1.0), d)
             d = torch.clamp(d, min=dt_min, max=dt_max)
             pos = tc.begin * c + tk.index
@@ -245,98 +206,6 @@ def _chunk_state_passing_kernel(
     return states_in, final_states
 
 
-# ssd_chunk_cumsum_state_passing (forward variant "v5"): chunk_cumsum folded into chunk_state_passing.
-# The separate cumsum launch took 16.5 us vs mamba-ssm's 10.5 us on the H200 (a one-launch kernel that
-# reads dt strided from zxBCdt); here every program recomputes its head's cumsum inside the chunk loop
-# (c elements per chunk, next to a bm x bn x c GEMM) from the raw dt, exactly as _chunk_cumsum_kernel
-# does it (dt_bias, softplus, clamp, zero past seqlen, dA = dt * A, cumsum within the chunk). dt_out and
-# dA_cumsum (chunk_scan and the backward need them) are stored by one program per (b, h, chunk): the one
-# whose p-block and n-block both begin at 0 (a scalar `if` in the generated Triton). No program reads
-# them back, so there is no ordering between programs to respect.
-# The k-loop walks the chunk in blocks of block_k with a running carry (the cumsum at the end of the
-# previous blocks): the cumsum of a block is carry + cumsum(block), and the state accumulator, weighted
-# to the end of the previous block, is rescaled by exp(end - carry) before the block's GEMM, so no value
-# of the chunk's end is needed before the loop. With block_k = c (the tuned chunk_state_passing config)
-# there is one block, carry = 0, and every value (dt_out, dA_cumsum, the GEMM operands, the states) is
-# what the two-kernel path computes.
-def _chunk_cumsum_state_passing_kernel(
-    B: torch.Tensor,  # (b, L, g, n)
-    x: torch.Tensor,  # (b, L, h, p)
-    dt: torch.Tensor,  # (b, L, h) raw dt, any float dtype (a strided zxBCdt slice is read in place)
-    A: torch.Tensor,  # (h,)
-    dt_bias: torch.Tensor | None,  # (h,)
-    initial_states: torch.Tensor | None,  # (b, h, p, n)
-    seq_idx: torch.Tensor | None,  # (b, L) int32
-    seq_end: torch.Tensor | None,  # (b, nc + 1) int32
-    state_dtype_like: torch.Tensor,  # empty tensor whose dtype is states_in's
-    chunk_size: int,
-    seqlen: int,
-    dt_min: float,
-    dt_max: float,
-    dt_softplus: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    b, L, g, n = B.shape
-    _, _, h, p = x.shape
-    c = hl.specialize(chunk_size)
-    nc = L // c
-    dA_cumsum = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
-    dt_out = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
-    states_in = torch.empty([b, nc, h, p, n], dtype=state_dtype_like.dtype, device=x.device)
-    final_states = torch.empty([b, h, p, n], dtype=torch.float32, device=x.device)
-    ratio = h // g
-    block_m = hl.register_block_size(16, p)
-    block_n = hl.register_block_size(16, n)
-    block_k = hl.register_block_size(16, c)
-    for tb, th, tm, tn in hl.tile([b, h, p, n], block_size=[1, 1, block_m, block_n]):
-        a_h = A[th.begin].to(torch.float32)
-        if dt_bias is not None:
-            bias_h = dt_bias[th.begin].to(torch.float32)
-        if initial_states is not None:
-            s = initial_states[tb.begin, th.begin, tm, tn].to(torch.float32)
-        else:
-            s = hl.zeros([tm, tn], dtype=torch.float32)
-        for tc in hl.tile(nc, block_size=1):
-            states_in[tb.begin, tc.begin, th.begin, tm, tn] = s.to(states_in.dtype)
-            acc = hl.zeros([tm, tn], dtype=torch.float32)  # weighted to the end of the blocks done so far
-            carry = hl.zeros([], dtype=torch.float32)  # dA cumsum at the end of the blocks done so far
-            if seq_idx is not None:
-                seq_last = seq_idx[tb.begin, tc.begin * c + c - 1]
-            for tk in hl.tile(c, block_size=block_k):
-                pos = tc.begin * c + tk.index
-                # _chunk_cumsum_kernel's math, one head
-                d = dt[tb.begin, pos, th.begin].to(torch.float32)  # (K,)
-                if dt_bias is not None:
-                    d = d + bias_h
-                if dt_softplus:
-                    d = torch.where(d <= 20.0, torch.log1p(torch.exp(d)), d)
-                d = torch.clamp(d, min=dt_min, max=dt_max)
-                d = torch.where(pos < seqlen, d, 0.0)
-                dA_k = carry + torch.cumsum(d * a_h, dim=0)
-                blk_end = torch.sum(torch.where(tk.index == tk.end - 1, dA_k, 0.0))  # dA_k's last entry
-                if tm.begin == 0 and tn.begin == 0:  # one writer per (b, h, chunk)
-                    dt_out[tb.begin, th.begin, tc.begin, tk] = d
-                    dA_cumsum[tb.begin, th.begin, tc.begin, tk] = dA_k
-                x_t = x[tb.begin, pos, th.begin, tm]  # (K, M)
-                b_t = B[tb.begin, pos, th.begin // ratio, tn].to(torch.float32)  # (K, N)
-                scale = torch.exp2(torch.clamp(blk_end - dA_k, max=0.0) * _LOG2E) * d
-                if seq_idx is not None:
-                    same = seq_idx[tb.begin, pos] == seq_last
-                    scale = torch.where(same, scale, 0.0)
-                b_s = (b_t * scale[:, None]).to(x.dtype)
-                # the blocks before this one, reweighted to its end, plus this block (the dot starts from a
-                # zero accumulator, so the rescale does not wait on it; with one block, acc = 0 + dot)
-                acc = acc * torch.exp2(torch.clamp(blk_end - carry, max=0.0) * _LOG2E) + hl.dot(
-                    x_t.permute(1, 0), b_s, out_dtype=torch.float32)
-                carry = blk_end
-            decay = torch.exp2(carry * _LOG2E)
-            if seq_end is not None:
-                keep = seq_end[tb.begin, tc.begin + 1] == seq_end[tb.begin, tc.begin]
-                decay = torch.where(keep, decay, 0.0)
-            s = decay * s + acc
-        final_states[tb.begin, th.begin, tm, tn] = s
-    return dA_cumsum, dt_out, states_in, final_states
-
-
 def _bmm_chunk_kernel(
     C: torch.Tensor,  # (b, L, g, n)
     B: torch.Tensor,  # (b, L, g, n)
@@ -420,76 +289,6 @@ def _chunk_scan_kernel(
     return out, out_x
 
 
-# ssd_chunk_scan (v1): grid b*nc*h*(c/bm)*(p/bn) (tuned bm 128, bn 64: 8192 programs), 368 us tuned;
-# mamba-ssm _chunk_scan_fwd 396 us. Per (b, c, h): C_m @ S^T 2*c*p*n = 2.1 M FLOP, causal
-# (CB o decay) @ x 2*c*c*p/2..1 = 1.0-2.1 M (the tuned bk = c computes the full square, masked)
-# -> ~34 GFLOP total (~50 us at 700 TF/s). HBM bytes: x, z 134 MB each, out + out_x 268 MB,
-# states_in (bf16) 134 MB, CB fp32 67 MB, C 34 MB -> ~0.77 GB (~160 us). Redundant work in the
-# generated Triton: every head re-loads C[chunk rows] (c x n bf16, 32 KB) and the group's CB tile
-# (c x c fp32, 64 KB): 8 heads of a group read the same C/CB, i.e. 8x the L2->SM traffic for
-# those (268 MB C + 537 MB CB per call through L2), and the fp32 (bm x bk) decay tile for bm = bk =
-# 128 at 4 warps is 128 registers/thread on its own (spills / one program per SM).
-# ssd_chunk_scan_v2: one program per (b, chunk, group, row tile): C[rows] is loaded once and kept
-# for the hpg heads of the group (a serial head loop inside), the CB tile of each k step is read
-# by consecutive head iterations of the same program (L1 hits), full p per program (one dot per
-# k-step with N = p = 64), exp2 decay, causal k-loop to the row tile's end. 1024 * c/bm programs
-# (2048 at bm 64). Same FLOPs and HBM bytes as v1, 1/8 of the C loads and of the CB L2 traffic.
-# Expected 1.1-1.3x over v1 (-> ~290-330 us, 1.2-1.35x vs mamba's 396); together with the tuned
-# chunk_state_passing (127 us) + bmm (40) + cumsum (11) that is the forward's path to >= 1.5x.
-def _chunk_scan_v2_kernel(
-    CB: torch.Tensor,  # (b, nc, g, c, c) fp32
-    x: torch.Tensor,  # (b, L, h, p)
-    dt: torch.Tensor,  # (b, h, nc, c) fp32
-    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
-    C: torch.Tensor,  # (b, L, g, n)
-    states_in: torch.Tensor,  # (b, nc, h, p, n)
-    D: torch.Tensor | None,  # (h, p)
-    z: torch.Tensor | None,  # (b, L, h, p)
-    seq_idx: torch.Tensor | None,  # (b, L) int32
-    seq_end: torch.Tensor | None,  # (b, nc + 1) int32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    b, L, h, p = x.shape
-    out = torch.empty_like(x)
-    out_x = torch.empty_like(x) if z is not None else out
-    _, nc, g, c, _ = CB.shape
-    n = C.shape[3]
-    c = hl.specialize(c)
-    n = hl.specialize(n)
-    p = hl.specialize(p)
-    ratio = h // g
-    block_m = hl.register_block_size(16, c)
-    block_k = hl.register_block_size(16, c)
-    for tm, tg, tc, tb in hl.tile([c, g, nc, b], block_size=[block_m, 1, 1, 1]):
-        pos_m = tc.begin * c + tm.index
-        c_m = C[tb.begin, pos_m, tg.begin, :]  # (M, n): loaded once for the group's heads
-        if seq_idx is not None:
-            same = seq_idx[tb.begin, pos_m] == seq_end[tb.begin, tc.begin]
-        for hh in hl.grid(ratio):
-            ih = tg.begin * ratio + hh
-            dA_m = dA_cumsum[tb.begin, ih, tc.begin, tm]
-            st = states_in[tb.begin, tc.begin, ih, :, :].to(C.dtype)  # (p, n)
-            acc = hl.dot(c_m, st.permute(1, 0))  # (M, p)
-            scale_m = torch.exp2(dA_m * _LOG2E)
-            if seq_idx is not None:
-                scale_m = torch.where(same, scale_m, 0.0)
-            acc = acc * scale_m[:, None]
-            for tk in hl.tile(tm.end, block_size=block_k):
-                cb = CB[tb.begin, tc.begin, tg.begin, tm, tk]
-                dA_k = dA_cumsum[tb.begin, ih, tc.begin, tk]
-                dt_k = dt[tb.begin, ih, tc.begin, tk]
-                w = cb * torch.exp2(torch.clamp(dA_m[:, None] - dA_k[None, :], max=0.0) * _LOG2E) * dt_k[None, :]
-                w = torch.where(tm.index[:, None] >= tk.index[None, :], w, 0.0).to(x.dtype)
-                acc = hl.dot(w, x[tb.begin, tc.begin * c + tk.index, ih, :], acc=acc)
-            if D is not None:
-                acc = acc + x[tb.begin, pos_m, ih, :].to(torch.float32) * D[ih, :].to(torch.float32)[None, :]
-            if z is not None:
-                out_x[tb.begin, pos_m, ih, :] = acc.to(out_x.dtype)
-                z_m = z[tb.begin, pos_m, ih, :].to(torch.float32)
-                acc = acc * (z_m * torch.sigmoid(z_m))
-            out[tb.begin, pos_m, ih, :] = acc.to(out.dtype)
-    return out, out_x
-
-
 # ----------------------------------------------------------------------------------------------
 # Configs and compiled-kernel cache
 # ----------------------------------------------------------------------------------------------
@@ -499,14 +298,12 @@ _BODIES: dict[str, Callable[..., Any]] = {
     "ssd_chunk_state": _chunk_state_kernel,
     "ssd_state_passing": _state_passing_kernel,
     "ssd_chunk_state_passing": _chunk_state_passing_kernel,
-    "ssd_chunk_cumsum_state_passing": _chunk_cumsum_state_passing_kernel,
     "ssd_bmm_chunk": _bmm_chunk_kernel,
+    # chunk_scan with CB in fp32 (fp32 inputs) and in the inputs' 16-bit dtype (bf16 / fp16 inputs: the bmm writes CB
+    # in that dtype, half of its bytes; chunk_scan rounds its CB-derived weights to x's dtype for the GEMM anyway):
+    # one body, two names, so each dtype has its own tuned configs
     "ssd_chunk_scan": _chunk_scan_kernel,
-    "ssd_chunk_scan_v2": _chunk_scan_v2_kernel,
-    # chunk_scan reading CB in the inputs' 16-bit dtype (forward variants "v8", "v10"; the bmm then writes CB in
-    # that dtype; fp32 inputs keep ssd_chunk_scan): its own name so it has its own tuned configs
     "ssd_chunk_scan_cb16": _chunk_scan_kernel,
-    "ssd_chunk_cumsum_t": _chunk_cumsum_t_kernel,
 }
 
 # Conservative defaults (sm90-safe): block_sizes follow each body's register_block_size order.
@@ -515,63 +312,21 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "ssd_chunk_state": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
     "ssd_state_passing": dict(block_sizes=[512], num_warps=4, num_stages=3),
     "ssd_chunk_state_passing": dict(block_sizes=[32, 64, 64], num_warps=4, num_stages=3),
-    # no sm90 file yet: its generic default is chunk_state_passing's tuned Nano config (bk = c: one k-block)
-    "ssd_chunk_cumsum_state_passing": dict(block_sizes=[64, 64, 128], num_warps=8, num_stages=3),
     "ssd_bmm_chunk": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
     "ssd_chunk_scan": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=2),
-    "ssd_chunk_scan_v2": dict(block_sizes=[64, 64], num_warps=4, num_stages=2),
     "ssd_chunk_scan_cb16": dict(block_sizes=[64, 64, 32], num_warps=4, num_stages=1),  # chunk_scan's tuned Nano config
-    "ssd_chunk_cumsum_t": dict(block_sizes=[8], num_warps=4, num_stages=1),
 }
-# variant name -> {base kernel: kernel that replaces it} (``set_variant`` / ``variant=``). "v5" (numbered
-# after the backward's v3/v4, since scripts/bench_ssd_variants.py takes one name for both modules): the
-# chunk cumsum computed inside chunk_state_passing, one launch instead of two.
-VARIANTS: dict[str, dict[str, str]] = {
-    "v1": {},
-    "v2": {"ssd_chunk_scan": "ssd_chunk_scan_v2"},
-    "v5": {"ssd_chunk_cumsum": "ssd_chunk_cumsum_state_passing",
-           "ssd_chunk_state_passing": "ssd_chunk_cumsum_state_passing"},
-    # session 7: CB in bf16 between the bmm and chunk_scan ("v8"), the cumsum on (heads, chunk) tiles ("v9"), both
-    "v8": {"ssd_chunk_scan": "ssd_chunk_scan_cb16"},
-    "v9": {"ssd_chunk_cumsum": "ssd_chunk_cumsum_t"},
-    "v10": {"ssd_chunk_scan": "ssd_chunk_scan_cb16", "ssd_chunk_cumsum": "ssd_chunk_cumsum_t"},
-}
-# The default is "v10" since session 7 (call 2, one H200, same process: chunk_scan 1.092x of v1 [1.090, 1.094], the whole
-# forward 1.089x; mixer device time 3217.6 vs 3258.1 us; out's rel. L2 error against the fp32 reference at the Nano shape
-# 1.662e-3, v1 1.660e-3). "v1" keeps the session-6 kernels. A "v6" (session 6: the cumsum and C.B^T as two top-level loops of one kernel) was faster per
-# call on the H200 (the whole forward 1.006x v1) but not in device time, which a device-bound training step pays (the
-# fused kernel 101.2 us per fwd+bwd against v1's bmm + cumsum 93.9 us), so it was removed (its code: commit 9c56af4).
-# NANO_HELION_SSD_FWD_VARIANT picks the module default for whole processes (benchmarks, training runs, kernel
-# profiles); an unknown name fails at import with the known names.
-DEFAULT_VARIANT = "v10"
-_VARIANT: str = os.environ.get("NANO_HELION_SSD_FWD_VARIANT", DEFAULT_VARIANT)
-if _VARIANT not in VARIANTS:
-    raise ValueError(f"NANO_HELION_SSD_FWD_VARIANT={_VARIANT!r}: unknown SSD forward variant (known: {sorted(VARIANTS)})")
 
 
-def _variant_map(variant: str | None) -> dict[str, str]:
-    v = _VARIANT if variant is None else variant
-    if v not in VARIANTS:
-        raise ValueError(f"unknown SSD forward variant {v!r} (known: {sorted(VARIANTS)})")
-    return VARIANTS[v]
+def forward_cb_dtype(dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The dtype of CB between the forward's bmm and chunk_scan for inputs (x, B, C) of ``dtype``: the inputs' own
+    (bf16 in training: ``ssd_chunk_scan_cb16``; fp32 inputs keep an fp32 CB and ``ssd_chunk_scan``, as mamba-ssm).
+    The backward recomputes CB in fp32."""
+    return dtype
 
 
-def set_variant(variant: str) -> None:
-    """Module-wide default kernel variant of the SSD forward ("v1" = the committed kernels)."""
-    global _VARIANT
-    _variant_map(variant)
-    _VARIANT = variant
-
-
-def get_variant() -> str:
-    return _VARIANT
-
-
-def forward_cb_dtype(variant: str | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
-    """The dtype of CB between the forward's bmm and chunk_scan for inputs (x, B, C) of ``dtype``: that dtype where the
-    variant runs ssd_chunk_scan_cb16 ("v8", "v10"; chunk_scan rounds its CB-derived weights to x's dtype for the GEMM
-    anyway), else fp32 as mamba-ssm (fp32 inputs always get fp32; the backward always recomputes CB in fp32)."""
-    return dtype if _variant_map(variant).get("ssd_chunk_scan") == "ssd_chunk_scan_cb16" else torch.float32
+def _chunk_scan_name(dtype: torch.dtype) -> str:
+    return "ssd_chunk_scan" if dtype == torch.float32 else "ssd_chunk_scan_cb16"
 
 _KERNELS: dict[str, Any] = {}
 
@@ -682,18 +437,15 @@ def ssd_chunk_cumsum_helion(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     config: dict | None = None,
-    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dt (b, l, h), A (h,) -> (dA_cumsum, dt_out), both (b, h, nc, c) fp32 (as ``chunk_cumsum_ref``).
-    ``variant`` (None: ``set_variant``'s default) "v9"/"v10" run ``ssd_chunk_cumsum_t`` (same values)."""
+    """dt (b, l, h), A (h,) -> (dA_cumsum, dt_out), both (b, h, nc, c) fp32 (as ``chunk_cumsum_ref``)."""
     _check_chunk(chunk_size)
     b, l, h = _check_dt(dt, A, dt_bias)
     nc = math.ceil(l / chunk_size)
     dtp = _pad_seq(dt, nc * chunk_size)  # strided zxbcdt slices are read in place
     dims = dict(b=b, l=l, h=h, c=chunk_size)
-    kname = "ssd_chunk_cumsum_t" if _variant_map(variant).get("ssd_chunk_cumsum") == "ssd_chunk_cumsum_t" else "ssd_chunk_cumsum"
     return _run(
-        kname, dims, [h],
+        "ssd_chunk_cumsum", dims, [h],
         (dtp, A.contiguous(), _contig(dt_bias), chunk_size, l, float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus)),
         config,
     )
@@ -804,49 +556,6 @@ def ssd_chunk_state_passing_helion(
     )
 
 
-def ssd_chunk_cumsum_state_passing_helion(
-    B: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    chunk_size: int,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    initial_states: torch.Tensor | None = None,
-    seq_idx: torch.Tensor | None = None,
-    state_dtype: torch.dtype | None = None,
-    config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """chunk_cumsum + chunk_state + state_passing in one kernel (forward variant "v5"):
-    -> (dA_cumsum, dt_out (both (b, h, nc, c) fp32), states_in (b, nc, h, p, n) in ``state_dtype``
-    (default B.dtype), final_states (b, h, p, n) fp32), the values of ``ssd_chunk_cumsum_helion``
-    followed by ``ssd_chunk_state_passing_helion``.
-
-    dt (b, l, h) is the raw dt (strided slices are read in place); its length l is the sequence length.
-    B, x and seq_idx may have length l or already be padded to nc * c (as ``ssd_forward_helion`` passes them)."""
-    _check_chunk(chunk_size)
-    b, l, h = _check_dt(dt, A, dt_bias)
-    nc = math.ceil(l / chunk_size)
-    L = nc * chunk_size
-    _, lx, hx, p, g, n = _check_xbc(x, B)
-    if x.shape[0] != b or lx not in (l, L) or hx != h:
-        raise ValueError(f"x {tuple(x.shape)} does not match dt {tuple(dt.shape)} (length {l} or {L})")
-    _check_initial_states(initial_states, b, h, p, n)
-    if seq_idx is not None and seq_idx.shape not in ((b, l), (b, L)):
-        raise ValueError(f"seq_idx must be {(b, l)} or {(b, L)}, got {tuple(seq_idx.shape)}")
-    sidx = _pad_seq_idx(seq_idx, L)
-    like = torch.empty(0, device=x.device, dtype=state_dtype or B.dtype)
-    dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=chunk_size)
-    return _run(
-        "ssd_chunk_cumsum_state_passing", dims, [p, n, chunk_size],
-        (_pad_seq(B, L), _pad_seq(x, L), _pad_seq(dt, L), A.contiguous(), _contig(dt_bias), _contig(initial_states),
-         sidx, _seq_end(sidx, chunk_size), like, chunk_size, l, float(dt_limit[0]), float(dt_limit[1]),
-         bool(dt_softplus)),
-        config,
-    )
-
-
 def ssd_cumsum_states_helion(
     B: torch.Tensor,
     x: torch.Tensor,
@@ -859,17 +568,14 @@ def ssd_cumsum_states_helion(
     initial_states: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
-    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dA_cumsum, dt_out, states_in, final_states): chunk_cumsum then chunk_state_passing, as two kernels or,
-    where ``variant`` (None: ``set_variant``'s default) maps them to ssd_chunk_cumsum_state_passing ("v5"), one.
-    Arguments as ``ssd_chunk_cumsum_state_passing_helion``."""
-    if _variant_map(variant).get("ssd_chunk_state_passing") == "ssd_chunk_cumsum_state_passing":
-        return ssd_chunk_cumsum_state_passing_helion(
-            B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-            initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
+    """(dA_cumsum, dt_out, states_in, final_states): chunk_cumsum then chunk_state_passing.
+
+    dt (b, l, h) is the raw dt (strided slices are read in place); B (b, l, g, n), x (b, l, h, p) and seq_idx may have
+    length l or already be padded to nc * c; A, dt_bias, dt_softplus, dt_limit as ``ssd_chunk_cumsum_helion``;
+    initial_states, state_dtype as ``ssd_chunk_state_passing_helion``."""
     dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                                dt_limit=dt_limit, variant=variant)
+                                                dt_limit=dt_limit)
     states_in, final_states = ssd_chunk_state_passing_helion(
         B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
     return dA_cumsum, dt_out, states_in, final_states
@@ -884,7 +590,8 @@ def ssd_bmm_chunk_helion(
     cb_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """CB[b, nc, g, t, s] = C[t] . B[s] per chunk and group, zero across sequences (as ``bmm_chunk_ref``);
-    fp32-accumulated, stored in ``cb_dtype`` (fp32, as mamba-ssm; bf16 for ``ssd_chunk_scan_cb16``)."""
+    fp32-accumulated, stored in ``cb_dtype`` (fp32, as mamba-ssm; the inputs' 16-bit dtype for the forward's
+    chunk_scan, ``forward_cb_dtype``)."""
     _check_chunk(chunk_size)
     if C.dim() != 4 or C.shape != B.shape:
         raise ValueError(f"C and B must both be (b, l, g, n); got {tuple(C.shape)}, {tuple(B.shape)}")
@@ -912,14 +619,13 @@ def ssd_chunk_pieces_helion(
     initial_states: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
-    variant: str | None = None,
     cumsum: tuple[torch.Tensor, torch.Tensor] | None = None,
     cb_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Everything chunk_scan and the backward read: (dA_cumsum, dt_out, states_in, final_states, CB), as the
-    variant (None: ``set_variant``'s default) launches it: v1 cumsum, chunk_state_passing, bmm; "v5" the first
-    two fused. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n). ``cumsum``: (dA_cumsum, dt_out) kept
-    from the forward (the fused op's backward): only chunk_state_passing and the bmm run. CB is in ``cb_dtype``."""
+    """Everything chunk_scan and the backward read: (dA_cumsum, dt_out, states_in, final_states, CB) from the chunk
+    cumsum, chunk_state_passing and the bmm. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n).
+    ``cumsum``: (dA_cumsum, dt_out) kept from the forward (the fused op's backward): only chunk_state_passing and the
+    bmm run. CB is in ``cb_dtype``."""
     if cumsum is not None:
         dA_cumsum, dt_out = cumsum
         states_in, final_states = ssd_chunk_state_passing_helion(
@@ -927,7 +633,7 @@ def ssd_chunk_pieces_helion(
     else:
         dA_cumsum, dt_out, states_in, final_states = ssd_cumsum_states_helion(
             B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-            initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype, variant=variant)
+            initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
     CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=cb_dtype)
     return dA_cumsum, dt_out, states_in, final_states, CB
 
@@ -943,11 +649,9 @@ def ssd_chunk_scan_helion(
     z: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     config: dict | None = None,
-    variant: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, out_x) (b, l, h, p) in x.dtype; out = out_x * silu(z) with z, else out_x is out
-    (as ``chunk_scan_ref``). ``variant``: "v1", "v2" (``ssd_chunk_scan_v2``), "v8"/"v10" (``ssd_chunk_scan_cb16``:
-    CB in bf16) or None (``set_variant``)."""
+    (as ``chunk_scan_ref``). CB is in ``forward_cb_dtype(x.dtype)``."""
     b, l, h, p, g, n = _check_xbc(x, C, "C")
     _, nc, _, c, _ = CB.shape
     _check_chunk(c)
@@ -963,15 +667,12 @@ def ssd_chunk_scan_helion(
     sidx = _pad_seq_idx(seq_idx, L)
     D2 = None if D is None else (D.contiguous() if D.dim() == 2 else D.reshape(h, 1).expand(h, p))
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
-    kname = _variant_map(variant).get("ssd_chunk_scan", "ssd_chunk_scan")
-    want = forward_cb_dtype(variant, x.dtype)
+    want = forward_cb_dtype(x.dtype)
     if CB.dtype != want:
-        raise ValueError(f"chunk_scan ({variant or get_variant()}) reads CB in {want} for x in {x.dtype}, got {CB.dtype} "
+        raise ValueError(f"chunk_scan reads CB in {want} for x in {x.dtype}, got {CB.dtype} "
                          "(ssd_bmm_chunk_helion's cb_dtype; forward_cb_dtype)")
-    if kname == "ssd_chunk_scan_cb16" and want == torch.float32:
-        kname = "ssd_chunk_scan"  # fp32 inputs: CB stays fp32, v1's kernel and configs
     out, out_x = _run(
-        kname, dims, [c, c] if kname == "ssd_chunk_scan_v2" else [c, p, c],
+        _chunk_scan_name(x.dtype), dims, [c, p, c],
         (CB.contiguous(), _pad_seq(x, L), dt.contiguous(), dA_cumsum.contiguous(), _pad_seq(C, L),
          states_in.contiguous(), D2, _pad_seq(z, L), sidx, _seq_end(sidx, c)),
         config,
@@ -1002,7 +703,6 @@ def ssd_forward_helion(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype | None = None,
     fuse_state_passing: bool = True,
-    variant: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """All forward pieces, like mamba-ssm's ``_mamba_chunk_scan_combined_fwd``:
     (out, out_x, dt_out, dA_cumsum, states_in, final_states).
@@ -1010,9 +710,8 @@ def ssd_forward_helion(
     x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), D (h,) or (h, p), z like x,
     dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
-    ``variant``: kernel variant ("v1", "v2", "v5"; None = ``set_variant``'s default, "v1" unless changed or set
-    by NANO_HELION_SSD_FWD_VARIANT). "v5" computes the chunk cumsum inside chunk_state_passing; with
-    ``fuse_state_passing=False`` (chunk_state and state_passing as two kernels) the cumsum stays separate."""
+    ``fuse_state_passing=False`` runs chunk_state and state_passing as two kernels (the per-chunk fp32 states go
+    through memory), for comparisons with mamba-ssm's kernels one by one."""
     b, l, h, p, g, n = _check_xbc(x, B)
     if C.shape != B.shape:
         raise ValueError(f"C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
@@ -1028,23 +727,20 @@ def ssd_forward_helion(
     sidx = _pad_seq_idx(seq_idx, L)
     sdtype = state_dtype or C.dtype
     if fuse_state_passing:
-        # cumsum, chunk_state_passing, bmm: three kernels, or two where the variant fuses a pair ("v5")
         dA_cumsum, dt_out, states_in, final_states, CB = ssd_chunk_pieces_helion(
             Bp, xp, Cp, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-            initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, variant=variant,
-            cb_dtype=forward_cb_dtype(variant, x.dtype),
+            initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, cb_dtype=forward_cb_dtype(x.dtype),
         )
     else:
         dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                                    dt_limit=dt_limit, variant=variant)
+                                                    dt_limit=dt_limit)
         states = ssd_chunk_state_helion(Bp, xp, dt_out, dA_cumsum, seq_idx=sidx)
         states_in, final_states = ssd_state_passing_helion(
             states, dA_cumsum[..., -1], initial_states=initial_states, seq_idx=sidx, chunk_size=chunk_size,
             state_dtype=sdtype,
         )
-        CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx, cb_dtype=forward_cb_dtype(variant, x.dtype))
-    out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx,
-                                       variant=variant)
+        CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx, cb_dtype=forward_cb_dtype(x.dtype))
+    out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx)
     if L != l:
         out, out_x = out[:, :l], out_x[:, :l]
     return out, out_x, dt_out, dA_cumsum, states_in, final_states
@@ -1097,19 +793,14 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
     b, l, h, p, g, n = (md[k] for k in ("b", "l", "h", "p", "g", "n"))
     L = math.ceil(l / c) * c
     nc = L // c
-    if name in ("ssd_chunk_cumsum", "ssd_chunk_cumsum_t", "ssd_chunk_cumsum_state_passing"):
+    if name == "ssd_chunk_cumsum":
         # dt as the fused op passes it: the last h columns of the in_proj output zxBCdt (rows of
         # 2*h*p + 2*g*n + h elements), read in place
         row = 2 * h * p + 2 * g * n + h
         zx = torch.zeros(b, L, row, device=device, dtype=inp["dt"].dtype)
         zx[:, :l, row - h:] = inp["dt"]
         dts = zx[..., row - h:]
-        if name in ("ssd_chunk_cumsum", "ssd_chunk_cumsum_t"):
-            return (dts, inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
-        Bp, xp = (_pad_seq(inp[k], L).contiguous() for k in ("B", "x"))
-        like = torch.empty(0, device=device, dtype=inp["C"].dtype)
-        return ((Bp, xp, dts, inp["A"], inp["dt_bias"], None, None, None, like, c, l, 0.0, float("inf"), True),
-                dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c))
+        return (dts, inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
     dA, dto = ssd_chunk_cumsum_helion(inp["dt"], inp["A"], c, dt_bias=inp["dt_bias"], dt_softplus=True) if not tuning.interpret_mode() and device != "cpu" else (None, None)
     if dA is None:  # CPU (code generation checks): values do not matter
         dto = torch.rand(b, h, nc, c, device=device) * 0.1
@@ -1125,7 +816,7 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
         return (st, dA[..., -1].contiguous(), None, None, torch.empty(0, device=device, dtype=Cp.dtype)), dict(b=b, h=h, d=p * n, nc=nc)
     if name == "ssd_bmm_chunk":
         return (Cp, Bp, None, c, torch.empty(0, device=device)), dict(b=b, l=L, g=g, n=n, c=c)
-    if name in ("ssd_chunk_scan", "ssd_chunk_scan_v2", "ssd_chunk_scan_cb16"):
+    if name in ("ssd_chunk_scan", "ssd_chunk_scan_cb16"):
         CB = torch.randn(b, nc, g, c, c, device=device) * 0.3
         if name == "ssd_chunk_scan_cb16":
             CB = CB.to(Cp.dtype)
@@ -1138,17 +829,15 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
 # Seeds: partial configs layered over Helion's default by tuning.candidate_configs; each list
 # includes the conservative defaults above, so a safe config is always among the candidates.
 _SEEDS: dict[str, list[dict]] = {
-    # dt arrives strided (zxBCdt rows of ~20 KB): head blocks of 16+ read whole 32-byte sectors, so they go first
-    "ssd_chunk_cumsum": [dict(block_sizes=[bh], num_warps=w) for bh in (16, 32, 8, 64, 4, 2, 1) for w in (1, 2, 4, 8)],
     # mamba-ssm's autotune picked BLOCK_SIZE_H 8 at 4 warps for the Nano shape (8.0 us in its do_bench): first
-    "ssd_chunk_cumsum_t": [dict(block_sizes=[bh], num_warps=w) for bh in (8, 16, 4, 32, 2, 64, 1) for w in (4, 2, 1, 8)],
+    "ssd_chunk_cumsum": [dict(block_sizes=[bh], num_warps=w) for bh in (8, 16, 4, 32, 2, 64, 1) for w in (4, 2, 1, 8)],
     "ssd_chunk_state": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((64, 64), (64, 128), (32, 64), (64, 32), (32, 128))
         for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
     ],
     "ssd_state_passing": [dict(block_sizes=[bs], num_warps=w) for bs in (128, 256, 512, 1024, 2048) for w in (2, 4, 8)] + [
-        # session 8: the chunk loop software-pipelined (the loads of states do not depend on the carried state) and
+        # the chunk loop software-pipelined (the loads of states do not depend on the carried state) and
         # states streamed through L2 once (eviction "first"); the loads are [dA_last, states]
         dict(block_sizes=[bs], num_warps=w, range_num_stages=[0, st], load_eviction_policies=["", ev])
         for bs in (1024, 2048, 512) for w in (4, 8) for st in (2, 3) for ev in ("first", "")
@@ -1157,14 +846,6 @@ _SEEDS: dict[str, list[dict]] = {
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((32, 64), (64, 64), (16, 64), (32, 32), (16, 128), (32, 128), (64, 128))
         for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)
-    ],
-    # chunk_state_passing's seeds, the whole chunk as one k-block first (its tuned Nano config has bk = c; a
-    # smaller bk adds a rescale of the accumulator per block here)
-    "ssd_chunk_cumsum_state_passing": [
-        dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
-        for bk in (128, 64, 32)
-        for bm, bn in ((64, 64), (32, 64), (64, 128), (16, 64), (32, 32), (16, 128), (32, 128))
-        for w in (8, 4) for st in (3, 2)
     ],
     "ssd_bmm_chunk": [
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
@@ -1180,11 +861,6 @@ _SEEDS: dict[str, list[dict]] = {
         dict(block_sizes=[bm, bn, bk], num_warps=w, num_stages=st)
         for bm, bn in ((64, 64), (128, 64), (32, 64), (64, 32), (128, 32))
         for bk in (32, 64) for w in (4, 8) for st in (1, 2, 3)
-    ],
-    "ssd_chunk_scan_v2": [
-        dict(block_sizes=[bm, bk], num_warps=w, num_stages=st)
-        for bm, bk in ((64, 64), (128, 64), (64, 32), (32, 32), (128, 128), (32, 64), (16, 64))
-        for w in (4, 8) for st in (1, 2, 3)
     ],
 }
 

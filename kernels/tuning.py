@@ -77,14 +77,20 @@ import torch
 
 import helion
 
+from kernels import debug
+
 CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 
-# Model-level shape presets (Nemotron-3 Nano mixer dims). Kernel TuneCase builders derive their own
-# kernel dims from these. "nano" is the tuned shape; the others are reported without retuning.
+# Model-level shape presets (Nemotron-3 Nano mixer dims per rank). Kernel TuneCase builders derive their own kernel
+# dims from these. "nano" is the benchmark shape; nano_b1 (recipe nano30b_slice_h200), nano_b4_l4096
+# (convergence_ab_h200) and nano_b4_l1024 (convergence_ab_h200_2000*) are what the GPU recipes run
+# (tests/test_tuning.py::test_recipe_shapes_have_tuned_configs); nano_tp2 is the mixer at tensor parallel 2.
 SHAPE_PRESETS: dict[str, dict[str, int]] = {
     "nano": dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128, w=4),
+    "nano_b1": dict(b=1, l=8192, h=64, p=64, g=8, n=128, c=128, w=4),
     "nano_tp2": dict(b=2, l=8192, h=32, p=64, g=4, n=128, c=128, w=4),
     "nano_b4_l4096": dict(b=4, l=4096, h=64, p=64, g=8, n=128, c=128, w=4),
+    "nano_b4_l1024": dict(b=4, l=1024, h=64, p=64, g=8, n=128, c=128, w=4),
 }
 
 _AUTOTUNE = False
@@ -224,10 +230,12 @@ def lookup(kernel_name: str, dims: Mapping[str, Any], arch: str | None = None, r
     return "none", None, None
 
 
-def _warn_once(kernel_name: str, key: str, msg: str) -> None:
-    if (kernel_name, key) in _WARNED:
+def _warn_once(kernel_name: str, what: str, msg: str) -> None:
+    """One warning per (kernel, what) and process. The config fallback warns with what="config": once per kernel,
+    naming the first shape without a tuned entry."""
+    if (kernel_name, what) in _WARNED:
         return
-    _WARNED.add((kernel_name, key))
+    _WARNED.add((kernel_name, what))
     warnings.warn(msg, stacklevel=3)
 
 
@@ -254,16 +262,16 @@ def get_config(
     if how == "nearest":
         _warn_once(
             kernel_name,
-            key,
+            "config",
             f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key}; "
-            f"using the nearest tuned shape {used_key} from {path}",
+            f"using the nearest tuned shape {used_key} from {path} (warned once per kernel)",
         )
         return _as_config(entry["config"])
     _warn_once(
         kernel_name,
-        key,
+        "config",
         f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key} (no entry in {path}); "
-        f"using the kernel's generic default config {config_to_dict(default)}",
+        f"using the kernel's generic default config {config_to_dict(default)} (warned once per kernel)",
     )
     return default
 
@@ -326,18 +334,26 @@ def _arg_signature(args: Sequence[object]) -> tuple:
     return tuple(sig)
 
 
-# On by default since session 5 (NANO_HELION_FAST_LAUNCH=0 or set_fast_launch(False) turns it off): launch a
-# compiled kernel's Triton binary directly after its first launch (see FastLauncher). Checked on the H200:
-# the fused op's outputs and gradients are bitwise equal with and without it
+# Launch a compiled kernel's Triton binary directly after its first launch (see FastLauncher; the helion backend's
+# ``HelionSettings.fast_launch``, applied by ``kernels.registry.configure_backend``). On the H200 the fused op's outputs
+# and gradients are bitwise equal with and without it
 # (tests/test_mamba_split_helion.py::test_fast_launch_gives_bitwise_equal_results), and the RMSNorm
-# backward took 213 us of wall time per call with it against 347 us without (bench_norm_conv --profile).
-_FAST_LAUNCH = os.environ.get("NANO_HELION_FAST_LAUNCH", "1") != "0"
+# backward takes 213 us of wall time per call with it against 347 us without (bench_norm_conv --profile).
+_FAST_LAUNCH = True
 
 
 def set_fast_launch(enabled: bool) -> None:
-    """Use ``FastLauncher`` for kernels compiled from now on (``clear_caches()`` to recompile the rest)."""
+    """Use ``FastLauncher`` (True) or Helion's own launcher (False). A change drops every compiled kernel, so what
+    runs from now on follows the new setting."""
     global _FAST_LAUNCH
-    _FAST_LAUNCH = bool(enabled)
+    if bool(enabled) != _FAST_LAUNCH:
+        _FAST_LAUNCH = bool(enabled)
+        _COMPILED.clear()
+        _FAST.clear()
+
+
+def fast_launch_enabled() -> bool:
+    return _FAST_LAUNCH
 
 
 class FastLauncher:
@@ -346,7 +362,7 @@ class FastLauncher:
     The generated host code calls ``_launcher(triton_kernel, grid, *args, num_warps=, num_stages=)``; Helion's
     default launcher goes through ``JITFunction.run``, which binds and specialises every argument, builds the
     cache key and looks the binary up on each call (tens of us of host time per launch on the H200 host,
-    session 4: the RMSNorm backward took 230 us of wall time per call for 107 us of device time). The first
+    the RMSNorm backward took 230 us of wall time per call for 107 us of device time). The first
     call, and any call whose launch key differs from the last one, still goes through Helion's launcher and
     keeps the ``CompiledKernel`` it returns; the others call that binary's launcher with the same arguments
     ``JITFunction.run`` would pass (``kernel.run(grid..., stream, function, packed_metadata, launch_metadata,
@@ -413,7 +429,7 @@ def _launches_on_cuda(args: Sequence[object]) -> bool:
 def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]) -> Callable:
     """Compiled callable of ``kernel`` for this argument signature and config (cached).
 
-    With ``NANO_HELION_DUMP_DIR`` set, each compilation also writes the normalized config and the
+    With ``NANO_HELION_DUMP_DIR`` set (``kernels.debug``), each compilation also writes the normalized config and the
     generated Triton source there (``<kernel>_<sha>.py``): a diagnostic for comparing what two
     processes actually run for the same kernel, config and argument signature."""
     cfg = with_flat_pid(_as_config(config))
@@ -426,9 +442,9 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
         if _FAST_LAUNCH and _launches_on_cuda(args):
             fn = functools.partial(fn, _launcher=FastLauncher())
         _COMPILED[key] = fn
-        dump = os.environ.get("NANO_HELION_DUMP_DIR")
-        if dump:
-            _dump_code(Path(dump), kernel, bound, cfg, args)
+        dump = debug.dump_dir()
+        if dump is not None:
+            _dump_code(dump, kernel, bound, cfg, args)
     return fn
 
 
@@ -442,7 +458,7 @@ def fit_block_sizes(bound, cfg: helion.Config) -> helion.Config:
     Helion compiles a block larger than its dimension as a tile whose extra lanes are masked: wasted
     work, and lanes that load 0 where the kernel's math assumes real data. On the H200 that turned a
     Nano config (row block 128) at a model with chunk 64 into exp(-dA_cumsum) = inf on those lanes and
-    NaN gradients after 16 steps (session 4). Clamping keeps the same tiling of the real elements."""
+    NaN gradients after 16 steps. Clamping keeps the same tiling of the real elements."""
     bs = cfg.config.get("block_sizes")
     if not isinstance(bs, list) or not bs:
         return cfg
@@ -641,48 +657,6 @@ class TuneCase:
     prepare: Callable[[tuple], None] | None = None
 
 
-class KernelVariants:
-    """A module-wide choice among interchangeable kernels of one op (e.g. the conv1d backward "v1" / "v3").
-
-    ``variants`` maps a variant name to ``(config-file name, helion kernel, generic default config)``;
-    ``current()`` is the selected triple, ``[name]`` any one; ``set`` refuses unknown names with one clear
-    error; ``using(name)`` selects a variant for a ``with`` block (None: leave the selection as it is)."""
-
-    def __init__(self, what: str, variants: Mapping[str, tuple], default: str):
-        self.what = what
-        self.variants = dict(variants)
-        self.selected = default
-        self.set(default)
-
-    @property
-    def names(self) -> list[str]:
-        return sorted(self.variants)
-
-    def set(self, variant: str) -> None:
-        if variant not in self.variants:
-            raise ValueError(f"unknown {self.what} variant {variant!r}; choose one of {self.names}")
-        self.selected = variant
-
-    def get(self) -> str:
-        return self.selected
-
-    def __getitem__(self, variant: str) -> tuple:
-        return self.variants[variant]
-
-    def current(self) -> tuple:
-        return self.variants[self.selected]
-
-    @contextlib.contextmanager
-    def using(self, variant: str | None):
-        old = self.selected
-        if variant is not None:
-            self.set(variant)
-        try:
-            yield self
-        finally:
-            self.selected = old
-
-
 def grid_seeds(**axes: Iterable[Any]) -> list[dict]:
     """Cartesian product of partial-config values, e.g. ``grid_seeds(block_sizes=[[8],[16]], num_warps=[4,8])``."""
     names = list(axes)
@@ -799,24 +773,12 @@ def checked_outputs(fn: Callable, args: tuple, finalize=None, prepare=None):
     return out if finalize is None else finalize(out, args)
 
 
-def env_choice(var: str, choices: Sequence[str], default: str, what: str) -> str:
-    """The value of environment variable ``var`` (``default`` when unset), which must be one of ``choices``: a
-    ValueError naming the variable, the bad value and the known ones otherwise."""
-    value = os.environ.get(var, default)
-    if value not in choices:
-        raise ValueError(f"{var}={value!r}: unknown {what} (known: {', '.join(choices)})")
-    return value
-
-
-TIMERS = ("events", "cudagraph")
+TIMERS = debug.TIMERS
 
 
 def timer_name() -> str:
-    """The tuner's timer: NANO_TUNE_TIMER, "events" (default; ``do_bench``: CUDA events around each call, L2 flushed
-    between calls, so a kernel shorter than its host launch is timed at the launch's pace) or "cudagraph"
-    (``do_bench_cudagraph``: calls replayed from a CUDA graph, i.e. device time; for few-microsecond kernels such as
-    the chunk cumsum, whose per-call time is the launch's)."""
-    return env_choice("NANO_TUNE_TIMER", TIMERS, "events", "timer")
+    """The tuner's timer (``NANO_TUNE_TIMER``, see ``kernels.debug``): "events" (default) or "cudagraph"."""
+    return debug.tune_timer()
 
 
 def time_fn(fn: Callable[[], Any], rep_ms: float = 100.0) -> float:

@@ -280,6 +280,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "bench_kernels",
         "env": bl.env_info(),
+        "backend_settings": {name: be[name].settings_dict() for name in backends},
         "args": vars(args),
         "shape": {**asdict(shape), "d_inner": shape.d_inner, "conv_dim": shape.conv_dim,
                   "zxbcdt_dim": shape.zxbcdt_dim, "group_size": shape.group_size, "name": args.shape},

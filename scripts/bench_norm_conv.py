@@ -1,10 +1,8 @@
 """Side-by-side on one GPU: mamba-ssm gated RMSNorm vs Helion, causal-conv1d CUDA vs Helion (fwd and bwd).
 
     python scripts/bench_norm_conv.py --rounds 5
-    # conv1d only, backward kernel variants v1 and v3 each against causal-conv1d:
-    OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-bwd-variants v1,v3
-    # conv1d forward kernel variants v1, v2 each against causal-conv1d (no_grad forward, checked):
-    OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano --conv-fwd-variants v1,v2
+    # conv1d only, at the Nano shape:
+    OUT=/tmp/bench python scripts/bench_norm_conv.py --ops conv1d --shapes nano
     # RMSNorm with a per-call profile of each side (device time, kernels, wall time per call):
     OUT=/tmp/bench python scripts/bench_norm_conv.py --ops rmsnorm --shapes nano --profile
 
@@ -42,6 +40,7 @@ import torch  # noqa: E402
 from kernels import tuning  # noqa: E402
 from kernels.causal_conv1d import causal_conv1d_helion, causal_conv1d_ref  # noqa: E402
 from kernels.rmsnorm_gated import rmsnorm_fn_helion, rmsnorm_gated_ref  # noqa: E402
+from kernels.settings import HelionSettings  # noqa: E402
 
 
 def _errs(outs, ref, names):
@@ -123,22 +122,6 @@ def bench_rmsnorm(dims, rounds, rep_ms, profile_n=0):
     res = {"shape": {"rows": m, "hidden": n, "group_size": gs, "z": None, "norm_before_gate": False, "dtype": "bf16"}}
     with torch.no_grad():
         res["fwd"] = _bench_pair(lambda: fa(x, w), lambda: fb(x, w), rounds, rep_ms)
-    # the forward kernel variants (kernels.rmsnorm_gated.set_fwd_variant), each against mamba-ssm
-    from kernels import rmsnorm_gated as R
-
-    def fb_variant(variant):
-        def run():
-            with R._FWD.using(variant):
-                return fb(x, w)
-        return run
-
-    res["fwd_variants"] = {}
-    with torch.no_grad():
-        y32 = rmsnorm_gated_ref(x.float(), w.float(), **kw)
-        for v in ("v1", "v2"):
-            yv = fb_variant(v)()
-            res["fwd_variants"][v] = dict(_bench_pair(lambda: fa(x, w), fb_variant(v), rounds, rep_ms),
-                                          correctness=_errs((yv,), (y32,), ["y"]))
     graphs = {}
     for tag, f in (("A", fa), ("B", fb)):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -163,29 +146,9 @@ def bench_rmsnorm(dims, rounds, rep_ms, profile_n=0):
     return res
 
 
-def _conv_bwd_variant(variant):
-    """Run a block with kernels.causal_conv1d's backward variant set to ``variant`` (None: unchanged)."""
-    from kernels import causal_conv1d as cc
-
-    return cc._BWD.using(variant)
-
-
-def _conv_fwd_variant(variant):
-    """Run a block with kernels.causal_conv1d's forward variant set to ``variant`` (None: unchanged)."""
-    from kernels import causal_conv1d as cc
-
-    return cc._FWD.using(variant)
-
-
-def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=(), fwd_variants=()):
-    """causal-conv1d (A) vs Helion (B). ``bwd_variant``: the conv1d backward kernel of the B arm
-    (None: the module default). ``bwd_variants``: further backward variants, each timed against the
-    same causal-conv1d arm in this process (``bwd_<v>``) and checked (``correctness_B_<v>``).
-    ``fwd_variants``: forward kernel variants, each timed (no_grad forward) against the same
-    causal-conv1d arm (``fwd_<v>``) and its output checked (``correctness_fwd_<v>``)."""
+def bench_conv(dims, rounds, rep_ms):
+    """causal-conv1d (A) vs Helion (B), forward (no_grad) and backward, each checked against the fp32 reference."""
     from causal_conv1d import causal_conv1d_fn
-
-    from kernels import causal_conv1d as cc
 
     b, l, hp, gn = dims["b"], dims["l"], dims["h"] * dims["p"], dims["g"] * dims["n"]
     d = hp + 2 * gn
@@ -197,59 +160,29 @@ def bench_conv(dims, rounds, rep_ms, bwd_variant=None, bwd_variants=(), fwd_vari
     dy = torch.randn(b, l, d, device="cuda", generator=g).bfloat16().transpose(1, 2)
     xv = zx[:, :, hp:hp + d].transpose(1, 2)
     fa = lambda a, ww, bb: causal_conv1d_fn(a, ww, bb, activation="silu")  # noqa: E731
-    fb = lambda a, ww, bb: causal_conv1d_helion(a, ww, bb, None, "silu")  # noqa: E731
+    fb = lambda a, ww, bb: causal_conv1d_helion(a, ww, bb, activation="silu")  # noqa: E731
     res = {"shape": {"batch": b, "seqlen": l, "channels": d, "width": dims["w"], "x_layout": f"channel-last view of (b, l, {width_total})", "activation": "silu", "dtype": "bf16"}}
     with torch.no_grad():
         res["fwd"] = _bench_pair(lambda: fa(xv, w, bias), lambda: fb(xv, w, bias), rounds, rep_ms)
-        if fwd_variants:
-            y32f = causal_conv1d_ref(xv.float(), w.float(), bias.float(), None, "silu")
-        for v in fwd_variants:  # each forward variant against the same causal-conv1d arm
-            with _conv_fwd_variant(v):
-                yv = fb(xv, w, bias)  # compiles before timing
-                torch.cuda.synchronize()
-                res[f"fwd_{v}"] = _bench_pair(lambda: fa(xv, w, bias), lambda: fb(xv, w, bias), rounds, rep_ms)
-            res[f"correctness_fwd_{v}"] = _errs([yv], [y32f], ["out"])
-    # conv1d backward variant per arm: the autograd Function picks its kernel when backward runs
-    variants = {"A": None, "B": bwd_variant}
-    variants.update({f"B_{v}": v for v in bwd_variants})
-    with _conv_bwd_variant(bwd_variant):
-        res["bwd_variant_B"] = cc.get_bwd_variant()
 
     def graph(f):
         zl = zx.clone().requires_grad_()
         wi, bi = w.clone().requires_grad_(), bias.clone().requires_grad_()
         return f(zl[:, :, hp:hp + d].transpose(1, 2), wi, bi), [zl, wi, bi]
 
-    graphs = {tag: graph(fa if tag == "A" else fb) for tag in variants}
+    graphs = {tag: graph(fa if tag == "A" else fb) for tag in ("A", "B")}
     for tag, (y, ins) in graphs.items():  # compile every backward kernel before any timing
-        with _conv_bwd_variant(variants[tag]):
-            _grad_fn(y, ins, dy)()
+        _grad_fn(y, ins, dy)()
     torch.cuda.synchronize()
-    with _conv_bwd_variant(bwd_variant):
-        res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
-    for v in bwd_variants:  # each further backward variant against the same causal-conv1d arm
-        with _conv_bwd_variant(v):
-            res[f"bwd_{v}"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs[f"B_{v}"], dy), rounds, rep_ms)
+    res["bwd"] = _bench_pair(_grad_fn(*graphs["A"], dy), _grad_fn(*graphs["B"], dy), rounds, rep_ms)
     zl32 = zx.float().requires_grad_()
     w32, b32 = w.float().requires_grad_(), bias.float().requires_grad_()
     y32 = causal_conv1d_ref(zl32[:, :, hp:hp + d].transpose(1, 2), w32, b32, None, "silu")
     ref = (y32, *torch.autograd.grad(y32, [zl32, w32, b32], dy.float()))
     for tag, (y, ins) in graphs.items():
-        with _conv_bwd_variant(variants[tag]):
-            outs = (y, *torch.autograd.grad(y, ins, dy, retain_graph=True))
+        outs = (y, *torch.autograd.grad(y, ins, dy, retain_graph=True))
         res[f"correctness_{tag}"] = _errs(outs, ref, ["out", "dx", "dweight", "dbias"])
     return res
-
-
-def _variant_list(text, kind="backward"):
-    from kernels import causal_conv1d as cc
-
-    known = (cc._BWD if kind == "backward" else cc._FWD).names
-    out = [v.strip() for v in (text or "").split(",") if v.strip()]
-    for v in out:
-        if v not in known:
-            raise SystemExit(f"unknown conv1d {kind} variant {v!r} (known: {sorted(known)})")
-    return out
 
 
 def main(argv=None) -> int:
@@ -258,14 +191,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=float, default=50.0)
     ap.add_argument("--ops", default="rmsnorm,conv1d", help="which benchmarks: rmsnorm, conv1d or both")
-    ap.add_argument("--conv-bwd-variant", default=None,
-                    help="conv1d backward kernel of the Helion arm B: v1 or v3 (default: the module default)")
-    ap.add_argument("--conv-bwd-variants", default="",
-                    help="comma list of further conv1d backward variants, each timed against causal-conv1d in the "
-                         "same process and checked against the reference (e.g. v1,v3)")
-    ap.add_argument("--conv-fwd-variants", default="",
-                    help="comma list of conv1d forward variants (v1, v2), each timed against causal-conv1d in the "
-                         "same process and its output checked against the reference (e.g. v1,v2)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile the RMSNorm fwd/bwd of both sides (torch.profiler, CUDA only): device time and "
                          "kernels per call, and wall time per call of back-to-back calls; under results.<shape>.rmsnorm.profile")
@@ -276,9 +201,6 @@ def main(argv=None) -> int:
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     if set(ops) - {"rmsnorm", "conv1d"}:
         ap.error(f"--ops: unknown {sorted(set(ops) - {'rmsnorm', 'conv1d'})}")
-    conv_variant = _variant_list(args.conv_bwd_variant)[0] if args.conv_bwd_variant else None
-    conv_variants = _variant_list(args.conv_bwd_variants)
-    conv_fwd_variants = _variant_list(args.conv_fwd_variants, "forward")
     if not torch.cuda.is_available():
         print("bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -299,7 +221,7 @@ def main(argv=None) -> int:
         "targets_h200_nano": {"rmsnorm_bwd_speedup": 3.5, "rmsnorm_fwd_speedup": 1.2, "conv1d_fwd_speedup": 1.0, "conv1d_bwd_speedup": 1.0},
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(), "arch": tuning.current_arch(), "versions": versions,
-        "helion_fast_launch": tuning._FAST_LAUNCH,  # NANO_HELION_FAST_LAUNCH=1: tuning.FastLauncher
+        "backend_settings": HelionSettings().as_dict(),  # the B arm runs the helion ops with the default settings
         "results": {},
     }
     path = out_dir / "bench_norm_conv.json"
@@ -311,12 +233,11 @@ def main(argv=None) -> int:
             if op not in ops:
                 continue
             try:
-                entry[op] = (fn(dims, args.rounds, args.rep_ms, bwd_variant=conv_variant, bwd_variants=conv_variants,
-                                fwd_variants=conv_fwd_variants)
+                entry[op] = (fn(dims, args.rounds, args.rep_ms)
                              if op == "conv1d" else fn(dims, args.rounds, args.rep_ms,
                                                        profile_n=args.profile_calls if args.profile else 0))
                 r = entry[op]
-                tag = f"[{r['bwd_variant_B']}]" if op == "conv1d" else ""
+                tag = ""
                 print(f"{shape:14s} {op:8s} fwd {r['fwd']['A']['median_ms']*1e3:8.1f} -> {r['fwd']['B']['median_ms']*1e3:8.1f} us "
                       f"(x{r['fwd']['speedup_B_over_A']:.2f}, ctl {r['fwd']['control_ratio_A_over_A']:.2f})  "
                       f"bwd{tag} {r['bwd']['A']['median_ms']*1e3:8.1f} -> {r['bwd']['B']['median_ms']*1e3:8.1f} us "
@@ -328,18 +249,6 @@ def main(argv=None) -> int:
                             print(f"{shape:14s} {op:8s} profile {side} {dname}: device {pr['device_us_per_call']:7.1f} us, "
                                   f"wall {pr['wall_us_per_call']:7.1f} us/call, kernels "
                                   + ", ".join(f"{k['kernel']} {k['us_per_call']:.1f}" for k in pr["kernels"]), flush=True)
-                for v in (conv_fwd_variants if op == "conv1d" else []):
-                    rv, ok = r[f"fwd_{v}"], r[f"correctness_fwd_{v}"]["out"]
-                    print(f"{shape:14s} {op:8s} fwd[{v}] {rv['A']['median_ms']*1e3:8.1f} -> {rv['B']['median_ms']*1e3:8.1f} us "
-                          f"(x{rv['speedup_B_over_A']:.2f}, ctl {rv['control_ratio_A_over_A']:.2f})  "
-                          f"within tol: {ok['within_tol']}  max err out {ok['max_abs_err']:.2e}", flush=True)
-                for v in (conv_variants if op == "conv1d" else []):
-                    rv, ok = r[f"bwd_{v}"], r[f"correctness_B_{v}"]
-                    print(f"{shape:14s} {op:8s} bwd[{v}] {rv['A']['median_ms']*1e3:8.1f} -> {rv['B']['median_ms']*1e3:8.1f} us "
-                          f"(x{rv['speedup_B_over_A']:.2f}, ctl {rv['control_ratio_A_over_A']:.2f})  "
-                          f"within tol: {all(e['within_tol'] for e in ok.values())}  "
-                          f"max err dx {ok['dx']['max_abs_err']:.2e} dweight {ok['dweight']['max_abs_err']:.2e} "
-                          f"dbias {ok['dbias']['max_abs_err']:.2e}", flush=True)
             except Exception:  # noqa: BLE001
                 entry[op] = {"error": traceback.format_exc()}
                 print(entry[op]["error"], file=sys.stderr, flush=True)

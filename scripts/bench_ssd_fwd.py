@@ -57,8 +57,8 @@ def comparisons(md: dict, m) -> dict:
     sin, _ = m.state_passing(states.flatten(-2), dA[..., -1], chunk_size=c, out_dtype=C.dtype)
     sin = sin.unflatten(-1, (p, n))
     CB = m.bmm(C, B, c, output_dtype=torch.float32)
-    # the Helion forward's CB dtype (bf16 with the default variant v10, whose chunk_scan reads it in bf16)
-    cbh = sh.forward_cb_dtype(None, x.dtype)
+    # the Helion forward's CB dtype (the inputs': bf16 here, which ssd_chunk_scan_cb16 reads)
+    cbh = sh.forward_cb_dtype(x.dtype)
     CBh = CB.to(cbh)
 
     def m_state_and_passing():
@@ -147,7 +147,11 @@ def main(argv=None) -> int:
         raise SystemExit("bench_ssd_fwd.py needs a CUDA GPU")
     m = _mamba()
     env = bl.env_info()
-    results = {"env": env, "method": "alternating rounds, CUDA events per call, A-vs-A control, bootstrap CI",
+    from kernels.settings import HelionSettings
+
+    # the forward pieces run as ssd_helion's functions; none of the backend's settings changes a forward kernel
+    results = {"env": env, "backend_settings": {"backend": "helion", **HelionSettings().as_dict()},
+               "method": "alternating rounds, CUDA events per call, A-vs-A control, bootstrap CI",
                "rounds": args.rounds, "iters": args.iters, "shapes": {}}
     for s in args.shapes.split(","):
         md = tuning.SHAPE_PRESETS[s]

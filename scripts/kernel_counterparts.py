@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-kernel counterparts from a ``bench_kernels.py --backend mamba_ssm --compare helion`` result (issue 7).
+"""Per-kernel counterparts from a ``bench_kernels.py --backend mamba_ssm --compare helion`` result.
 
 Each Helion kernel (or pair) replaces one or more mamba-ssm / causal-conv1d kernels (``GROUPS``: fused kernels
 are compared against the sum of what they replace). From the two per-kernel device-time tables that
@@ -28,31 +28,19 @@ from pathlib import Path
 GROUPS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("_helion_rmsnorm_gated_fwd_kernel",): ("_layer_norm_fwd_1pass_kernel",),
     ("_helion_rmsnorm_gated_bwd_kernel",): ("_layer_norm_bwd_kernel",),
-    ("_helion_causal_conv1d_fwd_kernel_v2",): ("causal_conv1d_channellast_fwd_kernel",),
-    ("_helion_causal_conv1d_bwd_kernel_v3",): ("causal_conv1d_channellast_bwd_kernel",),
+    ("_helion_causal_conv1d_fwd_kernel",): ("causal_conv1d_channellast_fwd_kernel",),
+    ("_helion_causal_conv1d_bwd_kernel",): ("causal_conv1d_channellast_bwd_kernel",),
     ("_helion__chunk_cumsum_kernel",): ("_chunk_cumsum_fwd_kernel",),
     ("_helion__chunk_state_passing_kernel",): ("_chunk_state_fwd_kernel", "_state_passing_fwd_kernel"),
     ("_helion__bmm_chunk_kernel",): ("_bmm_chunk_fwd_kernel",),
     ("_helion__chunk_scan_kernel",): ("_chunk_scan_fwd_kernel",),
     ("_helion_ssd_bwd_dz_dstates",): ("_chunk_scan_bwd_dz_kernel", "_chunk_scan_bwd_dstates_kernel"),
     ("_helion_ssd_bwd_state_passing",): ("_state_passing_bwd_kernel",),
+    # dx over row tiles (its ddacs_row and dD partials are summed by torch reduce kernels, not in this group)
     ("_helion_ssd_bwd_dx", "_helion_ssd_bwd_dt"): ("_chunk_scan_chunk_state_bwd_dx_kernel",
                                                   "_chunk_scan_bwd_ddAcs_stable_kernel", "_chunk_cumsum_bwd_kernel"),
-    ("_helion_ssd_bwd_dbc",): ("_chunk_state_bwd_db_kernel", "_chunk_scan_bwd_dc_kernel", "_chunk_scan_bwd_dcb_kernel",
-                               "_bmm_chunk_bwd_kernel"),
-    # the backward variants (kernels.ssd_helion_bwd.VARIANTS; "v4" and "v7", the default, use both): the same work
-    ("_helion_ssd_bwd_dz_dstates_v2",): ("_chunk_scan_bwd_dz_kernel", "_chunk_scan_bwd_dstates_kernel"),
-    ("_helion_ssd_bwd_dc_dcb", "_helion_ssd_bwd_db_v3"): ("_chunk_state_bwd_db_kernel", "_chunk_scan_bwd_dc_kernel",
-                                                         "_chunk_scan_bwd_dcb_kernel", "_bmm_chunk_bwd_kernel"),
-    # the forward variant "v5" (kernels.ssd_helion.VARIANTS): chunk_cumsum computed inside chunk_state_passing
-    ("_helion__chunk_cumsum_state_passing_kernel",): ("_chunk_cumsum_fwd_kernel", "_chunk_state_fwd_kernel",
-                                                      "_state_passing_fwd_kernel"),
-    # the forward variants "v9" / "v10": the cumsum on (heads, chunk) tiles
-    ("_helion__chunk_cumsum_t_kernel",): ("_chunk_cumsum_fwd_kernel",),
-    # the backward variant "v7": dx over row tiles (its ddacs_row and dD partials are summed by torch reduce_kernels,
-    # not in this group)
-    ("_helion_ssd_bwd_dx_v2", "_helion_ssd_bwd_dt"): ("_chunk_scan_chunk_state_bwd_dx_kernel",
-                                                     "_chunk_scan_bwd_ddAcs_stable_kernel", "_chunk_cumsum_bwd_kernel"),
+    ("_helion_ssd_bwd_dc_dcb", "_helion_ssd_bwd_db"): ("_chunk_state_bwd_db_kernel", "_chunk_scan_bwd_dc_kernel",
+                                                      "_chunk_scan_bwd_dcb_kernel", "_bmm_chunk_bwd_kernel"),
 }
 
 # the baseline table's kernels by time, largest first, without the benchmark's adds and torch reductions
@@ -76,9 +64,9 @@ def counterparts(mamba_table: dict, helion_table: dict) -> dict:
         mu, hu = sum(m[k] for k in mks), sum(h[k] for k in hks)
         rows.append({"helion": list(hks), "replaces": list(mks), "mamba_us": mu, "helion_us": hu, "ratio": mu / hu})
     covered = {k for r in rows for k in r["replaces"]}
-    # a group is missing when no present group (or variant of it) covers its mamba-ssm kernels
+    # a group is missing when no present group covers its mamba-ssm kernels
     missing = [list(hks) for hks, mks in GROUPS.items() if not set(mks) <= covered]
-    # a mamba-ssm kernel replaced by several present groups (variants profiled together) counts with the last one
+    # a mamba-ssm kernel replaced by several present groups counts with the last one
     by_member = {k: r["ratio"] for r in rows for k in r["replaces"]}
     top = [(k, by_member[k]) for k in BASELINE_TOP10 if k in by_member]
     geo = math.exp(sum(math.log(r) for _, r in top) / len(top)) if top else None

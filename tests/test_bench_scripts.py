@@ -523,36 +523,6 @@ def test_shell_scripts_parse_and_gpu_suite_runs_named_stages(tmp_path):
     assert (out / "parity.FAILED").exists() and (out / "convergence.FAILED").exists()
 
 
-def test_ssd_variants_markdown_names_the_candidate():
-    import bench_ssd_variants as bsv
-
-    s = {"median": 1.0, "p10": 1.0, "p90": 1.0}  # ms
-    sp = {"speedup": 1.25, "ci_lo": 1.2, "ci_hi": 1.3}
-    res = {"candidate": "v3", "errors": {}, "rows": {"bwd_dbc": {
-        "ms": {"v1": s, "v3": {**s, "median": 0.8}, "v1#2": s}, "v3_vs_v1_rel_err": 1e-3,
-        "speedup_v3_vs_v1": sp, "control_v1_vs_v1": {"speedup": 1.0}, "mamba_ref_us": 588.0}}}
-    md = bsv.markdown(res, {"gpu": "x"})
-    assert "Helion v1 vs v3" in md and "v3/v1 speedup" in md and "| bwd_dbc | 588.0 (ref) | 1000.0 | 800.0 | 1.250" in md
-    with pytest.raises(SystemExit):
-        bsv.main(["--variant", "v99"])
-
-
-def test_ssd_variants_rows_per_candidate():
-    """Each candidate times the rows it changes: v5 (forward: cumsum inside chunk_state_passing) the fused kernel
-    against cumsum + chunk_state_passing and the whole forward; the backward variants only backward rows."""
-    import bench_ssd_variants as bsv
-
-    assert bsv.variant_names() == ["v2", "v3", "v4", "v5", "v7", "v8", "v9", "v10"]
-    assert bsv.row_names("v8") == ["chunk_scan", "ssd_forward"]
-    assert bsv.row_names("v9") == ["chunk_cumsum", "ssd_forward"]
-    assert bsv.row_names("v10") == ["chunk_cumsum", "chunk_scan", "ssd_forward"]
-    assert bsv.row_names("v7") == ["bwd_dbc", "bwd_dz_dstates", "bwd_dx", "ssd_backward"]
-    assert bsv.row_names("v5") == ["cumsum_state_passing", "ssd_forward"]
-    assert bsv.row_names("v2") == ["chunk_scan", "ssd_forward", "bwd_dbc", "bwd_dz_dstates", "ssd_backward"]
-    assert bsv.row_names("v3") == ["bwd_dbc", "ssd_backward"]
-    assert bsv.row_names("v4") == ["bwd_dbc", "bwd_dz_dstates", "ssd_backward"]
-
-
 @pytest.mark.slow
 def test_convergence_ab_script_a_vs_a_pair_with_resume(tmp_path):
     """scripts/convergence_ab.sh with BACKENDS="torch torch" (the A-vs-A pair) on CPU: both arms are
@@ -586,36 +556,20 @@ def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
 
     mamba = {k: 100.0 for ks in kc.GROUPS.values() for k in ks}
     helion = {k: 50.0 for ks in kc.GROUPS for k in ks}
-    helion["_helion_ssd_bwd_dbc"] = 800.0  # replaces 4 x 100 us: 0.5x
+    helion["_helion_ssd_bwd_db"] = 700.0  # dc_dcb + db (750 us) replace 4 x 100 us: 0.533x
     res = kc.counterparts(table(mamba), table(helion))
     by = {tuple(r["helion"]): r for r in res["groups"]}
-    assert by[("_helion_ssd_bwd_dbc",)]["ratio"] == 0.5 and by[("_helion_ssd_bwd_dbc",)]["mamba_us"] == 400.0
+    pair = by[("_helion_ssd_bwd_dc_dcb", "_helion_ssd_bwd_db")]
+    assert pair["mamba_us"] == 400.0 and pair["helion_us"] == 750.0 and math.isclose(pair["ratio"], 400 / 750)
     # dx + dt together against dx + ddAcs_stable + cumsum_bwd: 300 / 100
     assert by[("_helion_ssd_bwd_dx", "_helion_ssd_bwd_dt")]["ratio"] == 3.0
-    assert res["slower_than_counterpart"] == ["_helion_ssd_bwd_dbc"] and not res["missing_groups"]
-    # one ratio per top-10 kernel; a kernel that alternative groups replace (variants, here all profiled at once)
-    # counts with the last of them in GROUPS
+    assert res["slower_than_counterpart"] == ["_helion_ssd_bwd_dc_dcb + _helion_ssd_bwd_db"]
+    assert not res["missing_groups"]
+    # one ratio per top-10 kernel, that of the group replacing it
     ratio_of = {tuple(r["helion"]): r["ratio"] for r in res["groups"]}
     want = [[ratio_of[hks] for hks, mks in kc.GROUPS.items() if k in mks][-1] for k in kc.BASELINE_TOP10]
     assert len(want) == 10 and [t["ratio"] for t in res["top10"]] == want
     assert res["top10_complete"] and math.isclose(res["top10_geomean"], math.exp(sum(map(math.log, want)) / 10))
-    # a profile of the forward variant v5: the fused cumsum + chunk_state_passing kernel replaces three mamba-ssm
-    # kernels, and the two Helion kernels it replaces are absent (their groups drop out, nothing is missing)
-    v5 = {k: v for k, v in helion.items()
-          if k not in ("_helion__chunk_cumsum_kernel", "_helion__chunk_cumsum_t_kernel", "_helion__chunk_state_passing_kernel")}
-    v5["_helion__chunk_cumsum_state_passing_kernel"] = 120.0  # vs 3 x 100 us: 2.5x
-    res5 = kc.counterparts(table(mamba), table(v5))
-    by5 = {tuple(r["helion"]): r for r in res5["groups"]}
-    fused = by5[("_helion__chunk_cumsum_state_passing_kernel",)]
-    assert fused["mamba_us"] == 300.0 and fused["ratio"] == 2.5
-    assert ("_helion__chunk_cumsum_kernel",) not in by5 and ("_helion__chunk_state_passing_kernel",) not in by5
-    assert not res5["missing_groups"] and res5["top10_complete"]
-    top5 = {t["mamba_kernel"]: t["ratio"] for t in res5["top10"]}
-    assert top5["_chunk_state_fwd_kernel"] == top5["_state_passing_fwd_kernel"] == 2.5
-    # without the fused kernel either, the cumsum and chunk_state_passing groups are missing
-    del v5["_helion__chunk_cumsum_state_passing_kernel"]
-    res6 = kc.counterparts(table(mamba), table(v5))
-    assert ["_helion__chunk_cumsum_kernel"] in res6["missing_groups"] and not res6["top10_complete"]
     # a missing Helion kernel drops its group and is named
     del helion["_helion_ssd_bwd_dt"]
     res2 = kc.counterparts(table(mamba), table(helion))
@@ -635,10 +589,10 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
     import tune_kernels as tk
 
     args = argparse.Namespace(rep_ms=40.0, no_write=True, from_scratch=False)
-    cmds = tk.child_commands(args, ["ssd_bwd_dc_dcb", "ssd_bwd_db_v3"], ["nano", "tp2"], per_budget=70.0)
+    cmds = tk.child_commands(args, ["ssd_bwd_dc_dcb", "ssd_bwd_db"], ["nano", "tp2"], per_budget=70.0)
     pairs = [(c[c.index("--kernels") + 1], c[c.index("--shapes") + 1]) for c in cmds]
-    assert pairs == [("ssd_bwd_dc_dcb", "nano"), ("ssd_bwd_db_v3", "nano"), ("ssd_bwd_dc_dcb", "tp2"),
-                     ("ssd_bwd_db_v3", "tp2")]
+    assert pairs == [("ssd_bwd_dc_dcb", "nano"), ("ssd_bwd_db", "nano"), ("ssd_bwd_dc_dcb", "tp2"),
+                     ("ssd_bwd_db", "tp2")]
     for c in cmds:
         assert c[1].endswith("tune_kernels.py") and "--no-isolate" in c and "--no-write" in c
         assert "--from-scratch" not in c

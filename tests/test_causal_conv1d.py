@@ -59,22 +59,14 @@ def _fwd_bwd(fn, x, wt, bias, seq, act, dy, lo=1, hi=1):
         leaf = x.detach().clone().requires_grad_()
         xx = leaf
     ins = [leaf] + [t.detach().clone().requires_grad_() for t in ([wt] + ([bias] if bias is not None else []))]
-    y = fn(xx, ins[1], ins[2] if bias is not None else None, seq, act)
+    y = fn(xx, ins[1], ins[2] if bias is not None else None, seq_idx=seq, activation=act)
     return (y, *torch.autograd.grad(y, ins, dy))
-
-
-@pytest.fixture(params=["v1", "v3"])
-def bwd_variant(request):
-    """Run a test with each conv1d backward kernel variant (module default restored afterwards)."""
-    from kernels import causal_conv1d as cc
-
-    with cc._BWD.using(request.param):
-        yield request.param
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
 @pytest.mark.parametrize("b,d,l,w,useseq,act,cl,hasb", CASES)
-def test_fwd_bwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb, bwd_variant):
+def test_fwd_bwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb):
+    """Sequences of 5-13 rows: the ones below MIN_SEQLEN run zero-padded, the others through the lane walk."""
     x, wt, bias, seq = _make(b, d, l, w, useseq, cl, hasb, torch.float64)
     dy = torch.randn(b, d, l, dtype=torch.float64)
     got = _fwd_bwd(causal_conv1d_helion, x, wt, bias, seq, act, dy)
@@ -82,15 +74,6 @@ def test_fwd_bwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb, 
     assert got[0].shape == (b, d, l) and got[0].stride(1) == 1  # channel-last output
     for name, a, r in zip(["out", "dx", "dweight", "dbias"], got, ref):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=f"{name} differs")
-
-
-@pytest.fixture(params=["v1", "v2"])
-def fwd_variant(request):
-    """Run a test with each conv1d forward kernel variant (module default restored afterwards)."""
-    from kernels import causal_conv1d as cc
-
-    with cc._FWD.using(request.param):
-        yield request.param
 
 
 FWD_CASES = CASES + [
@@ -103,7 +86,7 @@ FWD_CASES = CASES + [
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
 @pytest.mark.parametrize("b,d,l,w,useseq,act,cl,hasb", FWD_CASES)
-def test_fwd_variants_match_reference_interpret(b, d, l, w, useseq, act, cl, hasb, fwd_variant):
+def test_fwd_matches_reference_interpret(b, d, l, w, useseq, act, cl, hasb):
     x, wt, bias, seq = _make(b, d, l, w, useseq, cl, hasb, torch.float64)
     got = causal_conv1d_fwd_helion(x, wt, bias, seq, act)
     ref = causal_conv1d_ref(x, wt, bias, seq, act)
@@ -111,17 +94,8 @@ def test_fwd_variants_match_reference_interpret(b, d, l, w, useseq, act, cl, has
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_fwd_variant_switch():
-    from kernels import causal_conv1d as cc
-
-    assert cc.get_fwd_variant() == "v2"  # module default (measured faster than v1 on the H200)
-    with pytest.raises(ValueError, match="unknown conv1d forward variant"):
-        cc.set_fwd_variant("v9")
-    assert cc.get_fwd_variant() == "v2"
-
-
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-def test_seq_idx_blocks_cross_sequence_flow(bwd_variant, fwd_variant):
+def test_seq_idx_blocks_cross_sequence_flow():
     """Changing x in sequence 0 must not change outputs (or dx) in sequence 1."""
     x, wt, bias, _ = _make(1, 3, 10, 4, False, True, True, torch.float64)
     seq = torch.tensor([[0] * 5 + [1] * 5], dtype=torch.int32)
@@ -134,6 +108,41 @@ def test_seq_idx_blocks_cross_sequence_flow(bwd_variant, fwd_variant):
     dout[:, :, 5:] = 1.0
     dx, _, _ = causal_conv1d_bwd_helion(x, wt, bias, dout, seq, "silu")
     assert torch.all(dx[:, :, :5] == 0)
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+@pytest.mark.parametrize("cl", [True, False])
+@pytest.mark.parametrize("w", [2, 3, 4])
+@pytest.mark.parametrize("l", [1, 2, 3, 4, 8])
+def test_short_sequences_match_reference_interpret(l, w, cl):
+    """Sequences of 1..8 rows (below and at the conv width, below MIN_SEQLEN and at it), with seq_idx and padding:
+    outputs and gradients as the reference's."""
+    x, wt, bias, _ = _make(2, 3, l, w, False, cl, True, torch.float64)
+    seq = torch.tensor([[0, 0, 1, -1, 2, 2, 2, -1][:l], [-1, 0, 0, 0, 1, 1, 1, 1][:l]], dtype=torch.int32)
+    dy = torch.randn(2, 3, l, dtype=torch.float64)
+    for s in (None, seq):
+        got = _fwd_bwd(causal_conv1d_helion, x, wt, bias, s, "silu", dy)
+        ref = _fwd_bwd(causal_conv1d_ref, x, wt, bias, s, "silu", dy)
+        assert got[0].shape == (2, 3, l)
+        for name, a, r in zip(["out", "dx", "dweight", "dbias"], got, ref):
+            torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=f"{name} differs (seq_idx={s is not None})")
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+def test_negative_seq_idx_is_padding_interpret():
+    """Where seq_idx < 0 (padding in a packed batch) the output is exactly 0, as causal-conv1d's, whatever x, the
+    bias and the activation; padding positions get no gradient and pass none to their neighbours."""
+    x, wt, bias, _ = _make(1, 4, 20, 4, False, True, True, torch.float64)
+    seq = torch.tensor([[0] * 6 + [-1] * 3 + [1] * 8 + [-1] * 3], dtype=torch.int32)
+    pad = (seq[0] < 0)
+    for act in (None, "silu"):
+        y = causal_conv1d_fwd_helion(x, wt, bias, seq, act)
+        assert torch.all(y[:, :, pad] == 0) and torch.all(y[:, :, ~pad] != 0)
+        torch.testing.assert_close(y, causal_conv1d_ref(x, wt, bias, seq, act), atol=1e-5, rtol=1e-5)
+    dout = torch.zeros(1, 4, 20, dtype=torch.float64)
+    dout[:, :, pad] = 1.0  # gradient only where the output is constant 0
+    dx, dw, db = causal_conv1d_bwd_helion(x, wt, bias, dout, seq, "silu")
+    assert torch.all(dx == 0) and torch.all(dw == 0) and torch.all(db == 0)
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
@@ -190,23 +199,19 @@ def test_gpu_vs_causal_conv1d(b, d, l, useseq):
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-@pytest.mark.parametrize("name,c1,c2", [
-    ("conv1d_bwd", dict(block_sizes=[64, 16], l_per_program=16), dict(block_sizes=[32, 32], l_per_program=64)),
-    ("conv1d_bwd_v3", dict(block_sizes=[2, 16], l_per_lane=16), dict(block_sizes=[4, 32], l_per_lane=64)),
-])
-def test_tuner_compares_final_results_across_l_per_program(name, c1, c2):
+def test_tuner_compares_final_results_across_lanes_per_program():
     """The conv1d_bwd TuneCase compares dx (written into its argument buffer, poisoned with NaN before
-    each checked run) and the summed dweight/dbias, so different l_per_program configs (different
+    each checked run) and the summed dweight/dbias, so configs with different lanes per program (different
     partial counts) pass the tuner's check."""
     from kernels import tuning
     from kernels.causal_conv1d import TUNABLE_KERNELS
 
     import helion
 
-    case = TUNABLE_KERNELS[name](dict(b=1, l=64, h=2, p=8, g=1, n=8, w=4), torch.device("cpu"))
+    case = TUNABLE_KERNELS["conv1d_bwd"](dict(b=1, l=64, h=2, p=8, g=1, n=8, w=4), torch.device("cpu"))
     assert case.finalize is not None and case.prepare is not None
-    c1 = helion.Config(num_warps=4, **c1)
-    c2 = helion.Config(num_warps=8, **c2)
+    c1 = helion.Config(num_warps=4, block_sizes=[1, 16], l_per_lane=16)
+    c2 = helion.Config(num_warps=8, block_sizes=[4, 32], l_per_lane=16)
 
     def run(cfg):
         return tuning.checked_outputs(lambda *a: tuning.run_with_config(case.kernel, a, cfg), case.args,
@@ -243,26 +248,20 @@ def test_triton_codegen(useseq, hasb, monkeypatch):
     dx = torch.empty_like(zx)[:, :, 64:64 + d]
     code = bwd.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_DEFAULT)
     assert "@triton.jit" in code and code.count("def _helion_") == 1
-    fwd2 = helion.kernel(cc.causal_conv1d_fwd_kernel_v2.fn, static_shapes=True)
-    codef2 = fwd2.bind((x, w, bias, seq, True)).to_triton_code(cc.CONV_FWD_V2_DEFAULT)
-    assert "@triton.jit" in codef2 and codef2.count("def _helion_") == 1
-    bwd3 = helion.kernel(cc.causal_conv1d_bwd_kernel_v3.fn, static_shapes=True)
-    code3 = bwd3.bind((x, w, bias, torch.randn(b, l, d).bfloat16(), seq, dx, True)).to_triton_code(cc.CONV_BWD_V3_DEFAULT)
-    assert "@triton.jit" in code3 and code3.count("def _helion_") == 1
 
 
-# ------------------------------------------------------------------------------ v3 (rolling window)
+# ------------------------------------------------------------------------------ lane walk
 
 
-def _v3_grads(run, x, wt, bias, seq, act, dy):
-    """dx, dweight, dbias from ``causal_conv1d_bwd_kernel_v3`` run by ``run(kernel, args)`` (args as
+def _bwd_grads(run, x, wt, bias, seq, act, dy):
+    """dx, dweight, dbias from ``causal_conv1d_bwd_kernel`` run by ``run(kernel, args)`` (args as
     ``causal_conv1d_bwd_helion`` builds them), summed as the wrapper does."""
     from kernels import causal_conv1d as cc
 
-    xx, w4, bb, sq, silu, _ = cc._conv_prep(x, wt, bias, seq, act)
+    xx, w4, bb, sq, silu, _, _ = cc._conv_prep(x, wt, bias, seq, act)
     dx = torch.full_like(dy.transpose(1, 2), float("nan"))  # (b, l, d); poisoned: every element must be written
     args = (xx.transpose(1, 2), w4, bb, dy.transpose(1, 2), sq, dx, silu)
-    dwp, dbp = run(cc.causal_conv1d_bwd_kernel_v3, args)
+    dwp, dbp = run(cc.causal_conv1d_bwd_kernel, args)
     w = wt.shape[1]
     dweight = dwp.sum(dim=(0, 1)).t()[:, 4 - w:].to(wt.dtype)
     return dx.transpose(1, 2), dweight, None if bias is None else dbp.sum(dim=(0, 1)).to(bias.dtype)
@@ -277,13 +276,14 @@ def _ref_grads(x, wt, bias, seq, act, dy):
     return g[0], g[1], g[2] if bias is not None else None
 
 
-V3_LANE_CASES = [
-    # (batch, dim, seqlen, width, seq_idx ("sorted" / "random" / None), activation, bias)
+LANE_CASES = [
+    # (batch, dim, seqlen, width, seq_idx ("sorted" / "random" / "padded" / None), activation, bias)
     (2, 5, 75, 4, None, "silu", True),  # 5 lanes of 16 rows, the last one partial
     (1, 6, 64, 3, "sorted", "silu", False),  # lanes end exactly at seqlen
     (2, 4, 37, 2, "random", None, True),  # seq ids in any order: only equality matters
     (1, 3, 50, 4, "random", "silu", True),
     (1, 7, 18, 4, "sorted", None, False),
+    (2, 5, 41, 4, "padded", "silu", True),  # ids -1..2 in any order: -1 is padding
 ]
 
 
@@ -292,16 +292,16 @@ def _lane_case(b, d, l, w, seqkind, act, hasb, dtype):
     g = torch.Generator(device="cpu").manual_seed(1)
     seq = None
     if seqkind is not None:
-        seq = torch.randint(0, 3, (b, l), generator=g)
+        seq = torch.randint(-1 if seqkind == "padded" else 0, 3, (b, l), generator=g)
         seq = (torch.sort(seq, dim=1).values if seqkind == "sorted" else seq).to(torch.int32)
     dy = torch.randn(b, d, l, generator=g, dtype=dtype)
     return x, wt, bias, seq, dy
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-@pytest.mark.parametrize("b,d,l,w,seqkind,act,hasb", V3_LANE_CASES)
-def test_v3_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
-    """v3 with 16-row lanes (the walk's halo rows cross lane boundaries) matches the reference,
+@pytest.mark.parametrize("b,d,l,w,seqkind,act,hasb", LANE_CASES)
+def test_bwd_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
+    """The backward with 16-row lanes (the walk's halo rows cross lane boundaries) matches the reference,
     also for seq_idx that is not sorted (an input counts only where its seq id equals the output's)."""
     import helion
 
@@ -309,7 +309,7 @@ def test_v3_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
 
     x, wt, bias, seq, dy = _lane_case(b, d, l, w, seqkind, act, hasb, torch.float64)
     cfg = helion.Config(block_sizes=[2, 4], num_warps=4, l_per_lane=16)
-    got = _v3_grads(lambda k, a: tuning.run_interpret(k, a, cfg), x, wt, bias, seq, act, dy)
+    got = _bwd_grads(lambda k, a: tuning.run_interpret(k, a, cfg), x, wt, bias, seq, act, dy)
     ref = _ref_grads(x, wt, bias, seq, act, dy)
     for name, a, r in zip(["dx", "dweight", "dbias"], got, ref):
         if r is not None:
@@ -317,9 +317,9 @@ def test_v3_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-@pytest.mark.parametrize("b,d,l,w,seqkind,act,hasb", V3_LANE_CASES)
-def test_fwd_v2_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
-    """fwd v2 with 16-row lanes (each lane's 3 halo rows are the previous lane's) matches the
+@pytest.mark.parametrize("b,d,l,w,seqkind,act,hasb", LANE_CASES)
+def test_fwd_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
+    """The forward with 16-row lanes (each lane's 3 halo rows are the previous lane's) matches the
     reference, also for unsorted seq_idx; every output element is written."""
     import helion
 
@@ -327,22 +327,22 @@ def test_fwd_v2_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
     from kernels import tuning
 
     x, wt, bias, seq, _ = _lane_case(b, d, l, w, seqkind, act, hasb, torch.float64)
-    xx, w4, bb, sq, silu, _ = cc._conv_prep(x, wt, bias, seq, act)
+    xx, w4, bb, sq, silu, _, _ = cc._conv_prep(x, wt, bias, seq, act)
     cfg = helion.Config(block_sizes=[2, 4], num_warps=4, l_per_lane=16)
-    got = tuning.run_interpret(cc.causal_conv1d_fwd_kernel_v2, (xx.transpose(1, 2), w4, bb, sq, silu), cfg)
+    got = tuning.run_interpret(cc.causal_conv1d_fwd_kernel, (xx.transpose(1, 2), w4, bb, sq, silu), cfg)
     torch.testing.assert_close(got.transpose(1, 2), causal_conv1d_ref(x, wt, bias, seq, act), atol=1e-5, rtol=1e-5)
 
 
-def _fwd_v2_out(run, x, wt, bias, seq, act):
+def _fwd_out(run, x, wt, bias, seq, act):
     from kernels import causal_conv1d as cc
 
-    xx, w4, bb, sq, silu, _ = cc._conv_prep(x, wt, bias, seq, act)
-    return run(cc.causal_conv1d_fwd_kernel_v2, (xx.transpose(1, 2), w4, bb, sq, silu)).transpose(1, 2)
+    xx, w4, bb, sq, silu, _, _ = cc._conv_prep(x, wt, bias, seq, act)
+    return run(cc.causal_conv1d_fwd_kernel, (xx.transpose(1, 2), w4, bb, sq, silu)).transpose(1, 2)
 
 
-def _v3_triton_interpreter_main(seqkind, act, hasb, kind="bwd_v3"):
+def _triton_interpreter_main(seqkind, act, hasb, kind="bwd"):
     """Run in a fresh process with TRITON_INTERPRET=1 (Triton fixes interpret mode for its own
-    @jit helpers such as tl.sum at import): the Triton code Helion generates for v3, executed by
+    @jit helpers such as tl.sum at import): the Triton code Helion generates, executed by
     Triton's CPU interpreter, against the reference. This checks the compiled path (loop-carried
     rolling window, masks), which Helion's eager interpret mode does not go through."""
     import importlib.util
@@ -364,10 +364,10 @@ def _v3_triton_interpreter_main(seqkind, act, hasb, kind="bwd_v3"):
             # 1-element numpy array there) into a Python int under numpy 2: give range plain ints.
             code = code.replace("tl.range(", "_interp_range(")
             with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "v3_generated.py")
+                path = os.path.join(tmp, "conv_generated.py")
                 with open(path, "w") as f:
                     f.write(code)
-                spec = importlib.util.spec_from_file_location("v3_generated", path)
+                spec = importlib.util.spec_from_file_location("conv_generated", path)
                 mod = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(mod)
 
@@ -378,28 +378,28 @@ def _v3_triton_interpreter_main(seqkind, act, hasb, kind="bwd_v3"):
             fns["f"] = getattr(mod, kernel.fn.__name__)
         return fns["f"](*args)
 
-    if kind == "fwd_v2":
-        out = _fwd_v2_out(run, x, wt, bias, seq, act)
+    if kind == "fwd":
+        out = _fwd_out(run, x, wt, bias, seq, act)
         torch.testing.assert_close(out, causal_conv1d_ref(x, wt, bias, seq, act), atol=1e-4, rtol=1e-4)
-        print("fwd v2 generated Triton code matches the reference")
+        print("forward generated Triton code matches the reference")
         return
-    got = _v3_grads(run, x, wt, bias, seq, act, dy)
+    got = _bwd_grads(run, x, wt, bias, seq, act, dy)
     ref = _ref_grads(x, wt, bias, seq, act, dy)
     for name, a, r in zip(["dx", "dweight", "dbias"], got, ref):
         if r is not None:
             torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=f"{name} differs")
-    print("v3 generated Triton code matches the reference")
+    print("backward generated Triton code matches the reference")
 
 
 @pytest.mark.skipif(not CPU, reason="Triton interpreter test (CPU)")
-@pytest.mark.parametrize("kind", ["bwd_v3", "fwd_v2"])
-@pytest.mark.parametrize("seqkind,act,hasb", [(None, "silu", True), ("random", "silu", False)])
-def test_v3_generated_triton_code_interpreted(seqkind, act, hasb, kind):
+@pytest.mark.parametrize("kind", ["bwd", "fwd"])
+@pytest.mark.parametrize("seqkind,act,hasb", [(None, "silu", True), ("padded", "silu", False)])
+def test_generated_triton_code_interpreted(seqkind, act, hasb, kind):
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
     env["TRITON_INTERPRET"] = "1"
     cmd = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]; "
-           f"from test_causal_conv1d import _v3_triton_interpreter_main as m; m({seqkind!r}, {act!r}, {hasb!r}, {kind!r})")
+           f"from test_causal_conv1d import _triton_interpreter_main as m; m({seqkind!r}, {act!r}, {hasb!r}, {kind!r})")
     res = subprocess.run([sys.executable, "-c", cmd], check=False, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 
 from kernels.mamba_split import mamba_split_conv1d_scan_combined_ref
 from kernels import mamba_split_helion as msh
+from kernels.settings import HelionSettings
 
 
 def _case(b, l, h, p, g, n, D2=False, seed=0, device="cpu", dtype=torch.float32):
@@ -32,17 +33,12 @@ def _case(b, l, h, p, g, n, D2=False, seed=0, device="cpu", dtype=torch.float32)
         ((2, 40, 6, 8, 3, 16, 16), True, False, True),  # ngroups 3, D per head-dim
     ],
 )
-@pytest.mark.parametrize("fwd_variant,save_cumsum", [("v1", True), ("v1", False), ("v5", True), ("v5", False),
-                                                     ("v10", True)])
-def test_fused_op_grads_match_reference(shape, seq, init, D2, fwd_variant, save_cumsum, monkeypatch):
-    """Output, final states and every gradient vs the autograd reference, with the SSD forward variants v1, v5
-    (chunk cumsum inside chunk_state_passing) and v10 (the default: cumsum on (heads, chunk) tiles, CB in the inputs'
-    dtype in the forward),
-    the chunk cumsum kept from the forward (default) or recomputed in the backward (NANO_HELION_SAVE_CUMSUM=0)."""
+@pytest.mark.parametrize("save_cumsum", [True, False])
+def test_fused_op_grads_match_reference(shape, seq, init, D2, save_cumsum, monkeypatch):
+    """Output, final states and every gradient vs the autograd reference, with the chunk cumsum kept from the
+    forward (the default) or recomputed in the backward (``HelionSettings(save_cumsum=False)``)."""
     from kernels import ssd_helion as sh
 
-    monkeypatch.setattr(sh, "_VARIANT", fwd_variant)
-    monkeypatch.setattr(msh, "SAVE_CUMSUM", save_cumsum)
     launched = []
     real_run = sh._run
     monkeypatch.setattr(sh, "_run", lambda name, *a, **kw: launched.append(name) or real_run(name, *a, **kw))
@@ -61,7 +57,8 @@ def test_fused_op_grads_match_reference(shape, seq, init, D2, fwd_variant, save_
     kw = dict(chunk_size=c, initial_states=t0 if init else None, seq_idx=si, headdim=p, ngroups=g,
               return_final_states=True, norm_before_gate=False)
     o1, f1 = mamba_split_conv1d_scan_combined_ref(*t.values(), **kw)
-    o2, f2 = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), **kw)
+    o2, f2 = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), settings=HelionSettings(save_cumsum=save_cumsum),
+                                                          **kw)
     tol = 1e-4
     torch.testing.assert_close(o2, o1, atol=tol, rtol=tol)
     torch.testing.assert_close(f2, f1, atol=1e-4, rtol=1e-4)
@@ -73,28 +70,19 @@ def test_fused_op_grads_match_reference(shape, seq, init, D2, fwd_variant, save_
     for nm, a, bb in zip(names, g1, g2):
         err = (a - bb).abs().max().item()
         assert err <= tol * max(1.0, a.abs().max().item()), f"{nm}: max err {err:.3e}"
-    # forward and backward recompute: one fused launch each with v5, the two kernels with v1; with the cumsum
-    # saved, the backward launches no cumsum (and with v5 the plain chunk_state_passing)
-    fused = "ssd_chunk_cumsum_state_passing"
-    n_fwd = 1 if save_cumsum else 2
-    if fwd_variant == "v5":
-        assert launched.count(fused) == n_fwd and "ssd_chunk_cumsum" not in launched, launched
-        assert launched.count("ssd_chunk_state_passing") == 2 - n_fwd, launched
-    else:
-        cs = "ssd_chunk_cumsum_t" if fwd_variant == "v10" else "ssd_chunk_cumsum"
-        assert launched.count(cs) == n_fwd and fused not in launched, launched
-        assert launched.count("ssd_chunk_state_passing") == 2, launched
-    if fwd_variant == "v10":  # fp32 inputs: CB stays fp32 (chunk_scan_cb16 runs for 16-bit inputs only)
-        assert launched.count("ssd_chunk_scan") == 1 and "ssd_chunk_scan_cb16" not in launched, launched
+    # forward and backward recompute: with the cumsum saved, the backward launches no cumsum
+    assert launched.count("ssd_chunk_cumsum") == (1 if save_cumsum else 2), launched
+    assert launched.count("ssd_chunk_state_passing") == 2, launched
+    # fp32 inputs: CB stays fp32 (chunk_scan_cb16 runs for 16-bit inputs only)
+    assert launched.count("ssd_chunk_scan") == 1 and "ssd_chunk_scan_cb16" not in launched, launched
 
 
 def test_saved_cumsum_gives_bitwise_equal_grads(monkeypatch):
-    """Keeping dA_cumsum / dt_out from the forward (SAVE_CUMSUM, the default) changes no value: outputs and every
-    gradient are bitwise those of the recompute (NANO_HELION_SAVE_CUMSUM=0), odd seqlen, seq_idx, initial states."""
+    """Keeping dA_cumsum / dt_out from the forward (save_cumsum, the default) changes no value: outputs and every
+    gradient are bitwise those of the recompute (save_cumsum=False), odd seqlen, seq_idx, initial states."""
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
     res = {}
     for save in (True, False):
-        monkeypatch.setattr(msh, "SAVE_CUMSUM", save)
         t = _case(b, l, h, p, g, n, seed=3)
         t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5))
         ins = list(t.values()) + [t0]
@@ -103,7 +91,8 @@ def test_saved_cumsum_gives_bitwise_equal_grads(monkeypatch):
         si = torch.zeros(b, l, dtype=torch.int32)
         si[:, 20:] = 1
         o, f = msh.mamba_split_conv1d_scan_combined_helion(
-            *t.values(), chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True)
+            *t.values(), chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True,
+            settings=HelionSettings(save_cumsum=save))
         gen = torch.Generator().manual_seed(9)
         loss = (o * torch.randn(o.shape, generator=gen)).sum() + (f * torch.randn(f.shape, generator=gen)).sum()
         saved = o.grad_fn.saved_tensors
@@ -113,7 +102,7 @@ def test_saved_cumsum_gives_bitwise_equal_grads(monkeypatch):
     assert res[True][-1] == res[False][-1] + 2  # dA_cumsum and dt_out
 
 
-def _bf16_seq_case_grads(b, l, h, p, g, n, c) -> dict:
+def _bf16_seq_case_grads(b, l, h, p, g, n, c, settings: HelionSettings) -> dict:
     """The fused op in bf16 with seq_idx (two sequences) and initial states: {"out", each input name, "init"} ->
     the output and the gradients of a fixed random projection of it."""
     t = _case(b, l, h, p, g, n, seed=4, dtype=torch.bfloat16)
@@ -125,15 +114,15 @@ def _bf16_seq_case_grads(b, l, h, p, g, n, c) -> dict:
     si = torch.zeros(b, l, dtype=torch.int32)
     si[:, 21:] = 1
     o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
-                                                    headdim=p, ngroups=g)
+                                                    headdim=p, ngroups=g, settings=settings)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(o.dtype)
     return dict(zip(["out"] + list(t) + ["init"], [o, *torch.autograd.grad((o.float() * do.float()).sum(), ins)]))
 
 
 def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
-    """bf16 inputs: the backward's recomputed states in x's dtype (BWD_STATES "input", the default) change only what
+    """bf16 inputs: the backward's recomputed states in x's dtype (bwd_states_dtype "input", the default) change only what
     the ddA sums feed (dt's slice of dzxbcdt, dA, ddt_bias), which stay within bf16 rounding of the fp32-states run;
-    the output and every other gradient are bitwise those of BWD_STATES="fp32" (their kernels read the states and dL
+    the output and every other gradient are bitwise those of bwd_states_dtype="fp32" (their kernels read the states and dL
     rounded to bf16 either way). Odd seqlen, seq_idx, initial states."""
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
     res, seen = {}, []
@@ -145,8 +134,7 @@ def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
 
     monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy)
     for mode in ("input", "fp32"):
-        monkeypatch.setattr(msh, "BWD_STATES", mode)
-        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c)
+        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c, HelionSettings(bwd_states_dtype=mode))
     a, f = res["input"], res["fp32"]
     W = a["zxbcdt"].shape[-1]
     for k in a:
@@ -163,7 +151,7 @@ def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
 
 
 def test_bwd_dstates_dtype(monkeypatch):
-    """bf16 inputs: dstates in x's dtype (ssd_helion_bwd.BWD_DSTATES "input") changes neither the output nor dz (neither
+    """bf16 inputs: dstates in x's dtype (bwd_dstates_dtype "input") changes neither the output nor dz (neither
     reads it) and keeps the other gradients within bf16 rounding of the fp32-dstates run; the dz_dstates kernel
     writes dstates in the chosen dtype. Odd seqlen, seq_idx, initial states."""
     from kernels import ssd_helion_bwd as bwd
@@ -180,8 +168,7 @@ def test_bwd_dstates_dtype(monkeypatch):
 
     monkeypatch.setattr(bwd, "_call", spy)
     for mode in ("input", "fp32"):
-        monkeypatch.setattr(bwd, "BWD_DSTATES", mode)
-        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c)
+        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c, HelionSettings(bwd_dstates_dtype=mode))
     assert seen == [torch.bfloat16, torch.float32], seen
     a, f = res["input"], res["fp32"]
     dim = h * p
@@ -277,9 +264,9 @@ def test_vs_mamba_ssm_nano_shape_bf16():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bwd_states_dtype_nano_bf16(monkeypatch):
-    """Nano shape, bf16: the backward's recomputed states in bf16 (BWD_STATES "input", the default), and also its
-    dstates in bf16 (ssd_helion_bwd.BWD_DSTATES "input"), against fp32 for both (mamba-ssm's choice): the relative L2
+def test_bwd_states_dtype_nano_bf16():
+    """Nano shape, bf16: the backward's recomputed states in bf16 (bwd_states_dtype "input", the default), and also its
+    dstates in bf16 (bwd_dstates_dtype "input"), against fp32 for both (mamba-ssm's choice): the relative L2
     error against the fp32 torch reference of every gradient, and of the dt columns of d_zxbcdt (where the ddA sums
     end up), may grow by at most 10% + 1e-4 (printed for the results README)."""
     b, l, h, p, g, n, c = 2, 8192, 64, 64, 8, 128, 128
@@ -288,22 +275,20 @@ def test_bwd_states_dtype_nano_bf16(monkeypatch):
     t["conv1d_bias"] = t["conv1d_bias"].bfloat16()
     kw = dict(chunk_size=c, headdim=p, ngroups=g)
 
-    def run(fn, cast):
+    def run(fn, cast, **extra):
         leaves = {k: (v.float() if cast else v).detach().requires_grad_(True) for k, v in t.items()}
-        out = fn(*leaves.values(), **kw)
+        out = fn(*leaves.values(), **kw, **extra)
         do = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(out.dtype)
         res = [out.float()] + [x.float() for x in torch.autograd.grad((out.float() * do.float()).sum(), list(leaves.values()))]
         return res + [res[1][..., -h:]]  # + the ddt columns
 
     names = ["out"] + list(t) + ["ddt columns"]
     ref = run(mamba_split_conv1d_scan_combined_ref, True)
-    from kernels import ssd_helion_bwd as bwd
-
     errs = {}
     for mode, states, dstates in (("fp32", "fp32", "fp32"), ("states", "input", "fp32"), ("states+dstates", "input", "input")):
-        monkeypatch.setattr(msh, "BWD_STATES", states)
-        monkeypatch.setattr(bwd, "BWD_DSTATES", dstates)
-        errs[mode] = [((hh - r).norm() / r.norm()).item() for hh, r in zip(run(msh.mamba_split_conv1d_scan_combined_helion, False), ref)]
+        got = run(msh.mamba_split_conv1d_scan_combined_helion, False,
+                  settings=HelionSettings(bwd_states_dtype=states, bwd_dstates_dtype=dstates))
+        errs[mode] = [((hh - r).norm() / r.norm()).item() for hh, r in zip(got, ref)]
     for i, nm in enumerate(names):
         print(f"bwd states rel. L2 error vs fp32 reference: {nm}: fp32 {errs['fp32'][i]:.4e}, bf16 states "
               f"{errs['states'][i]:.4e}, bf16 states + dstates {errs['states+dstates'][i]:.4e}")
@@ -358,7 +343,7 @@ def test_fast_launch_gives_bitwise_equal_results():
 
     def run(shape, fast):
         tuning.clear_caches()
-        prev = tuning._FAST_LAUNCH
+        prev = tuning.fast_launch_enabled()
         tuning.set_fast_launch(fast)
         try:
             t = _case(*shape[:6], device="cuda", dtype=torch.bfloat16)

@@ -43,11 +43,9 @@ def _grads(fn, x, w, z, dy):
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-@pytest.mark.parametrize("fwd_variant", ["v1", "v2"])
 @pytest.mark.parametrize("m,n,gs,has_z,nbg", CASES)
-def test_fwd_bwd_matches_reference_interpret(m, n, gs, has_z, nbg, fwd_variant, monkeypatch):
+def test_fwd_bwd_matches_reference_interpret(m, n, gs, has_z, nbg):
     assert os.environ.get("HELION_INTERPRET") == "1"
-    monkeypatch.setattr(R._FWD, "selected", fwd_variant)
     g = torch.Generator().manual_seed(m * n)
     x = torch.randn(m, n, generator=g, dtype=torch.float64, requires_grad=True)
     z = torch.randn(m, n, generator=g, dtype=torch.float64, requires_grad=True) if has_z else None
@@ -174,29 +172,6 @@ def test_tuner_compares_final_results_across_rows_per_program():
     bad = list(got)
     bad[-1] = bad[-1] + 1.0
     assert not tuning.outputs_close(bad, ref, case.atol, case.rtol)[0]
-
-
-@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
-@pytest.mark.parametrize("rows_per_program,block", [(1, 1), (4, 2), (16, 4), (1024, 8)])
-def test_fwd_v2_any_row_grouping(rows_per_program, block):
-    """v2 forward: every row written once for any rows_per_program / row tile (ragged last program)."""
-    m, g, d = 23, 3, 8
-    gen = torch.Generator().manual_seed(2)
-    x, z = torch.randn(m, g, d, generator=gen), torch.randn(m, g, d, generator=gen)
-    w = torch.randn(g, d, generator=gen)
-    cfg = helion.Config(block_sizes=[block], rows_per_program=rows_per_program)
-    y, rstd = tuning.run_with_config(R.rmsnorm_gated_fwd_kernel_v2, (x, w, z, 1e-5, True, False), cfg)
-    ref = rmsnorm_gated_ref(x.reshape(m, -1), w.reshape(-1), z=z.reshape(m, -1), eps=1e-5, group_size=d,
-                            norm_before_gate=False)
-    torch.testing.assert_close(y.reshape(m, -1), ref, atol=1e-5, rtol=1e-5)
-    xs = x * torch.nn.functional.silu(z)
-    torch.testing.assert_close(rstd, torch.rsqrt(xs.square().mean(-1) + 1e-5), atol=1e-5, rtol=1e-5)
-
-
-def test_fwd_variant_switch_rejects_unknown():
-    with pytest.raises(ValueError, match="unknown RMSNorm forward variant"):
-        R.set_fwd_variant("v9")
-    assert R.get_fwd_variant() in ("v1", "v2")
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")

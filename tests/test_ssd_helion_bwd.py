@@ -114,14 +114,13 @@ def test_bad_inputs_fail_early():
 
 
 def test_tunable_kernels_registered():
-    assert set(bwd.TUNABLE_KERNELS) == set(bwd._KERNELS)
-    for kernels in bwd.VARIANTS.values():
-        assert set(kernels) | set(kernels.values()) <= set(bwd._KERNELS) | set(bwd._COMPOSITE)
+    assert set(bwd.TUNABLE_KERNELS) == set(bwd._KERNELS) == {
+        "ssd_bwd_dz_dstates", "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt"}
 
 
 def _min_blocks(monkeypatch):
     """Interpret mode gives every ``register_block_size`` its maximum (one tile per chunk); use the
-    minimum (16) instead so the variants' multi-tile paths (causal tile ranges) run on CPU."""
+    minimum (16) instead so the multi-tile paths (causal tile ranges, several row tiles per chunk) run on CPU."""
     import helion.language as hl
 
     monkeypatch.setattr(hl.register_block_size, "_ref_fn", lambda lo, hi=None: lo)
@@ -136,36 +135,30 @@ def _min_blocks(monkeypatch):
         ((2, 75, 4, 8, 2, 16, 64), dict(seq=True, init=True), True),  # 4 row tiles per chunk
     ],
 )
-@pytest.mark.parametrize("variant", ["v1", "v2", "v3", "v4", "v7"])
-def test_variant_grads_match_reference_fp32(shape, kw, small_blocks, variant, monkeypatch):
-    """The non-default variants give the reference gradients: "v1" (session 3's kernels), "v2"
-    (ssd_bwd_dbc_v2, ssd_bwd_dz_dstates_v2), "v3" (ssd_bwd_dbc as ssd_bwd_dc_dcb + ssd_bwd_db_v3, dCB
-    through memory) and "v7" (v4 with ssd_bwd_dx over row tiles: with the small blocks, several row tiles per
-    chunk whose ddacs_row / dD partials are summed; the default, which runs in every other test here).
-    "v4" is v7 with session 3's ssd_bwd_dx."""
+@pytest.mark.parametrize("dstates_dtype", ["input", "fp32"])
+def test_small_blocks_grads_match_reference_fp32(shape, kw, small_blocks, dstates_dtype, monkeypatch):
+    """With the small blocks, several row tiles per chunk (their ddacs_row / dD partials are summed) and causal tile
+    ranges in dx, dc_dcb and db; with either dstates dtype (fp32 inputs: the same values)."""
     if small_blocks:
         _min_blocks(monkeypatch)
     ref, _, _ = _ref_and_helion(*shape, **kw)
-    prev = bwd.get_variant()
-    bwd.set_variant(variant)
-    try:
-        _, got, _ = _ref_and_helion(*shape, **kw)
-    finally:
-        bwd.set_variant(prev)
+    real = bwd.ssd_backward_helion
+    monkeypatch.setattr(bwd, "ssd_backward_helion", lambda *a, **k: real(*a, dstates_dtype=dstates_dtype, **k))
+    _, got, _ = _ref_and_helion(*shape, **kw)
     for k, r in ref.items():
         err = (got[k].float() - r.float()).abs().max().item()
         tol = 1e-4 * max(1.0, r.abs().max().item())
         assert err <= tol, f"{k}: max err {err:.3e} > {tol:.3e}"
 
 
-def test_dx_v2_tuning_compares_row_tile_sums(monkeypatch):
-    """ssd_bwd_dx_v2's partial outputs have one slot per row tile, so their shape depends on the config's row
+def test_dx_tuning_compares_row_tile_sums(monkeypatch):
+    """ssd_bwd_dx's partial outputs have one slot per row tile, so their shape depends on the config's row
     block; the tuner compares the sums (finalize), which agree between one row tile and four (block 16 at chunk
-    64). Compared raw, every config with another row block than the reference was a 'mismatch' (session 6)."""
+    64). Compared raw, every config with another row block than the reference would be a mismatch."""
     from kernels import tuning
 
     md = dict(b=1, l=128, h=4, p=16, g=2, n=16, c=64)
-    case = bwd.TUNABLE_KERNELS["ssd_bwd_dx_v2"](md, "cpu")
+    case = bwd.TUNABLE_KERNELS["ssd_bwd_dx"](md, "cpu")
 
     def run():
         a = [x.clone() if torch.is_tensor(x) else x for x in case.args]
@@ -181,26 +174,9 @@ def test_dx_v2_tuning_compares_row_tile_sums(monkeypatch):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
-def test_variant_selection():
-    assert bwd.get_variant() == bwd.DEFAULT_VARIANT == "v7"
-    assert bwd._variant_map(None) == {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2",
-                                      "ssd_bwd_dx": "ssd_bwd_dx_rows"}
-    assert bwd._variant_map("v1") == {}
-    assert bwd._variant_map("v2") == {"ssd_bwd_dbc": "ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2"}
-    assert bwd._variant_map({"ssd_bwd_dbc": "ssd_bwd_dbc_v2"}) == {"ssd_bwd_dbc": "ssd_bwd_dbc_v2"}
-    assert bwd._variant_map("v7") == {"ssd_bwd_dbc": "ssd_bwd_dbc_v3", "ssd_bwd_dz_dstates": "ssd_bwd_dz_dstates_v2",
-                                      "ssd_bwd_dx": "ssd_bwd_dx_rows"}
-    with pytest.raises(ValueError, match="unknown SSD backward variant"):
-        bwd.set_variant("v9")
-    with pytest.raises(ValueError, match="unknown kernel"):
-        bwd._variant_map({"ssd_bwd_dbc": "nope"})
-    assert bwd.get_variant() == "v7"
-
-
-@pytest.mark.parametrize("name", ["ssd_bwd_dbc_v2", "ssd_bwd_dz_dstates_v2", "ssd_bwd_dc_dcb", "ssd_bwd_db_v3",
-                                  "ssd_bwd_dx_v2"])
-def test_v2_triton_codegen_nano_shape(name, monkeypatch):
-    """The variants generate one Triton kernel with tl.dot at the Nano chunk shape (p 64, n 128,
+@pytest.mark.parametrize("name", ["ssd_bwd_dz_dstates", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db"])
+def test_triton_codegen_nano_shape(name, monkeypatch):
+    """The GEMM kernels generate one Triton kernel with tl.dot at the Nano chunk shape (p 64, n 128,
     c 128) for their default config and a sample of their tuning seeds."""
     import helion
 
@@ -272,7 +248,7 @@ def test_vs_mamba_ssm_nano_shape_bf16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: interpret mode clips tiles to the range, "
                     "so the lanes past the chunk end that broke this exist only in the compiled Triton kernel")
-@pytest.mark.parametrize("name", ["ssd_bwd_dx", "ssd_bwd_dbc", "ssd_bwd_dbc_v2", "ssd_bwd_dc_dcb", "ssd_bwd_dx_v2"])
+@pytest.mark.parametrize("name", ["ssd_bwd_dc_dcb", "ssd_bwd_dx"])
 def test_block_larger_than_chunk_stays_finite_with_long_decay(name):
     """A config whose row block is larger than the chunk (a Nano config used at a smaller chunk through
     the nearest-shape fallback) leaves tile lanes past the chunk end, which load dA_cumsum = 0 (masked
@@ -293,7 +269,7 @@ def test_block_larger_than_chunk_stays_finite_with_long_decay(name):
     args[5].copy_(torch.cumsum(-args[4], dim=-1))
     assert float(args[5].min()) < -100
     outs = []
-    for blocks in ([64], [128]) if name not in ("ssd_bwd_dbc_v2", "ssd_bwd_dx_v2") else ([64, 64], [128, 128]):
+    for blocks in ([64], [128]) if name != "ssd_bwd_dx" else ([64, 64], [128, 128]):
         a = [x.clone() if torch.is_tensor(x) else x for x in args]
         fn = tuning.compiled(bwd._KERNELS[name], tuple(a), helion.Config(block_sizes=blocks, num_warps=4, num_stages=1))
         r = fn(*a)

@@ -61,13 +61,17 @@ def test_nearest_with_one_warning(tmp_path):
     tuning.record("k", dict(m=16384, g=8, gs=512), near, 0.1, arch="sm90", root=tmp_path)
     tuning.record("k", dict(m=1024, g=8, gs=512), far, 0.1, arch="sm90", root=tmp_path)
     tuning.record("k", dict(m=32768, g=4, gs=1024, extra=1), far, 0.1, arch="sm90", root=tmp_path)  # other dim names
-    with pytest.warns(UserWarning, match="nearest tuned shape m16384_g8_gs512"):
+    with pytest.warns(UserWarning, match="nearest tuned shape m16384_g8_gs512.*once per kernel"):
         got = tuning.get_config("k", dict(m=32768, g=4, gs=512), DEFAULT, arch="sm90", root=tmp_path)
     assert got == near
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         tuning.get_config("k", dict(m=32768, g=4, gs=512), DEFAULT, arch="sm90", root=tmp_path)
-    assert not w, "the warning must be given once per (kernel, shape)"
+        assert tuning.get_config("k", dict(m=2048, g=8, gs=512), DEFAULT, arch="sm90", root=tmp_path) == far
+    assert not w, "the fallback warning must be given once per kernel, not per shape"
+    with pytest.warns(UserWarning, match="no tuned sm90 config for k2 at m2048"):  # another kernel warns on its own
+        tuning.record("k2", dict(m=16384, g=8, gs=512), near, 0.1, arch="sm90", root=tmp_path)
+        tuning.get_config("k2", dict(m=2048, g=8, gs=512), DEFAULT, arch="sm90", root=tmp_path)
 
 
 def test_nearest_requires_same_non_int_dims(tmp_path):
@@ -164,29 +168,29 @@ NANO_COMMITTED = {
     "rmsnorm_bwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
     "rmsnorm_fwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
     "ssd_bmm_chunk": dict(b=2, l=8192, g=8, n=128, c=128),
-    "ssd_bwd_dbc": _NANO_SSD,
     "ssd_bwd_dx": _NANO_SSD,
     "ssd_bwd_dz_dstates": _NANO_SSD,
+    "ssd_bwd_dc_dcb": _NANO_SSD,
+    "ssd_bwd_db": _NANO_SSD,
     "ssd_chunk_cumsum": dict(b=2, l=8192, h=64, c=128),
     "ssd_chunk_scan": _NANO_SSD,
+    "ssd_chunk_scan_cb16": _NANO_SSD,
     "ssd_chunk_state_passing": _NANO_SSD,
     "conv1d_fwd": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "conv1d_bwd": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
-    "rmsnorm_fwd_v2": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
-    "conv1d_fwd_v2": dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16"),
     "ssd_bwd_state_passing": dict(_NANO_SSD, blk=512),
     "ssd_bwd_dt": _NANO_SSD,
     "ssd_chunk_state": _NANO_SSD,
     "ssd_state_passing": dict(b=2, h=64, d=8192, nc=64),
 }
-NANO_COMMITTED["conv1d_bwd_v3"] = dict(b=2, l=8192, d=6144, w=4, cl=1, seq=0, act=1, dt="bfloat16")
-NANO_COMMITTED["ssd_bwd_db_v3"] = _NANO_SSD
-NANO_COMMITTED["ssd_bwd_dx_v2"] = _NANO_SSD  # backward default v7
-NANO_COMMITTED["ssd_chunk_scan_v2"] = _NANO_SSD
-NANO_COMMITTED["ssd_chunk_cumsum_state_passing"] = _NANO_SSD  # forward variant v5 (tuned in session 6, call 1)
-NANO_UNTUNED = {
-    "ssd_bwd_dbc_v2": _NANO_SSD,
-}
+
+
+def test_every_tunable_kernel_has_exactly_one_sm90_file():
+    """One config file per kernel of the current design, named as the kernel (and its "kernel" field), no other."""
+    files = {p.stem for p in (tuning.CONFIG_ROOT / "sm90").glob("*.json")}
+    assert files == set(tuning.discover_tunable_kernels()) == set(NANO_COMMITTED)
+    for name in files:
+        assert json.loads((tuning.CONFIG_ROOT / "sm90" / f"{name}.json").read_text())["kernel"] == name
 
 
 def test_committed_sm90_configs_resolve_at_nano_shape():
@@ -203,20 +207,7 @@ def test_committed_sm90_configs_resolve_at_nano_shape():
         assert cfg != DEFAULT
 
 
-def test_untuned_kernels_fall_back_with_one_warning():
-    """Kernels with no sm90 file yet (the opt-in SSD v2 variants): the generic default, one warning each."""
-    for name, dims in NANO_UNTUNED.items():
-        assert not (tuning.CONFIG_ROOT / "sm90" / f"{name}.json").exists(), f"{name} is tuned now: move it"
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            got = tuning.get_config(name, dims, DEFAULT, arch="sm90")
-            tuning.get_config(name, dims, DEFAULT, arch="sm90")
-        assert got == DEFAULT
-        msgs = [str(x.message) for x in w]
-        assert len(msgs) == 1 and "generic default" in msgs[0] and name in msgs[0], msgs
-
-
-@pytest.mark.parametrize("name", ["ssd_bwd_dz_dstates", "ssd_bwd_dx", "ssd_bwd_dbc", "rmsnorm_bwd"])
+@pytest.mark.parametrize("name", ["ssd_bwd_dz_dstates", "ssd_bwd_dx", "ssd_bwd_db", "rmsnorm_bwd"])
 def test_committed_configs_fit_current_kernels(name):
     """The committed sm90 config of a kernel whose signature changed since the search still fits the
     kernel's config space (same block sizes / number of loads and stores) and generates Triton code.
@@ -400,18 +391,18 @@ def test_block_sizes_are_clamped_to_the_dimension_they_tile(monkeypatch):
     from kernels import ssd_helion_bwd as bwd
 
     monkeypatch.delenv("HELION_INTERPRET", raising=False)  # interpret-mode binds have no block-size specs
-    dx = helion.kernel(bwd.ssd_bwd_dx.fn, static_shapes=True)  # a fresh kernel: no bind cached in ref mode
+    dx = helion.kernel(bwd.ssd_bwd_dc_dcb.fn, static_shapes=True)  # a fresh kernel: no bind cached in ref mode
     small = dict(b=1, l=64, h=2, p=32, g=1, n=32, c=64)
     nano = dict(b=2, l=256, h=4, p=64, g=1, n=128, c=128)
     cfg = helion.Config(block_sizes=[128], num_warps=8, num_stages=1)
-    args, _ = bwd._example_args("ssd_bwd_dx", small, "cpu")
+    args, _ = bwd._example_args("ssd_bwd_dc_dcb", small, "cpu")
     tuning.clear_caches()  # the warning is given once per process
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         fit = tuning.fit_block_sizes(dx.bind(tuple(args)), cfg)
     assert fit.config["block_sizes"] == [64] and fit.config["num_warps"] == 8
     assert any("exceed" in str(x.message) for x in w)
-    args, _ = bwd._example_args("ssd_bwd_dx", nano, "cpu")
+    args, _ = bwd._example_args("ssd_bwd_dc_dcb", nano, "cpu")
     assert tuning.fit_block_sizes(dx.bind(tuple(args)), cfg) is cfg
     # a config without block sizes, or with fewer than the kernel has, is left alone
     bare = helion.Config(num_warps=4)
@@ -469,14 +460,11 @@ def test_fast_launcher_reuses_the_binary_only_for_the_same_launch_key(monkeypatc
     assert fl2.n_fast == 0 and fl2.n_slow == 3
 
 
-def test_fast_launch_is_on_by_default_and_env_turns_it_off():
+def test_fast_launch_is_on_by_default():
     import subprocess, sys
-    code = "from kernels import tuning; print(tuning._FAST_LAUNCH)"
-    env = {k: v for k, v in os.environ.items() if k != "NANO_HELION_FAST_LAUNCH"}
-    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    off = subprocess.run([sys.executable, "-c", code], env={**env, "NANO_HELION_FAST_LAUNCH": "0"},
-                         capture_output=True, text=True, check=True)
-    assert on.stdout.split()[-1] == "True" and off.stdout.split()[-1] == "False"
+    code = "from kernels import tuning; print(tuning.fast_launch_enabled())"
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert on.stdout.split()[-1] == "True"
 
 
 def test_fast_launch_switch_wraps_compiled_kernels(monkeypatch):
@@ -508,22 +496,6 @@ def test_fast_launch_switch_wraps_compiled_kernels(monkeypatch):
     assert calls[0] is None and isinstance(calls[1], tuning.FastLauncher)
 
 
-def test_kernel_variants_select_refuse_and_restore():
-    v = tuning.KernelVariants("demo", {"v1": ("a", None, None), "v2": ("b", None, None)}, default="v1")
-    assert v.get() == "v1" and v.current() == ("a", None, None) and v["v2"][0] == "b" and v.names == ["v1", "v2"]
-    with pytest.raises(ValueError, match=r"unknown demo variant 'v9'; choose one of \['v1', 'v2'\]"):
-        v.set("v9")
-    with pytest.raises(RuntimeError):
-        with v.using("v2"):
-            assert v.current()[0] == "b"
-            raise RuntimeError
-    assert v.get() == "v1"
-    with v.using(None):
-        assert v.get() == "v1"
-    with pytest.raises(ValueError):
-        tuning.KernelVariants("demo", {"v1": ("a", None, None)}, default="v2")
-
-
 def test_timer_name_from_env(monkeypatch):
     from kernels import tuning as tu
 
@@ -534,3 +506,68 @@ def test_timer_name_from_env(monkeypatch):
     monkeypatch.setenv("NANO_TUNE_TIMER", "wallclock")
     with pytest.raises(ValueError, match="unknown timer"):
         tu.timer_name()
+
+
+# ----------------------------------------------------------------------------------------------- recipe shapes
+def helion_kernel_dims(b: int, l: int, h: int, p: int, g: int, n: int, c: int, w: int = 4) -> dict[str, dict]:
+    """{kernel: shape-key dims} of every Helion kernel a bf16 training step runs for a Mamba mixer with these dims
+    (b, l: micro-batch and sequence length per rank; h, g: heads and groups per tensor-parallel rank), as the
+    wrappers compute them (no seq_idx)."""
+    from kernels.ssd_helion_bwd import _state_split
+
+    L = -(-l // c) * c
+    ssd = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
+    conv = dict(b=b, l=l, d=h * p + 2 * g * n, w=w, cl=1, seq=0, act=1, dt="bfloat16")
+    norm = dict(m=b * l, g=g, gs=h * p // g, z=False, nbg=False, dt="bfloat16")
+    dims = {"conv1d_fwd": conv, "conv1d_bwd": conv, "rmsnorm_fwd": norm, "rmsnorm_bwd": norm,
+            "ssd_chunk_cumsum": dict(b=b, l=l, h=h, c=c), "ssd_bmm_chunk": dict(b=b, l=L, g=g, n=n, c=c),
+            "ssd_bwd_state_passing": dict(ssd, blk=_state_split(p * n))}
+    for k in ("ssd_chunk_state_passing", "ssd_chunk_scan_cb16", "ssd_bwd_dz_dstates", "ssd_bwd_dx", "ssd_bwd_dc_dcb",
+              "ssd_bwd_db", "ssd_bwd_dt"):
+        dims[k] = ssd
+    return dims
+
+
+def recipe_mixer_shapes() -> dict[str, tuple]:
+    """{recipe: (b, l, h, p, g, n, c, w)} of the mixer each GPU recipe (train.device=cuda) runs, per rank."""
+    from nano_hybrid.config import compose, list_recipes
+
+    out = {}
+    for name in list_recipes():
+        cfg = compose([f"recipe={name}"])
+        if str(cfg.train.device) != "cuda":
+            continue
+        m, tp = cfg.model, int(cfg.parallel.tensor_model_parallel_size)
+        cp = int(cfg.parallel.get("context_parallel_size", 1) or 1)
+        out[name] = (int(cfg.train.micro_batch_size), int(cfg.train.seq_length) // cp, int(m.mamba_num_heads) // tp,
+                     int(m.mamba_head_dim), int(m.mamba_num_groups) // tp, int(m.mamba_state_dim),
+                     int(m.get("mamba_chunk_size", 128)), int(m.get("mamba_conv_width", 4)))
+    return out
+
+
+def test_kernel_dims_match_the_committed_nano_keys():
+    """helion_kernel_dims at the Nano bench shape gives the keys the committed configs are tuned at (the wrappers'
+    keys, listed in NANO_COMMITTED), for every kernel of a bf16 step."""
+    got = helion_kernel_dims(2, 8192, 64, 64, 8, 128, 128)
+    assert set(got) <= set(NANO_COMMITTED)
+    for k, d in got.items():
+        assert tuning.shape_key(**d) == tuning.shape_key(**NANO_COMMITTED[k]), k
+
+
+def test_recipe_shapes_have_tuned_configs():
+    """Every (kernel, shape) the GPU recipes run has an exact sm90 entry. The missing ones are listed; tuning them
+    needs a GPU: python scripts/tune_kernels.py --kernels all --shapes <preset> (kernels.tuning.SHAPE_PRESETS)."""
+    shapes = recipe_mixer_shapes()
+    assert "nano30b_slice_h200" in shapes and shapes["nano30b_slice_h200"][:2] == (1, 8192)
+    missing = []
+    for recipe, md in sorted(shapes.items()):
+        for kernel, dims in sorted(helion_kernel_dims(*md).items()):
+            if tuning.lookup(kernel, dims, arch="sm90")[0] != "exact":
+                missing.append(f"{recipe}: {kernel} at {tuning.shape_key(**dims)}")
+    assert not missing, "no tuned sm90 config for:\n" + "\n".join(missing)
+
+
+def test_shape_presets_cover_the_recipe_shapes():
+    """scripts/tune_kernels.py tunes by preset name: every GPU recipe's mixer shape is a preset."""
+    presets = {(d["b"], d["l"], d["h"], d["p"], d["g"], d["n"], d["c"], d["w"]) for d in tuning.SHAPE_PRESETS.values()}
+    assert set(recipe_mixer_shapes().values()) <= presets, set(recipe_mixer_shapes().values()) - presets

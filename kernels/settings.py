@@ -1,0 +1,76 @@
+"""``HelionSettings``: every setting that changes what the helion backend computes or how fast.
+
+The frozen settings object travels with the ``KernelBackend`` (``kernels.registry``); training takes it from
+the typed keys under ``kernels.helion`` (``configs/kernels/helion.yaml``), which the run's ``config.yaml``
+records, and the benchmark scripts write ``as_dict()`` into their JSON. Nothing here reads the environment;
+the debugging knobs that do are in ``kernels.debug``.
+
+==================  =========  ===============================================================================
+setting             default    what it changes
+==================  =========  ===============================================================================
+bwd_states_dtype    input      dtype of the states the backward recomputes (chunk_state + state_passing):
+                               "input" (x's dtype, bf16 in training) or "fp32" (as mamba-ssm). Of their readers
+                               only the backward state passing's ddA sums see the difference (the dB/dC kernels
+                               round the states to x's dtype before their GEMMs either way); bf16 halves the
+                               268 MB per layer (Nano shape) the recompute writes and two kernels read.
+bwd_dstates_dtype   input      dtype of the per-chunk state gradients dz_dstates writes and the backward state
+                               passing reads: "input" (x's dtype; each chunk's term is rounded before the fp32
+                               running sum) or "fp32" (as mamba-ssm).
+save_cumsum         true       the fused op's forward keeps dA_cumsum and dt_out (two fp32 (b, h, l) tensors) for
+                               its backward, which then launches no chunk cumsum; false recomputes them, as
+                               mamba-ssm does. The values are bitwise the same either way.
+zxbcdt_in_place     true       the Mamba mixer hands the fused op its (l, b, d) in_proj output as a (b, l, d) view
+                               and gets the gradient back in that layout (no copy either way); false copies it to
+                               a contiguous (b, l, d) tensor first, as megatron does for mamba-ssm.
+fast_launch         true       after a compiled kernel's first launch, later launches call its Triton binary
+                               directly (``kernels.tuning.FastLauncher``), skipping Triton's per-call argument
+                               binding; bitwise the same results, less host time per launch. Process-wide.
+==================  =========  ===============================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+DTYPE_CHOICES = ("input", "fp32")
+
+
+class HelionSettingsError(ValueError):
+    """A bad ``kernels.helion`` setting (unknown key, wrong type, value outside its choices)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HelionSettings:
+    bwd_states_dtype: str = "input"
+    bwd_dstates_dtype: str = "input"
+    save_cumsum: bool = True
+    zxbcdt_in_place: bool = True
+    fast_launch: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(v, bool):
+                raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be true or false")
+            if f.type == "str" and v not in DTYPE_CHOICES:
+                raise HelionSettingsError(f"kernels.helion.{f.name}={v!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> HelionSettings:
+        """Settings from a mapping such as ``cfg.kernels.helion``: unknown keys are an error, missing keys take the
+        defaults."""
+        values = dict(values or {})
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise HelionSettingsError(
+                f"unknown kernels.helion key(s) {', '.join(unknown)}; known: {', '.join(cls.keys())}")
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
