@@ -16,7 +16,9 @@ over the last 10% of them; also the mean of the signed relative difference (b - 
 noise averages out and a persistent offset stays, and the relative difference of the two mean losses). Plots: ``loss.png`` (loss vs tokens for every run, relative difference to
 the baseline below) and ``step_time.png`` (step-time distributions after warm-up).
 
-metrics.jsonl records need ``step``, ``loss``, ``step_time_s``. Tokens come from ``tokens``
+metrics.jsonl records need ``step``, ``loss``, ``step_time_s``. When every run has validation records
+(``val_loss``, from ``train.eval_interval``), the report also compares validation loss at the common
+evaluation steps and loss.png shows it as markers. Tokens come from ``tokens``
 (cumulative, preferred) or are accumulated from ``tokens_per_step`` / ``tokens_per_s * step_time_s``;
 tokens/s/GPU from ``tokens_per_s_per_gpu`` or ``tokens_per_s / world_size`` (``world_size`` from the
 record, 1 when absent). When a run was resumed from an older
@@ -53,11 +55,15 @@ class Run:
     tokens_per_s_per_gpu: np.ndarray  # NaN where unknown
     backend: str | None = None
     extra: dict = field(default_factory=dict)
+    val_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # steps with a validation
+    val_loss: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 def _get(rec: dict, key: str):
     if key in rec:
         return rec[key]
+    if key.startswith("val_"):  # W&B: val/loss
+        return rec.get(f"val/{key[4:]}")
     return rec.get(f"train/{key}")
 
 
@@ -99,7 +105,21 @@ def run_from_records(name: str, records: list[dict]) -> Run:
         # steps logged once each: tokens after step s = per-step tokens * s (constant batch), robust to gaps
         tokens = np.round(per_step) * steps if np.allclose(per_step, per_step[0], rtol=1e-3) else np.cumsum(per_step)
     backend = next((str(_get(r, "backend")) for r in recs if _get(r, "backend") is not None), None)
-    return Run(name, steps, loss, dt, tokens, tps_gpu, backend)
+    val = [(int(s), float(_get(r, "val_loss"))) for s, r in zip(steps, recs) if _get(r, "val_loss") is not None]
+    return Run(name, steps, loss, dt, tokens, tps_gpu, backend,
+               val_steps=np.array([v[0] for v in val], dtype=np.int64), val_loss=np.array([v[1] for v in val]))
+
+
+def val_diff_stats(a: Run, b: Run) -> dict:
+    """b's validation loss against a's at the steps both evaluated (same validation batches in both runs)."""
+    common, ia, ib = np.intersect1d(a.val_steps, b.val_steps, return_indices=True)
+    if common.size == 0:
+        return {"baseline": a.name, "run": b.name, "matching_evals": 0}
+    la, lb = a.val_loss[ia], b.val_loss[ib]
+    rel = (lb - la) / np.abs(la)
+    return {"baseline": a.name, "run": b.name, "matching_evals": int(common.size), "last_step": int(common[-1]),
+            "final_baseline": float(la[-1]), "final_run": float(lb[-1]), "final_rel_diff": float(rel[-1]),
+            "mean_rel_diff": float(np.mean(rel)), "max_abs_rel_diff": float(np.max(np.abs(rel)))}
 
 
 def load_metrics_jsonl(path: Path) -> list[dict]:
@@ -219,7 +239,10 @@ def compare(runs: list[Run], warmup: int) -> dict:
         s["step_time_median_ratio"] = s["step_time_median_s"] / base["step_time_median_s"]
         s["step_time_p90_ratio"] = s["step_time_p90_s"] / base["step_time_p90_s"]
     diffs = [{"baseline": runs[0].name, "run": r.name, **loss_diff_stats(runs[0], r)} for r in runs[1:]]
-    return {"warmup_steps": warmup, "baseline": runs[0].name, "runs": stats, "loss_diff": diffs}
+    out = {"warmup_steps": warmup, "baseline": runs[0].name, "runs": stats, "loss_diff": diffs}
+    if all(r.val_steps.size for r in runs):  # validation loss, when every run has it
+        out["val_loss_diff"] = [val_diff_stats(runs[0], r) for r in runs[1:]]
+    return out
 
 
 def format_report(result: dict) -> str:
@@ -247,6 +270,15 @@ def format_report(result: dict) -> str:
             lines.append(f"  {label:<22} mean|d| {blk['mean_abs_diff']:.3e}  max|d| {blk['max_abs_diff']:.3e}  "
                          f"mean rel {blk['mean_rel_diff']:.3e}  max rel {blk['max_rel_diff']:.3e}  mean d {blk['mean_diff']:+.3e}  "
                          f"mean signed rel {blk['mean_signed_rel_diff']:+.3e}")
+    for d in result.get("val_loss_diff", []):
+        lines.append("")
+        if d["matching_evals"] == 0:
+            lines.append(f"val loss {d['run']} vs {d['baseline']}: no common evaluation steps")
+            continue
+        lines.append(f"val loss {d['run']} vs {d['baseline']} over {d['matching_evals']} common evaluations: "
+                     f"at step {d['last_step']} {d['final_run']:.5f} vs {d['final_baseline']:.5f} "
+                     f"(rel {d['final_rel_diff']:+.3e}), mean rel {d['mean_rel_diff']:+.3e}, "
+                     f"max |rel| {d['max_abs_rel_diff']:.3e}")
     return "\n".join(lines)
 
 
@@ -260,6 +292,9 @@ def plot(runs: list[Run], warmup: int, out_dir: Path) -> list[Path]:
     fig, (ax, axd) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
     for r in runs:
         ax.plot(r.tokens, r.loss, lw=1.2, label=r.name)
+        if r.val_steps.size:  # validation loss as markers at the tokens of its steps
+            vt = r.tokens[np.searchsorted(r.steps, r.val_steps)]
+            ax.plot(vt, r.val_loss, "o--", ms=3, lw=0.8, label=f"{r.name} (val)")
     ax.set_ylabel("loss")
     ax.set_title("loss vs tokens")
     ax.grid(alpha=0.3)

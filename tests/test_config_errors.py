@@ -27,7 +27,7 @@ CASES = [
     (["optim.warmup_iters=1000"], "optim.warmup_iters=1000"),
     (["logger.wandb.mode=cloud"], "logger.wandb.mode='cloud'"),
     (["data.kind=parquet"], "data.kind must be"),
-    (["data.tokenizer=gpt2"], "unknown tokenizer"),
+    (["data.tokenizer.type=gpt2"], "data.tokenizer.type"),
     (["model.vocab_size=128"], "model.vocab_size=128 is smaller"),
     (["data.paths=[/nonexistent/corpus]", "data.prepare_if_missing=null"], "data path not found: /nonexistent/corpus.bin/.idx"),
     (["data.paths=[/nonexistent/corpus]", "data.prepare_if_missing=web"], "data.prepare_if_missing='web'"),

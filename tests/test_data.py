@@ -67,7 +67,7 @@ def test_prepare_data_script(tmp_path):
     (tmp_path / "in" / "skip.bin").write_bytes(b"\0\1")
     assert mod.main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "o" / "x")]) == 0
     assert (tmp_path / "o" / "x.bin").stat().st_size == 2 * (len("# title\n") + 1)  # uint16 tokens
-    assert mod.main(["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o" / "y")]) == 1
+    assert mod.main(["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o" / "y")]) == 2
 
 
 def test_stdlib_sources_are_sorted_and_nonempty():

@@ -101,7 +101,10 @@ class MegatronTextTokenizer:
         return self._tok.tokenize(text)
 
     def detokenize(self, ids) -> str:
-        return self._tok.detokenize([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        if self.kind == "tiktoken":  # whole-sequence decode (megatron's joins per-token strings, splitting UTF-8)
+            return self._tok._tokenizer.tokenizer.decode(ids)
+        return self._tok.detokenize(ids)
 
     def padded_vocab_size(self, multiple: int) -> int:
         return padded_vocab_size(self.vocab_size, multiple)
