@@ -271,7 +271,9 @@ class StagePlan:
     head: float = 0.0
     transient: float = 0.0
     activations: float = 0.0  # in-flight micro-batches x (layers + head)
-    peak: float = 0.0
+    fwd_bwd_peak: float = 0.0  # static + activations + backward transient
+    step_peak: float = 0.0  # static + optimizer-step transient
+    peak: float = 0.0  # the larger of the two
 
 
 def plan_stage(s: Shape, stage: int, choice: str, modules: tuple[str, ...]) -> StagePlan:
@@ -304,7 +306,7 @@ def plan_stage(s: Shape, stage: int, choice: str, modules: tuple[str, ...]) -> S
         stage=stage, layers=layers, in_flight=in_flight, params_dense=dense, params_expert=expert,
         weights=weights, grads=grads, optimizer=opt_dense + opt_expert, optimizer_step_transient=step_transient,
         activations_by_kind=by_kind, head=head, transient=transient, activations=acts,
-        peak=max(train_peak, step_peak),
+        fwd_bwd_peak=train_peak, step_peak=step_peak, peak=max(train_peak, step_peak),
     )
 
 
@@ -392,7 +394,8 @@ def make_plan(cfg: DictConfig, world_size: int | None = None) -> dict[str, Any]:
 
 def _stage_dict(x: StagePlan) -> dict:
     d = asdict(x)
-    for k in ("weights", "grads", "optimizer", "optimizer_step_transient", "head", "transient", "activations", "peak"):
+    for k in ("weights", "grads", "optimizer", "optimizer_step_transient", "head", "transient", "activations",
+              "fwd_bwd_peak", "step_peak", "peak"):
         d[k + "_gib"] = d.pop(k) / GIB
     d["activations_by_kind_gib"] = {k: v / GIB for k, v in d.pop("activations_by_kind").items()}
     return d

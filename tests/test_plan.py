@@ -135,3 +135,18 @@ def test_training_memory_check():
     r = subprocess.run([sys.executable, "-m", "nano_hybrid.train", "train.memory_check=maybe"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == "error: train.memory_check='maybe' must be true or false"
+
+
+def test_plan_vs_measured_cases_plan_on_cpu(capsys):
+    """The GPU script's cases compose and plan here; on CPU the script stops with one error line."""
+    import plan_vs_measured as pvm
+
+    planned = {n: make_plan(pvm.case_config(n, "mamba_ssm", []), 1) for n in pvm.CASES}
+    layers = {len(p["pattern"]) for p in planned.values()}
+    mbs = {p["micro_batch_size"] for p in planned.values()}
+    assert layers == {5, 13, 26} and mbs == {1, 2, 4}
+    fb = [planned[f"slice13-mbs2-{c}"]["stages"][0]["fwd_bwd_peak_gib"] for c in ("none", "selective", "selective+ssd", "full")]
+    assert fb == sorted(fb, reverse=True) and len(set(fb)) == 4
+    assert all(p["peak_gib"] < GPUS["141 GB (H200)"] for p in planned.values())
+    assert pvm.main(["--cases", "slice13-mbs1-none"]) == 2
+    assert capsys.readouterr().err == "error: plan_vs_measured.py measures GPU memory: it needs a CUDA device\n"
