@@ -94,6 +94,7 @@ class RunPlan:
     tokenizer_spec: Any = None  # nano_hybrid.data.TokenizerSpec (workers of a corpus build rebuild it)
     eval_interval: int = 0  # validation every N steps (0: none)
     eval_iters: int = 0  # global batches per validation
+    backend: Any = None  # the kernels.registry.KernelBackend validation resolved (build_model reuses it)
 
 
 # ------------------------------------------------------------------------------------- validation
@@ -160,8 +161,8 @@ def validate_optim(o: DictConfig, train_iters: int) -> None:
 
 def validate(cfg: DictConfig) -> RunPlan:
     """Check every setting that can be checked without doing work; raise one clear error."""
-    from kernels.registry import KernelSwitchError, configure_backend
     from nano_hybrid.metrics import WANDB_MODES
+    from nano_hybrid.model.build import resolve_backend
     from nano_hybrid.model.lm_loss import check_lm_head_parallel
     from nano_hybrid.parallel import validate_parallel
 
@@ -257,11 +258,8 @@ def validate(cfg: DictConfig) -> RunPlan:
                 f"{p} was tokenized with the {written_with} tokenizer but data.tokenizer.type={tok_spec.type}"
             )
 
-    try:  # unknown / unavailable backends raise their own one-line errors
-        backend = configure_backend(str(cfg.kernels.backend), autotune=bool(cfg.kernels.get("autotune", False)),
-                                    deterministic=bool(cfg.kernels.get("deterministic", False)))
-    except KernelSwitchError as e:
-        raise ConfigError(str(e)) from None
+    # unknown / unavailable backends raise their own one-line errors, bad switches / settings a ConfigError
+    backend = resolve_backend(cfg)
     if str(cfg.logger.wandb.mode) not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}; choose one of {', '.join(WANDB_MODES)}")
     init_hf = OmegaConf.select(cfg, "checkpoint.init_from_hf")
@@ -281,6 +279,7 @@ def validate(cfg: DictConfig) -> RunPlan:
         dp_size=dp,
         num_microbatches=gbs // (mbs * dp),
         backend_name=backend.name,
+        backend=backend,
         data=spec,
         seq_length=seq,
         tokenizer=tokenizer,
@@ -369,7 +368,7 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
     from nano_hybrid.model import build_model
     from nano_hybrid.optim import set_adam_fused
 
-    model = build_model(cfg, device=plan.device, dtype=plan.dtype)
+    model = build_model(cfg, device=plan.device, dtype=plan.dtype, backend=plan.backend)
     if init_from_hf:
         from nano_hybrid.hf import load_hf_weights
 

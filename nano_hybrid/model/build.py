@@ -16,12 +16,31 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_model(cfg: DictConfig, *, device=None, dtype=None):
+def resolve_backend(cfg: DictConfig):
+    """The ``KernelBackend`` of ``cfg.kernels``: the backend, its switches (autotune, deterministic) and, for
+    ``kernels.backend=helion``, its typed settings ``kernels.helion.*`` (``kernels.settings.HelionSettings``; checked
+    for every backend, so a typo fails whichever backend runs). Unknown/unavailable backends raise their own one-line
+    errors; a bad switch or setting is a ConfigError. Validation calls it once and hands the backend on."""
+    from kernels.registry import KernelSwitchError, configure_backend
+    from kernels.settings import HelionSettings, HelionSettingsError
+
+    kcfg = cfg.kernels
+    name = str(kcfg.backend)
+    try:
+        helion = HelionSettings.from_mapping(kcfg.get("helion") or {})
+        return configure_backend(name, autotune=bool(kcfg.get("autotune", False)),
+                                 deterministic=bool(kcfg.get("deterministic", False)),
+                                 helion=helion if name == "helion" else None)
+    except (KernelSwitchError, HelionSettingsError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
     """Build the hybrid ``MambaModel`` described by the composed config ``cfg``.
 
     Uses ``cfg.model`` (architecture, ``attention_impl``, ``moe_experts_impl``), ``cfg.kernels.backend``
-    (resolved with ``kernels.registry.get_backend``; an unknown/unavailable backend raises its one-line
-    error before anything is built) and ``cfg.parallel`` (TP/PP/EP/ETP/CP/SP sizes).
+    (``resolve_backend(cfg)`` unless ``backend``, the one validation resolved, is given; an unknown/unavailable
+    backend raises its one-line error before anything is built) and ``cfg.parallel`` (TP/PP/EP/ETP/CP/SP sizes).
 
     Args:
         device: ``None`` -> the current CUDA device if there is one, else CPU; ``"meta"`` builds the
@@ -40,17 +59,11 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None):
     default causal mask is allocated on ``"cuda"``).
     """
     from megatron.core import parallel_state
-
-    from kernels.registry import KernelSwitchError, configure_backend
     from nano_hybrid.model.lm_loss import LMLossMambaModel, lm_head_settings
     from nano_hybrid.model.specs import hybrid_stack_spec
 
-    kcfg = cfg.kernels
-    try:
-        backend = configure_backend(str(kcfg.backend), autotune=bool(kcfg.get("autotune", False)),
-                                    deterministic=bool(kcfg.get("deterministic", False)))
-    except KernelSwitchError as e:  # unknown/unavailable backends raise their own one-line errors
-        raise ConfigError(str(e)) from None
+    if backend is None:
+        backend = resolve_backend(cfg)
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model needs megatron's parallel state: call nano_hybrid.parallel.initialize_parallel(cfg) first")
     mcore_compat.apply_mcore_compat()
