@@ -20,10 +20,16 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 EXIT_BAD_INPUT = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage too)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def main(argv: list[str] | None = None) -> int:
     from nano_hybrid.hf import HFBridgeError, MappingError, export_checkpoint
 
-    ap = argparse.ArgumentParser(prog="python -m nano_hybrid.export_hf", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m nano_hybrid.export_hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="iter_* checkpoint, checkpoints folder or run folder")
     ap.add_argument("out", help="output folder (new or empty)")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="tensor dtype (default bf16)")

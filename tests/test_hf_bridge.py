@@ -321,7 +321,9 @@ def test_ours_to_hf_to_ours_trains_with_the_same_losses(single, tmp_path):
     assert _losses(tmp_path / "S") == _losses(tmp_path / "R") and len(_losses(tmp_path / "R")) == 3
 
     ckpt = tmp_path / "R" / "checkpoints" / "iter_0000003"
-    export_checkpoint(tmp_path / "R", tmp_path / "trained", dtype="fp32")
+    export_checkpoint(tmp_path / "R", tmp_path / "trained", dtype="fp32", max_shard_bytes=4_000_000)
+    shards = sorted(p.name for p in (tmp_path / "trained").glob("*.safetensors"))
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", shards
     model = build_model(cfg)
     load_hf_weights(model, tmp_path / "trained", cfg)
     got = model_global_tensors([model])

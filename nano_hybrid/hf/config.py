@@ -117,6 +117,7 @@ def hf_config(m: dict, vocab_size: int, *, dtype: str = "bfloat16", token_ids: d
         "use_mamba_kernels": True,
         "num_logits_to_keep": 1,
         "dtype": dtype,
+        "torch_dtype": dtype,  # the name transformers 4.x, vLLM and the published config use
     }
     c.update(token_ids or {})
     return c

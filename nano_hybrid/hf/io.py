@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -41,7 +42,9 @@ def read_checkpoint_tensors(ckpt: str | Path, keys, meta: dict | None = None) ->
     meta = checkpoint_model_tensors_meta(ckpt) if meta is None else meta
     state = {k: torch.empty(meta[k][0], dtype=meta[k][1]) for k in keys}
     if state:
-        load(state, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": what is meant here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            load(state, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
     return state
 
 
@@ -188,10 +191,13 @@ class ShardWriter:
         if self._pending or not self._written:
             self._flush()
         n = len(self._written)
+        umask = os.umask(0)
+        os.umask(umask)
         weight_map, files = {}, []
         for i, (tmp, names) in enumerate(self._written, 1):
             final = f"model-{i:05d}-of-{n:05d}.safetensors"
             os.replace(self.folder / tmp, self.folder / final)
+            os.chmod(self.folder / final, 0o666 & ~umask)  # safetensors writes 0600; a model folder is shared
             files.append(final)
             weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
