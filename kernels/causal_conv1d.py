@@ -440,9 +440,11 @@ def causal_conv1d_helion(x, weight, bias=None, seq_idx=None, initial_states=None
     return CausalConv1dHelionFn.apply(x, weight, bias, seq_idx, activation)
 
 
-def causal_conv1d_update_helion(*args, **kwargs):
-    """causal-conv1d's ``causal_conv1d_update`` (single-step decoding with a conv state) is not implemented."""
-    raise NotImplementedError("causal_conv1d_update is not supported by the helion backend (training ops only)")
+def causal_conv1d_update_helion(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                                conv_state_indices=None):
+    """causal-conv1d's ``causal_conv1d_update`` (decoding with a rolling conv state): not implemented."""
+    raise NotImplementedError("causal_conv1d_update (conv_state decoding) is not supported by the helion backend "
+                              "(training ops only)")
 
 
 def _conv_case(kind: str):

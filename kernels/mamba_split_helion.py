@@ -117,11 +117,13 @@ def mamba_split_conv1d_scan_combined_helion(
 
     zxbcdt (b, l, 2*dim + 2*ngroups*dstate + nheads) -> y (b, l, dim) (and final_states (b, h, p, n)).
     ``norm_before_gate`` only matters with ``rmsnorm_weight``, which is not supported here."""
-    if rmsnorm_weight is not None or outproj_weight is not None or outproj_bias is not None:
-        raise NotImplementedError(
-            "mamba_split_conv1d_scan_combined_helion: rmsnorm_weight / outproj_weight are not supported "
-            "(Megatron's training path passes neither; apply the gated RMSNorm and out_proj as separate modules)"
-        )
+    for name, value in (("rmsnorm_weight", rmsnorm_weight), ("outproj_weight", outproj_weight),
+                        ("outproj_bias", outproj_bias)):
+        if value is not None:
+            raise NotImplementedError(
+                f"mamba_split_conv1d_scan_combined_helion: {name} is not supported (Megatron's training path passes "
+                "none of rmsnorm_weight / outproj_weight / outproj_bias; apply the gated RMSNorm and out_proj as "
+                "separate modules)")
     if zxbcdt.dim() != 3:
         raise ValueError(f"zxbcdt must be (batch, seqlen, width), got {tuple(zxbcdt.shape)}")
     return MambaSplitConv1dScanCombinedHelionFn.apply(

@@ -305,6 +305,15 @@ def rmsnorm_fn_helion(x, weight, bias=None, z=None, eps=1e-6, group_size=None, n
     return RMSNormGatedHelionFn.apply(x, weight, z, eps, group_size, norm_before_gate)
 
 
+def layernorm_fn_helion(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True, is_rms_norm=False):
+    """``mamba_ssm.ops.triton.layernorm_gated.layernorm_fn`` signature: only its RMSNorm form (``is_rms_norm=True``,
+    bias None) is implemented; the gated LayerNorm raises NotImplementedError."""
+    if not is_rms_norm:
+        raise NotImplementedError("layernorm_fn_helion: is_rms_norm=False (the gated LayerNorm) is not supported; "
+                                  "only the gated RMSNorm is")
+    return rmsnorm_fn_helion(x, weight, bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+
+
 class RMSNormGatedHelion(_RMSNormGatedModule):
     """Drop-in for ``mamba_ssm.ops.triton.layernorm_gated.RMSNorm`` on the Helion kernels."""
 

@@ -752,12 +752,15 @@ def mamba_chunk_scan_combined_helion(
     return_varlen_states=False, state_dtype=None,
 ):
     """Forward-only drop-in for mamba-ssm's ``mamba_chunk_scan_combined`` (no autograd)."""
-    if cu_seqlens is not None or return_varlen_states:
-        raise NotImplementedError("cu_seqlens / varlen states are not on Megatron's training path and are not supported")
+    if cu_seqlens is not None:
+        raise NotImplementedError("mamba_chunk_scan_combined_helion: cu_seqlens (varlen states) is not supported")
+    if return_varlen_states:
+        raise NotImplementedError("mamba_chunk_scan_combined_helion: return_varlen_states is not supported")
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)
     ):
-        raise RuntimeError("mamba_chunk_scan_combined_helion is forward-only; the backward lives in kernels/ssd_helion_bwd.py")
+        raise NotImplementedError("mamba_chunk_scan_combined_helion is forward-only (inputs that require grad); the "
+                                  "training path's backward is mamba_split_conv1d_scan_combined's")
     out, _, _, _, _, final_states = ssd_forward_helion(
         x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, state_dtype=state_dtype,

@@ -104,7 +104,7 @@ def ssd_bwd_dz_dstates(
 @helion.kernel(static_shapes=True)
 def ssd_bwd_state_passing(
     dstates: torch.Tensor,  # (b, nc, h, s, blk) x.dtype or fp32 (dstates_dtype; p*n split into s blocks)
-    states_in: torch.Tensor,  # (b, nc, h, s, blk) fp32 or x.dtype (the fused op's backward: BWD_STATES)
+    states_in: torch.Tensor,  # (b, nc, h, s, blk) x.dtype or fp32 (HelionSettings.bwd_states_dtype)
     dA_last: torch.Tensor,  # (b, h, nc) fp32
     keep: torch.Tensor,  # (b, nc) fp32: 0 where the carried state is reset at chunk c
     dfinal: torch.Tensor,  # (b, h, s, blk) fp32
