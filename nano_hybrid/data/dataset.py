@@ -113,6 +113,8 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, num_samples: int,
         create_attention_mask=False,
         mid_level_dataset_surplus=0.005,
     )
+    if spec.kind == "indexed":
+        _keep_needed_splits(config, spec, bool(valid_samples))
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, valid_samples, 0], lambda: True, config).build()
     if train is None or len(train) < num_samples:
         n = 0 if train is None else len(train)
@@ -121,6 +123,29 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, num_samples: int,
         n = 0 if valid is None else len(valid)
         raise DataConfigError(f"the validation split holds {n} samples, {valid_samples} are needed")
     return train, (valid if valid_samples else None)
+
+
+def _keep_needed_splits(config, spec: DataSpec, need_valid: bool) -> None:
+    """Build only the splits the run reads (train, and valid when validating): megatron builds every split with
+    a nonzero weight, and GPTDataset loops forever on a split that holds no tokens (e.g. the 0.1% test split of a
+    small corpus). A needed split without documents is one clear error instead."""
+    if spec.valid_paths:
+        config.blend_per_split = [config.blend_per_split[0], config.blend_per_split[1] if need_valid else None, None]
+        return
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    matrix = list(config.split_matrix)
+    matrix[2] = None
+    if not need_valid:
+        matrix[1] = None
+    for i, name in ((0, "training"), (1, "validation")):
+        if matrix[i] is None:
+            continue
+        for p in spec.paths:
+            n = len(IndexedDataset(p))
+            if int(round(matrix[i][1] * n)) <= int(round(matrix[i][0] * n)):
+                raise DataConfigError(f"data.split={spec.split!r} gives the {name} split of {p} none of its {n} documents")
+    config.split_matrix = matrix
 
 
 def build_train_dataset(spec: DataSpec, tokenizer, seq_length: int, num_samples: int, seed: int):
