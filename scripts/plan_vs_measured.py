@@ -150,10 +150,22 @@ def run(a) -> dict:
 
         make_plan(case_config(n, a.backend, a.overrides), 1)
     t0 = time.perf_counter()
-    results = []
+    results, oom = [], []
     try:
         for n in names:
-            results.append(measure_case(n, a))
+            try:
+                results.append(measure_case(n, a))
+            except torch.cuda.OutOfMemoryError as e:  # record it, free what the case held, go on
+                import gc
+
+                from megatron.core import parallel_state as ps
+
+                print(f"{n}: CUDA out of memory ({str(e).splitlines()[0][:160]})", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+                ps.destroy_model_parallel()
+                oom.append(n)
+                continue
             r = results[-1]
             print(f"{n}: planned {r['planned']['peak_gib']:.2f} GiB, measured {r['measured']['peak_gib']:.2f} GiB "
                   f"(fwd+bwd {r['measured']['fwd_bwd_peak_gib']:.2f}, optimizer {r['measured']['optimizer_peak_gib']:.2f}), "
@@ -161,7 +173,8 @@ def run(a) -> dict:
     finally:
         destroy_parallel()
     return {"env": bl.env_info(), "backend": a.backend, "steps": a.steps, "wall_s": time.perf_counter() - t0,
-            "cases": results, "recompute_table": recompute_table(results)}
+            "cases": results, "out_of_memory": oom,
+            "recompute_table": recompute_table(results)}
 
 
 def recompute_table(results: list[dict]) -> list[dict]:
@@ -196,6 +209,8 @@ def markdown(res: dict) -> str:
            "Peaks in GiB (torch.cuda.max_memory_allocated), seq 8192, bf16, 32 experts top-6, one GPU.", "",
            bl.md_table(["case", "layers", "mbs", "recompute", "plan fwd+bwd", "meas fwd+bwd", "err %",
                         "plan opt step", "meas opt step", "err %", "plan peak", "meas peak", "err %"], rows)]
+    if res["out_of_memory"]:
+        out += ["", f"CUDA out of memory (not measured): {', '.join(res['out_of_memory'])}"]
     if res["recompute_table"]:
         out += ["", "## Recompute (nano30b_slice, 13 layers, mbs 2 x 8192)", "",
                 bl.md_table(["case", "fwd+bwd peak GiB", "saved GiB", "planned saved GiB", "step s", "time paid %"],
