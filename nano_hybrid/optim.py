@@ -31,21 +31,28 @@ def _apply(opt: torch.optim.Optimizer, fused: bool) -> None:
     for group in opt.param_groups:
         group["fused"] = fused
         group["foreach"] = None if not fused else False
-    if fused:  # the fused kernel reads the step counters on the parameters' device
-        for p, state in opt.state.items():
-            step = state.get("step") if isinstance(state, dict) else None
-            if torch.is_tensor(step) and step.device != p.device:
-                state["step"] = step.to(device=p.device, dtype=torch.float32)
+    # the fused kernel reads the step counters on the parameters' device; torch's default (not capturable)
+    # keeps them on the host (on the device, each .item() of a step counter would synchronize)
+    for p, state in opt.state.items():
+        step = state.get("step") if isinstance(state, dict) else None
+        if not torch.is_tensor(step):
+            continue
+        want = p.device if fused else torch.device("cpu")
+        if step.device != want and not any(g.get("capturable") for g in opt.param_groups):
+            state["step"] = step.to(device=want, dtype=torch.float32)
 
 
 def set_adam_fused(optimizer, fused: bool) -> int:
     """Pin torch's fused (``True``) or default (``False``) AdamW in every inner torch optimizer of the megatron
-    ``optimizer``, now and after each ``load_state_dict``. Returns the number of torch optimizers set;
+    ``optimizer``, now and after each ``load_state_dict`` (calling it again switches). Returns the number of torch optimizers set;
     raises ``TypeError`` if one is not ``torch.optim.AdamW``."""
     opts = inner_torch_optimizers(optimizer)
     for opt in opts:
         if not isinstance(opt, torch.optim.AdamW):
             raise TypeError(f"optim.fused applies to torch.optim.AdamW; megatron built {type(opt).__name__}")
+        opt.nano_hybrid_adam_fused = fused
         _apply(opt, fused)
-        opt.register_load_state_dict_post_hook(lambda o, fused=fused: _apply(o, fused))
+        if not getattr(opt, "nano_hybrid_adam_hook", False):  # once per optimizer; reads the current choice
+            opt.register_load_state_dict_post_hook(lambda o: _apply(o, o.nano_hybrid_adam_fused))
+            opt.nano_hybrid_adam_hook = True
     return len(opts)

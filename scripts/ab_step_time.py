@@ -5,6 +5,7 @@
     python scripts/ab_step_time.py --backends mamba_ssm,helion,mamba_ssm model=nano30b_slice train.micro_batch_size=2
     torchrun --nproc-per-node 2 scripts/ab_step_time.py parallel=dp2 train.global_batch_size=4
     python scripts/ab_step_time.py --backends torch,torch model=tiny          # CPU A-vs-A smoke run
+    python scripts/ab_step_time.py --backends mamba_ssm,helion:model.lm_head_loss=chunked:optim.fused=true,mamba_ssm
 
 Everything after the --flags is a Hydra override (defaults prepended: model=nano30b_slice data=mock
 train.micro_batch_size=2 train.global_batch_size=2 train.seq_length=8192 on GPU).
@@ -14,6 +15,9 @@ Method:
   (``validate`` -> ``setup``) and times ``nano_hybrid.train.train_step`` (a full optimizer step).
 - The kernel backend of every Mamba-2 mixer is switched in place with ``set_kernel_backend(model, name)``
   (the mixer's fused op and its gated-norm module; parameters, optimizer state and DDP hooks are kept).
+- An arm is ``backend[:key=value...]``: keys that switch in place on the same model and optimizer
+  (``SWITCHABLE``: model.lm_head_loss, model.lm_loss_chunk_tokens, optim.fused) may differ between arms;
+  an arm without a key runs the composed config's value (``apply_arm``).
 - Warm-up: --warmup steps per arm (compilation, autotuning, allocator). Then --blocks rounds; in each,
   every arm runs --block-steps steps, arm order alternating (ABBA...), so drift and thermal state hit
   all arms equally. The first --discard steps after each switch are not counted.
@@ -38,6 +42,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -84,6 +89,60 @@ def set_kernel_backend(model, backend) -> int:
     return n
 
 
+SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", "optim.fused")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One A/B arm: a kernel backend plus settings that switch in place (``SWITCHABLE`` keys)."""
+
+    backend: str
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """'helion' or 'helion+lm_head_loss-chunked+fused-true' (file-name safe)."""
+        return self.backend + "".join(f"+{k.rsplit('.', 1)[-1]}-{str(v).lower()}" for k, v in self.overrides)
+
+
+def parse_arm(spec: str) -> Arm:
+    """``backend[:key=value[:key=value...]]`` -> Arm; ``ValueError`` on a key that cannot switch in place."""
+    import yaml
+
+    backend, *items = [x.strip() for x in spec.split(":")]
+    if not backend:
+        raise ValueError(f"arm {spec!r} has no backend")
+    ov = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SWITCHABLE:
+            raise ValueError(f"arm {spec!r}: {item!r} is not key=value with a key from {', '.join(SWITCHABLE)}")
+        ov[key] = yaml.safe_load(value)
+    return Arm(backend, tuple(ov.items()))
+
+
+def apply_arm(ctx, arm: Arm, backends: dict) -> None:
+    """Switch ``ctx`` (a ``nano_hybrid.train.Trainer``) to ``arm`` in place: the kernel backend, the LM head + loss
+    (``LMLossMambaModel`` attributes) and the AdamW implementation; keys the arm does not set take the
+    composed config's values, so every arm is fully determined."""
+    from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
+    from nano_hybrid.optim import set_adam_fused
+
+    cfg = ctx.cfg
+    values = {"model.lm_head_loss": cfg.model.get("lm_head_loss", "plain"),
+              "model.lm_loss_chunk_tokens": cfg.model.get("lm_loss_chunk_tokens", 4096),
+              "optim.fused": cfg.optim.get("fused", False), **dict(arm.overrides)}
+    m = {"lm_head_loss": values["model.lm_head_loss"], "lm_loss_chunk_tokens": values["model.lm_loss_chunk_tokens"]}
+    choice, chunk = lm_head_settings(m)
+    check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))
+    if not isinstance(values["optim.fused"], bool):
+        raise ValueError(f"optim.fused={values['optim.fused']!r} must be true or false")
+    set_kernel_backend(ctx.model, backends[arm.backend])
+    model = bl.unwrap_model(ctx.model)
+    model.lm_head_loss, model.lm_loss_chunk_tokens = choice, chunk
+    set_adam_fused(ctx.optimizer, values["optim.fused"])
+
+
 class ReplayIterator:
     """Yields a fixed list of micro-batches over and over (so every block sees the same batches)."""
 
@@ -108,7 +167,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="mamba_ssm,helion",
-                   help="comma-separated arms; the first is the baseline; repeat it for an A-vs-A control")
+                   help="comma-separated arms, each backend[:key=value...] (keys: " + ", ".join(SWITCHABLE)
+                        + "); the first is the baseline; repeat it for an A-vs-A control")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per arm before timing (default 5)")
     p.add_argument("--blocks", type=int, default=8, help="alternation rounds (default 8)")
     p.add_argument("--block-steps", type=int, default=5, help="steps per arm per round (default 5)")
@@ -123,6 +183,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output files")
     a = bl.parse_args_with_overrides(p, argv)
+    try:
+        a.arm_specs = [parse_arm(x) for x in a.arms]
+    except ValueError as e:
+        p.error(str(e))
     if len(a.arms) < 2:
         p.error("--backends needs at least two arms (e.g. mamba_ssm,helion or torch,torch for A-vs-A)")
     for k in ("blocks", "block_steps"):
@@ -153,7 +217,7 @@ def compose_cfg(a):
     with open_dict(cfg):
         if "train.train_iters" not in user_keys:
             cfg.train.train_iters = max(total_steps(a), int(cfg.optim.warmup_iters) + 1)
-        cfg.kernels.backend = a.arms[0]
+        cfg.kernels.backend = a.arm_specs[0].backend
         if cfg.run_dir is None:
             run_id = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getpid())
             cfg.run_dir = str(Path(tempfile.gettempdir()) / f"nano_hybrid_ab_{run_id}")
@@ -198,8 +262,8 @@ def run(a) -> dict | None:
 
     cfg = compose_cfg(a)
     plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
-    backends = {name: get_backend(name) for name in dict.fromkeys(a.arms)}  # every arm must be usable
-    labels = bl.arm_labels(a.arms)
+    backends = {x.backend: get_backend(x.backend) for x in a.arm_specs}  # every arm must be usable
+    labels = bl.arm_labels([x.label for x in a.arm_specs])
     ctx = T.setup(cfg, plan)
     try:
         ctx.start_data()
@@ -223,7 +287,7 @@ def run(a) -> dict | None:
             return dt, out["loss"]
 
         def use(i):
-            set_kernel_backend(ctx.model, backends[a.arms[i]])
+            apply_arm(ctx, a.arm_specs[i], backends)
 
         losses = {lab: [] for lab in labels}
         for i in range(len(a.arms)):  # warm-up
@@ -269,7 +333,7 @@ def run(a) -> dict | None:
                     "streams": table.get("streams"),
                 }
                 if a.isolated_op:
-                    profile[lab]["isolated_op"] = isolated_op_profile(cfg, plan, backends[a.arms[i]], a.profile_steps)
+                    profile[lab]["isolated_op"] = isolated_op_profile(cfg, plan, backends[a.arm_specs[i].backend], a.profile_steps)
         elif a.profile_steps:
             profile = {"skipped": "profiling needs CUDA"}
 
@@ -291,7 +355,8 @@ def run(a) -> dict | None:
         return {
             "benchmark": "ab_step_time",
             "env": bl.env_info(),
-            "args": {k: v for k, v in vars(a).items()},
+            "args": {k: v for k, v in vars(a).items() if k != "arm_specs"},
+            "arm_settings": {lab: {"backend": x.backend, **dict(x.overrides)} for lab, x in zip(labels, a.arm_specs)},
             "config": {
                 "model": str(cfg.model.name), "pattern": str(cfg.model.hybrid_override_pattern),
                 "parallel": {k: cfg.parallel[k] for k in cfg.parallel},

@@ -1,0 +1,156 @@
+"""scripts/step_breakdown.py: attribution of profiled work to categories (synthetic events and a CPU run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ab_step_time as ab
+import step_breakdown as sb
+
+REPO = Path(__file__).resolve().parent.parent
+MAIN, BWD = 1, 2  # thread ids
+
+
+def _ev(name, start, end, thread=MAIN, **kw):
+    return sb.Ev(name=name, start=start, end=end, thread=thread, **kw)
+
+
+def _kernel(name, start, end, linked, stream=7, kind="kernel"):
+    return sb.Ev(name=name, start=start, end=end, thread=0, linked=linked, device=True, stream=stream, kind=kind)
+
+
+def synthetic_events():
+    """One 1000 ns step: forward ops in module ranges, a backward node mapped through its sequence number,
+    AccumulateGrad, the optimizer, an NCCL kernel, two streams overlapping, and a device-side range copy."""
+    ev = [
+        _ev("nhb::step", 0, 1000),
+        _ev("nhb::mamba_mixer", 10, 200),
+        _ev("aten::conv1d", 20, 60, corr=11, seq=5),  # records the node with seq 5
+        _ev("nhb::mamba_proj", 100, 150),
+        _ev("aten::mm", 110, 140, corr=12, seq=6),
+        _ev("nano_hybrid::lm_head_loss", 210, 300),
+        _ev("ChunkedLinearCrossEntropy", 215, 295, corr=13, seq=7),
+        _ev("aten::mm", 220, 240, corr=14),
+        _ev("aten::logsumexp", 250, 260, corr=15),
+        # backward on its own thread: nodes carry (seq, forward thread)
+        _ev("autograd::engine::evaluate_function: ConvolutionBackward0", 400, 500, thread=BWD, seq=5, fwd_thread=MAIN),
+        _ev("ConvolutionBackward0", 401, 499, thread=BWD, seq=5, fwd_thread=MAIN),
+        _ev("aten::convolution_backward", 405, 495, thread=BWD, corr=21),
+        _ev("autograd::engine::evaluate_function: ChunkedLinearCrossEntropyBackward", 505, 560, thread=BWD, seq=7,
+            fwd_thread=MAIN),
+        _ev("aten::mm", 510, 530, thread=BWD, corr=22),
+        _ev("aten::mul", 535, 545, thread=BWD, corr=23),
+        _ev("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 565, 580, thread=BWD),
+        _ev("aten::add_", 566, 579, thread=BWD, corr=24),
+        _ev("nhb::grad_accum", 600, 640),  # finalize_model_grads
+        _ev("c10d::allreduce_", 605, 630, corr=25),
+        _ev("aten::linalg_vector_norm", 650, 660, corr=26),  # clipping between the optimizer's methods
+        _ev("nhb::optimizer", 700, 900),
+        _ev("Optimizer.step#AdamW.step", 710, 890),
+        _ev("aten::_fused_adamw_", 720, 880, corr=27),
+        _ev("aten::add", 950, 960, corr=28),  # after the finalize, no range: optimizer by position
+    ]
+    ev += [
+        _kernel("conv_fwd", 100, 200, 11),  # 100
+        _kernel("gemm_proj", 150, 250, 12, stream=8),  # overlaps conv_fwd 150..200 on another stream
+        _kernel("nvjet_gemm_head", 250, 290, 14),  # 40 -> lm_head
+        _kernel("reduce_lse", 290, 300, 15),  # 10 -> cross_entropy
+        _kernel("nhb::mamba_mixer", 100, 300, 0, kind="gpu_user_annotation"),  # not work
+        _kernel("conv_bwd", 400, 480, 21),  # 80, backward -> mamba_mixer via seq 5
+        _kernel("gemm_bwd_head", 510, 540, 22),  # 30 -> lm_head (backward of the chunked head)
+        _kernel("elementwise_mul", 540, 550, 23),  # 10 -> cross_entropy
+        _kernel("add_main_grad", 570, 590, 24),  # 20 -> grad_accum
+        _kernel("ncclDevKernel_AllReduce", 610, 640, 25, stream=20),  # 30 -> communication
+        _kernel("norm_kernel", 650, 660, 26),  # 10 -> optimizer (after finalize)
+        _kernel("fused_adamw", 720, 900, 27),  # 180 -> optimizer
+        _kernel("add_kernel", 950, 960, 28),  # 10 -> optimizer
+        _kernel("late_kernel", 1200, 1300, 28),  # outside the step: ignored
+    ]
+    return ev
+
+
+def test_synthetic_attribution_sums_to_the_step():
+    r = sb.attribute(synthetic_events(), device=True)
+    ms = r["by_category_ns"]
+    assert r["steps"] == 1 and r["step_ns"] == 1000
+    assert ms["mamba_mixer"] == pytest.approx(75 + 80)  # 50 alone + half of the 50 overlap; backward 80
+    assert ms["mamba_proj"] == pytest.approx(75)  # half of the overlap + 50 alone
+    assert ms["lm_head"] == pytest.approx(40 + 30) and ms["cross_entropy"] == pytest.approx(10 + 10)
+    assert ms["grad_accum"] == pytest.approx(20) and ms["communication"] == pytest.approx(30)
+    assert ms["optimizer"] == pytest.approx(10 + 180 + 10)
+    assert ms["other"] == 0
+    busy = 200 + 80 + 30 + 10 + 20 + 30 + 10 + 180 + 10  # union of the device intervals in the step
+    assert r["busy_ns"] == busy and ms["idle"] == pytest.approx(1000 - busy)
+    assert sum(ms.values()) == pytest.approx(r["step_ns"])
+    assert r["backward_ns"]["mamba_mixer"] == pytest.approx(80) and r["backward_ns"]["lm_head"] == pytest.approx(30)
+
+
+def test_attribution_needs_step_ranges():
+    with pytest.raises(ValueError, match="nhb::step"):
+        sb.attribute([_ev("aten::mm", 0, 10)], device=False)
+
+
+def test_module_categories_of_the_tiny_model(mp):
+    import torch
+
+    from nano_hybrid.config import compose
+    from nano_hybrid.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(compose(["model=tiny", "kernels.backend=torch"]), device="cpu")
+    cats = {n: sb.module_category(n, m) for n, m in model.named_modules()}
+    assert cats[""] == "cross_entropy" and cats["output_layer"] == "lm_head" and cats["embedding"] == "embedding"
+    assert cats["decoder.layers.0.mixer"] == "mamba_mixer" and cats["decoder.layers.0.mixer.in_proj"] == "mamba_proj"
+    assert cats["decoder.layers.0.mixer.norm"] is None  # the gated norm is part of the mixer
+    assert cats["decoder.layers.0.norm"] == "norms" and cats["decoder.final_norm"] == "norms"
+    assert cats["decoder.layers.1.mlp"] == "moe_dispatch" and cats["decoder.layers.1.mlp.router"] == "moe_router"
+    assert cats["decoder.layers.1.mlp.experts"] == "expert_gemm"
+    assert cats["decoder.layers.1.mlp.shared_experts"] == "shared_expert"
+    assert cats["decoder.layers.3.self_attention.core_attention"] == "attn_core"
+    assert cats["decoder.layers.3.self_attention.linear_qkv"] == "attn_proj"
+    assert cats["decoder.layers.1.self_attention"] is None  # IdentityOp in MoE layers
+    assert set(cats.values()) - {None} == set(sb.CATEGORIES) - {"grad_accum", "optimizer", "communication", "other",
+                                                                 "idle"}
+
+
+def test_arm_specs():
+    arm = ab.parse_arm("helion:model.lm_head_loss=chunked:optim.fused=true")
+    assert arm.backend == "helion" and dict(arm.overrides) == {"model.lm_head_loss": "chunked", "optim.fused": True}
+    assert arm.label == "helion+lm_head_loss-chunked+fused-true" and ab.parse_arm("torch").label == "torch"
+    for bad in ("helion:model.hidden_size=8", "helion:optim.fused", ":optim.fused=true"):
+        with pytest.raises(ValueError):
+            ab.parse_arm(bad)
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--backends", "torch:train.seq_length=8"])
+
+
+def test_cpu_breakdown_two_arms(tmp_path):
+    """model=tiny on CPU, plain and chunked+fused arms: CPU op self time per category sums to the step."""
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "step_breakdown.py"),
+         "--backends", "torch,torch:model.lm_head_loss=chunked:optim.fused=true", "--warmup", "0", "--steps", "1",
+         "--profile-steps", "1", "--out", str(tmp_path), "model=tiny", "train.seq_length=64",
+         "train.micro_batch_size=2", "train.global_batch_size=2"],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stem = "step_breakdown_tiny_torch_vs_torch+lm_head_loss-chunked+fused-true"
+    d = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert (tmp_path / f"{stem}.png").stat().st_size > 10_000 and (tmp_path / f"{stem}.md").exists()
+    assert d["arms"] == ["torch", "torch+lm_head_loss-chunked+fused-true"]
+    for lab in d["arms"]:
+        a = d["per_arm"][lab]
+        cats = a["by_category_ms"]
+        assert set(cats) == set(d["categories"])
+        assert sum(cats.values()) == pytest.approx(a["profiled_step_ms"], rel=1e-6)
+        for c in ("mamba_mixer", "mamba_proj", "attn_core", "attn_proj", "moe_router", "moe_dispatch", "expert_gemm",
+                  "shared_expert", "norms", "lm_head", "cross_entropy", "grad_accum", "optimizer"):
+            assert cats[c] > 0, (lab, c)
+        for c in ("mamba_mixer", "expert_gemm", "lm_head", "attn_proj"):  # backward reached through sequence numbers
+            assert a["backward_ms"].get(c, 0) > 0, (lab, c)
+        assert cats["other"] < 0.05 * a["profiled_step_ms"], a["other_top_ms"]
+        assert len(a["losses"]) == 1 and a["losses"][0] > 0
+    assert d["per_arm"]["torch+lm_head_loss-chunked+fused-true"]["arm"] == {
+        "backend": "torch", "model.lm_head_loss": "chunked", "optim.fused": True}
