@@ -198,6 +198,126 @@ def test_gpu_vs_causal_conv1d(b, d, l, useseq):
         assert e_ours <= 2 * e_theirs + 1e-3, f"{name}: helion err {e_ours} vs causal-conv1d {e_theirs}"
 
 
+def _causal_conv1d_fn():
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError as e:
+        pytest.fail(f"causal-conv1d is not importable on this GPU host: {e}")
+    return causal_conv1d_fn
+
+
+def _cl_input(b, d, l, dtype, seed):
+    """A channel-last (b, d, l) view of a (b, l, 8 + d + 8) buffer: strides multiple of 8, as causal-conv1d needs."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    buf = torch.randn(b, l, d + 16, generator=g).to(device="cuda", dtype=dtype)
+    return buf[:, :, 8:8 + d].transpose(1, 2)
+
+
+def _padded_docs(b, l, seed):
+    """seq_idx with documents of 1..5 tokens (below the conv width) and longer ones, and -1 padding runs."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        ids, cur = [], 0
+        while len(ids) < l:
+            n = int(torch.randint(1, 6, (1,), generator=g)) if torch.rand(1, generator=g) < 0.6 else int(
+                torch.randint(6, 40, (1,), generator=g))
+            pad = bool(torch.rand(1, generator=g) < 0.25)
+            ids += [-1 if pad else cur] * n
+            cur += 0 if pad else 1
+        rows.append(ids[:l])
+    return torch.tensor(rows, dtype=torch.int32, device="cuda")
+
+
+def _vs_causal_conv1d(x, w, bias, seq, act, dy):
+    """(ours, causal-conv1d's, fp32 reference) outputs and grads (x, weight, bias) for the same inputs."""
+    fn = _causal_conv1d_fn()
+
+    def grads(f, x_, w_, b_, dy_):
+        cl = x_.stride(1) == 1 and x_.stride(2) != 1
+        leaf = (x_.transpose(1, 2).contiguous() if cl else x_.contiguous()).detach().requires_grad_()
+        xin = leaf.transpose(1, 2) if cl else leaf  # channel-last stays channel-last (causal-conv1d's seq_idx path)
+        ins = [leaf] + [t.detach().clone().requires_grad_() for t in ([w_] + ([b_] if b_ is not None else []))]
+        y = f(xin, ins[1], ins[2] if b_ is not None else None, seq_idx=seq, activation=act)
+        g = list(torch.autograd.grad(y, ins, dy_))
+        return [y, g[0].transpose(1, 2) if cl else g[0]] + g[1:]
+
+    ours = grads(causal_conv1d_helion, x, w, bias, dy)
+    theirs = grads(fn, x, w, bias, dy)
+    ref = grads(causal_conv1d_ref, x.float(), w.float(), None if bias is None else bias.float(), dy.float())
+    return ours, theirs, ref
+
+
+def _assert_close_to(ours, theirs, ref, what):
+    """Ours within bf16/fp16 rounding of the fp32 reference and no worse than 2x causal-conv1d's error (+ slack)."""
+    for name, a, t, r in zip(["out", "dx", "dweight", "dbias"], ours, theirs, ref):
+        assert a.shape == r.shape == t.shape, (what, name)
+        e_ours = (a.float() - r).abs().max().item()
+        e_theirs = (t.float() - r).abs().max().item()
+        scale = r.abs().max().item()
+        assert e_ours <= 2 * e_theirs + 1e-2 * max(1.0, scale), f"{what} {name}: helion {e_ours:.3e} vs causal-conv1d {e_theirs:.3e}"
+
+
+CONV_LENGTHS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 64, 65, 128, 129, 257]  # below the width, MIN_SEQLEN, lanes (64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("seq", [None, "padded_docs"])
+def test_gpu_lengths_widths_vs_causal_conv1d(seq):
+    """Every sequence length of CONV_LENGTHS (1 .. 2 x 128 + 1: each length below the conv width and around the
+    padding minimum and the lane size), widths 2-4, bf16, channel-last, bias, SiLU; with seq_idx: documents shorter
+    than the width and -1 padding, where both give 0. causal-conv1d's backward uses dout at padding positions (whose
+    output is the constant 0), so it is compared with dout zeroed there; with the full dout ours is the fp32
+    reference's gradient."""
+    d = 64
+    for l in CONV_LENGTHS:
+        for w in (2, 3, 4):
+            x = _cl_input(2, d, l, torch.bfloat16, seed=l * 10 + w)
+            g = torch.Generator(device="cpu").manual_seed(l + w)
+            wt = (0.5 * torch.randn(d, w, generator=g)).to("cuda", torch.bfloat16)
+            bias = (0.2 * torch.randn(d, generator=g)).to("cuda", torch.bfloat16)
+            dy = torch.randn(2, d, l, generator=g).to("cuda", torch.bfloat16)
+            sq = None if seq is None else _padded_docs(2, l, seed=l * 7 + w)
+            if sq is not None:
+                dy = dy * (sq >= 0).unsqueeze(1).to(dy.dtype)
+            ours, theirs, ref = _vs_causal_conv1d(x, wt, bias, sq, "silu", dy)
+            _assert_close_to(ours, theirs, ref, f"l={l} w={w} seq={seq}")
+            if sq is not None:
+                for r in range(2):
+                    assert torch.all(ours[0][r][:, sq[r] < 0] == 0) and torch.all(theirs[0][r][:, sq[r] < 0] == 0)
+                # the full dout: ours is the true gradient of the forward it computes (the fp32 reference's)
+                dy_full = torch.randn(2, d, l, generator=g).to("cuda", torch.bfloat16)
+                o_full = _vs_causal_conv1d(x, wt, bias, sq, "silu", dy_full)
+                for name, a, r in zip(["dx", "dweight", "dbias"], o_full[0][1:], o_full[2][1:]):
+                    err = (a.float() - r).abs().max().item()
+                    assert err <= 2e-2 * max(1.0, r.abs().max().item()), (l, w, name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channel_last", [True, False])
+def test_gpu_dtypes_layouts_bias_activation_vs_causal_conv1d(dtype, channel_last):
+    """fp32 / fp16 / bf16, channel-last and channel-first x, with and without bias and SiLU, widths 2-4, at a length
+    below the width (3) and one of two lanes and a partial one (130)."""
+    d = 64
+    combos = [(True, "silu"), (False, None)] + ([(True, None), (False, "silu")] if dtype == torch.bfloat16 else [])
+    for i, (hasb, act) in enumerate(combos):
+        for l in (3, 130):
+            w = 2 + (i + l) % 3
+            g = torch.Generator(device="cpu").manual_seed(i * 100 + l)
+            if channel_last:
+                x = _cl_input(2, d, l, dtype, seed=i + l)
+            else:
+                x = torch.randn(2, d, l, generator=g).to("cuda", dtype)
+            wt = (0.5 * torch.randn(d, w, generator=g)).to("cuda", dtype)
+            bias = (0.2 * torch.randn(d, generator=g)).to("cuda", dtype) if hasb else None
+            dy = torch.randn(2, d, l, generator=g).to("cuda", dtype)
+            ours, theirs, ref = _vs_causal_conv1d(x, wt, bias, None, act, dy)
+            _assert_close_to(ours, theirs, ref, f"{dtype} cl={channel_last} bias={hasb} act={act} l={l} w={w}")
+
+
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
 def test_tuner_compares_final_results_across_lanes_per_program():
     """The conv1d_bwd TuneCase compares dx (written into its argument buffer, poisoned with NaN before
