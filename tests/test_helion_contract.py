@@ -146,6 +146,7 @@ def test_rejected_arguments_raise_not_implemented_naming_them(op):
         assert "\n" not in msg
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpret-mode check (GPU: the GPU tests)")
 def test_fused_op_supported_arguments_match_reference():
     """mamba_split_conv1d_scan_combined with every supported argument away from its default: seq_idx with a document
     of one token, initial states, dt_limit, return_final_states, activation None, D per head-dim, rmsnorm_eps and
@@ -162,6 +163,7 @@ def test_fused_op_supported_arguments_match_reference():
     torch.testing.assert_close(fin, ref_fin, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpret-mode check (GPU: the GPU tests)")
 def test_chunk_scan_supported_arguments_match_reference():
     gen = torch.Generator().manual_seed(4)
     b, l, h, p, g, n, c = 1, 37, 4, 8, 2, 8, 16
@@ -180,6 +182,7 @@ def test_chunk_scan_supported_arguments_match_reference():
         sh.mamba_chunk_scan_combined_helion(x.requires_grad_(), *args[1:], **kw)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpret-mode check (GPU: the GPU tests)")
 def test_norm_supported_arguments_match_reference():
     gen = torch.Generator().manual_seed(5)
     x, z, w = torch.randn(5, 16, generator=gen), torch.randn(5, 16, generator=gen), torch.randn(16, generator=gen)
