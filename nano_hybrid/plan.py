@@ -2,9 +2,10 @@
 
     python -m nano_hybrid.plan model=nano30b parallel=ep2 plan.gpus=8 train.micro_batch_size=1
     python -m nano_hybrid.plan recipe=nano30b_slice_h200 model.recompute=selective plan.format=json
+    python -m nano_hybrid.plan model=nano30b model.num_moe_experts=32 plan.optimizer=false   # fwd+bwd only
 
 Same Hydra config as ``nano_hybrid.train`` (model, parallel, train, plus the ``plan`` group: ``gpus``,
-``format``). It prints, per GPU (the fullest pipeline stage): parameters, gradients, optimizer states,
+``format``, ``optimizer``). It prints, per GPU (the fullest pipeline stage): parameters, gradients, optimizer states,
 activations per layer kind for every recompute choice, the LM-head logits, the peak, the checkpoint
 size on disk and a verdict for 80 / 141 / 192 GB GPUs. ``train.memory_check`` (on by default, CUDA
 only) makes training refuse to start when ``must_not_fit`` says the run cannot fit the GPU.
@@ -122,6 +123,7 @@ class Shape:
     fs: int = 0
     ffn: int = 0
     untied: bool = True
+    optimizer: bool = True  # plan.optimizer=false: forward+backward only (no optimizer states, no step)
     lm_head_loss: str = "plain"  # plain | chunked (model.lm_head_loss)
     lm_chunk: int = 4096  # model.lm_loss_chunk_tokens
 
@@ -280,10 +282,11 @@ def plan_stage(s: Shape, stage: int, choice: str, modules: tuple[str, ...]) -> S
     dense, expert = stage_params(s, stage)
     p = dense + expert
     weights, grads = s.a * p, 4 * p
-    per_param_opt = 12 if s.a == 2 else 8
+    per_param_opt = (12 if s.a == 2 else 8) if s.optimizer else 0
     opt_dense = per_param_opt * dense / (s.dp if s.dist_opt else 1)
     opt_expert = per_param_opt * expert / (s.edp if s.dist_opt else 1)
-    step_transient = 4 * max(dense / (s.dp if s.dist_opt else 1), expert / (s.edp if s.dist_opt else 1))
+    step_transient = 4 * max(dense / (s.dp if s.dist_opt else 1), expert / (s.edp if s.dist_opt else 1)) \
+        if s.optimizer else 0.0
     layers = stage_layers(s)[stage]
     in_flight = min(s.pp - stage, s.num_microbatches)
     by_kind: dict[str, float] = {}
@@ -311,7 +314,7 @@ def plan_stage(s: Shape, stage: int, choice: str, modules: tuple[str, ...]) -> S
 
 
 # ------------------------------------------------------------------------------------------ config
-def shape_from_cfg(cfg: DictConfig, world_size: int | None = None) -> tuple[Shape, int]:
+def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer: bool | None = None) -> tuple[Shape, int]:
     """The planner's view of a composed config (validated like training's) and the world size it plans for."""
     from nano_hybrid.parallel import validate_parallel
 
@@ -328,6 +331,10 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None) -> tuple[Shap
     if gbs % (mbs * sizes["dp"]):
         raise ConfigError(f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} "
                           f"x data-parallel size {sizes['dp']}")
+    if optimizer is None:
+        optimizer = OmegaConf.select(cfg, "plan.optimizer", default=True)
+        if not isinstance(optimizer, bool):
+            raise ConfigError(f"plan.optimizer={optimizer!r} must be true or false")
     precision = str(cfg.train.precision)
     if precision == "auto":
         device = str(cfg.train.device)
@@ -349,7 +356,7 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None) -> tuple[Shap
         f=int(m.get("moe_ffn_hidden_size") or m.get("ffn_hidden_size") or 0),
         fs=int(m.get("moe_shared_expert_intermediate_size") or 0), ffn=int(m.get("ffn_hidden_size") or 0),
         untied=bool(m.get("untie_embeddings_and_output_weights", True)),
-        lm_head_loss=str(m.get("lm_head_loss", "plain")), lm_chunk=int(m.get("lm_loss_chunk_tokens", 4096)),
+        optimizer=optimizer, lm_head_loss=str(m.get("lm_head_loss", "plain")), lm_chunk=int(m.get("lm_loss_chunk_tokens", 4096)),
     ), world_size
 
 
@@ -357,10 +364,10 @@ def _lcm(x: int, y: int) -> int:
     return x * y // math.gcd(x, y)
 
 
-def make_plan(cfg: DictConfig, world_size: int | None = None) -> dict[str, Any]:
+def make_plan(cfg: DictConfig, world_size: int | None = None, *, optimizer: bool | None = None) -> dict[str, Any]:
     """The full plan as a dict: per recompute choice the fullest stage's memory, the configured choice's
-    stages, checkpoint size, verdicts."""
-    s, world = shape_from_cfg(cfg, world_size)
+    stages, checkpoint size, verdicts. ``optimizer``: None takes ``plan.optimizer`` (default true)."""
+    s, world = shape_from_cfg(cfg, world_size, optimizer=optimizer)
     m = model_dict(cfg.model)
     choice, modules = recompute_settings(m)
     selective_modules = modules or tuple(m.get("recompute_modules") or ("moe", "layernorm"))
@@ -382,7 +389,7 @@ def make_plan(cfg: DictConfig, world_size: int | None = None) -> dict[str, Any]:
         "layout": {"tp": s.tp, "pp": s.pp, "ep": s.ep, "etp": s.etp, "dp": s.dp, "edp": s.edp, "sp": s.sp,
                    "distributed_optimizer": s.dist_opt},
         "micro_batch_size": s.mbs, "seq_length": s.seq, "num_microbatches": s.num_microbatches,
-        "dtype": "bf16" if s.a == 2 else "fp32", "recompute": choice, "recompute_modules": list(modules),
+        "dtype": "bf16" if s.a == 2 else "fp32", "optimizer": s.optimizer, "recompute": choice, "recompute_modules": list(modules),
         "params_total": dense + expert, "params_expert_total": expert,
         "stages": [_stage_dict(x) for x in stages],
         "peak_gib": worst.peak / GIB, "peak_stage": worst.stage,
@@ -418,7 +425,7 @@ def must_not_fit(plan: dict, capacity_bytes: float) -> bool:
 
 def check_memory(cfg: DictConfig, world_size: int, capacity_bytes: float) -> None:
     """Training's start-up check (``train.memory_check``): ``ConfigError`` when the run cannot fit."""
-    plan = make_plan(cfg, world_size)
+    plan = make_plan(cfg, world_size, optimizer=True)
     if must_not_fit(plan, capacity_bytes):
         st = plan["stages"][plan["peak_stage"]]
         raise ConfigError(
@@ -437,6 +444,7 @@ def format_text(plan: dict) -> str:
         f"{' SP' if lay['sp'] else ''}{' dist-opt' if lay['distributed_optimizer'] else ''}; "
         f"micro-batch {plan['micro_batch_size']} x {plan['seq_length']} tokens, {plan['num_microbatches']} "
         f"micro-batch(es) per step, {plan['dtype']}, recompute={plan['recompute']}"
+        + ("" if plan["optimizer"] else ", forward+backward only (plan.optimizer=false)")
         + (f" {plan['recompute_modules']}" if plan["recompute_modules"] else ""),
         "",
         "per GPU (GiB)       " + "".join(f"stage {x['stage']:<5}" for x in plan["stages"]),

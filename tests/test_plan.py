@@ -5,8 +5,6 @@ with one ``error:`` line on bad input."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -106,22 +104,25 @@ def test_verdict_thresholds():
     assert fit_verdict((cap + 1) * GIB, cap) == "does not fit"
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "nano_hybrid.plan", *args], capture_output=True, text=True, timeout=120)
+def _cli(capsys, *args):
+    from nano_hybrid.plan import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_cli_text_json_and_errors():
-    r = _cli("model=nano30b_slice", "train.device=cuda", "train.micro_batch_size=1", "plan.format=json")
-    assert r.returncode == 0, r.stderr
-    plan = json.loads(r.stdout)
+def test_cli_text_json_and_errors(capsys):
+    code, out, err = _cli(capsys, "model=nano30b_slice", "train.device=cuda", "train.micro_batch_size=1", "plan.format=json")
+    assert code == 0, err
+    plan = json.loads(out)
     assert plan["model"] == "nano30b_slice" and plan["dtype"] == "bf16"
-    r = _cli("model=nano30b_slice", "train.device=cuda", "train.micro_batch_size=1")
-    assert r.returncode == 0 and "peak per recompute choice" in r.stdout and "141 GB (H200)" in r.stdout
-    bad = _cli("model=nano30b", "parallel=tp2", "plan.gpus=3")
-    assert bad.returncode == 2
-    assert bad.stderr.strip().count("\n") == 0 and bad.stderr.startswith("error: invalid parallel layout")
-    bad = _cli("model=tiny", "plan.format=yaml")
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: plan.format='yaml'; choose text or json"
+    code, out, _ = _cli(capsys, "model=nano30b_slice", "train.device=cuda", "train.micro_batch_size=1")
+    assert code == 0 and "peak per recompute choice" in out and "141 GB (H200)" in out
+    code, _, err = _cli(capsys, "model=nano30b", "parallel=tp2", "plan.gpus=3")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: invalid parallel layout")
+    code, _, err = _cli(capsys, "model=tiny", "plan.format=yaml")
+    assert code == 2 and err == "error: plan.format='yaml'; choose text or json\n"
 
 
 def test_training_memory_check():
@@ -132,9 +133,12 @@ def test_training_memory_check():
                                           r"above this GPU's 131\.3 GiB; .* train\.memory_check=false"):
         check_memory(compose(["model=nano30b", *GPU, "train.micro_batch_size=1"]), 1, 141e9)
     check_memory(compose(["model=nano30b_slice", *GPU, "train.micro_batch_size=1"]), 1, 141e9)  # fits: no error
-    r = subprocess.run([sys.executable, "-m", "nano_hybrid.train", "train.memory_check=maybe"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == "error: train.memory_check='maybe' must be true or false"
+
+def test_training_refuses_a_bad_memory_check_value(capsys):
+    from nano_hybrid.train import main
+
+    assert main(["train.memory_check=maybe"]) == 2  # fails in validation, before any work
+    assert capsys.readouterr().err == "error: train.memory_check='maybe' must be true or false\n"
 
 
 def test_plan_vs_measured_cases_plan_on_cpu(capsys):
@@ -150,3 +154,14 @@ def test_plan_vs_measured_cases_plan_on_cpu(capsys):
     assert all(p["peak_gib"] < GPUS["141 GB (H200)"] for p in planned.values())
     assert pvm.main(["--cases", "slice13-mbs1-none"]) == 2
     assert capsys.readouterr().err == "error: plan_vs_measured.py measures GPU memory: it needs a CUDA device\n"
+
+
+def test_forward_backward_only_plan():
+    """plan.optimizer=false: no optimizer states or step; the 52-layer model with 32 experts then fits one H200."""
+    base = ["model=nano30b", "model.num_moe_experts=32", *GPU, "train.micro_batch_size=1", "train.global_batch_size=1"]
+    full = make_plan(compose(base))
+    fb = make_plan(compose([*base, "plan.optimizer=false"]))
+    assert full["verdict"]["141 GB (H200)"] == "does not fit" and fb["verdict"]["141 GB (H200)"] == "fits"
+    st = fb["stages"][0]
+    assert st["optimizer_gib"] == 0 and st["optimizer_step_transient_gib"] == 0 and not fb["optimizer"]
+    assert fb["peak_gib"] == pytest.approx(full["stages"][0]["fwd_bwd_peak_gib"] - full["stages"][0]["optimizer_gib"])
