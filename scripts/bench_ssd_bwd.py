@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 7 benchmark: the fused split-conv1d-scan op + gated RMSNorm, forward+backward, helion vs mamba_ssm.
+"""Benchmark: the fused split-conv1d-scan op + gated RMSNorm, forward+backward, helion vs mamba_ssm.
 
 Runs ``scripts/bench_kernels.py`` (one process per shape; side by side in that process: ABBA
 alternation over rounds, A-vs-A control, medians with bootstrap CIs, torch.profiler per-kernel

@@ -1,4 +1,4 @@
-"""Helion SSD forward vs mamba-ssm, side by side in one process (issue 5).
+"""Helion SSD forward vs mamba-ssm, side by side in one process.
 
 For each shape (nano, nano_tp2, nano_b4_l4096; configs tuned at nano only) and each comparison
 (mamba-ssm kernel(s) vs Helion counterpart; fused Helion kernels vs the sum of what they replace;

@@ -10,7 +10,7 @@
 2. Timing at Nemotron-3 Nano dims (hidden 2688; attention 32/2 heads of 128; MoE 128 experts top-6 of
    1856 + shared 3712, sigmoid router with expert bias), micro-batch 2, seq 8192: forward+backward of one
    attention layer and one MoE layer (the layers as built by nano_hybrid.model.build_model), CUDA
-   events, plus peak memory. Targets (issue 6): attention <= 11 ms, MoE <= 22 ms.
+   events, plus peak memory. Targets: attention <= 11 ms, MoE <= 22 ms.
 
 Writes ``$OUT/fast_modules.json`` (OUT defaults to runs/bench/h200).
 """

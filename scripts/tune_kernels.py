@@ -12,7 +12,7 @@ are compared on their final results (``TuneCase.finalize``: dx, dz, summed dweig
 A JSON log with every candidate's outcome goes to $OUT (default runs/bench/h200).
 A failing (kernel, shape) is logged with its traceback and the next one still runs. With more than one
 (kernel, shape) pair each pair is searched in a child process of its own (``--no-isolate`` turns that off): a
-candidate that leaves a sticky CUDA error (e.g. "misaligned address", session 5) ends only its own search, where
+candidate that leaves a sticky CUDA error (e.g. "misaligned address") ends only its own search, where
 in one process it ended every search after it.
 """
 
