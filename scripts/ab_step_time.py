@@ -296,15 +296,20 @@ def run(a) -> dict | None:
             for _ in range(a.warmup):
                 step_time()
         times = {lab: [] for lab in labels}
+        peak_gb = {lab: 0.0 for lab in labels}  # peak allocated memory within each arm's blocks (CUDA)
         for order in bl.alternating_order(len(a.arms), a.blocks):
             for i in order:
                 use(i)
                 replay.reset()
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
                 for k in range(a.block_steps):
                     dt, loss = step_time()
                     if k >= a.discard:
                         times[labels[i]].append(dt)
                     losses[labels[i]].append(loss)
+                if dev.type == "cuda":
+                    peak_gb[labels[i]] = max(peak_gb[labels[i]], torch.cuda.max_memory_allocated(dev) / 2**30)
 
         profile = {}
         if a.profile_steps and dev.type == "cuda":
@@ -346,6 +351,7 @@ def run(a) -> dict | None:
                 "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.world_size,
                 "tflops_per_gpu": ctx.flops_per_token * tokens_per_step / s["median"] / plan.world_size / 1e12,
                 "losses": losses[lab],
+                "peak_mem_gb": peak_gb[lab] if dev.type == "cuda" else None,
             }
         base = labels[0]
         ratios = {f"{lab}_vs_{base}": bl.ratio_summary(times[base], times[lab], n_boot=a.n_boot)
@@ -393,8 +399,10 @@ def markdown(res: dict) -> str:
         sp = res["speedup_vs_first"].get(f"{lab}_vs_{res['arms'][0]}")
         rows.append([lab, f"{1e3 * s['median']:.1f}", f"{1e3 * s['p90']:.1f}", s["n"],
                      f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
-                     "1 (baseline)" if sp is None else f"{sp['speedup']:.3f}x [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]"])
-    lines.append(bl.md_table(["arm", "median ms", "p90 ms", "n", "tokens/s/GPU", "TFLOP/s/GPU", "speedup (95% CI)"], rows))
+                     "1 (baseline)" if sp is None else f"{sp['speedup']:.3f}x [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]",
+                     "-" if r.get("peak_mem_gb") is None else f"{r['peak_mem_gb']:.1f}"])
+    lines.append(bl.md_table(["arm", "median ms", "p90 ms", "n", "tokens/s/GPU", "TFLOP/s/GPU", "speedup (95% CI)",
+                              "peak GiB"], rows))
     prof = res.get("profile") or {}
     if prof and "skipped" not in prof:
         lines += ["", "Share of the step in the Mamba-2 SSD op (incl. causal conv1d) and the gated RMSNorm (torch.profiler):", ""]

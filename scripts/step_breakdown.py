@@ -540,6 +540,9 @@ def run(a) -> dict | None:
             for spec, lab in zip(a.arm_specs, labels):
                 ab.apply_arm(ctx, spec, backends)
                 replay.reset()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
                 for _ in range(a.warmup):
                     T.train_step(ctx)
                 times, losses = [], []
@@ -564,10 +567,9 @@ def run(a) -> dict | None:
                     "other_top_ms": {k: v / 1e6 for k, v in r["other_top_ns"].items()},
                     "profiled_steps": r["steps"],
                     "losses": losses,
+                    # from this arm's warm-up to its profiled steps (the model and optimizer state included)
                     "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
                 }
-                if dev.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
         finally:
             if ranges is not None:
                 ranges.remove()
@@ -615,6 +617,9 @@ def markdown(res: dict) -> str:
     rows.append(total)
     rows.append(["measured step (median, unprofiled)"]
                 + [f"{res['per_arm'][lab]['measured_step_ms']['median']:.2f}" for lab in arms] + [""] * len(arms))
+    if any(res["per_arm"][lab].get("peak_mem_gb") for lab in arms):
+        rows.append(["peak memory allocated (GiB)"] + [f"{res['per_arm'][lab]['peak_mem_gb']:.1f}" for lab in arms]
+                    + [""] * len(arms))
     lines.append(bl.md_table(head, rows))
     lines += ["", "Categories: " + "; ".join(f"`{k}`: {v}" for k, v in res["descriptions"].items()) + "."]
     return "\n".join(lines)

@@ -11,7 +11,7 @@ below is mostly 1:1. Keys that are not TransformerConfig fields:
 - ``squared_relu``: ``activation_func = squared_relu``, non-gated.
 - ``attention_impl`` (``sdpa`` | ``unfused``) and ``moe_experts_impl`` (``grouped`` | ``sequential``):
   which core-attention and expert modules the layer spec uses (see ``nano_hybrid.model.specs``).
-- ``lm_head_loss`` (``plain`` | ``chunked``) and ``lm_loss_chunk_tokens``: the LM head + cross-entropy,
+- ``lm_head_loss`` (``plain`` | ``chunked`` | ``chunked_compiled``) and ``lm_loss_chunk_tokens``: the LM head + cross-entropy,
   see ``nano_hybrid.model.lm_loss``.
 - ``recompute`` (``none`` | ``selective`` | ``full``) and ``recompute_modules`` (used by ``selective``):
   activation recompute, see ``nano_hybrid.model.recompute``.

@@ -13,6 +13,9 @@
   Same per-token loss as the plain path (megatron's semantics: no ignore index, no label smoothing; the
   loss mask is applied by the caller). Tensor parallelism (vocab-parallel logits) is not supported: the
   config check refuses ``tensor_model_parallel_size > 1``.
+- ``chunked_compiled``: the same, with each chunk's softmax statistics, loss and ``D`` in two kernels that
+  ``torch.compile`` generates (``chunk_loss_and_dlogits``: one reduction pass and one elementwise pass over
+  the chunk's logits instead of eager torch's separate cast, logsumexp, subtract, exp, scatter and cast).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.mamba import MambaModel
 
-LM_HEAD_LOSSES = ("plain", "chunked")
+LM_HEAD_LOSSES = ("plain", "chunked", "chunked_compiled")
 DEFAULT_CHUNK_TOKENS = 4096
 PROFILE_RANGE = "nano_hybrid::lm_head_loss"  # record_function name around the chunked head (step breakdown)
 
@@ -39,10 +42,37 @@ def lm_head_settings(m: dict) -> tuple[str, int]:
 def check_lm_head_parallel(m: dict, tensor_model_parallel_size: int) -> None:
     """The chunked head computes the full vocabulary on each rank: refuse tensor parallelism."""
     choice, _ = lm_head_settings(m)
-    if choice == "chunked" and tensor_model_parallel_size > 1:
+    if choice != "plain" and tensor_model_parallel_size > 1:
         raise ValueError(
-            f"model.lm_head_loss=chunked needs parallel.tensor_model_parallel_size=1 (got {tensor_model_parallel_size}): "
+            f"model.lm_head_loss={choice} needs parallel.tensor_model_parallel_size=1 (got {tensor_model_parallel_size}): "
             "its logits are not vocab-parallel; use model.lm_head_loss=plain with TP")
+
+
+def chunk_loss_and_dlogits(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss (fp32) and ``softmax - onehot`` (in ``logits.dtype``) of one chunk ``[c, V]`` (functional:
+    the form ``torch.compile`` fuses)."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    loss = lse - lf.gather(1, target[:, None]).squeeze(1)
+    cols = torch.arange(lf.shape[1], device=lf.device)
+    d = torch.exp(lf - lse[:, None]) - (cols[None, :] == target[:, None]).to(lf.dtype)
+    return loss, d.to(logits.dtype)
+
+
+def chunk_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token loss (fp32) of one chunk ``[c, V]``."""
+    lf = logits.float()
+    return torch.logsumexp(lf, dim=-1) - lf.gather(1, target[:, None]).squeeze(1)
+
+
+_COMPILED: dict = {}
+
+
+def compiled(fn):
+    """``torch.compile(fn)`` once per process (static shapes: the last, shorter chunk is a second graph)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -54,7 +84,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int,
-                grad_enabled: bool = True):
+                grad_enabled: bool = True, use_compile: bool = False):
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
             raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [T, h] and [V, h]")
         if labels.shape != hidden.shape[:1]:
@@ -65,6 +95,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.empty(n_tok, dtype=torch.float32, device=hidden.device)
         dlogits = torch.empty(n_tok, vocab, dtype=weight.dtype, device=hidden.device) if need_grad else None
         labels = labels.long()
+        if use_compile:
+            fused_grad, fused_loss = compiled(chunk_loss_and_dlogits), compiled(chunk_loss)
+            for s in range(0, n_tok, chunk_tokens):
+                e = min(n_tok, s + chunk_tokens)
+                logits = torch.mm(hidden[s:e], weight.t())
+                if need_grad:
+                    loss[s:e], dlogits[s:e] = fused_grad(logits, labels[s:e])
+                else:
+                    loss[s:e] = fused_loss(logits, labels[s:e])
+                del logits
+            ctx.save_for_backward(hidden, weight, dlogits)
+            return loss
         for s in range(0, n_tok, chunk_tokens):
             e = min(n_tok, s + chunk_tokens)
             tgt = labels[s:e, None]
@@ -88,15 +130,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = (torch.mm(dlogits, weight).float() * g).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
             grad_weight = torch.mm(dlogits.t(), (hidden.float() * g).to(hidden.dtype))
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, use_compile: bool = False) -> torch.Tensor:
     """Per-token loss of ``hidden [..., h]`` against ``labels [...]`` (same leading shape), fp32."""
     lead = labels.shape
     loss = ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                           int(chunk_tokens), torch.is_grad_enabled())
+                                           int(chunk_tokens), torch.is_grad_enabled(), bool(use_compile))
     return loss.view(lead)
 
 
@@ -112,7 +154,7 @@ class LMLossMambaModel(MambaModel):
     """megatron's ``MambaModel`` with the LM head + loss of ``model.lm_head_loss``.
 
     ``plain`` (and every call without labels, in inference or on a non-last pipeline stage) is
-    ``MambaModel.forward`` unchanged. ``chunked`` runs ``MambaModel.forward`` up to the final norm (as a
+    ``MambaModel.forward`` unchanged. ``chunked`` / ``chunked_compiled`` run ``MambaModel.forward`` up to the final norm (as a
     non-last stage does) and then ``chunked_linear_cross_entropy`` with the output layer's weight (the
     embedding's when they are tied). Parameters and checkpoint keys are those of ``MambaModel``.
     """
@@ -142,5 +184,6 @@ class LMLossMambaModel(MambaModel):
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
             else self.output_layer.weight
         with torch.profiler.record_function(PROFILE_RANGE):
-            loss = chunked_linear_cross_entropy(hidden, weight, labels.transpose(0, 1), self.lm_loss_chunk_tokens)
+            loss = chunked_linear_cross_entropy(hidden, weight, labels.transpose(0, 1), self.lm_loss_chunk_tokens,
+                                                use_compile=self.lm_head_loss == "chunked_compiled")
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s], as MambaModel returns it
