@@ -27,6 +27,9 @@ HARMLESS_WARNINGS = (
     "full scope is deprecated. Use empty cuda_graph_scope",
     # megatron-core's dist_checkpointing load calls torch's deprecated alias (same function)
     "`load_state_dict` is deprecated and will be removed in future versions",
+    # megatron-core's DDP/distributed optimizer call torch's deprecated collective names (same functions)
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
 )
 # Log records of the same kind: (logger, text the message starts with).
 HARMLESS_LOG_RECORDS = (

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
