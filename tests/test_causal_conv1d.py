@@ -112,8 +112,8 @@ def test_seq_idx_blocks_cross_sequence_flow():
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
 @pytest.mark.parametrize("cl", [True, False])
-@pytest.mark.parametrize("w", [2, 3, 4])
-@pytest.mark.parametrize("l", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("w", [2, 4])
+@pytest.mark.parametrize("l", [1, 2, 3, 8])
 def test_short_sequences_match_reference_interpret(l, w, cl):
     """Sequences of 1..8 rows (below and at the conv width, below MIN_SEQLEN and at it), with seq_idx and padding:
     outputs and gradients as the reference's."""
