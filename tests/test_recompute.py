@@ -82,7 +82,7 @@ def _counting_hooks(model) -> dict:
     return counts
 
 
-def _step(overrides, state=None):
+def _step(overrides, state=None, device="cpu"):
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     from nano_hybrid import mcore_compat
@@ -90,15 +90,15 @@ def _step(overrides, state=None):
 
     cfg = compose([*BASE, *overrides])
     torch.manual_seed(0)
-    model = build_model(cfg, device="cpu")
+    model = build_model(cfg, device=device)
     if state is not None:
         model.load_state_dict(state)
     model.train()
     counts = _counting_hooks(model)
     g = torch.Generator().manual_seed(3)
     s, b = 64, 2
-    tok = torch.randint(0, 256, (b, s), generator=g)
-    pos = torch.arange(s)[None].expand(b, s)
+    tok = torch.randint(0, 256, (b, s), generator=g).to(device)
+    pos = torch.arange(s, device=device)[None].expand(b, s)
     torch.manual_seed(11)
     mcore_compat.model_parallel_manual_seed(77)
     clear_aux_losses_tracker()
@@ -135,6 +135,29 @@ def test_recompute_gradients_match(reference, choice, modules, extra):
 def test_no_recompute_runs_each_module_once(reference):
     *_, counts = reference
     assert counts == ONCE
+
+
+GPU_VARIANTS = [v for v in VARIANTS if v[0] == "full" or len(v[1]) > 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("choice,modules,extra", GPU_VARIANTS, ids=[f"{c}-{'+'.join(m) or 'all'}" for c, m, _ in GPU_VARIANTS])
+def test_recompute_gradients_match_gpu_mamba_ssm(gloo, choice, modules, extra):
+    """The same on one GPU with mamba-ssm's kernels (fp32; the CUDA RNG streams restored by the checkpoints)."""
+    gpu = ["kernels.backend=mamba_ssm"]
+    model, ref_loss, ref_grads, ref_aux, ref_counts = _step(gpu, device="cuda")
+    state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
+    del model
+    mods = "[" + ",".join(modules) + "]"
+    _, loss, grads, aux, counts = _step([*gpu, f"model.recompute={choice}", f"model.recompute_modules={mods}"],
+                                        state, device="cuda")
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+    assert set(grads) == set(ref_grads)
+    for name, g in grads.items():  # mamba-ssm's backward accumulates with atomics: not bitwise
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert set(aux) == set(ref_aux)
+    assert counts == {k: v + extra.get(k, 0) for k, v in ref_counts.items()}
 
 
 @pytest.mark.parametrize("override,msg", [
