@@ -54,7 +54,7 @@ output stays as out-projection input), ``mlp`` the dense FFN tensors.
 
 Peak per GPU = static + in-flight micro-batches x (sum of the stage's layer activations + head) + the
 largest backward transient (the LM-head logits in the training dtype, or one layer's backward work
-space, taken as that layer's activations; with ``full`` plus its rebuilt activations). Pipeline stage
+space, taken as that layer's activations, plus whatever of them recompute rebuilds). Pipeline stage
 ``r`` of ``PP`` holds up to ``min(PP - r, micro-batches)`` micro-batches (1F1B). The allocator's
 fragmentation and the CUDA context are not in ``torch.cuda.max_memory_allocated``; the verdict keeps a
 margin for them (``FIT_MARGIN``, ``CONTEXT_GIB``).
@@ -295,10 +295,11 @@ def plan_stage(s: Shape, stage: int, choice: str, modules: tuple[str, ...]) -> S
         full_set = sum(layer_activations(s, kind).values())
         if choice == "full":
             kept = s.a * (s.mbs * s.seq / (s.tp if s.sp else 1)) * s.h
-            workspace = max(workspace, 2 * full_set)  # rebuilt activations + their backward work space
         else:
             kept = sum(layer_activations(s, kind, modules).values())
-            workspace = max(workspace, full_set)
+        # during this layer's backward: the activations recompute rebuilds plus the gradient work space
+        # (taken as large as the layer's activations)
+        workspace = max(workspace, full_set + (full_set - kept))
         by_kind[kind] = by_kind.get(kind, 0.0) + kept
     head = sum(head_activations(s).values()) if stage == s.pp - 1 else 0.0
     transient = max(head_transient(s) if stage == s.pp - 1 else 0.0, workspace)
