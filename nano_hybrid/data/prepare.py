@@ -229,7 +229,10 @@ def write_indexed_dataset(
             _set_json_key(spec, json_key)
             results = map(_encode, _tasks(files))
         else:
-            ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+            # fork is cheapest; a process that already holds a CUDA context (the trainer) spawns its workers
+            torch = sys.modules.get("torch")
+            cuda_up = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+            ctx = multiprocessing.get_context("fork" if sys.platform == "linux" and not cuda_up else "spawn")
             pool = ctx.Pool(workers, initializer=_set_json_key, initargs=(spec, json_key))
             results = pool.imap(_encode, _tasks(files), chunksize=32)
         with _Progress(total_bytes, progress) as bar:
