@@ -76,7 +76,7 @@ def measure_case(name: str, a) -> dict:
     from megatron.core import parallel_state as ps
 
     from nano_hybrid.plan import make_plan
-    from nano_hybrid.train import build_model_and_optimizer, forward_backward, init_distributed, validate
+    from nano_hybrid.train import build_model_and_optimizer, cpu_compat_mode, forward_backward, init_distributed, validate
 
     cfg = case_config(name, a.backend, a.overrides)
     plan = make_plan(cfg, 1)
@@ -102,7 +102,8 @@ def measure_case(name: str, a) -> dict:
         t1 = time.perf_counter()
         fb_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        update_ok, grad_norm, _ = optimizer.step()
+        with cpu_compat_mode(rp):  # a no-op on CUDA
+            update_ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
