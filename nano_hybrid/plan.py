@@ -42,8 +42,8 @@ heads, ``k`` top-k, ``f`` expert FFN, ``fs`` shared-expert FFN, ``E`` experts, `
 - LM head (last stage): final norm input and output (2 a T_sp h), the fp32 logits the cross-entropy
   keeps (4 T V) and, while the loss is formed and again at the start of the backward, the logits in the
   training dtype beside them (a T V, transient). With ``model.lm_head_loss=chunked``: the kept
-  ``softmax - onehot`` in the model dtype (a T V) and, transient, one chunk's logits (chunk x V x (a + 8))
-  or the output layer's weight gradient (a V h).
+  ``softmax - onehot`` in the model dtype (a T V) and, transient, one chunk's logits (chunk x V x (a + 8);
+  a + 4 for ``chunked_compiled``) or the output layer's weight gradient (a V h).
 
 Recompute: ``full`` keeps only each layer's input (a T_sp h) and, during one layer's backward, holds that
 layer's activations again; ``selective`` drops the pieces its modules rebuild: ``layernorm`` the norm
@@ -124,7 +124,7 @@ class Shape:
     ffn: int = 0
     untied: bool = True
     optimizer: bool = True  # plan.optimizer=false: forward+backward only (no optimizer states, no step)
-    lm_head_loss: str = "plain"  # plain | chunked (model.lm_head_loss)
+    lm_head_loss: str = "plain"  # plain | chunked | chunked_compiled (model.lm_head_loss)
     lm_chunk: int = 4096  # model.lm_loss_chunk_tokens
 
     @property
@@ -241,7 +241,7 @@ def head_activations(s: Shape) -> dict[str, float]:
     a, t = s.a, s.mbs * s.seq
     tsp = t / s.tp if s.sp else t
     out = {"final_norm": 2 * a * tsp * s.h + 4 * tsp}
-    if s.lm_head_loss == "chunked":
+    if s.lm_head_loss.startswith("chunked"):  # chunked | chunked_compiled
         out["softmax_minus_onehot"] = a * t * s.vocab  # D = softmax - onehot in the model dtype
     else:
         out["logits_fp32"] = 4 * t * s.vocab / s.tp
@@ -250,11 +250,13 @@ def head_activations(s: Shape) -> dict[str, float]:
 
 def head_transient(s: Shape) -> float:
     """plain: the logits in the training dtype beside the fp32 ones (none in fp32: .float() is a no-op);
-    chunked: one chunk's logits in the model dtype plus two fp32 copies, or the output-layer weight
-    gradient in the model dtype in the backward, whichever is larger."""
+    chunked: one chunk's logits in the model dtype plus two fp32 copies (one for chunked_compiled), or the
+    output-layer weight gradient in the model dtype in the backward, whichever is larger."""
     t = s.mbs * s.seq
-    if s.lm_head_loss == "chunked":
-        return max(min(s.lm_chunk, t) * s.vocab * (s.a + 8), s.a * s.vocab * s.h)
+    if s.lm_head_loss.startswith("chunked"):  # chunked | chunked_compiled
+        # eager: the chunk's logits, their fp32 copy and logsumexp's fp32 work space; compiled: fused
+        per_logit = s.a + (4 if s.lm_head_loss == "chunked_compiled" else 8)
+        return max(min(s.lm_chunk, t) * s.vocab * per_logit, s.a * s.vocab * s.h)
     return 0.0 if s.a == 4 else s.a * t * s.vocab / s.tp
 
 

@@ -165,3 +165,14 @@ def test_forward_backward_only_plan():
     st = fb["stages"][0]
     assert st["optimizer_gib"] == 0 and st["optimizer_step_transient_gib"] == 0 and not fb["optimizer"]
     assert fb["peak_gib"] == pytest.approx(full["stages"][0]["fwd_bwd_peak_gib"] - full["stages"][0]["optimizer_gib"])
+
+
+def test_chunked_lm_head_keeps_model_dtype_logits_only():
+    base = ["model=nano30b_slice", *GPU, "train.micro_batch_size=2", "train.global_batch_size=2"]
+    plain = make_plan(compose(base))["stages"][0]
+    for choice in ("chunked", "chunked_compiled"):
+        chunked = make_plan(compose([*base, f"model.lm_head_loss={choice}"]))["stages"][0]
+        t, v = 2 * 8192, 131072
+        # plain keeps fp32 logits (4 bytes) and has the bf16 ones beside them; chunked keeps bf16 softmax - onehot
+        assert plain["head_gib"] - chunked["head_gib"] == pytest.approx((4 - 2) * t * v / GIB)
+        assert chunked["head_gib"] + chunked["transient_gib"] < plain["head_gib"] + plain["transient_gib"]
