@@ -224,3 +224,20 @@ def test_hf_tokenizer_folder(tmp_path):
     (tmp_path / "tokenizer_config.json").unlink()
     with pytest.raises(TokenizerError, match="no EOS token"):
         build_tokenizer({"type": "hf", "path": str(tmp_path)})
+
+
+def test_validation_loss_same_under_dp2(tmp_path):
+    """Validation through megatron's forward-only schedule gives the same val_loss with one process and with
+    two data-parallel gloo ranks (each evaluates its slice of the same global batches)."""
+    common = ["model=tiny", "train.device=cpu", "train.seq_length=64", "train.micro_batch_size=2",
+              "train.global_batch_size=4", "train.train_iters=2", "optim.warmup_iters=1", "train.eval_interval=2",
+              "train.eval_iters=2", "checkpoint.load=none", "checkpoint.interval=0", "checkpoint.save_on_exit=false"]
+    single = run_train([*common, f"run_dir={tmp_path / 'single'}"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    dp2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "nano_hybrid.train", "parallel=dp2", *common, f"run_dir={tmp_path / 'dp2'}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert dp2.returncode == 0, dp2.stderr[-3000:]
+    a, b = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in ("single", "dp2"))
+    assert "val_loss" in a[-1] and abs(a[-1]["val_loss"] - b[-1]["val_loss"]) < 1e-4 * a[-1]["val_loss"]
