@@ -450,14 +450,17 @@ def format_text(plan: dict) -> str:
         + ("" if plan["optimizer"] else ", forward+backward only (plan.optimizer=false)")
         + (f" {plan['recompute_modules']}" if plan["recompute_modules"] else ""),
         "",
-        "per GPU (GiB)       " + "".join(f"stage {x['stage']:<5}" for x in plan["stages"]),
+        f"{'per GPU (GiB)':<20}" + "".join(f"{'stage ' + str(x['stage']):>12}" for x in plan["stages"]),
     ]
 
-    def row(label, key, fmt="{:>11.2f}"):
+    def row(label, key, fmt="{:>12.2f}"):
         lines.append(f"{label:<20}" + "".join(fmt.format(x[key]) for x in plan["stages"]))
 
-    lines.append(f"{'layers':<20}" + "".join(f"{x['layers']:>11}" for x in plan["stages"]))
-    lines.append(f"{'params (M)':<20}" + "".join(f"{(x['params_dense'] + x['params_expert']) / 1e6:>11.1f}"
+    def counts(layers: str) -> str:
+        return " ".join(f"{layers.count(k)}{k}" for k in "ME*-" if k in layers)
+
+    lines.append(f"{'layers':<20}" + "".join(f"{counts(x['layers']):>12}" for x in plan["stages"]))
+    lines.append(f"{'params (M)':<20}" + "".join(f"{(x['params_dense'] + x['params_expert']) / 1e6:>12.1f}"
                                                  for x in plan["stages"]))
     row("weights", "weights_gib")
     row("gradients (fp32)", "grads_gib")
@@ -465,10 +468,10 @@ def format_text(plan: dict) -> str:
     kinds = sorted({k for x in plan["stages"] for k in x["activations_by_kind_gib"]}, key="ME*-".index)
     names = {"M": "act Mamba", "*": "act attention", "E": "act MoE", "-": "act MLP"}
     for k in kinds:
-        lines.append(f"{names[k] + ' /mb':<20}" + "".join(f"{x['activations_by_kind_gib'].get(k, 0.0):>11.2f}"
+        lines.append(f"{names[k] + ' /mb':<20}" + "".join(f"{x['activations_by_kind_gib'].get(k, 0.0):>12.2f}"
                                                           for x in plan["stages"]))
     row("act LM head /mb", "head_gib")
-    lines.append(f"{'in-flight mb':<20}" + "".join(f"{x['in_flight']:>11d}" for x in plan["stages"]))
+    lines.append(f"{'in-flight mb':<20}" + "".join(f"{x['in_flight']:>12d}" for x in plan["stages"]))
     row("activations", "activations_gib")
     row("bwd transient", "transient_gib")
     row("peak", "peak_gib")
