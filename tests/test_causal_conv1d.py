@@ -183,7 +183,7 @@ def test_gpu_vs_causal_conv1d(b, d, l, useseq):
     # at the Nano shape exactly z | xBC | dt = 4096 | 6144 | 64 (row stride 10304).
     lo, hi = (4096, 64) if d == 6144 else (64, 64)
     ours = _fwd_bwd(causal_conv1d_helion, x, wt, bias, seq, "silu", dy, lo, hi)
-    theirs = _fwd_bwd(lambda a, w_, b_, s, act: causal_conv1d_fn(a, w_, b_, seq_idx=s, activation=act), x, wt, bias,
+    theirs = _fwd_bwd(lambda a, w_, b_, seq_idx=None, activation=None: causal_conv1d_fn(a, w_, b_, seq_idx=seq_idx, activation=activation), x, wt, bias,
                       seq, "silu", dy, lo, hi)
     ref = _fwd_bwd(causal_conv1d_ref, x.float(), wt.float(), bias.float(), seq, "silu", dy.float(), lo, hi)
     for name, a, t, r in zip(["out", "dx", "dweight", "dbias"], ours, theirs, ref):
