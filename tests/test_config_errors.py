@@ -28,7 +28,7 @@ CASES = [
     (["logger.wandb.mode=cloud"], "logger.wandb.mode='cloud'"),
     (["data.kind=parquet"], "data.kind must be"),
     (["data.tokenizer.type=gpt2"], "data.tokenizer.type"),
-    (["model.vocab_size=128"], "model.vocab_size=128 is smaller"),
+    (["model.vocab_size=128"], "the byte tokenizer has 258 ids but the model's embedding has 128"),
     (["data.paths=[/nonexistent/corpus]", "data.prepare_if_missing=null"], "data path not found: /nonexistent/corpus.bin/.idx"),
     (["data.paths=[/nonexistent/corpus]", "data.prepare_if_missing=web"], "data.prepare_if_missing='web'"),
     (["kernels.backend=cudnn"], "cudnn"),
