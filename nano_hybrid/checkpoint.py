@@ -204,6 +204,21 @@ def model_signature(model) -> dict[str, list[int]]:
     return dict(sorted(sig.items()))
 
 
+def global_model_signature(model) -> dict[str, list[int]]:
+    """model_signature over every rank (collective): with pipeline parallelism each rank holds only its stage's
+    layers, so the checkpoint's signature is the union of all ranks' (global keys, global shapes)."""
+    sig = model_signature(model)
+    if _world() > 1:
+        import torch
+
+        parts: list = [None] * _world()
+        torch.distributed.all_gather_object(parts, sig)
+        for part in parts:
+            sig.update(part)
+        sig = dict(sorted(sig.items()))
+    return sig
+
+
 def parallel_layout() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
@@ -526,7 +541,7 @@ def check_compatible(meta: dict, model, optimizer, path: Path) -> None:
     """Refuse, with one line, a checkpoint this model/layout cannot load. Runs before dist_checkpointing."""
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r} (expected {FORMAT})")
-    saved, cur = meta["model_signature"], model_signature(model)
+    saved, cur = meta["model_signature"], global_model_signature(model)
     missing, unexpected = sorted(set(cur) - set(saved)), sorted(set(saved) - set(cur))
     if missing or unexpected:
         raise CheckpointError(
@@ -702,6 +717,7 @@ def save_checkpoint(
         box = [wandb_run_id]
         torch.distributed.broadcast_object_list(box, src=0)
         wandb_run_id = box[0]
+    signature = global_model_signature(model)  # collective, as the broadcast above: every rank, before any write
     model_sd = _model_sharded_state_dict(model)
     state: dict[str, Any] = dict(model_sd)
     if optimizer is not None:
@@ -724,7 +740,7 @@ def save_checkpoint(
             "train_state": asdict(train_state),
             "wandb_run_id": wandb_run_id,
             "model_name": model_name,
-            "model_signature": model_signature(model),
+            "model_signature": signature,
             "parallel": parallel_layout(),
             "has_optimizer": optimizer is not None,
             "distributed_optimizer": dist_opt,
