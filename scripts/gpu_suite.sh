@@ -14,6 +14,8 @@
 #   data         nano30b_slice on the 131k-BPE stdlib corpus with validation loss (training run)
 #   hf           nano30b_slice exported to Hugging Face and checked against transformers (scripts/hf_check.py)
 #   memory       memory planner against measured peak memory (scripts/plan_vs_measured.py)
+#   breakdown    device time per category of a nano30b_slice step (step_breakdown.py) and the step A/B of the
+#                LM-head and optimizer switches (ab_step_time.py)
 #   convergence  scripts/convergence_ab.sh with recipe $RECIPE (two GPUs: one arm each)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #
@@ -38,7 +40,7 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
-KNOWN="tests equivalence kernels peer layers step loss_match data hf memory convergence parity"
+KNOWN="tests equivalence kernels peer layers step loss_match data hf memory breakdown convergence parity"
 for stage in "$@"; do
     case " $KNOWN " in
         *" $stage "*) ;;
@@ -90,8 +92,13 @@ st_data() {
         train.eval_interval=20 train.eval_iters=4 run_dir="$OUT/data_nano30b_slice" checkpoint.interval=0 \
         checkpoint.save_on_exit=false
 }
-st_hf() { python3 scripts/hf_check.py --out "$OUT"; }
+st_hf() { python3 scripts/hf_check.py | tee "$OUT/hf_check.jsonl"; }
 st_memory() { python3 scripts/plan_vs_measured.py --out "$OUT"; }
+st_breakdown() {
+    python3 scripts/step_breakdown.py --backends "$BACKENDS" --out "$OUT" && python3 scripts/ab_step_time.py \
+        --backends "$A,helion:model.lm_head_loss=chunked_compiled:optim.fused=true,helion,$A" --warmup 3 --blocks 6 \
+        --block-steps 4 --profile-steps 0 --out "$OUT"
+}
 st_convergence() {
     need_gpus 2 convergence || return 1
     OUT="$OUT" RECIPE="${RECIPE:-convergence_ab_h200_2000_lowlr}" GPUS="0 1" STOP_AT=1000 \
