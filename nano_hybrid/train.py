@@ -355,6 +355,16 @@ def build_dataset(plan: RunPlan, cfg: DictConfig):
     return datasets if datasets is not None else build_datasets(*args)
 
 
+def plan_for_backend(plan: RunPlan, cfg: DictConfig) -> RunPlan:
+    """``plan`` with the kernel backend of ``cfg.kernels`` (for tools that run several backends in one process after
+    changing ``cfg.kernels.backend``): validation resolves the backend once, this resolves it again for the new one."""
+    import dataclasses
+
+    from nano_hybrid.model.build import resolve_backend
+
+    return dataclasses.replace(plan, backend=resolve_backend(cfg), backend_name=str(cfg.kernels.backend))
+
+
 def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: str | None = None):
     """Model -> (Float16Module on bf16) -> Megatron DDP; Megatron optimizer; OptimizerParamScheduler.
 
@@ -368,6 +378,9 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
     from nano_hybrid.model import build_model
     from nano_hybrid.optim import set_adam_fused
 
+    if plan.backend is not None and plan.backend_name != str(cfg.kernels.backend):
+        raise ValueError(f"the plan holds kernel backend {plan.backend_name!r} but cfg.kernels.backend is "
+                         f"{cfg.kernels.backend!r}: pass plan_for_backend(plan, cfg)")
     model = build_model(cfg, device=plan.device, dtype=plan.dtype, backend=plan.backend)
     if init_from_hf:
         from nano_hybrid.hf import load_hf_weights

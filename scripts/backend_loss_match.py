@@ -239,7 +239,7 @@ def _run(a, cfg) -> dict | None:
             with open_dict(cfg):
                 cfg.kernels.backend = name
             initialize_parallel(cfg)  # re-seed (same seeds as at start-up) -> identical initial weights
-            model, optimizer, scheduler = T.build_model_and_optimizer(plan, cfg)
+            model, optimizer, scheduler = T.build_model_and_optimizer(T.plan_for_backend(plan, cfg), cfg)
             init = weights_snapshot(model)
             if init_ref is None:
                 init_ref = init

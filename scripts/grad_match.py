@@ -188,7 +188,7 @@ def _run(a, cfg) -> dict:
         with open_dict(cfg):
             cfg.kernels.backend = name
         initialize_parallel(cfg)
-        m, opt, sch = T.build_model_and_optimizer(plan, cfg)
+        m, opt, sch = T.build_model_and_optimizer(T.plan_for_backend(plan, cfg), cfg)
         missing, unexpected = bl.unwrap_model(m).load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:

@@ -123,3 +123,22 @@ def test_router_expert_bias_updates_each_step(corpus, tmp_path):
     _, n_layers, delta = p.stdout.strip().splitlines()[-1].split()
     assert int(n_layers) == 2  # tiny has two E layers
     assert float(delta) == pytest.approx(2 * 1e-3, rel=1e-3)  # 2 steps x moe_router_bias_update_rate
+
+
+def test_a_plan_for_another_backend_is_refused_and_replanned():
+    """Validation resolves the kernel backend once; a tool that switches cfg.kernels.backend must re-plan, never
+    build silently with the validated backend."""
+    from omegaconf import open_dict
+
+    from nano_hybrid import train as T
+    from nano_hybrid.config import compose
+
+    cfg = compose(["model=tiny", "kernels.backend=torch", "train.device=cpu", "data=mock"])
+    plan = T.validate(cfg)
+    assert plan.backend.name == "torch"
+    with open_dict(cfg):
+        cfg.kernels.backend = "helion"
+    with pytest.raises(ValueError, match="plan_for_backend"):
+        T.build_model_and_optimizer(plan, cfg)
+    replanned = T.plan_for_backend(plan, cfg)
+    assert replanned.backend.name == "helion" and replanned.backend_name == "helion"
