@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's "Long runs" plot: the default run (recipe=tiny_cpu) once uninterrupted and once stopped with
 # SIGTERM after step 150 and resumed with the same command; compare_runs.py plots both (relative difference 0).
-# Usage: bash scripts/demo_resume.sh   (CPU, about 3x the default run's time; writes runs/default-*,
-# runs/compare-default/ and docs/img/resume_default_run_loss.png)
+# Usage: bash scripts/demo_resume.sh   (CPU, about 3x the default run's time; writes runs/default-* and
+# runs/compare-default/, the plot included)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -22,6 +22,4 @@ wait "$pid"   # exit code 0: it finished the step and saved a checkpoint
 "$PY" -m nano_hybrid.train recipe=tiny_cpu run_dir=runs/default-resumed   # resumes from its checkpoint
 "$PY" scripts/compare_runs.py runs/default-uninterrupted runs/default-resumed --warmup 10 \
     --out runs/compare-default --json runs/compare-default/summary.json
-mkdir -p docs/img
-cp runs/compare-default/loss.png docs/img/resume_default_run_loss.png
-echo "plot: docs/img/resume_default_run_loss.png"
+echo "plot: runs/compare-default/loss.png"
