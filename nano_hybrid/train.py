@@ -486,7 +486,6 @@ def forward_backward(ctx: "Trainer") -> list:
     """Zeroed gradients, then forward and backward over one global batch (``num_microbatches`` micro-batches
     from ``ctx.data_iterator``); the gradients are left in megatron DDP's buffers (``param.main_grad``).
     Returns the schedule's per-micro-batch loss reports."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     plan, cfg = ctx.plan, ctx.cfg
     ctx.model.zero_grad_buffer()
@@ -494,16 +493,25 @@ def forward_backward(ctx: "Trainer") -> list:
     # On CPU the schedule needs CudaToCpuMode too: schedules.py:596 allocates its token counter with
     # device="cuda" (forward_backward_no_pipelining; same in the pipelined schedules).
     with cpu_compat_mode(plan):
-        return get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, device=plan.device, attention_mask=ctx.attention_mask),
-            data_iterator=ctx.data_iterator,
-            model=[ctx.model],
-            num_microbatches=plan.num_microbatches,
-            seq_length=plan.seq_length,
-            micro_batch_size=int(cfg.train.micro_batch_size),
-            decoder_seq_length=plan.seq_length,
-            forward_only=False,
-        )
+        return run_schedule(ctx, ctx.data_iterator, forward_only=False)
+
+
+def run_schedule(ctx: "Trainer", data_iterator, *, forward_only: bool) -> list:
+    """Megatron's forward(-backward) schedule over one global batch from ``data_iterator``: the per-micro-batch
+    loss reports. The caller provides the context (``cpu_compat_mode``, ``no_grad`` for evaluation)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    plan = ctx.plan
+    return get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, device=plan.device, attention_mask=ctx.attention_mask),
+        data_iterator=data_iterator,
+        model=[ctx.model],
+        num_microbatches=plan.num_microbatches,
+        seq_length=plan.seq_length,
+        micro_batch_size=int(ctx.cfg.train.micro_batch_size),
+        decoder_seq_length=plan.seq_length,
+        forward_only=forward_only,
+    )
 
 
 def train_step(ctx: "Trainer") -> dict[str, float]:
@@ -554,7 +562,6 @@ def evaluate(ctx: "Trainer") -> dict[str, float]:
     global batch), under no_grad (the MoE router keeps no token counts), the model in eval mode, and the RNG
     state (DataLoader seeds) restored afterwards so training draws the same numbers with or without it."""
     import torch.distributed as dist
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
     plan, cfg = ctx.plan, ctx.cfg
@@ -567,16 +574,7 @@ def evaluate(ctx: "Trainer") -> dict[str, float]:
         try:
             with torch.no_grad(), cpu_compat_mode(plan):
                 for _ in range(plan.eval_iters):
-                    reports = get_forward_backward_func()(
-                        forward_step_func=partial(_forward_step, device=plan.device, attention_mask=ctx.attention_mask),
-                        data_iterator=iterator,
-                        model=[ctx.model],
-                        num_microbatches=plan.num_microbatches,
-                        seq_length=plan.seq_length,
-                        micro_batch_size=int(cfg.train.micro_batch_size),
-                        decoder_seq_length=plan.seq_length,
-                        forward_only=True,
-                    )
+                    reports = run_schedule(ctx, iterator, forward_only=True)
                     for r in reports:
                         acc += r["lm loss"].to(torch.float64)
         finally:

@@ -81,7 +81,22 @@ def model_global_tensors(model_chunks) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- safetensors folders
-class LazyHFTensors(Mapping):
+class _KeyedTensors(Mapping):
+    """A read-on-access tensor mapping whose keys are those of ``self._where`` (key -> where to read it)."""
+
+    _where: dict
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key) -> bool:
+        return key in self._where
+
+
+class LazyHFTensors(_KeyedTensors):
     """The tensors of a Hugging Face folder (``model.safetensors`` or shards + index), read on access."""
 
     def __init__(self, folder: str | Path):
@@ -102,17 +117,9 @@ class LazyHFTensors(Mapping):
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._files[self._where[key]].get_tensor(key)
 
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, key) -> bool:
-        return key in self._where
 
 
-class NormalizedHFTensors(Mapping):
+class NormalizedHFTensors(_KeyedTensors):
     """A view of HF tensors in the published layout (``backbone.`` prefix, one tensor per routed expert),
     whichever of the two layouts the folder uses (transformers saves ``model.`` + stacked 3-D experts)."""
 
@@ -148,14 +155,6 @@ class NormalizedHFTensors(Mapping):
             return src._files[src._where[k]].get_slice(k)[e]
         return src[k][e]
 
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, key) -> bool:
-        return key in self._where
 
 
 class ShardWriter:
