@@ -365,11 +365,14 @@ def plan_for_backend(plan: RunPlan, cfg: DictConfig) -> RunPlan:
     return dataclasses.replace(plan, backend=resolve_backend(cfg), backend_name=str(cfg.kernels.backend))
 
 
-def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: str | None = None):
+def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: str | None = None,
+                              with_optimizer: bool = True):
     """Model -> (Float16Module on bf16) -> Megatron DDP; Megatron optimizer; OptimizerParamScheduler.
 
     ``init_from_hf``: a Hugging Face Nemotron-H folder whose weights replace the initial ones (each rank
-    its own slice), before the optimizer takes its copy of them."""
+    its own slice), before the optimizer takes its copy of them. ``with_optimizer=False`` (forward+backward
+    measurements of models whose optimizer states do not fit) returns ``(ddp, None, None)``: no fp32 main
+    weights, no Adam states."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -389,6 +392,8 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
         if plan.rank == 0:
             print(f"init_from_hf: {info['tensors']} tensors from {init_from_hf} in {info['seconds']:.1f}s", flush=True)
     config = model.config
+    # What megatron's schedule calls around the micro-batches (set below): DP no_sync for all but the last
+    # micro-batch, then finalize_model_grads (grad all-reduce / reduce-scatter, MoE expert-bias update).
     if plan.dtype == torch.bfloat16:
         model = Float16Module(config, model)
     use_dist_opt = bool(cfg.parallel.use_distributed_optimizer)
@@ -402,6 +407,10 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
         ),
         model,
     )
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if not with_optimizer:
+        return ddp, None, None
     o = cfg.optim
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -436,10 +445,6 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
         wsd_decay_steps=max(1, round(float(o.wsd_decay_fraction) * iters)) if style == "WSD" else None,
         lr_wsd_decay_style=str(o.wsd_decay_style) if style == "WSD" else None,
     )
-    # What megatron's schedule calls around the micro-batches: DP no_sync for all but the last
-    # micro-batch, then finalize_model_grads (grad all-reduce / reduce-scatter, MoE expert-bias update).
-    config.no_sync_func = ddp.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return ddp, optimizer, scheduler
 
@@ -489,7 +494,8 @@ def forward_backward(ctx: "Trainer") -> list:
 
     plan, cfg = ctx.plan, ctx.cfg
     ctx.model.zero_grad_buffer()
-    ctx.optimizer.zero_grad()
+    if ctx.optimizer is not None:
+        ctx.optimizer.zero_grad()
     # On CPU the schedule needs CudaToCpuMode too: schedules.py:596 allocates its token counter with
     # device="cuda" (forward_backward_no_pipelining; same in the pipelined schedules).
     with cpu_compat_mode(plan):
@@ -631,7 +637,8 @@ class Trainer:
         return ps.get_data_parallel_rank()
 
 
-def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
+def setup(cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool = True) -> Trainer:
+    """Distributed state, run folder, data, model (and, unless ``with_optimizer=False``, optimizer and schedule)."""
     from nano_hybrid.flops import shape_from_megatron, training_flops_per_token
     from nano_hybrid.metrics import MetricsLogger
 
@@ -651,8 +658,10 @@ def setup(cfg: DictConfig, plan: RunPlan) -> Trainer:
     dataset, valid_dataset = build_dataset(plan, cfg)
     # checkpoint.init_from_hf starts a fresh run only; a run that resumes loads its own checkpoint
     init_hf = OmegaConf.select(cfg, "checkpoint.init_from_hf") if checkpointer.load_path is None else None
-    model, optimizer, scheduler = build_model_and_optimizer(plan, cfg, init_from_hf=str(init_hf) if init_hf else None)
-    if bool(cfg.checkpoint.check_free_space) and (checkpointer.interval or checkpointer.save_on_exit):
+    model, optimizer, scheduler = build_model_and_optimizer(plan, cfg, init_from_hf=str(init_hf) if init_hf else None,
+                                                            with_optimizer=with_optimizer)
+    if (with_optimizer and bool(cfg.checkpoint.check_free_space)
+            and (checkpointer.interval or checkpointer.save_on_exit)):
         decided_on_rank0(checkpointer.check_free_space, model, optimizer, int(cfg.train.train_iters))
     unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
     flops = training_flops_per_token(shape_from_megatron(unwrapped, plan.seq_length))

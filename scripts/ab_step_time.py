@@ -12,7 +12,8 @@ train.micro_batch_size=2 train.global_batch_size=2 train.seq_length=8192 on GPU)
 
 Method:
 - Builds the model, Megatron DDP, optimizer and data exactly as ``nano_hybrid.train`` does
-  (``validate`` -> ``setup``) and times ``nano_hybrid.train.train_step`` (a full optimizer step).
+  (``validate`` -> ``setup``) and times ``nano_hybrid.train.train_step`` (a full optimizer step); with
+  ``--fwd-bwd-only`` no optimizer is built and forward+backward is timed (models whose Adam states do not fit).
 - The kernel backend of every Mamba-2 mixer is switched in place with ``set_kernel_backend(model, name)``
   (the mixer's fused op and its gated-norm module; parameters, optimizer state and DDP hooks are kept).
 - An arm is ``backend[:key=value...]``: keys that switch in place on the same model and optimizer
@@ -137,10 +138,13 @@ def apply_arm(ctx, arm: Arm, backends: dict) -> None:
     check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))
     if not isinstance(values["optim.fused"], bool):
         raise ValueError(f"optim.fused={values['optim.fused']!r} must be true or false")
+    if ctx.optimizer is None and "optim.fused" in dict(arm.overrides):
+        raise ValueError(f"arm {arm.label}: optim.fused needs the optimizer step (not with --fwd-bwd-only)")
     set_kernel_backend(ctx.model, backends[arm.backend])
     model = bl.unwrap_model(ctx.model)
     model.lm_head_loss, model.lm_loss_chunk_tokens = choice, chunk
-    set_adam_fused(ctx.optimizer, values["optim.fused"])
+    if ctx.optimizer is not None:
+        set_adam_fused(ctx.optimizer, values["optim.fused"])
 
 
 class ReplayIterator:
@@ -162,6 +166,22 @@ class ReplayIterator:
         return next(self._it)
 
 
+def fwd_bwd_step(ctx) -> dict[str, float]:
+    """Forward and backward over one global batch, no optimizer step (``--fwd-bwd-only``): the loss only."""
+    import torch
+    import torch.distributed as dist
+
+    from nano_hybrid import train as T
+
+    reports = T.forward_backward(ctx)
+    acc = torch.zeros(2, dtype=torch.float64, device=ctx.plan.device)
+    for r in reports:
+        acc += r["lm loss"].to(torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(acc)
+    return {"loss": (acc[0] / acc[1].clamp(min=1)).item()}
+
+
 # ------------------------------------------------------------------------------------ arguments
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -179,6 +199,9 @@ def parse_args(argv=None):
     p.add_argument("--isolated-op", action="store_true",
                    help="diagnostic (CUDA): after each arm's step profile, profile the mixer op alone "
                         "(scripts/bench_kernels.py MixerOp, fwd+bwd at the model's mixer shape) in this process")
+    p.add_argument("--fwd-bwd-only", action="store_true",
+                   help="time forward+backward only, with no optimizer built (no fp32 main weights, no Adam states): "
+                        "for models whose optimizer states do not fit the GPU")
     p.add_argument("--n-boot", type=int, default=2000)
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output files")
@@ -264,7 +287,8 @@ def run(a) -> dict | None:
     plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
     backends = {x.backend: get_backend(x.backend) for x in a.arm_specs}  # every arm must be usable
     labels = bl.arm_labels([x.label for x in a.arm_specs])
-    ctx = T.setup(cfg, plan)
+    ctx = T.setup(cfg, plan, with_optimizer=not a.fwd_bwd_only)
+    step_fn = fwd_bwd_step if a.fwd_bwd_only else T.train_step
     try:
         ctx.start_data()
         # the same global batches for every block of every arm
@@ -277,7 +301,7 @@ def run(a) -> dict | None:
         def step_time() -> float:
             T._sync(dev)
             t0 = time.perf_counter()
-            out = T.train_step(ctx)
+            out = step_fn(ctx)
             T._sync(dev)
             dt = time.perf_counter() - t0
             if dist.is_initialized() and dist.get_world_size() > 1:
@@ -320,7 +344,7 @@ def run(a) -> dict | None:
                 replay.reset()
                 step_time()  # re-warm after the switch
                 trace = None if a.trace_dir is None else Path(a.trace_dir) / f"step_trace_{lab}.json"
-                table = bl.profile_device_table(lambda: T.train_step(ctx), a.profile_steps, trace_path=trace,
+                table = bl.profile_device_table(lambda: step_fn(ctx), a.profile_steps, trace_path=trace,
                                                 overlap_categories=("ssd", "norm"))
                 per_step_ms = table["total_us_per_iter"] / 1e3
                 med = bl.median(times[lab]) * 1e3
@@ -377,7 +401,8 @@ def run(a) -> dict | None:
             "arms": labels,
             "method": (f"{a.warmup} warm-up steps per arm; {a.blocks} rounds x {a.block_steps} steps per arm, ABBA order, "
                        f"first {a.discard} step(s) after each switch discarded; same {a.block_steps} global batches "
-                       "replayed per block; step time = max over ranks, synchronized host clock around train_step"),
+                       "replayed per block; step time = max over ranks, synchronized host clock around "
+                       + ("forward+backward (no optimizer built)" if a.fwd_bwd_only else "train_step")),
             "per_arm": per_arm,
             "speedup_vs_first": ratios,
             "profile": profile,

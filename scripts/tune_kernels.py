@@ -113,17 +113,20 @@ def main(argv=None) -> int:
                 seeds = list(case.seeds)
                 random.Random(0).shuffle(seeds)
                 cands = tuning.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
-                # the generic default the wrappers fall back to goes first after the spec default
+                # the generic default (what runs without a config file) comes after the spec default (the reference)
                 cands.insert(1, tuning._as_config(case.default))
-                # then the committed winner for this exact shape and its neighbours (TMA / block-pointer
-                # indexing, eviction policies, num_warps and num_stages one step away): a search with a
-                # short budget starts from what is known to be good and can only improve on it
-                how, _, entry = tuning.lookup(name, case.dims)
-                if how == "exact" and not args.from_scratch:
+                # and before both, right after the reference: the committed winner for this shape (or, for a shape
+                # without one, the nearest shape's winner: the config the wrappers run there today) and its
+                # neighbours (TMA / block-pointer indexing, eviction policies, num_warps and num_stages one step
+                # away): a search with a short budget starts from what is known to be good and can only improve on it
+                how, near_key, entry = tuning.lookup(name, case.dims)
+                if how in ("exact", "nearest") and not args.from_scratch:
                     committed = tuning._as_config(entry["config"])
                     near = [committed] + [tuning._as_config(d) for d in tuning.neighbour_configs(committed)]
-                    run["committed_ms"] = entry.get("time_ms")
-                    cands[2:2] = near
+                    run["start"] = {"how": how, "key": near_key}
+                    if how == "exact":
+                        run["committed_ms"] = entry.get("time_ms")
+                    cands[1:1] = near  # right after the reference: a short budget still times them
                     seen: set[str] = set()  # a neighbour can equal a seed: time each config once
                     cands = [c for c in cands if not (c.to_json() in seen or seen.add(c.to_json()))]
                 best, results = tuning.search(

@@ -165,7 +165,7 @@ def test_cpu_tolerance_catches_a_slightly_wrong_kernel(monkeypatch, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(CPU, reason="needs CUDA")
 def test_gpu_torch_vs_helion_50_steps_bf16(tmp_path):
-    """The issue-7 check: model=tiny, 50 steps, bf16, helion's loss within the bf16 tolerance of torch's."""
+    """model=tiny, 50 steps, bf16, helion's loss within the bf16 tolerance of torch's."""
     env = dict(os.environ, OUT=str(tmp_path))
     r = subprocess.run([sys.executable, str(SCRIPTS / "backend_loss_match.py"), "--backends", "torch,helion",
                         "--steps", "50", "--quiet"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -682,3 +682,31 @@ def test_grad_match_bad_backend_is_one_error_line_before_work(capsys):
     assert gm.main(["--backends", "torch,nope", "--train-backend", "torch", "model=tiny"]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["error: unknown kernel backend 'nope'; choose one of: torch, mamba_ssm, helion"]
+
+
+def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_path):
+    """--fwd-bwd-only: no optimizer, no weight update, so replays of the same batch give the same loss up to the
+    MoE router's expert-bias update (made in finalize_model_grads, not by the optimizer); the first loss is the
+    first loss of a full-step run (same weights, same batch); an optim.fused arm is refused."""
+    common = ["--warmup", "0", "--blocks", "2", "--block-steps", "2", "--profile-steps", "0", "--n-boot", "200",
+              "model=tiny", "train.micro_batch_size=1", "train.global_batch_size=1", "train.seq_length=32"]
+    outs = {}
+    for name, extra in (("fb", ["--fwd-bwd-only", "--tag", "fb"]), ("full", [])):
+        r = subprocess.run([sys.executable, str(SCRIPTS / "ab_step_time.py"), "--backends", "torch,torch", *extra,
+                            "--out", str(tmp_path / name), *common, f"run_dir={tmp_path / name / 'run'}"],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert r.returncode == 0, r.stderr[-3000:]
+        (f,) = (tmp_path / name).glob("ab_step_time_*.json")
+        outs[name] = json.loads(f.read_text())
+    fb = outs["fb"]
+    assert fb["args"]["fwd_bwd_only"] is True and "forward+backward" in fb["method"]
+    losses = [x for lab in fb["arms"] for x in fb["per_arm"][lab]["losses"]]
+    assert len(losses) == 8
+    first_batch = losses[0::2]  # block-steps 2: the two replayed batches alternate
+    assert max(first_batch) - min(first_batch) < 0.01
+    full = outs["full"]["per_arm"]["torch"]["losses"]
+    assert full[0] == losses[0]
+    r = subprocess.run([sys.executable, str(SCRIPTS / "ab_step_time.py"), "--backends", "torch,torch:optim.fused=true",
+                        "--fwd-bwd-only", "--out", str(tmp_path / "bad"), *common, f"run_dir={tmp_path / 'bad' / 'run'}"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode != 0 and "optim.fused needs the optimizer step" in r.stderr
