@@ -229,8 +229,18 @@ def events_from_profiler(prof) -> list[Ev]:
                       thread=int(e.start_thread_id()), corr=int(e.correlation_id()),
                       linked=int(e.linked_correlation_id()), seq=int(e.sequence_nr()),
                       fwd_thread=int(e.fwd_thread_id()), device=dev,
-                      stream=int(e.device_resource_id()) if dev else 0, kind=str(e.activity_type())))
+                      stream=int(e.device_resource_id()) if dev else 0, kind=_activity_kind(e, dev)))
     return out
+
+
+def _activity_kind(e, device: bool) -> str:
+    """Kineto's activity type (``activity_type()``, torch >= 2.12); older torch: from the device event's name."""
+    if hasattr(e, "activity_type"):
+        return str(e.activity_type())
+    if not device:
+        return "cpu_op"
+    name = e.name()
+    return "gpu_memcpy" if name.startswith("Memcpy") else "gpu_memset" if name.startswith("Memset") else "kernel"
 
 
 def build_cpu_tree(cpu: list[Ev]) -> None:

@@ -239,7 +239,9 @@ def _vs_causal_conv1d(x, w, bias, seq, act, dy):
         xin = leaf.transpose(1, 2) if cl else leaf  # channel-last stays channel-last (causal-conv1d's seq_idx path)
         ins = [leaf] + [t.detach().clone().requires_grad_() for t in ([w_] + ([b_] if b_ is not None else []))]
         y = f(xin, ins[1], ins[2] if b_ is not None else None, seq_idx=seq, activation=act)
-        g = list(torch.autograd.grad(y, ins, dy_))
+        # dout in x's layout: causal-conv1d's channel-last backward needs it channel-last (strides multiple of 8),
+        # and at length 1 a contiguous (b, d, 1) dout reads as channel-last with stride 1
+        g = list(torch.autograd.grad(y, ins, dy_.transpose(1, 2).contiguous().transpose(1, 2) if cl else dy_))
         return [y, g[0].transpose(1, 2) if cl else g[0]] + g[1:]
 
     ours = grads(causal_conv1d_helion, x, w, bias, dy)

@@ -554,31 +554,16 @@ def test_kernel_dims_match_the_committed_nano_keys():
         assert tuning.shape_key(**d) == tuning.shape_key(**NANO_COMMITTED[k]), k
 
 
-# Recipe shapes that run on the nearest tuned shape's configs (one warning per kernel) until they are tuned on a GPU:
-#   python scripts/tune_kernels.py --kernels all --shapes <preset>
-UNTUNED_RECIPE_SHAPES = {"nano_b1", "nano_b4_l4096", "nano_b4_l1024"}
-
-
-def test_recipe_shapes_are_tuned_or_listed_as_untuned():
-    """Every (kernel, shape) a GPU recipe runs has an exact sm90 entry, except for the shapes of
-    UNTUNED_RECIPE_SHAPES (each still lacks some). A new recipe shape without configs, or a fully tuned shape still
-    in the list, fails."""
-    by_dims = {(d["b"], d["l"], d["h"], d["p"], d["g"], d["n"], d["c"], d["w"]): name
-               for name, d in tuning.SHAPE_PRESETS.items()}
+# A recipe with a new shape needs its configs first (on its GPU): python scripts/tune_kernels.py --shapes <preset>
+def test_recipe_shapes_are_tuned():
+    """Every (kernel, shape) a GPU recipe runs has an exact sm90 entry: a new recipe shape without configs fails."""
     shapes = recipe_mixer_shapes()
     assert "nano30b_slice_h200" in shapes and shapes["nano30b_slice_h200"][:2] == (1, 8192)
-    missing, untuned_missing = [], {name: 0 for name in UNTUNED_RECIPE_SHAPES}
-    for recipe, md in sorted(shapes.items()):
-        preset = by_dims[tuple(md)]
-        for kernel, dims in sorted(helion_kernel_dims(*md).items()):
-            if tuning.lookup(kernel, dims, arch="sm90")[0] == "exact":
-                continue
-            if preset in UNTUNED_RECIPE_SHAPES:
-                untuned_missing[preset] += 1
-            else:
-                missing.append(f"{recipe} ({preset}): {kernel} at {tuning.shape_key(**dims)}")
+    missing = [f"{recipe}: {kernel} at {tuning.shape_key(**dims)}"
+               for recipe, md in sorted(shapes.items())
+               for kernel, dims in sorted(helion_kernel_dims(*md).items())
+               if tuning.lookup(kernel, dims, arch="sm90")[0] != "exact"]
     assert not missing, "no tuned sm90 config for:\n" + "\n".join(missing)
-    assert all(untuned_missing.values()), f"fully tuned now, drop from UNTUNED_RECIPE_SHAPES: {untuned_missing}"
     # the Nano shape every benchmark measures is tuned for every kernel
     nano = tuning.SHAPE_PRESETS["nano"]
     md = tuple(nano[k] for k in ("b", "l", "h", "p", "g", "n", "c", "w"))
