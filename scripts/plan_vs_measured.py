@@ -3,7 +3,7 @@
     python scripts/plan_vs_measured.py                          # one H200: ~3-4 min, mamba_ssm kernels
     python scripts/plan_vs_measured.py --backend helion --steps 5 --cases slice13-mbs2-none,slice13-mbs2-full
 
-Each case is a Nano-width model (``nano30b_slice`` layers: hidden 2688, 64 Mamba heads, 32 experts top-6,
+Each case runs in a process of its own and is a Nano-width model (``nano30b_slice`` layers: hidden 2688, 64 Mamba heads, 32 experts top-6,
 vocabulary 131072; bf16, seq 8192, one process) trained for ``--steps`` steps by ``nano_hybrid.train``'s
 own model, DDP, optimizer and schedule (``forward_backward``; the optimizer step as ``train_step`` runs
 it) on random tokens. Per step it records ``torch.cuda.max_memory_allocated`` over the forward+backward
@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
@@ -138,7 +143,6 @@ def run(a) -> dict:
     import torch
 
     from nano_hybrid.config import ConfigError
-    from nano_hybrid.parallel import destroy_parallel
 
     if not torch.cuda.is_available():
         raise ConfigError("plan_vs_measured.py measures GPU memory: it needs a CUDA device")
@@ -151,31 +155,59 @@ def run(a) -> dict:
 
         make_plan(case_config(n, a.backend, a.overrides), 1)
     t0 = time.perf_counter()
-    results, oom = [], []
-    try:
-        for n in names:
-            try:
-                results.append(measure_case(n, a))
-            except torch.cuda.OutOfMemoryError as e:  # record it, free what the case held, go on
-                import gc
-
-                from megatron.core import parallel_state as ps
-
-                print(f"{n}: CUDA out of memory ({str(e).splitlines()[0][:160]})", flush=True)
-                gc.collect()
-                torch.cuda.empty_cache()
-                ps.destroy_model_parallel()
-                oom.append(n)
-                continue
-            r = results[-1]
+    results, oom, failed = [], [], []
+    for n in names:
+        kind, payload = measure_in_child(n, a)
+        if kind == "ok":
+            results.append(payload)
+            r = payload
             print(f"{n}: planned {r['planned']['peak_gib']:.2f} GiB, measured {r['measured']['peak_gib']:.2f} GiB "
                   f"(fwd+bwd {r['measured']['fwd_bwd_peak_gib']:.2f}, optimizer {r['measured']['optimizer_peak_gib']:.2f}), "
                   f"step {r['measured']['step_s_median']:.3f} s", flush=True)
+        elif kind == "oom":
+            oom.append(n)
+            print(f"{n}: CUDA out of memory ({payload})", flush=True)
+        else:
+            failed.append({"case": n, "error": payload})
+            print(f"{n}: failed\n{payload}", flush=True)
+    return {"env": bl.env_info(), "backend": a.backend, "steps": a.steps, "wall_s": time.perf_counter() - t0,
+            "cases": results, "out_of_memory": oom, "failed": failed,
+            "recompute_table": recompute_table(results)}
+
+
+def child_command(name: str, a, out_json: str) -> list[str]:
+    """The command that measures case ``name`` alone (``--worker-case``) and writes its result to ``out_json``."""
+    return [sys.executable, str(Path(__file__).resolve()), "--backend", a.backend, "--steps", str(a.steps),
+            "--worker-case", name, "--worker-out", out_json, *a.overrides]
+
+
+def measure_in_child(name: str, a, runner=subprocess.run) -> tuple[str, object]:
+    """Measure one case in a process of its own: ("ok", result) | ("oom", message) | ("failed", log tail).
+    One process per case: what a case leaves behind (allocator state, megatron's global MoE aux-loss tracker
+    sized for its layer count, parallel state) cannot leak into the next case's peak or break it."""
+    with tempfile.TemporaryDirectory() as d:
+        out_json = str(Path(d) / "case.json")
+        p = runner(child_command(name, a, out_json), capture_output=True, text=True)
+        if p.returncode == 0 and Path(out_json).exists():
+            got = json.loads(Path(out_json).read_text())
+            return ("ok", got["result"]) if "result" in got else ("oom", got["out_of_memory"])
+        return "failed", f"exit code {p.returncode}: " + "\n".join((p.stdout + p.stderr).splitlines()[-15:])
+
+
+def worker(a) -> int:
+    """``--worker-case``: measure one case, write {"result": ...} or {"out_of_memory": message} to --worker-out."""
+    import torch
+
+    from nano_hybrid.parallel import destroy_parallel
+
+    try:
+        got = {"result": measure_case(a.worker_case, a)}
+    except torch.cuda.OutOfMemoryError as e:
+        got = {"out_of_memory": str(e).splitlines()[0][:160]}
     finally:
         destroy_parallel()
-    return {"env": bl.env_info(), "backend": a.backend, "steps": a.steps, "wall_s": time.perf_counter() - t0,
-            "cases": results, "out_of_memory": oom,
-            "recompute_table": recompute_table(results)}
+    Path(a.worker_out).write_text(json.dumps(got))
+    return 0
 
 
 def recompute_table(results: list[dict]) -> list[dict]:
@@ -212,6 +244,8 @@ def markdown(res: dict) -> str:
                         "plan opt step", "meas opt step", "err %", "plan peak", "meas peak", "err %"], rows)]
     if res["out_of_memory"]:
         out += ["", f"CUDA out of memory (not measured): {', '.join(res['out_of_memory'])}"]
+    for f in res.get("failed", []):
+        out += ["", f"Failed (not measured): {f['case']}", "", "```", f["error"], "```"]
     if res["recompute_table"]:
         out += ["", "## Recompute (nano30b_slice, 13 layers, mbs 2 x 8192)", "",
                 bl.md_table(["case", "fwd+bwd peak GiB", "saved GiB", "planned saved GiB", "step s", "time paid %"],
@@ -226,10 +260,15 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=4, help="training steps per case (the first is left out)")
     ap.add_argument("--cases", default=None, help=f"comma-separated subset of: {', '.join(CASES)}")
     ap.add_argument("--out", default=None, help="output folder (default $OUT or runs/bench/<gpu>)")
+    ap.add_argument("--worker-case", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     return bl.parse_args_with_overrides(ap, argv)
 
 
 def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.worker_case:
+        return worker(a)
     return bl.bench_main(argv, parse_args, run, lambda res, a: f"plan_vs_measured_{a.backend}", markdown)
 
 

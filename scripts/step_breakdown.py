@@ -222,24 +222,37 @@ class Ev:
 
 def events_from_profiler(prof) -> list[Ev]:
     """Kineto events of a finished ``torch.profiler.profile`` as ``Ev`` (CPU ops, ranges and device events)."""
+    return events_from_kineto(list(prof.profiler.kineto_results.events()))
+
+
+def events_from_kineto(events: list) -> list[Ev]:
+    """``Ev`` of kineto events. Their kind is kineto's activity type (``activity_type()``, torch >= 2.12); where
+    torch lacks it, a device event named like a CPU-side event is that range's device-side copy
+    (``gpu_user_annotation``, spanning the kernels launched inside it, not device work), ``Memcpy``/``Memset``
+    events are copies and fills, and the rest are kernels."""
+    def on_device(e) -> bool:
+        return str(e.device_type()).rsplit(".", 1)[-1] != "CPU"
+
+    cpu_names = {e.name() for e in events if not on_device(e)}
     out = []
-    for e in prof.profiler.kineto_results.events():
-        dev = str(e.device_type()).rsplit(".", 1)[-1] != "CPU"
+    for e in events:
+        dev = on_device(e)
         out.append(Ev(name=e.name(), start=int(e.start_ns()), end=int(e.start_ns() + e.duration_ns()),
                       thread=int(e.start_thread_id()), corr=int(e.correlation_id()),
                       linked=int(e.linked_correlation_id()), seq=int(e.sequence_nr()),
                       fwd_thread=int(e.fwd_thread_id()), device=dev,
-                      stream=int(e.device_resource_id()) if dev else 0, kind=_activity_kind(e, dev)))
+                      stream=int(e.device_resource_id()) if dev else 0, kind=_activity_kind(e, dev, cpu_names)))
     return out
 
 
-def _activity_kind(e, device: bool) -> str:
-    """Kineto's activity type (``activity_type()``, torch >= 2.12); older torch: from the device event's name."""
+def _activity_kind(e, device: bool, cpu_names: set[str]) -> str:
     if hasattr(e, "activity_type"):
         return str(e.activity_type())
-    if not device:
-        return "cpu_op"
     name = e.name()
+    if not device:
+        return "user_annotation" if name.startswith(RANGE_PREFIX) else "cpu_op"
+    if name in cpu_names:
+        return "gpu_user_annotation"
     return "gpu_memcpy" if name.startswith("Memcpy") else "gpu_memset" if name.startswith("Memset") else "kernel"
 
 

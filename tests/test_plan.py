@@ -156,6 +156,36 @@ def test_plan_vs_measured_cases_plan_on_cpu(capsys):
     assert capsys.readouterr().err == "error: plan_vs_measured.py measures GPU memory: it needs a CUDA device\n"
 
 
+def test_plan_vs_measured_runs_each_case_in_its_own_process(tmp_path):
+    """Each case is one child command (its case, backend, steps and the user's overrides); the child's JSON is the
+    case's result, an out-of-memory record is reported as such, and a crashed child is a failure with its log."""
+    import json
+    import subprocess
+    import sys
+
+    import plan_vs_measured as pvm
+
+    a = pvm.parse_args(["--backend", "helion", "--steps", "3", "train.seq_length=4096"])
+    cmd = pvm.child_command("slice13-mbs2-full", a, str(tmp_path / "x.json"))
+    assert cmd[0] == sys.executable and cmd[cmd.index("--worker-case") + 1] == "slice13-mbs2-full"
+    assert cmd[cmd.index("--backend") + 1] == "helion" and cmd[cmd.index("--steps") + 1] == "3"
+    assert cmd[-1] == "train.seq_length=4096"
+    assert pvm.parse_args(cmd[2:]).worker_case == "slice13-mbs2-full"
+
+    def runner(payload, rc=0):
+        def run(cmd, **kw):
+            out = cmd[cmd.index("--worker-out") + 1]
+            if payload is not None:
+                open(out, "w").write(json.dumps(payload))
+            return subprocess.CompletedProcess(cmd, rc, stdout="line1\n", stderr="Traceback\nIndexError: boom\n")
+        return run
+
+    assert pvm.measure_in_child("c", a, runner({"result": {"case": "c"}})) == ("ok", {"case": "c"})
+    assert pvm.measure_in_child("c", a, runner({"out_of_memory": "CUDA out of memory"})) == ("oom", "CUDA out of memory")
+    kind, log = pvm.measure_in_child("c", a, runner(None, rc=1))
+    assert kind == "failed" and log.startswith("exit code 1") and "IndexError: boom" in log
+
+
 def test_forward_backward_only_plan():
     """plan.optimizer=false: no optimizer states or step; the 52-layer model with 32 experts then fits one H200."""
     base = ["model=nano30b", "model.num_moe_experts=32", *GPU, "train.micro_batch_size=1", "train.global_batch_size=1"]

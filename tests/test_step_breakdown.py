@@ -88,6 +88,65 @@ def test_synthetic_attribution_sums_to_the_step():
     assert r["backward_ns"]["mamba_mixer"] == pytest.approx(80) and r["backward_ns"]["lm_head"] == pytest.approx(30)
 
 
+class _KinetoEvent:
+    """A kineto event as torch < 2.12 gives it: no ``activity_type()``."""
+
+    def __init__(self, e):
+        self.e = e
+
+    def name(self):
+        return self.e.name
+
+    def device_type(self):
+        return "DeviceType.CUDA" if self.e.device else "DeviceType.CPU"
+
+    def start_ns(self):
+        return self.e.start
+
+    def duration_ns(self):
+        return self.e.end - self.e.start
+
+    def start_thread_id(self):
+        return self.e.thread
+
+    def correlation_id(self):
+        return self.e.corr
+
+    def linked_correlation_id(self):
+        return self.e.linked
+
+    def sequence_nr(self):
+        return self.e.seq
+
+    def fwd_thread_id(self):
+        return self.e.fwd_thread
+
+    def device_resource_id(self):
+        return self.e.stream
+
+
+class _KinetoEventWithType(_KinetoEvent):
+    def activity_type(self):
+        return self.e.kind
+
+
+def test_kineto_events_without_activity_type_keep_range_copies_out_of_the_work():
+    """Without activity_type() (torch 2.11), the device-side copy of a range is recognised by its name; the
+    attribution then equals the one from typed events, and a copy taken for a kernel would change it."""
+    ev = synthetic_events()
+    untyped = sb.events_from_kineto([_KinetoEvent(e) for e in ev])
+    kinds = {e.name: e.kind for e in untyped if e.device}
+    assert kinds["nhb::mamba_mixer"] == "gpu_user_annotation" and kinds["conv_fwd"] == "kernel"
+    typed = sb.events_from_kineto([_KinetoEventWithType(e) for e in ev])
+    assert [e.kind for e in typed] == [e.kind for e in ev]
+    want = sb.attribute(synthetic_events(), device=True)
+    assert sb.attribute(untyped, device=True) == want
+    for e in untyped:
+        if e.name == "nhb::mamba_mixer" and e.device:
+            e.kind = "kernel"
+    assert sb.attribute(untyped, device=True)["by_category_ns"]["other"] > 0
+
+
 def test_attribution_needs_step_ranges():
     with pytest.raises(ValueError, match="nhb::step"):
         sb.attribute([_ev("aten::mm", 0, 10)], device=False)
