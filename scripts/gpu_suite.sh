@@ -14,6 +14,7 @@
 #   data         nano30b_slice on the 131k-BPE stdlib corpus with validation loss (training run)
 #   hf           nano30b_slice exported to Hugging Face and checked against transformers (scripts/hf_check.py)
 #   memory       memory planner against measured peak memory (scripts/plan_vs_measured.py)
+#   fullsize     the 52-layer model (32 experts, mbs 1 x 8192) forward+backward A/B (ab_step_time.py --fwd-bwd-only)
 #   breakdown    device time per category of a nano30b_slice step (step_breakdown.py) and the step A/B of the
 #                LM-head and optimizer switches (ab_step_time.py)
 #   convergence  scripts/convergence_ab.sh with recipe $RECIPE (two GPUs: one arm each)
@@ -36,11 +37,11 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
-KNOWN="tests equivalence kernels peer layers step loss_match data hf memory breakdown convergence parity"
+KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence parity"
 for stage in "$@"; do
     case " $KNOWN " in
         *" $stage "*) ;;
@@ -94,6 +95,11 @@ st_data() {
 }
 st_hf() { python3 scripts/hf_check.py | tee "$OUT/hf_check.jsonl"; }
 st_memory() { python3 scripts/plan_vs_measured.py --out "$OUT"; }
+st_fullsize() {
+    python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --fwd-bwd-only --warmup 2 --blocks 8 --block-steps 3 \
+        --discard 1 --profile-steps 0 --tag fwdbwd --out "$OUT" model=nano30b model.num_moe_experts=32 \
+        train.micro_batch_size=1 train.global_batch_size=1 train.seq_length=8192 train.memory_check=false
+}
 st_breakdown() {
     python3 scripts/step_breakdown.py --backends "$BACKENDS" --out "$OUT" && python3 scripts/ab_step_time.py \
         --backends "$A,helion:model.lm_head_loss=chunked_compiled:optim.fused=true,helion,$A" --warmup 3 --blocks 6 \
