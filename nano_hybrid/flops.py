@@ -26,121 +26,59 @@ LM head:                2 h V   (the embedding lookup costs no FLOPs)
 
 This formula is part of the metrics contract: changing it changes every dashboard's TFLOP/s, so
 change it only together with its test (tests/test_flops.py) and say so in the changelog.
+
+The shape is a :class:`nano_hybrid.arch.HybridArch` (``HybridArch.from_megatron(model)`` in training,
+``HybridArch.from_model_cfg(cfg.model)`` without a model); the sequence length is the run's.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from nano_hybrid.arch import HybridArch
 
 
-@dataclass(frozen=True)
-class HybridShape:
-    pattern: str  # hybrid layer pattern, e.g. "MEM*E"
-    hidden: int
-    vocab: int  # padded vocab (the LM head's output width)
-    seq_length: int
-    # Mamba-2
-    mamba_heads: int = 0
-    mamba_head_dim: int = 0
-    mamba_state: int = 0
-    mamba_groups: int = 1
-    conv_width: int = 4
-    chunk_size: int = 128
-    # attention
-    attn_heads: int = 0
-    attn_groups: int = 0
-    attn_head_dim: int = 0
-    # MoE / MLP
-    num_experts: int = 0
-    topk: int = 0
-    moe_ffn: int = 0
-    shared_ffn: int = 0
-    ffn: int = 0
-    gated_mlp: bool = False
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def mamba_layer_flops(c: HybridShape) -> float:
-    H, P, N, G = c.mamba_heads, c.mamba_head_dim, c.mamba_state, c.mamba_groups
+def mamba_layer_flops(a: HybridArch, seq_length: int) -> float:
+    H, P, N, G = a.mamba_num_heads, a.mamba_head_dim, a.mamba_state_dim, a.mamba_num_groups
     d_inner = H * P
-    in_proj = 2 * c.hidden * (2 * d_inner + 2 * G * N + H)
-    conv = 2 * (d_inner + 2 * G * N) * c.conv_width
-    ssd = 2 * G * c.chunk_size * N + 2 * H * c.chunk_size * P + 4 * H * N * P
-    out_proj = 2 * d_inner * c.hidden
+    in_proj = 2 * a.hidden_size * (2 * d_inner + 2 * G * N + H)
+    conv = 2 * (d_inner + 2 * G * N) * a.mamba_conv_width
+    ssd = 2 * G * a.mamba_chunk_size * N + 2 * H * a.mamba_chunk_size * P + 4 * H * N * P
+    out_proj = 2 * d_inner * a.hidden_size
     return float(in_proj + conv + ssd + out_proj)
 
 
-def attention_layer_flops(c: HybridShape) -> float:
-    a, g, d = c.attn_heads, c.attn_groups, c.attn_head_dim
-    qkv = 2 * c.hidden * d * (a + 2 * g)
-    core = 2 * a * d * (c.seq_length + 1)
-    out = 2 * a * d * c.hidden
+def attention_layer_flops(a: HybridArch, seq_length: int) -> float:
+    n, g, d = a.num_attention_heads, a.num_query_groups, a.kv_channels
+    qkv = 2 * a.hidden_size * d * (n + 2 * g)
+    core = 2 * n * d * (seq_length + 1)
+    out = 2 * n * d * a.hidden_size
     return float(qkv + core + out)
 
 
-def moe_layer_flops(c: HybridShape) -> float:
-    mult = 1.5 if c.gated_mlp else 1.0
-    router = 2 * c.hidden * c.num_experts
-    routed = c.topk * 4 * c.hidden * c.moe_ffn * mult
-    shared = 4 * c.hidden * c.shared_ffn * mult
+def moe_layer_flops(a: HybridArch, seq_length: int) -> float:
+    mult = 1.5 if a.gated_linear_unit else 1.0
+    router = 2 * a.hidden_size * a.num_moe_experts
+    routed = a.moe_router_topk * 4 * a.hidden_size * a.moe_ffn_hidden_size * mult
+    shared = 4 * a.hidden_size * a.moe_shared_expert_intermediate_size * mult
     return float(router + routed + shared)
 
 
-def mlp_layer_flops(c: HybridShape) -> float:
-    return float(4 * c.hidden * c.ffn * (1.5 if c.gated_mlp else 1.0))
+def mlp_layer_flops(a: HybridArch, seq_length: int) -> float:
+    return float(4 * a.hidden_size * a.ffn_hidden_size * (1.5 if a.gated_linear_unit else 1.0))
 
 
 LAYER_FLOPS = {"M": mamba_layer_flops, "*": attention_layer_flops, "E": moe_layer_flops, "-": mlp_layer_flops}
 
 
-def forward_flops_per_token(c: HybridShape) -> float:
-    unknown = sorted(set(c.pattern) - set(LAYER_FLOPS))
+def forward_flops_per_token(a: HybridArch, seq_length: int) -> float:
+    """Forward model FLOPs per token of architecture ``a`` at sequence length ``seq_length``."""
+    pattern = a.hybrid_override_pattern
+    unknown = sorted(set(pattern) - set(LAYER_FLOPS))
     if unknown:
-        raise ValueError(f"hybrid pattern {c.pattern!r} has layer symbols without a FLOPs formula: {unknown}")
-    per_kind = {sym: fn(c) for sym, fn in LAYER_FLOPS.items() if sym in c.pattern}
-    return sum(per_kind[sym] for sym in c.pattern) + 2.0 * c.hidden * c.vocab
+        raise ValueError(f"hybrid pattern {pattern!r} has layer symbols without a FLOPs formula: {unknown}")
+    per_kind = {sym: fn(a, seq_length) for sym, fn in LAYER_FLOPS.items() if sym in pattern}
+    return sum(per_kind[sym] for sym in pattern) + 2.0 * a.hidden_size * a.padded_vocab_size
 
 
-def training_flops_per_token(c: HybridShape) -> float:
+def training_flops_per_token(a: HybridArch, seq_length: int) -> float:
     """Forward + backward model FLOPs per token (3 x forward)."""
-    return 3.0 * forward_flops_per_token(c)
-
-
-def shape_from_megatron(model, seq_length: int) -> HybridShape:
-    """Read the shape from a built megatron ``MambaModel`` (unwrapped) and its TransformerConfig.
-
-    Conv width and chunk size come from this rank's first Mamba mixer (megatron's defaults 4 and 128
-    when a pipeline stage holds none).
-    """
-    cfg = model.config
-    pattern = getattr(model, "hybrid_override_pattern", None)
-    if not pattern:
-        raise ValueError("model has no hybrid_override_pattern; the FLOPs formula needs the layer pattern")
-    mixer = next((m for m in model.modules() if type(m).__name__.endswith("MambaMixer") or hasattr(m, "d_conv")), None)
-    mamba_heads = getattr(cfg, "mamba_num_heads", None) or 0
-    head_dim = getattr(cfg, "mamba_head_dim", 0) or 0
-    if "M" in pattern and not mamba_heads:
-        mamba_heads = (2 * cfg.hidden_size) // head_dim  # megatron's default: expand 2
-    return HybridShape(
-        pattern=pattern,
-        hidden=cfg.hidden_size,
-        vocab=model.vocab_size,
-        seq_length=seq_length,
-        mamba_heads=mamba_heads,
-        mamba_head_dim=head_dim,
-        mamba_state=getattr(cfg, "mamba_state_dim", 0) or 0,
-        mamba_groups=getattr(cfg, "mamba_num_groups", 1) or 1,
-        conv_width=getattr(mixer, "d_conv", 4) if mixer is not None else 4,
-        chunk_size=getattr(mixer, "chunk_size", 128) if mixer is not None else 128,
-        attn_heads=cfg.num_attention_heads,
-        attn_groups=cfg.num_query_groups or cfg.num_attention_heads,
-        attn_head_dim=cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads,
-        num_experts=cfg.num_moe_experts or 0,
-        topk=cfg.moe_router_topk if cfg.num_moe_experts else 0,
-        moe_ffn=(cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size) if cfg.num_moe_experts else 0,
-        shared_ffn=cfg.moe_shared_expert_intermediate_size or 0,
-        ffn=cfg.ffn_hidden_size or 0,
-        gated_mlp=bool(cfg.gated_linear_unit),
-    )
+    return 3.0 * forward_flops_per_token(a, seq_length)

@@ -82,8 +82,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from nano_hybrid.arch import HybridArch
 from nano_hybrid.config import ConfigError
-from nano_hybrid.model.config import RECOMPUTE_CHOICES, check_model_cfg, model_dict, padded_vocab_size, recompute_settings
+from nano_hybrid.model.config import RECOMPUTE_CHOICES, check_model_cfg, model_dict, recompute_settings
 
 GIB = 1024**3
 # GPUs of the verdict: name -> memory torch reports as total_memory (GiB)
@@ -95,9 +96,10 @@ SURE_FACTOR = 0.9  # must_not_fit: even 90% of the planned peak exceeds the GPU'
 
 @dataclass
 class Shape:
-    pattern: str
-    h: int
-    vocab: int  # padded
+    """The planner's input: the architecture (its vocabulary padded for ``tp``) and the run's layout,
+    micro-batch, dtype and LM-head loss."""
+
+    arch: HybridArch
     seq: int
     mbs: int
     a: int  # bytes per activation / weight element
@@ -111,66 +113,45 @@ class Shape:
     dist_opt: bool
     num_microbatches: int
     backend: str
-    # Mamba
-    m_heads: int = 0
-    m_hdim: int = 0
-    m_state: int = 0
-    m_groups: int = 0
-    m_conv: int = 4
-    # attention
-    heads: int = 0
-    groups: int = 0
-    kv: int = 0
-    # MoE / MLP
-    experts: int = 0
-    topk: int = 0
-    f: int = 0
-    fs: int = 0
-    ffn: int = 0
-    untied: bool = True
     optimizer: bool = True  # plan.optimizer=false: forward+backward only (no optimizer states, no step)
     lm_head_loss: str = "plain"  # plain | chunked | chunked_compiled (model.lm_head_loss)
     lm_chunk: int = 4096  # model.lm_loss_chunk_tokens
-
-    @property
-    def di(self) -> int:
-        return self.m_heads * self.m_hdim
-
-    @property
-    def d_in(self) -> int:
-        return 2 * self.di + 2 * self.m_groups * self.m_state + self.m_heads
 
 
 # ------------------------------------------------------------------------------------------ params
 def layer_params(s: Shape, kind: str) -> tuple[int, int]:
     """(dense, expert) parameter counts of one layer of ``kind`` for the whole model (unsharded)."""
-    h = s.h
+    ar = s.arch
+    h = ar.hidden_size
     if kind == "M":
-        conv_ch = s.di + 2 * s.m_groups * s.m_state
-        return h + h * s.d_in + conv_ch * s.m_conv + conv_ch + 3 * s.m_heads + s.di + s.di * h, 0
+        conv_ch, di, heads = ar.conv_channels, ar.d_inner, ar.mamba_num_heads
+        return h + h * ar.in_proj_width + conv_ch * ar.mamba_conv_width + conv_ch + 3 * heads + di + di * h, 0
     if kind == "*":
-        return h + h * (s.heads + 2 * s.groups) * s.kv + s.heads * s.kv * h, 0
+        heads, kv = ar.num_attention_heads, ar.kv_channels
+        return h + h * (heads + 2 * ar.num_query_groups) * kv + heads * kv * h, 0
     if kind == "E":
-        shared = 2 * h * s.fs
-        return h + s.experts * h + shared, s.experts * 2 * h * s.f
+        experts = ar.num_moe_experts
+        shared = 2 * h * ar.moe_shared_expert_intermediate_size
+        return h + experts * h + shared, experts * 2 * h * ar.moe_ffn_hidden_size
     if kind == "-":
-        return h + 2 * h * s.ffn, 0
+        return h + 2 * h * ar.ffn_hidden_size, 0
     raise ValueError(kind)
 
 
 def local_layer_params(s: Shape, kind: str) -> tuple[float, float]:
     """(dense, expert) parameters of one layer held by one GPU (its TP / EP x ETP shard)."""
     dense, expert = layer_params(s, kind)
-    h = s.h
+    h = s.arch.hidden_size
     replicated = h  # the pre-norm
     if kind == "E":
-        replicated += s.experts * h  # router
+        replicated += s.arch.num_moe_experts * h  # router
     return replicated + (dense - replicated) / s.tp, expert / (s.ep * s.etp)
 
 
 def stage_layers(s: Shape) -> list[str]:
-    n = len(s.pattern) // s.pp
-    return [s.pattern[i * n:(i + 1) * n] for i in range(s.pp)]
+    pattern = s.arch.hybrid_override_pattern
+    n = len(pattern) // s.pp
+    return [pattern[i * n:(i + 1) * n] for i in range(s.pp)]
 
 
 def stage_params(s: Shape, stage: int) -> tuple[float, float]:
@@ -179,19 +160,21 @@ def stage_params(s: Shape, stage: int) -> tuple[float, float]:
     for kind in stage_layers(s)[stage]:
         d, e = local_layer_params(s, kind)
         dense, expert = dense + d, expert + e
+    vocab, h = s.arch.padded_vocab_size, s.arch.hidden_size
     if stage == 0:
-        dense += s.vocab * s.h / s.tp
+        dense += vocab * h / s.tp
     if stage == s.pp - 1:
-        dense += s.h  # final norm
-        if s.untied or s.pp > 1:
-            dense += s.vocab * s.h / s.tp
+        dense += h  # final norm
+        if not s.arch.tied_embeddings or s.pp > 1:
+            dense += vocab * h / s.tp
     return dense, expert
 
 
 def total_params(s: Shape) -> tuple[int, int]:
-    dense = s.vocab * s.h * (2 if s.untied else 1) + s.h
+    ar = s.arch
+    dense = ar.padded_vocab_size * ar.hidden_size * (1 if ar.tied_embeddings else 2) + ar.hidden_size
     expert = 0
-    for kind in s.pattern:
+    for kind in ar.hybrid_override_pattern:
         d, e = layer_params(s, kind)
         dense, expert = dense + d, expert + e
     return dense, expert
@@ -203,24 +186,25 @@ def layer_activations(s: Shape, kind: str, modules: tuple[str, ...] = ()) -> dic
     recompute list; pieces it rebuilds are left out)."""
     a, t = s.a, s.mbs * s.seq
     tsp = t / s.tp if s.sp else t
-    h = s.h
+    ar = s.arch
+    h = ar.hidden_size
     rec = set(modules)
     out: dict[str, float] = {"input": a * tsp * h + 4 * tsp}
     if "layernorm" not in rec:
         out["norm_out"] = a * tsp * h
     if kind == "M":
-        di, d_in = s.di / s.tp, s.d_in / s.tp
+        di, d_in = ar.d_inner / s.tp, ar.in_proj_width / s.tp
         out["zxBCdt"] = a * t * d_in
         if "ssd" not in rec:
             out["out_x"] = a * t * di
-            out["gated_y"] = a * t * di + 4 * t * max(1, s.m_groups // s.tp)
+            out["gated_y"] = a * t * di + 4 * t * max(1, ar.mamba_num_groups // s.tp)
             if s.backend == "helion":
-                out["cumsum"] = 2 * 4 * t * s.m_heads / s.tp
+                out["cumsum"] = 2 * 4 * t * ar.mamba_num_heads / s.tp
         out["y_norm"] = a * t * di
     elif kind == "*":
-        heads, groups = s.heads / s.tp, max(1, s.groups // s.tp)
-        out["qkv"] = a * t * (heads + 2 * groups) * s.kv
-        out["attn_out"] = a * t * heads * s.kv
+        heads, groups = ar.num_attention_heads / s.tp, max(1, ar.num_query_groups // s.tp)
+        out["qkv"] = a * t * (heads + 2 * groups) * ar.kv_channels
+        out["attn_out"] = a * t * heads * ar.kv_channels
         if "core_attn" not in rec:
             out["lse"] = 4 * t * heads
     elif kind == "E":
@@ -229,27 +213,28 @@ def layer_activations(s: Shape, kind: str, modules: tuple[str, ...] = ()) -> dic
                 out["norm_out"] = a * tsp * h  # the MoE checkpoint's input
         else:
             # tokens of this rank's experts: T k on average (EP spreads them; all-gather at TP/SP)
-            copies = t * s.topk
-            out["router"] = 5 * 4 * t * s.experts
+            copies = t * ar.moe_router_topk
+            out["router"] = 5 * 4 * t * ar.num_moe_experts
             out["expert_in"] = a * copies * h
-            out["expert_ffn"] = 2 * a * copies * s.f / s.etp
+            out["expert_ffn"] = 2 * a * copies * ar.moe_ffn_hidden_size / s.etp
             out["probs_idx"] = (4 + 16) * copies
             if "shared_experts" not in rec:
-                out["shared_ffn"] = 2 * a * t * s.fs / s.tp
+                out["shared_ffn"] = 2 * a * t * ar.moe_shared_expert_intermediate_size / s.tp
     elif kind == "-":
         if "mlp" not in rec:
-            out["ffn"] = 2 * a * t * s.ffn / s.tp
+            out["ffn"] = 2 * a * t * ar.ffn_hidden_size / s.tp
     return out
 
 
 def head_activations(s: Shape) -> dict[str, float]:
     a, t = s.a, s.mbs * s.seq
     tsp = t / s.tp if s.sp else t
-    out = {"final_norm": 2 * a * tsp * s.h + 4 * tsp}
+    vocab = s.arch.padded_vocab_size
+    out = {"final_norm": 2 * a * tsp * s.arch.hidden_size + 4 * tsp}
     if s.lm_head_loss.startswith("chunked"):  # chunked | chunked_compiled
-        out["softmax_minus_onehot"] = a * t * s.vocab  # D = softmax - onehot in the model dtype
+        out["softmax_minus_onehot"] = a * t * vocab  # D = softmax - onehot in the model dtype
     else:
-        out["logits_fp32"] = 4 * t * s.vocab / s.tp
+        out["logits_fp32"] = 4 * t * vocab / s.tp
     return out
 
 
@@ -257,12 +242,12 @@ def head_transient(s: Shape) -> float:
     """plain: the logits in the training dtype beside the fp32 ones (none in fp32: .float() is a no-op);
     chunked: one chunk's logits in the model dtype plus two fp32 copies (one for chunked_compiled), or the
     output-layer weight gradient in the model dtype in the backward, whichever is larger."""
-    t = s.mbs * s.seq
+    t, vocab = s.mbs * s.seq, s.arch.padded_vocab_size
     if s.lm_head_loss.startswith("chunked"):  # chunked | chunked_compiled
         # eager: the chunk's logits, their fp32 copy and logsumexp's fp32 work space; compiled: fused
         per_logit = s.a + (4 if s.lm_head_loss == "chunked_compiled" else 8)
-        return max(min(s.lm_chunk, t) * s.vocab * per_logit, s.a * s.vocab * s.h)
-    return 0.0 if s.a == 4 else s.a * t * s.vocab / s.tp
+        return max(min(s.lm_chunk, t) * vocab * per_logit, s.a * vocab * s.arch.hidden_size)
+    return 0.0 if s.a == 4 else s.a * t * vocab / s.tp
 
 
 @dataclass
@@ -301,7 +286,7 @@ def plan_stage(s: Shape, stage: int, choice: str, modules: tuple[str, ...]) -> S
     for kind in layers:
         full_set = sum(layer_activations(s, kind).values())
         if choice == "full":
-            kept = s.a * (s.mbs * s.seq / (s.tp if s.sp else 1)) * s.h
+            kept = s.a * (s.mbs * s.seq / (s.tp if s.sp else 1)) * s.arch.hidden_size
         else:
             kept = sum(layer_activations(s, kind, modules).values())
         # during this layer's backward: the activations recompute rebuilds plus the gradient work space
@@ -348,22 +333,11 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
         device = str(cfg.train.device)
         precision = "fp32" if device == "cpu" else "bf16"
     return Shape(
-        pattern=str(m["hybrid_override_pattern"]), h=int(m["hidden_size"]),
-        vocab=padded_vocab_size(int(m["vocab_size"]), int(m.get("make_vocab_size_divisible_by", 128)), tp),
+        arch=HybridArch.from_model_cfg(m, tp),
         seq=int(cfg.train.seq_length), mbs=mbs, a=2 if precision == "bf16" else 4,
         tp=tp, pp=pp, ep=ep, etp=etp, dp=sizes["dp"], edp=sizes["edp"], sp=bool(p.sequence_parallel),
         dist_opt=bool(p.use_distributed_optimizer), num_microbatches=gbs // (mbs * sizes["dp"]),
         backend=str(cfg.kernels.backend),
-        m_heads=int(m.get("mamba_num_heads") or 0), m_hdim=int(m.get("mamba_head_dim") or 0),
-        m_state=int(m.get("mamba_state_dim") or 0), m_groups=int(m.get("mamba_num_groups") or 0),
-        m_conv=int(m.get("mamba_conv_width", 4)),
-        heads=int(m.get("num_attention_heads") or 0),
-        groups=int(m.get("num_query_groups") or m.get("num_attention_heads") or 0),
-        kv=int(m.get("kv_channels") or 0),
-        experts=int(m.get("num_moe_experts") or 0), topk=int(m.get("moe_router_topk") or 0),
-        f=int(m.get("moe_ffn_hidden_size") or m.get("ffn_hidden_size") or 0),
-        fs=int(m.get("moe_shared_expert_intermediate_size") or 0), ffn=int(m.get("ffn_hidden_size") or 0),
-        untied=bool(m.get("untie_embeddings_and_output_weights", True)),
         optimizer=optimizer, lm_head_loss=str(m.get("lm_head_loss", "plain")), lm_chunk=int(m.get("lm_loss_chunk_tokens", 4096)),
     ), world_size
 
@@ -393,7 +367,7 @@ def make_plan(cfg: DictConfig, world_size: int | None = None, *, optimizer: bool
     ckpt = (dense + expert) * (s.a + (12 if s.a == 2 else 8))
     verdict = {name: fit_verdict(worst.peak, cap) for name, cap in GPUS.items()}
     return {
-        "model": str(m["name"]), "pattern": s.pattern, "world_size": world,
+        "model": str(m["name"]), "pattern": s.arch.hybrid_override_pattern, "world_size": world,
         "layout": {"tp": s.tp, "pp": s.pp, "ep": s.ep, "etp": s.etp, "dp": s.dp, "edp": s.edp, "sp": s.sp,
                    "distributed_optimizer": s.dist_opt},
         "micro_batch_size": s.mbs, "seq_length": s.seq, "num_microbatches": s.num_microbatches,

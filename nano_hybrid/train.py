@@ -639,7 +639,8 @@ class Trainer:
 
 def setup(cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool = True) -> Trainer:
     """Distributed state, run folder, data, model (and, unless ``with_optimizer=False``, optimizer and schedule)."""
-    from nano_hybrid.flops import shape_from_megatron, training_flops_per_token
+    from nano_hybrid.arch import HybridArch
+    from nano_hybrid.flops import training_flops_per_token
     from nano_hybrid.metrics import MetricsLogger
 
     if cfg.train.torch_threads is not None:
@@ -664,7 +665,7 @@ def setup(cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool = True) -> Tra
             and (checkpointer.interval or checkpointer.save_on_exit)):
         decided_on_rank0(checkpointer.check_free_space, model, optimizer, int(cfg.train.train_iters))
     unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
-    flops = training_flops_per_token(shape_from_megatron(unwrapped, plan.seq_length))
+    flops = training_flops_per_token(HybridArch.from_megatron(unwrapped), plan.seq_length)
     if plan.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nano_hybrid.arch import HybridArch
 from nano_hybrid.data import stdlib_sources, write_indexed_dataset
-from nano_hybrid.flops import HybridShape, training_flops_per_token
+from nano_hybrid.flops import training_flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
 FIELDS = {"step", "tokens", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu",
@@ -61,16 +62,17 @@ def test_tiny_cpu_training_loss_decreases(corpus, tmp_path):
     assert recs[0]["lr"] < recs[3]["lr"] and recs[-1]["lr"] == pytest.approx(1e-5)  # optim.min_lr of adamw_wsd
     # tflops_per_gpu uses the documented formula with the shape read from the built model
     m = yaml.safe_load((REPO / "configs/model/tiny.yaml").read_text())
-    shape = HybridShape(
-        pattern=m["hybrid_override_pattern"], hidden=m["hidden_size"], vocab=512, seq_length=64,
-        mamba_heads=m["mamba_num_heads"], mamba_head_dim=m["mamba_head_dim"], mamba_state=m["mamba_state_dim"],
-        mamba_groups=m["mamba_num_groups"], conv_width=m["mamba_conv_width"], chunk_size=m["mamba_chunk_size"],
-        attn_heads=m["num_attention_heads"], attn_groups=m["num_query_groups"], attn_head_dim=m["kv_channels"],
-        num_experts=m["num_moe_experts"], topk=m["moe_router_topk"], moe_ffn=m["moe_ffn_hidden_size"],
-        shared_ffn=m["moe_shared_expert_intermediate_size"], ffn=m["ffn_hidden_size"],
+    arch = HybridArch(
+        hybrid_override_pattern=m["hybrid_override_pattern"], hidden_size=m["hidden_size"], padded_vocab_size=512,
+        mamba_num_heads=m["mamba_num_heads"], mamba_head_dim=m["mamba_head_dim"], mamba_state_dim=m["mamba_state_dim"],
+        mamba_num_groups=m["mamba_num_groups"], mamba_conv_width=m["mamba_conv_width"],
+        mamba_chunk_size=m["mamba_chunk_size"], num_attention_heads=m["num_attention_heads"],
+        num_query_groups=m["num_query_groups"], kv_channels=m["kv_channels"], num_moe_experts=m["num_moe_experts"],
+        moe_router_topk=m["moe_router_topk"], moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
+        moe_shared_expert_intermediate_size=m["moe_shared_expert_intermediate_size"], ffn_hidden_size=m["ffn_hidden_size"],
     )
     r = recs[-1]
-    assert r["tflops_per_gpu"] == pytest.approx(training_flops_per_token(shape) * r["tokens_per_s"] / 1e12, rel=1e-9)
+    assert r["tflops_per_gpu"] == pytest.approx(training_flops_per_token(arch, 64) * r["tokens_per_s"] / 1e12, rel=1e-9)
     # resolved config; console lines with loss
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["model"]["name"] == "tiny" and cfg["train"]["seq_length"] == 64 and cfg["run_dir"] == str(run_dir)

@@ -9,7 +9,6 @@ from nano_hybrid.hf.bridge import (
     export_model,
     load_hf_weights,
 )
-from nano_hybrid.hf.mapping import Arch, MappingError
+from nano_hybrid.hf.mapping import MappingError
 
-__all__ = ["Arch", "HFBridgeError", "MappingError", "check_init_from_hf", "export_checkpoint", "export_model",
-           "load_hf_weights"]
+__all__ = ["HFBridgeError", "MappingError", "check_init_from_hf", "export_checkpoint", "export_model", "load_hf_weights"]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from nano_hybrid.arch import HybridArch
 from nano_hybrid.errors import RunError
 from nano_hybrid.hf.config import first_mismatch, hf_config
 from nano_hybrid.hf.io import (
@@ -31,7 +32,7 @@ from nano_hybrid.hf.io import (
     read_checkpoint_tensors,
     sharded_tensors,
 )
-from nano_hybrid.hf.mapping import HF_PREFIX, Arch, MappingError, check_all_used, hf_to_mcore_global, mcore_global_to_hf
+from nano_hybrid.hf.mapping import HF_PREFIX, MappingError, check_all_used, hf_to_mcore_global, mcore_global_to_hf
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # kept in fp32 whatever the export dtype (transformers keeps it fp32: _keep_in_fp32_modules_strict)
@@ -119,7 +120,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "bf
     path = resolve_checkpoint(ckpt)
     run_cfg = OmegaConf.load(path / "config.yaml")
     m = _model_dict(run_cfg)
-    a = Arch.from_model_cfg(m)
+    a = HybridArch.from_model_cfg(m)
     meta = checkpoint_model_tensors_meta(path)
     if "embedding.word_embeddings.weight" not in meta:
         raise HFBridgeError(f"{path}: no embedding.word_embeddings.weight among the checkpoint's tensors")
@@ -136,7 +137,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "bf
     writer = ShardWriter(out, max_shard_bytes)
     ends = read_checkpoint_tensors(path, [k for k in _END_KEYS if k in meta], meta)
     writer.add({n: _cast(n, t, target) for n, t in mcore_global_to_hf(ends, a, layers=[], used=used).items()})
-    for i in range(len(a.pattern)):
+    for i in range(a.num_layers):
         src = read_checkpoint_tensors(path, by_layer.get(i, []), meta)
         writer.add({n: _cast(n, t, target) for n, t in mcore_global_to_hf(src, a, layers=[i], ends=False, used=used).items()})
     check_all_used(meta, used, "checkpoint")
@@ -156,7 +157,7 @@ def export_model(model_chunks, cfg, out_dir: str | Path, *, dtype: str = "bf16",
 
     chunks = [unwrap_model(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
     m = _model_dict(cfg)
-    a = Arch.from_model_cfg(m)
+    a = HybridArch.from_model_cfg(m)
     src = model_global_tensors(chunks)
     vocab = src["embedding.word_embeddings.weight"].shape[0]
     hf_config(m, vocab)
@@ -170,7 +171,7 @@ def export_model(model_chunks, cfg, out_dir: str | Path, *, dtype: str = "bf16",
 
 
 # -------------------------------------------------------------------------------------- import
-def hf_tensor_names(a: Arch) -> set[str]:
+def hf_tensor_names(a: HybridArch) -> set[str]:
     """Every tensor name of the published HF layout for architecture ``a``."""
     names = {f"{HF_PREFIX}embeddings.weight", f"{HF_PREFIX}norm_f.weight"}
     if not a.tied_embeddings:
@@ -184,7 +185,7 @@ def hf_tensor_names(a: Arch) -> set[str]:
         + [f"mixer.experts.{e}.{n}.weight" for e in range(a.num_moe_experts) for n in ("up_proj", "down_proj")],
         "-": ["mixer.up_proj.weight", "mixer.down_proj.weight"],
     }
-    for i, s in enumerate(a.pattern):
+    for i, s in enumerate(a.hybrid_override_pattern):
         names.add(f"{HF_PREFIX}layers.{i}.norm.weight")
         names.update(f"{HF_PREFIX}layers.{i}.{n}" for n in per[s])
     return names
@@ -242,7 +243,7 @@ def _load_hf_weights(model_chunks, folder: str | Path, cfg) -> dict:
     t0 = time.perf_counter()
     check_init_from_hf(cfg, folder)
     chunks = [unwrap_model(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
-    a = Arch.from_model_cfg(_model_dict(cfg))
+    a = HybridArch.from_model_cfg(_model_dict(cfg))
     src = NormalizedHFTensors(LazyHFTensors(folder))
     want = hf_tensor_names(a)
     if set(src) != want:

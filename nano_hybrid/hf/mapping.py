@@ -27,67 +27,23 @@ Per layer symbol (``hybrid_override_pattern``), megatron -> HF:
 
 plus ``embedding.word_embeddings.weight`` -> ``backbone.embeddings.weight``,
 ``decoder.final_norm.weight`` -> ``backbone.norm_f.weight``, ``output_layer.weight`` -> ``lm_head.weight``.
-Every tensor on either side must be used exactly once; anything left over is an error.
+Every tensor on either side must be used exactly once; anything left over is an error. The shapes
+come from a :class:`nano_hybrid.arch.HybridArch` (``HybridArch.from_model_cfg(cfg.model)``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+from nano_hybrid.arch import HybridArch
 
 HF_PREFIX = "backbone."
 
 
 class MappingError(ValueError):
     """The tensors do not fit the architecture (missing, extra or mis-shaped); one-line message."""
-
-
-@dataclass(frozen=True)
-class Arch:
-    """The shape facts the mapping needs (from ``cfg.model``)."""
-
-    pattern: str
-    hidden_size: int
-    mamba_num_heads: int = 0
-    mamba_head_dim: int = 0
-    mamba_state_dim: int = 0
-    mamba_num_groups: int = 0
-    num_attention_heads: int = 0
-    num_query_groups: int = 0
-    kv_channels: int = 0
-    num_moe_experts: int = 0
-    tied_embeddings: bool = False
-
-    @classmethod
-    def from_model_cfg(cls, m: dict) -> "Arch":
-        def i(key):
-            v = m.get(key)
-            return int(v) if v is not None else 0
-
-        heads = i("num_attention_heads")
-        return cls(
-            pattern=str(m["hybrid_override_pattern"]),
-            hidden_size=i("hidden_size"),
-            mamba_num_heads=i("mamba_num_heads"),
-            mamba_head_dim=i("mamba_head_dim"),
-            mamba_state_dim=i("mamba_state_dim"),
-            mamba_num_groups=i("mamba_num_groups"),
-            num_attention_heads=heads,
-            num_query_groups=i("num_query_groups") or heads,
-            kv_channels=i("kv_channels") or (i("hidden_size") // heads if heads else 0),
-            num_moe_experts=i("num_moe_experts"),
-            tied_embeddings=not bool(m.get("untie_embeddings_and_output_weights", True)),
-        )
-
-    @property
-    def d_inner(self) -> int:
-        return self.mamba_num_heads * self.mamba_head_dim
-
-    @property
-    def bc_width(self) -> int:
-        return self.mamba_num_groups * self.mamba_state_dim
 
 
 def _mcore_norm_key(symbol: str, i: int) -> str:
@@ -118,7 +74,7 @@ def _check_shape(key: str, t: torch.Tensor, shape: tuple) -> None:
 
 
 # ------------------------------------------------------------------------------- megatron -> HF
-def _qkv_split(w: torch.Tensor, a: Arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv_split(w: torch.Tensor, a: HybridArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g, hd = a.num_query_groups, a.kv_channels
     per_group = a.num_attention_heads // g
     w = w.reshape(g, (per_group + 2) * hd, -1)
@@ -126,9 +82,9 @@ def _qkv_split(w: torch.Tensor, a: Arch) -> tuple[torch.Tensor, torch.Tensor, to
     return q.reshape(-1, w.shape[-1]), k.reshape(-1, w.shape[-1]), v.reshape(-1, w.shape[-1])
 
 
-def mcore_layer_to_hf(src: dict, a: Arch, i: int, used: set) -> dict[str, torch.Tensor]:
+def mcore_layer_to_hf(src: dict, a: HybridArch, i: int, used: set) -> dict[str, torch.Tensor]:
     """HF tensors of layer ``i`` from the megatron tensors in ``src`` (keys consumed are added to ``used``)."""
-    sym = a.pattern[i]
+    sym = a.hybrid_override_pattern[i]
     p, h = f"decoder.layers.{i}.", f"{HF_PREFIX}layers.{i}."
     out = {f"{h}norm.weight": _take(src, _mcore_norm_key(sym, i), used)}
     if sym == "M":
@@ -167,7 +123,7 @@ def mcore_layer_to_hf(src: dict, a: Arch, i: int, used: set) -> dict[str, torch.
     return out
 
 
-def mcore_global_to_hf(src: dict, a: Arch, layers: Iterable[int] | None = None, *, ends: bool = True,
+def mcore_global_to_hf(src: dict, a: HybridArch, layers: Iterable[int] | None = None, *, ends: bool = True,
                        used: set | None = None) -> dict[str, torch.Tensor]:
     """HF tensors from megatron global tensors. ``layers`` (default all) and ``ends`` (embedding, final
     norm, LM head) pick what to convert, so a caller can stream a large model layer by layer; with the
@@ -182,7 +138,7 @@ def mcore_global_to_hf(src: dict, a: Arch, layers: Iterable[int] | None = None, 
             out["lm_head.weight"] = out[f"{HF_PREFIX}embeddings.weight"]
         else:
             out["lm_head.weight"] = _take(src, "output_layer.weight", used)
-    for i in range(len(a.pattern)) if layers is None else layers:
+    for i in range(a.num_layers) if layers is None else layers:
         out.update(mcore_layer_to_hf(src, a, i, used))
     if check_all:
         _check_all_used(src, used, "megatron")
@@ -190,7 +146,7 @@ def mcore_global_to_hf(src: dict, a: Arch, layers: Iterable[int] | None = None, 
 
 
 # ------------------------------------------------------------------------------- HF -> megatron
-def hf_to_mcore_global(src, a: Arch, layers: Iterable[int] | None = None, *, ends: bool = True,
+def hf_to_mcore_global(src, a: HybridArch, layers: Iterable[int] | None = None, *, ends: bool = True,
                        used: set | None = None) -> dict[str, torch.Tensor]:
     """Megatron global tensors from HF tensors in the published layout (``src``: a mapping, e.g.
     ``io.NormalizedHFTensors``, read on access). ``layers`` / ``ends`` / ``used`` as in
@@ -207,8 +163,8 @@ def hf_to_mcore_global(src, a: Arch, layers: Iterable[int] | None = None, *, end
         else:
             out["output_layer.weight"] = _take(src, "lm_head.weight", used)
     d, bc, nh, hid = a.d_inner, a.bc_width, a.mamba_num_heads, a.hidden_size
-    for i in range(len(a.pattern)) if layers is None else layers:
-        sym = a.pattern[i]
+    for i in range(a.num_layers) if layers is None else layers:
+        sym = a.hybrid_override_pattern[i]
         p, h = f"decoder.layers.{i}.", f"{HF_PREFIX}layers.{i}."
         out[_mcore_norm_key(sym, i)] = _take(src, f"{h}norm.weight", used)
         if sym == "M":
