@@ -206,3 +206,20 @@ def test_chunked_lm_head_keeps_model_dtype_logits_only():
         # plain keeps fp32 logits (4 bytes) and has the bf16 ones beside them; chunked keeps bf16 softmax - onehot
         assert plain["head_gib"] - chunked["head_gib"] == pytest.approx((4 - 2) * t * v / GIB)
         assert chunked["head_gib"] + chunked["transient_gib"] < plain["head_gib"] + plain["transient_gib"]
+
+
+def test_readme_planner_commands_run(capsys):
+    """Every `python -m nano_hybrid.plan ...` command in the README (continuation lines joined) plans and exits 0."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from nano_hybrid.plan import main
+
+    text = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text().replace("\\\n", " ")
+    cmds = [line.split("#")[0] for line in text.splitlines() if re.match(r"\s*python -m nano_hybrid\.plan\b", line)]
+    assert cmds, "the README shows no planner command"
+    for cmd in cmds:
+        args = shlex.split(cmd)[3:]
+        assert main(args) == 0, (cmd, capsys.readouterr().err)
+        assert "141 GB (H200)" in capsys.readouterr().out
