@@ -392,8 +392,6 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
         if plan.rank == 0:
             print(f"init_from_hf: {info['tensors']} tensors from {init_from_hf} in {info['seconds']:.1f}s", flush=True)
     config = model.config
-    # What megatron's schedule calls around the micro-batches (set below): DP no_sync for all but the last
-    # micro-batch, then finalize_model_grads (grad all-reduce / reduce-scatter, MoE expert-bias update).
     if plan.dtype == torch.bfloat16:
         model = Float16Module(config, model)
     use_dist_opt = bool(cfg.parallel.use_distributed_optimizer)
@@ -407,6 +405,8 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
         ),
         model,
     )
+    # What megatron's schedule calls around the micro-batches: DP no_sync for all but the last
+    # micro-batch, then finalize_model_grads (grad all-reduce / reduce-scatter, MoE expert-bias update).
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     if not with_optimizer:
