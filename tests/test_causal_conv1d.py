@@ -213,6 +213,14 @@ def _cl_input(b, d, l, dtype, seed):
     return buf[:, :, 8:8 + d].transpose(1, 2)
 
 
+def _channel_last(t):
+    """``t`` (b, d, l) copied into a (b, l, d) buffer and viewed as (b, d, l): strides (l*d, 1, d) at every length.
+    ``t.transpose(1, 2).contiguous()`` does not give that at l = 1, where the transposed view already counts as
+    contiguous and keeps stride 1 along l."""
+    b, d, l = t.shape
+    return t.new_empty(b, l, d).copy_(t.transpose(1, 2)).transpose(1, 2)
+
+
 def _padded_docs(b, l, seed):
     """seq_idx with documents of 1..5 tokens (below the conv width) and longer ones, and -1 padding runs."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -235,13 +243,12 @@ def _vs_causal_conv1d(x, w, bias, seq, act, dy):
 
     def grads(f, x_, w_, b_, dy_):
         cl = x_.stride(1) == 1 and x_.stride(2) != 1
-        leaf = (x_.transpose(1, 2).contiguous() if cl else x_.contiguous()).detach().requires_grad_()
+        leaf = (_channel_last(x_).transpose(1, 2) if cl else x_.contiguous()).detach().requires_grad_()
         xin = leaf.transpose(1, 2) if cl else leaf  # channel-last stays channel-last (causal-conv1d's seq_idx path)
         ins = [leaf] + [t.detach().clone().requires_grad_() for t in ([w_] + ([b_] if b_ is not None else []))]
         y = f(xin, ins[1], ins[2] if b_ is not None else None, seq_idx=seq, activation=act)
-        # dout in x's layout: causal-conv1d's channel-last backward needs it channel-last (strides multiple of 8),
-        # and at length 1 a contiguous (b, d, 1) dout reads as channel-last with stride 1
-        g = list(torch.autograd.grad(y, ins, dy_.transpose(1, 2).contiguous().transpose(1, 2) if cl else dy_))
+        # dout in x's layout: causal-conv1d's channel-last backward needs it channel-last (strides multiple of 8)
+        g = list(torch.autograd.grad(y, ins, _channel_last(dy_) if cl else dy_))
         return [y, g[0].transpose(1, 2) if cl else g[0]] + g[1:]
 
     ours = grads(causal_conv1d_helion, x, w, bias, dy)
