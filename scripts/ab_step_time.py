@@ -49,9 +49,11 @@ from pathlib import Path
 
 from nano_hybrid import benchlib as bl
 
+# a benchmark saves no checkpoint (and so needs no free space for one)
+NO_CHECKPOINTS = ["checkpoint.interval=0", "checkpoint.save_on_exit=false"]
 GPU_DEFAULTS = ["model=nano30b_slice", "data=mock", "train.micro_batch_size=2", "train.global_batch_size=2",
-                "train.seq_length=8192"]
-CPU_DEFAULTS = ["model=nano30b_slice", "data=mock"]
+                "train.seq_length=8192", *NO_CHECKPOINTS]
+CPU_DEFAULTS = ["model=nano30b_slice", "data=mock", *NO_CHECKPOINTS]
 
 
 # -------------------------------------------------------------------------------- backend switch
