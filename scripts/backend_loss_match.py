@@ -4,6 +4,8 @@
     python scripts/backend_loss_match.py                                     # GPU: model=tiny, torch vs helion, 50 steps, bf16
     python scripts/backend_loss_match.py --backends torch,helion,mamba_ssm,torch   # + mamba-ssm and a torch A-vs-A control
     python scripts/backend_loss_match.py --backends torch,torch --steps 5    # CPU A-vs-A: must be bitwise equal
+    python scripts/backend_loss_match.py model=nano30b_slice \
+        --backends helion:model.lm_head_loss=plain:optim.fused=false,helion,helion   # settings arms (ab_step_time.py)
     python -m pytest tests/test_backend_loss_match.py                        # CPU torch vs helion (see below)
 
 On CPU the helion arm runs in Helion's eager interpret mode (HELION_INTERPRET=1, slow: seconds per
@@ -80,7 +82,7 @@ TOLERANCES = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="torch,helion",
+    p.add_argument("--backends", default="torch,helion",  # each arm: backend[:key=value...] (ab_step_time.SWITCHABLE)
                    help="comma-separated arms; the first is the reference; repeat it for an A-vs-A control")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per arm (default 50)")
     p.add_argument("--mean-rtol", type=float, default=None,
@@ -93,6 +95,12 @@ def parse_args(argv=None):
     a = bl.parse_args_with_overrides(p, argv)
     if len(a.arms) < 2:
         p.error("--backends needs at least two arms (e.g. torch,helion, or torch,torch for A-vs-A)")
+    import ab_step_time as ab
+
+    try:  # backend[:key=value...]: the settings ab_step_time switches (LM head + loss, fused AdamW)
+        a.arm_specs = [ab.parse_arm(x) for x in a.arms]
+    except ValueError as e:
+        p.error(str(e))
     if a.steps < 1:
         p.error("--steps must be >= 1")
     for k in ("mean_rtol", "max_rtol"):
@@ -117,7 +125,7 @@ def compose_cfg(a):
             cfg.train.train_iters = a.steps
         if "optim.warmup_iters" not in user_keys:  # the schedule must fit a short run: warm up over the first 20%
             cfg.optim.warmup_iters = min(int(cfg.optim.warmup_iters), int(cfg.train.train_iters) // 5)
-        cfg.kernels.backend = a.arms[0]
+        cfg.kernels.backend = a.arm_specs[0].backend
     bl.detach_from_run_state(cfg)
     if a.steps > int(cfg.train.train_iters):
         from nano_hybrid.config import ConfigError
@@ -201,7 +209,7 @@ def run(a) -> dict | None:
 
 def _run(a, cfg) -> dict | None:
     import torch
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     from kernels.registry import KernelSwitchError, configure_backend
     from nano_hybrid import train as T
@@ -209,7 +217,7 @@ def _run(a, cfg) -> dict | None:
 
     plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
     kcfg = cfg.kernels
-    for name in dict.fromkeys(a.arms):  # every arm must be usable before any work
+    for name in dict.fromkeys(x.backend for x in a.arm_specs):  # every arm must be usable before any work
         try:
             configure_backend(name, autotune=bool(kcfg.get("autotune", False)),
                               deterministic=bool(kcfg.get("deterministic", False)))
@@ -219,7 +227,8 @@ def _run(a, cfg) -> dict | None:
             raise ConfigError(f"arm {name}: {e}") from None
     dtype_name = str(plan.dtype).removeprefix("torch.")
     tol = tolerances(a, dtype_name)
-    labels = bl.arm_labels(a.arms)
+    labels = bl.arm_labels([x.label for x in a.arm_specs])
+    base = {k: OmegaConf.select(cfg, k) for x in a.arm_specs for k, _ in x.overrides}
     say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
 
     ctx = T.setup(cfg, plan)
@@ -235,9 +244,12 @@ def _run(a, cfg) -> dict | None:
         init_ref = final_ref = None
         n_params = None
         per_arm = {}
-        for label, name in zip(labels, a.arms):
-            with open_dict(cfg):
+        for label, spec in zip(labels, a.arm_specs):
+            name = spec.backend
+            with open_dict(cfg):  # the arm's settings; keys it does not set take the composed config's values
                 cfg.kernels.backend = name
+                for k, v in {**base, **dict(spec.overrides)}.items():
+                    OmegaConf.update(cfg, k, v, force_add=True)
             initialize_parallel(cfg)  # re-seed (same seeds as at start-up) -> identical initial weights
             model, optimizer, scheduler = T.build_model_and_optimizer(T.plan_for_backend(plan, cfg), cfg)
             init = weights_snapshot(model)
@@ -253,8 +265,9 @@ def _run(a, cfg) -> dict | None:
             initialize_parallel(cfg)  # the same RNG state at step 1 for every arm
             arm_ctx = dataclasses.replace(ctx, model=model, optimizer=optimizer, scheduler=scheduler,
                                           data_iterator=iter(batches))
-            rec = {"backend": name, "loss": [], "grad_norm": [], "lr": [], "skipped": [], "step_time_s": []}
-            say(f"--- arm {label} (kernels.backend={name}) ---")
+            rec = {"backend": name, "settings": dict(spec.overrides), "loss": [], "grad_norm": [], "lr": [], "skipped": [], "step_time_s": []}
+            say(f"--- arm {label} (kernels.backend={name}"
+                + "".join(f", {k}={v}" for k, v in spec.overrides) + ") ---")
             for s in range(1, a.steps + 1):
                 T._sync(plan.device)
                 t0 = time.perf_counter()
@@ -298,7 +311,7 @@ def _run(a, cfg) -> dict | None:
         return {
             "benchmark": "backend_loss_match",
             "env": bl.env_info(),
-            "args": {k: v for k, v in vars(a).items()},
+            "args": {k: v for k, v in vars(a).items() if k != "arm_specs"},
             "config": {
                 "model": str(m.name), "pattern": str(m.hybrid_override_pattern), "n_params": n_params,
                 "parallel": {k: cfg.parallel[k] for k in cfg.parallel},
