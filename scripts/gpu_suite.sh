@@ -124,7 +124,7 @@ st_parity() {
         train.precision=bf16 train.device=cuda optim=adamw_wsd optim.lr=2e-4 optim.min_lr=2e-5 optim.warmup_iters=20
         seed=1234 checkpoint.interval=0 checkpoint.save_on_exit=false checkpoint.load=none logger.wandb.mode=disabled)
     for spec in "single 1 parallel=single train.micro_batch_size=4" "single_b 1 parallel=single train.micro_batch_size=4" \
-                "dp2 2 parallel=dp2 train.micro_batch_size=2" "tp2 2 parallel=tp2 train.micro_batch_size=4" \
+                "dp2 2 parallel=dp2 train.micro_batch_size=2" "tp2 2 parallel=tp2 model.lm_head_loss=plain train.micro_batch_size=4" \
                 "ep2 2 parallel=ep2 train.micro_batch_size=2"; do
         read -r name nproc extra <<< "$spec"
         rm -rf "$OUT/parity_$name"

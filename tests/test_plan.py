@@ -11,7 +11,8 @@ import pytest
 from nano_hybrid.config import compose
 from nano_hybrid.plan import GIB, GPUS, fit_verdict, make_plan, must_not_fit, shape_from_cfg, total_params
 
-GPU = ["train.device=cuda", "train.precision=bf16", "kernels.backend=mamba_ssm"]
+# the measured peaks below ran with megatron's plain LM head + loss
+GPU = ["train.device=cuda", "train.precision=bf16", "kernels.backend=mamba_ssm", "model.lm_head_loss=plain"]
 SLICE5 = ["model=nano30b_slice", "model.hybrid_override_pattern=MEM*E", "train.seq_length=4096"]
 
 # torch.cuda.max_memory_allocated (GiB) over a training step on one H200 per GPU (bf16, sdpa attention,
