@@ -378,6 +378,17 @@ def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
     assert sp["ci_lo"] <= sp["speedup"] <= sp["ci_hi"]
     assert d["config"]["model"] == "tiny" and d["tokens_per_step"] == 32
     assert d["profile"] == {}  # --profile-steps 0
+    # a benchmark saves no checkpoint, so it never needs (or is refused for lack of) free space for one
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert not (ckpt.exists() and any(ckpt.iterdir()))
+
+
+def test_ab_step_time_defaults_save_no_checkpoints():
+    from nano_hybrid.config import compose
+
+    for defaults in (ab.GPU_DEFAULTS, ab.CPU_DEFAULTS):
+        c = compose(defaults)
+        assert c.checkpoint.interval == 0 and c.checkpoint.save_on_exit is False
 
 
 def test_bench_kernels_main_reports_unavailable_backend(tmp_path, capsys):
