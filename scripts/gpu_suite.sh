@@ -16,7 +16,7 @@
 #   memory       memory planner against measured peak memory (scripts/plan_vs_measured.py)
 #   fullsize     the 52-layer model (32 experts, mbs 1 x 8192) forward+backward A/B (ab_step_time.py --fwd-bwd-only)
 #   breakdown    device time per category of a nano30b_slice step (step_breakdown.py) and the step A/B of the
-#                LM-head and optimizer switches (ab_step_time.py)
+#                default LM head + optimizer against the plain ones (ab_step_time.py)
 #   convergence  scripts/convergence_ab.sh with recipe $RECIPE (two GPUs: one arm each)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #
@@ -100,10 +100,11 @@ st_fullsize() {
         --discard 1 --profile-steps 0 --tag fwdbwd --out "$OUT" model=nano30b model.num_moe_experts=32 \
         train.micro_batch_size=1 train.global_batch_size=1 train.seq_length=8192 train.memory_check=false
 }
-st_breakdown() {
-    python3 scripts/step_breakdown.py --backends "$BACKENDS" --out "$OUT" && python3 scripts/ab_step_time.py \
-        --backends "$A,helion:model.lm_head_loss=chunked_compiled:optim.fused=true,helion,$A" --warmup 3 --blocks 6 \
-        --block-steps 4 --profile-steps 0 --out "$OUT"
+st_breakdown() {  # the defaults (chunked_compiled LM head + loss, fused AdamW) against megatron's plain head + foreach
+    local plain=":model.lm_head_loss=plain:optim.fused=false"
+    python3 scripts/step_breakdown.py --backends "$A$plain,helion,$A" --out "$OUT" && python3 scripts/ab_step_time.py \
+        --backends "$A$plain,helion,helion$plain,$A$plain" --warmup 3 --blocks 6 --block-steps 4 --profile-steps 0 \
+        --out "$OUT"
 }
 st_convergence() {
     need_gpus 2 convergence || return 1
