@@ -2,17 +2,21 @@
 
 CPU: torch vs helion (Helion interpret mode; tests/conftest.py sets HELION_INTERPRET=1 and the
 aten::mm.dtype shim) for a few steps at a tiny shape, within the fp32 tolerance, plus a torch A-vs-A
-arm that must match bitwise (the harness itself adds no difference). GPU: the 50-step bf16 run.
+arm that must match bitwise (the harness itself adds no difference); every arm's model, optimizer and
+grad buffer are freed before the next arm builds. GPU: the 50-step bf16 run.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import weakref
 
 import pytest
 import torch
@@ -70,27 +74,58 @@ def test_unknown_backend_fails_before_work(tmp_path):
 
 # ------------------------------------------------------------------------------- CPU training run
 @pytest.fixture(scope="module")
-def cpu_result(tmp_path_factory):
-    """One process, three arms: torch (reference), helion (interpret mode), torch again (A-vs-A)."""
+def corpus(tmp_path_factory):
     from nano_hybrid.data import stdlib_sources, write_indexed_dataset
 
-    corpus = tmp_path_factory.mktemp("corpus") / "stdlib20"
-    write_indexed_dataset(stdlib_sources()[:20], corpus)
+    path = tmp_path_factory.mktemp("corpus") / "stdlib20"
+    write_indexed_dataset(stdlib_sources()[:20], path)
+    return path
+
+
+class BuildTracker:
+    """Wraps ``nano_hybrid.train.build_model_and_optimizer``: weak references to what each call returns (the
+    Megatron DDP model, the optimizer, the first grad buffer) and, at each call after a gc, which of the
+    earlier calls' objects are still alive."""
+
+    def __init__(self, build):
+        self.build, self.built, self.alive_at_build = build, [], []
+
+    def alive(self) -> list[str]:
+        gc.collect()
+        return [f"build {i} {what}" for i, refs in enumerate(self.built) for what, r in refs.items() if r() is not None]
+
+    def __call__(self, *args, **kw):
+        self.alive_at_build.append(self.alive())
+        model, optimizer, scheduler = self.build(*args, **kw)
+        self.built.append({"model": weakref.ref(model), "optimizer": weakref.ref(optimizer),
+                           "grad buffer": weakref.ref(model.buffers[0].grad_data)})
+        return model, optimizer, scheduler
+
+
+@pytest.fixture(scope="module")
+def cpu_result(tmp_path_factory, corpus):
+    """One process, three arms: torch (reference), helion (interpret mode), torch again (A-vs-A); every
+    model built (setup()'s and each arm's) is tracked."""
+    from nano_hybrid import train as T
+
     out = tmp_path_factory.mktemp("out")
-    rc = blm.main([
-        "--backends", "torch,helion,torch", "--steps", "4", "--out", str(out), "--quiet",
-        "model=tiny", "train.device=cpu", f"data.paths=[{corpus}]", "data.prepare_if_missing=null",
-        "train.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=1",
-        f"run_dir={tmp_path_factory.mktemp('run')}",
-    ])
+    tracker = BuildTracker(T.build_model_and_optimizer)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(T, "build_model_and_optimizer", tracker)
+        rc = blm.main([
+            "--backends", "torch,helion,torch", "--steps", "4", "--out", str(out), "--quiet",
+            "model=tiny", "train.device=cpu", f"data.paths=[{corpus}]", "data.prepare_if_missing=null",
+            "train.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=1",
+            f"run_dir={tmp_path_factory.mktemp('run')}",
+        ])
     files = list(out.glob("backend_loss_match_tiny_torch_vs_helion_vs_torch2_float32.json"))
     assert len(files) == 1, list(out.iterdir())
-    return rc, json.loads(files[0].read_text())
+    return rc, json.loads(files[0].read_text()), tracker
 
 
 @pytest.mark.skipif(not CPU, reason="CPU (fp32, Helion interpret mode) run")
 def test_cpu_torch_vs_helion_losses_match(cpu_result):
-    rc, d = cpu_result
+    rc, d, _ = cpu_result
     assert d["config"]["dtype"] == "float32" and d["config"]["device"] == "cpu"
     assert d["tolerance"]["max_rtol"] == blm.TOLERANCES["float32"]["max_rtol"]
     c = d["comparisons"]["helion_vs_torch"]
@@ -104,7 +139,7 @@ def test_cpu_torch_vs_helion_losses_match(cpu_result):
 
 @pytest.mark.skipif(not CPU, reason="CPU (fp32) run")
 def test_cpu_torch_vs_torch_is_bitwise(cpu_result):
-    _, d = cpu_result
+    _, d, _ = cpu_result
     c = d["comparisons"]["torch#2_vs_torch"]
     assert c["bitwise_equal"] and c["max_abs_diff"] == 0, c
     assert c["final_weights_bitwise_equal"] and c["final_weights_max_abs_diff"] == 0, c
@@ -113,7 +148,7 @@ def test_cpu_torch_vs_torch_is_bitwise(cpu_result):
 
 @pytest.mark.skipif(not CPU, reason="CPU run")
 def test_cpu_result_json_records_env_and_shapes(cpu_result):
-    _, d = cpu_result
+    _, d, _ = cpu_result
     env = d["env"]
     for k in ("date_utc", "torch", "helion", "megatron_core", "python", "git_commit"):
         assert k in env, k
@@ -123,6 +158,16 @@ def test_cpu_result_json_records_env_and_shapes(cpu_result):
     assert d["config"]["n_params"] > 3e6 and d["steps"] == 4 and d["arms"] == ["torch", "helion", "torch#2"]
     for arm in d["arms"]:
         assert len(d["per_arm"][arm]["loss"]) == 4 and d["per_arm"][arm]["skipped"] == [0] * 4
+
+
+@pytest.mark.skipif(not CPU, reason="CPU run")
+def test_cpu_each_arm_is_freed_before_the_next_arm_builds(cpu_result):
+    """An arm's model, optimizer and grad buffer are gone (weak references dead after a gc) when the next arm
+    builds, and nothing built is alive after the run: one process holds one model at a time."""
+    _, d, tracker = cpu_result
+    assert len(tracker.built) == 1 + len(d["arms"])  # setup()'s model, then one per arm
+    assert tracker.alive_at_build == [[]] * len(tracker.built), tracker.alive_at_build
+    assert tracker.alive() == []
 
 
 @pytest.mark.skipif(not CPU, reason="CPU (fp32) run")
