@@ -3,7 +3,8 @@
 CPU: torch vs helion (Helion interpret mode; tests/conftest.py sets HELION_INTERPRET=1 and the
 aten::mm.dtype shim) for a few steps at a tiny shape, within the fp32 tolerance, plus a torch A-vs-A
 arm that must match bitwise (the harness itself adds no difference); every arm's model, optimizer and
-grad buffer are freed before the next arm builds. GPU: the 50-step bf16 run.
+grad buffer are freed before the next arm builds; arms with settings (LM head + loss, fused AdamW).
+GPU: the 50-step bf16 run.
 """
 
 from __future__ import annotations
@@ -168,6 +169,45 @@ def test_cpu_each_arm_is_freed_before_the_next_arm_builds(cpu_result):
     assert len(tracker.built) == 1 + len(d["arms"])  # setup()'s model, then one per arm
     assert tracker.alive_at_build == [[]] * len(tracker.built), tracker.alive_at_build
     assert tracker.alive() == []
+
+
+@pytest.mark.skipif(not CPU, reason="CPU (fp32) run")
+def test_cpu_arms_with_settings(tmp_path, corpus):
+    """Arms that differ in settings only (plain LM head + torch's default AdamW vs the chunked head + fused
+    AdamW): the same math in another order, within the fp32 tolerance; each arm's settings are recorded."""
+    out = tmp_path / "out"
+    rc = blm.main([
+        "--backends", "torch:model.lm_head_loss=plain:optim.fused=false,torch:model.lm_head_loss=chunked:optim.fused=true",
+        "--steps", "3", "--out", str(out), "--quiet", f"data.paths=[{corpus}]", "data.prepare_if_missing=null",
+        f"run_dir={tmp_path / 'run'}",
+    ])
+    files = list(out.glob("backend_loss_match_tiny_*_float32.json"))
+    assert len(files) == 1, list(out.iterdir())
+    d = json.loads(files[0].read_text())
+    ref, other = "torch+lm_head_loss-plain+fused-false", "torch+lm_head_loss-chunked+fused-true"
+    assert d["arms"] == [ref, other] and d["reference"] == ref
+    assert d["per_arm"][ref]["settings"] == {"model.lm_head_loss": "plain", "optim.fused": False}
+    assert d["per_arm"][other]["settings"] == {"model.lm_head_loss": "chunked", "optim.fused": True}
+    assert d["per_arm"][ref]["backend"] == d["per_arm"][other]["backend"] == "torch"
+    assert d["config"]["model"] == "tiny" and d["config"]["dtype"] == "float32"
+    assert d["shapes"]["tokens_per_microbatch"] == [2, 64]  # the script's CPU defaults
+    c = d["comparisons"][f"{other}_vs_{ref}"]
+    losses = {arm: d["per_arm"][arm]["loss"] for arm in d["arms"]}
+    assert all(len(v) == 3 for v in losses.values()) and 5.5 < losses[ref][0] < 7.0
+    assert losses[ref][0] == losses[other][0], losses  # step 1: the same weights, loss computed in fp32 either way
+    assert c["all_finite"] and c["pass"], c
+    assert c["max_rel_diff"] <= blm.TOLERANCES["float32"]["max_rtol"], c
+    assert rc == 0 and d["pass"]
+
+
+def test_arm_with_a_key_that_cannot_switch_is_a_usage_error(tmp_path, capsys):
+    """Only ab_step_time.SWITCHABLE keys: anything else (here a model architecture key) is argparse's exit 2."""
+    with pytest.raises(SystemExit) as e:
+        blm.main(["--backends", "torch,torch:model.hidden_size=128", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "model.hidden_size=128" in err and "model.lm_head_loss" in err, err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(not CPU, reason="CPU (fp32) run")
