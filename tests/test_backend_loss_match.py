@@ -210,6 +210,20 @@ def test_arm_with_a_key_that_cannot_switch_is_a_usage_error(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("arm,msg", [
+    ("torch:optim.fused=maybe", "optim.fused='maybe' must be true or false"),
+    ("torch:model.lm_head_loss=bogus", "model.lm_head_loss='bogus'; choose one of"),
+    ("torch:model.lm_loss_chunk_tokens=0", "model.lm_loss_chunk_tokens=0 must be a positive integer"),
+])
+def test_arm_with_a_bad_setting_value_fails_before_work(tmp_path, corpus, capsys, arm, msg):
+    out = tmp_path / "out"
+    rc = blm.main(["--backends", f"torch,{arm}", "--steps", "1", "--out", str(out), f"data.paths=[{corpus}]",
+                   "data.prepare_if_missing=null", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: arm torch+" in err and msg in err, err
+    assert not out.exists() and not (tmp_path / "run").exists()
+
+
 @pytest.mark.skipif(not CPU, reason="CPU (fp32) run")
 def test_cpu_tolerance_catches_a_slightly_wrong_kernel(monkeypatch, tmp_path):
     """Negative control: a backend whose fused Mamba op output is 1% too large must FAIL the fp32 tolerance.
