@@ -201,6 +201,39 @@ def snapshot_diff(a: dict, b: dict) -> tuple[bool, float, str | None]:
 
 
 # ------------------------------------------------------------------------------------------ run
+def arm_config(cfg, spec):
+    """A copy of ``cfg`` with the arm's settings (``ab_step_time.SWITCHABLE`` keys) applied."""
+    import copy
+
+    from omegaconf import OmegaConf, open_dict
+
+    arm = copy.deepcopy(cfg)
+    with open_dict(arm):
+        for k, v in spec.overrides:
+            OmegaConf.update(arm, k, v, force_add=True)
+    return arm
+
+
+def check_arm_settings(cfg, specs) -> None:
+    """Each arm's settings checked as ``nano_hybrid.train.validate`` checks the composed config's (optim.fused a
+    bool, a known LM head + loss with a positive chunk size and no TP for the chunked ones): ConfigError naming the
+    arm, before any work."""
+    from omegaconf import OmegaConf
+
+    from nano_hybrid import train as T
+    from nano_hybrid.config import ConfigError
+    from nano_hybrid.model.lm_loss import check_lm_head_parallel
+
+    for spec in specs:
+        arm = arm_config(cfg, spec)
+        try:
+            T.validate_optim(arm.optim, int(arm.train.train_iters))
+            check_lm_head_parallel(OmegaConf.to_container(arm.model, resolve=True),
+                                   int(arm.parallel.tensor_model_parallel_size))
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"arm {spec.label}: {e}") from None
+
+
 def run(a) -> dict | None:
     cfg = compose_cfg(a)
     with bl.scratch_run_dir(cfg, "nano_hybrid_loss_match_"):
@@ -216,6 +249,7 @@ def _run(a, cfg) -> dict | None:
     from nano_hybrid.parallel import initialize_parallel
 
     plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
+    check_arm_settings(cfg, a.arm_specs)
     kcfg = cfg.kernels
     for name in dict.fromkeys(x.backend for x in a.arm_specs):  # every arm must be usable before any work
         try:

@@ -150,10 +150,10 @@ def test_grouped_experts_checkpoint_keys_match_sequential(mp):
     assert g_keys == s_keys
 
 
-def _tiny(impls):
+def _tiny(impls, *overrides):
     attn, experts = impls
     cfg = compose(["model=tiny", "kernels.backend=torch", f"model.attention_impl={attn}",
-                   f"model.moe_experts_impl={experts}", "model.seq_length=64"])
+                   f"model.moe_experts_impl={experts}", "model.seq_length=64", *overrides])
     torch.manual_seed(0)
     return build_model(cfg)
 
@@ -181,6 +181,35 @@ def test_tiny_model_fast_modules_match_reference_modules(mp):
         else:
             g = f_grads[n]
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("experts,recompute", [("grouped", []), ("sequential", []),
+                                               ("grouped", ["model.recompute=selective", "model.recompute_modules=[moe]"])],
+                         ids=["grouped", "sequential", "grouped-recompute-moe"])
+def test_moe_dispatcher_keeps_no_autograd_graph(mp, experts, recompute):
+    """After the forward (and after the backward, which reruns it under recompute) no MoE token dispatcher holds
+    a tensor of the step's autograd graph: megatron's dispatchers keep the last routing probabilities
+    (``local_probs``), which would keep the graph's nodes and, through Megatron DDP's gradient hooks on the
+    parameters' accumulator nodes, a dropped DDP model alive (model/moe.py)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from nano_hybrid.model.moe import GraphReleasingMoELayer
+
+    model = _tiny(("sdpa", experts), *recompute)
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert len(layers) == 2 and all(isinstance(m, GraphReleasingMoELayer) for m in layers)
+
+    def graph_tensors():
+        return [(i, k) for i, m in enumerate(layers) for k, v in vars(m.token_dispatcher).items()
+                if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+
+    b, s = 2, 64
+    tok = torch.randint(0, 512, (b, s), generator=torch.Generator().manual_seed(3))
+    loss = model(tok, torch.arange(s)[None].expand(b, s), None, labels=tok).mean()
+    assert graph_tensors() == []
+    assert all(isinstance(m.token_dispatcher.local_map, torch.Tensor) for m in layers)  # the dispatchers did run
+    loss.backward()
+    assert graph_tensors() == []
 
 
 @pytest.mark.gpu

@@ -17,6 +17,10 @@ sum over the ``topk`` copies, accumulated in fp32 (megatron accumulates in the t
 Any other case (expert parallelism, token dropping, TE's fused permutation) uses megatron's code
 unchanged. The permuted order is megatron's (expert-major, tokens ascending within an expert), so
 ``tokens_per_expert``, probs and expert inputs are identical to megatron's.
+
+Both MoE layers (``GraphReleasingMoELayer`` for megatron's experts, ``TopKPermuteMoELayer`` for the
+grouped ones) drop their token dispatcher's references to the forward's autograd graph once the output
+is combined (see ``GraphReleasingMoELayer``).
 """
 
 from __future__ import annotations
@@ -106,8 +110,37 @@ class TopKAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         return UnpermuteTopK.apply(hidden_states, self.reversed_local_input_permutation_mapping, inv)
 
 
-class TopKPermuteMoELayer(MoELayer):
-    """``MoELayer`` whose all-gather dispatcher is ``TopKAllGatherTokenDispatcher`` (same state,
+def drop_graph_tensors(obj) -> list[str]:
+    """Set every tensor attribute of ``obj`` that belongs to an autograd graph (has a ``grad_fn``) to None;
+    returns their names. Parameters and detached tensors stay."""
+    names = [k for k, v in vars(obj).items() if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    for k in names:
+        setattr(obj, k, None)
+    return names
+
+
+class GraphReleasingMoELayer(MoELayer):
+    """megatron's ``MoELayer`` whose token dispatcher keeps no reference to the forward's autograd graph.
+
+    megatron's dispatchers keep the routing probabilities of the last forward on themselves (``local_probs``
+    in the all-gather dispatcher, ``probs`` in the all-to-all one) until the next forward replaces them. That
+    tensor keeps the step's autograd graph (its nodes, after the backward without their saved activations)
+    alive, and with it the gradient-accumulator node of every parameter upstream of the router. Megatron DDP
+    registers its gradient hooks on those nodes, as closures that hold the DDP module; PyTorch's garbage
+    collector does not traverse the hooks of a node that has other owners, so the cycle DDP -> node -> hook
+    -> DDP becomes invisible to it and a model dropped after a training step (with its optimizer and grad
+    buffers) is never freed: a tool that builds one model after another in one process runs out of memory.
+    The layer drops those tensors as soon as the output is combined (``postprocess``, the last stage of the
+    forward, also under activation recompute); nothing after it reads them."""
+
+    def postprocess(self, output, shared_expert_output):
+        output = super().postprocess(output, shared_expert_output)
+        drop_graph_tensors(self.token_dispatcher)
+        return output
+
+
+class TopKPermuteMoELayer(GraphReleasingMoELayer):
+    """``GraphReleasingMoELayer`` whose all-gather dispatcher is ``TopKAllGatherTokenDispatcher`` (same state,
     same checkpoint keys: the dispatcher holds no parameters)."""
 
     def __init__(self, *args, **kwargs):

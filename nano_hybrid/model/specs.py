@@ -41,7 +41,7 @@ from nano_hybrid.model.attention import GroupedQuerySelfAttention, SDPAttention
 from nano_hybrid.model.config import ATTENTION_IMPLS, MOE_EXPERTS_IMPLS
 from nano_hybrid.model.experts import GroupedGemmExperts
 from nano_hybrid.model.mixer import BackendMambaMixer
-from nano_hybrid.model.moe import TopKPermuteMoELayer
+from nano_hybrid.model.moe import GraphReleasingMoELayer, TopKPermuteMoELayer
 from nano_hybrid.model.recompute import HybridStack, RecomputeMambaLayer, recompute_settings
 
 CORE_ATTENTION = {"sdpa": SDPAttention, "unfused": DotProductAttention}
@@ -50,10 +50,12 @@ SELF_ATTENTION = {"sdpa": GroupedQuerySelfAttention, "unfused": SelfAttention}
 
 
 def moe_spec(num_experts: int, experts_impl: str) -> ModuleSpec:
-    """MoELayer spec: megatron's router/dispatcher/shared expert; experts by ``experts_impl``."""
+    """MoE layer spec: megatron's router/dispatcher/shared expert; experts by ``experts_impl``."""
     if experts_impl not in MOE_EXPERTS_IMPLS:
         raise ValueError(f"moe_experts_impl={experts_impl!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
     spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    # megatron's MoELayer, minus the dispatcher's hold on the last forward's autograd graph (model/moe.py)
+    spec.module = GraphReleasingMoELayer
     if experts_impl == "grouped":
         # production path: grouped-GEMM experts and the atomics-free token permutation (model/moe.py)
         spec.module = TopKPermuteMoELayer
