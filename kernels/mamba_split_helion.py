@@ -6,7 +6,8 @@ the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx) and, u
 small fp32 (b, h, l) tensors dA_cumsum and dt_out (``HelionSettings.save_cumsum``); the backward recomputes the
 conv and the forward pieces it needs (chunk_state+state_passing in ``HelionSettings.bwd_states_dtype``; C.B^T in
 fp32; the chunk cumsum too without save_cumsum) and runs the Helion backward of ``kernels/ssd_helion_bwd.py``.
-``settings`` (a ``kernels.settings.HelionSettings``; the backend binds its own) picks those dtypes and options.
+``settings`` (a ``kernels.settings.HelionSettings``; the backend binds its own) picks those dtypes and options, and
+the SSD forward (``ssd_fwd``: the four chunked kernels or the one-launch ``ssd_fused_fwd``).
 
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
 runs as its own module); those raise NotImplementedError here.
@@ -28,7 +29,7 @@ import torch
 from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
 from kernels.settings import HelionSettings
-from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
+from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_fused_helion, ssd_forward_helion
 from kernels.ssd_helion_bwd import ssd_backward_helion
 
 
@@ -48,11 +49,14 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
-        out, out_x, dt_out, dA_cumsum, _, final_states = ssd_forward_helion(
+        # the SSD forward: four kernels or one (settings.ssd_fwd); the same outputs for the backward either way
+        fwd = ssd_forward_fused_helion if settings.ssd_fwd == "fused" else ssd_forward_helion
+        res = fwd(
             x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),
             chunk_size, D=D, z=z.reshape(b, l, nheads, headdim), dt_bias=dt_bias, initial_states=initial_states,
             seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
         )
+        out, out_x, dt_out, dA_cumsum, final_states = res[0], res[1], res[2], res[3], res[-1]
         ctx.settings = settings
         if not settings.save_cumsum:
             dt_out = dA_cumsum = None

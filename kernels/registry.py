@@ -151,6 +151,7 @@ def _helion_backend(settings: HelionSettings) -> KernelBackend:
         raise BackendUnavailableError("kernel backend 'helion' is incomplete: missing " + "; ".join(missing))
     parts["mamba_split_conv1d_scan_combined"] = functools.partial(parts["mamba_split_conv1d_scan_combined"],
                                                                   settings=settings)
+    parts["mamba_chunk_scan_combined"] = functools.partial(parts["mamba_chunk_scan_combined"], settings=settings)
     return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs",
                          strided_zxbcdt=settings.zxbcdt_in_place, settings=settings, **parts)
 

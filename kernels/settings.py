@@ -25,6 +25,11 @@ zxbcdt_in_place     true       the Mamba mixer hands the fused op its (l, b, d) 
 fast_launch         true       after a compiled kernel's first launch, later launches call its Triton binary
                                directly (``kernels.tuning.FastLauncher``), skipping Triton's per-call argument
                                binding; bitwise the same results, less host time per launch. Process-wide.
+ssd_fwd             chunked    the SSD forward of the fused op and of ``mamba_chunk_scan_combined``: "chunked"
+                               (chunk cumsum, chunk_state_passing, C.B^T, chunk_scan: four launches) or "fused"
+                               (``ssd_fused_fwd``: one launch, one program per (batch, head, headdim block) walking
+                               the chunks with its state in registers). Same outputs to bf16 rounding; the
+                               backward is the same.
 ==================  =========  ===============================================================================
 """
 
@@ -35,6 +40,9 @@ from collections.abc import Mapping
 from typing import Any
 
 DTYPE_CHOICES = ("input", "fp32")
+SSD_FWD_CHOICES = ("chunked", "fused")
+# the choices of each string setting
+_CHOICES = {"bwd_states_dtype": DTYPE_CHOICES, "bwd_dstates_dtype": DTYPE_CHOICES, "ssd_fwd": SSD_FWD_CHOICES}
 
 
 class HelionSettingsError(ValueError):
@@ -48,14 +56,16 @@ class HelionSettings:
     save_cumsum: bool = True
     zxbcdt_in_place: bool = True
     fast_launch: bool = True
+    ssd_fwd: str = "chunked"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.type == "bool" and not isinstance(v, bool):
                 raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be true or false")
-            if f.type == "str" and v not in DTYPE_CHOICES:
-                raise HelionSettingsError(f"kernels.helion.{f.name}={v!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+            if f.type == "str" and v not in _CHOICES[f.name]:
+                raise HelionSettingsError(
+                    f"kernels.helion.{f.name}={v!r}; choose one of {', '.join(_CHOICES[f.name])}")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -13,6 +13,8 @@ g ngroups, n dstate, c chunk_size, nc = ceil(l / c)):
 ``ssd_chunk_pieces_helion(B, x, C, dt, A, c)`` -> (dA_cumsum, dt_out, states_in, final_states, CB)
 ``ssd_chunk_scan_helion(CB, x, dt, dA, C, ..)`` -> (out, out_x) (b, l, h, p) in x.dtype
 ``ssd_forward_helion(...)``                    -> (out, out_x, dt_out, dA_cumsum, states_in, final_states)
+``ssd_forward_fused_helion(...)``              -> (out, out_x, dt_out, dA_cumsum, final_states): the whole
+                                               forward in one launch (``ssd_fused_fwd``)
 ``mamba_chunk_scan_combined_helion(...)``      forward-only, mamba-ssm's signature
 =============================================  ================================================
 
@@ -289,6 +291,118 @@ def _chunk_scan_kernel(
     return out, out_x
 
 
+# The whole forward in one kernel: one program per (batch, head, headdim block) walks the chunks in order and carries
+# its (block_p, n) slice of the state in fp32 registers. Per chunk it computes the chunk cumsum of dt (the whole chunk
+# as one vector), the chunk's output row tile by row tile (the inter-chunk term C . state^T and the intra-chunk term
+# (C . B^T masked and decayed) . (dt x), causal column tiles only), then the state update x^T . (decayed dt B).
+# Values of the chunk vectors at a row or column tile are picked by a one-hot sum (exact: one non-zero term), since a
+# register vector cannot be indexed by another tile. C . B^T is recomputed per head and headdim block (the chunked
+# path computes it once per group); every program writes the same dt_out / dA_cumsum values of its head.
+def _fused_fwd_kernel(
+    x: torch.Tensor,  # (b, L, h, p), L = nc * c
+    dt: torch.Tensor,  # (b, L, h) raw dt, any float dtype
+    A: torch.Tensor,  # (h,)
+    B: torch.Tensor,  # (b, L, g, n)
+    C: torch.Tensor,  # (b, L, g, n)
+    D: torch.Tensor | None,  # (h, p) (a per-head D is expanded with stride 0 by the host)
+    z: torch.Tensor | None,  # (b, L, h, p)
+    dt_bias: torch.Tensor | None,  # (h,)
+    initial_states: torch.Tensor | None,  # (b, h, p, n)
+    seq_idx: torch.Tensor | None,  # (b, L) int32
+    chunk_size: int,
+    seqlen: int,
+    dt_min: float,
+    dt_max: float,
+    dt_softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, L, h, p = x.shape
+    g = B.shape[2]
+    n = hl.specialize(B.shape[3])
+    c = hl.specialize(chunk_size)
+    nc = L // c
+    ratio = h // g
+    out = torch.empty_like(x)
+    out_x = torch.empty_like(x) if z is not None else out
+    dt_out = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
+    dA_cumsum = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
+    final_states = torch.empty([b, h, p, n], dtype=torch.float32, device=x.device)
+    block_p = hl.register_block_size(16, p)
+    block_m = hl.register_block_size(16, c)
+    block_k = hl.register_block_size(16, c)
+    for tb, th, tp in hl.tile([b, h, p], block_size=[1, 1, block_p]):
+        hg = th.begin // ratio
+        a_h = A[th.begin].to(torch.float32)
+        if initial_states is not None:
+            s = initial_states[tb.begin, th.begin, tp, :].to(torch.float32)  # (P, n)
+        else:
+            s = hl.zeros([tp, n], dtype=torch.float32)
+        if seq_idx is not None:
+            seq_prev = seq_idx[tb.begin, 0] * 0  # the sequence carried in: 0 (the one initial_states belongs to)
+        for tc in hl.tile(nc, block_size=1):
+            base = tc.begin * c
+            for tq in hl.tile(c, block_size=c):  # the whole chunk as one vector
+                pos = base + tq.index
+                d = dt[tb.begin, pos, th.begin].to(torch.float32)  # (c,)
+                if dt_bias is not None:
+                    d = d + dt_bias[th.begin].to(torch.float32)
+                if dt_softplus:
+                    d = torch.where(d <= 20.0, torch.log(torch.exp2(d * _LOG2E) + 1.0), d)
+                d = torch.clamp(d, min=dt_min, max=dt_max)
+                d = torch.where(pos < seqlen, d, 0.0)
+                dA_cs = torch.cumsum(d * a_h, dim=0)
+                dt_out[tb.begin, th.begin, tc.begin, tq] = d
+                dA_cumsum[tb.begin, th.begin, tc.begin, tq] = dA_cs
+                dA_last = torch.sum(torch.where(tq.index == c - 1, dA_cs, 0.0), dim=0)
+                s_bf = s.to(C.dtype)  # the state entering the chunk, in C's dtype (as states_in)
+                if seq_idx is not None:
+                    seq_last = seq_idx[tb.begin, base + c - 1]
+                # this chunk's output, row tile by row tile
+                for tm in hl.tile(c, block_size=block_m):
+                    pos_m = base + tm.index
+                    dA_m = torch.sum(torch.where(tm.index[:, None] == tq.index[None, :], dA_cs[None, :], 0.0), dim=1)
+                    c_m = C[tb.begin, pos_m, hg, :]  # (M, n)
+                    acc = hl.dot(c_m, s_bf.permute(1, 0))  # (M, P)
+                    scale_m = torch.exp2(dA_m * _LOG2E)
+                    if seq_idx is not None:
+                        seq_m = seq_idx[tb.begin, pos_m]
+                        scale_m = torch.where(seq_m == seq_prev, scale_m, 0.0)
+                    acc = acc * scale_m[:, None]
+                    for tk in hl.tile((tm.id + 1) * block_m, block_size=block_k):
+                        pos_k = base + tk.index
+                        onehot = tk.index[:, None] == tq.index[None, :]
+                        dA_k = torch.sum(torch.where(onehot, dA_cs[None, :], 0.0), dim=1)
+                        dt_k = torch.sum(torch.where(onehot, d[None, :], 0.0), dim=1)
+                        b_k = B[tb.begin, pos_k, hg, :]  # (K, n)
+                        cb = hl.dot(c_m, b_k.permute(1, 0))  # (M, K) fp32
+                        w = cb * torch.exp2(torch.clamp(dA_m[:, None] - dA_k[None, :], max=0.0) * _LOG2E) * dt_k[None, :]
+                        keep = tm.index[:, None] >= tk.index[None, :]
+                        if seq_idx is not None:
+                            keep = keep & (seq_m[:, None] == seq_idx[tb.begin, pos_k][None, :])
+                        w = torch.where(keep, w, 0.0).to(x.dtype)
+                        acc = hl.dot(w, x[tb.begin, pos_k, th.begin, tp], acc=acc)
+                    if D is not None:
+                        x_m = x[tb.begin, pos_m, th.begin, tp].to(torch.float32)
+                        acc = acc + x_m * D[th.begin, tp].to(torch.float32)[None, :]
+                    if z is not None:
+                        out_x[tb.begin, pos_m, th.begin, tp] = acc.to(out_x.dtype)
+                        z_m = z[tb.begin, pos_m, th.begin, tp].to(torch.float32)
+                        acc = acc * (z_m * torch.sigmoid(z_m))
+                    out[tb.begin, pos_m, th.begin, tp] = acc.to(out.dtype)
+                # the state leaving the chunk
+                scale = torch.exp2(torch.clamp(dA_last - dA_cs, max=0.0) * _LOG2E) * d
+                decay = torch.exp2(dA_last * _LOG2E)
+                if seq_idx is not None:
+                    scale = torch.where(seq_idx[tb.begin, pos] == seq_last, scale, 0.0)
+                    decay = torch.where(seq_last == seq_prev, decay, 0.0)
+                b_s = (B[tb.begin, pos, hg, :].to(torch.float32) * scale[:, None]).to(x.dtype)  # (c, n)
+                x_c = x[tb.begin, pos, th.begin, tp]  # (c, P)
+                s = decay * s + hl.dot(x_c.permute(1, 0), b_s)
+                if seq_idx is not None:
+                    seq_prev = seq_last
+        final_states[tb.begin, th.begin, tp, :] = s
+    return out, out_x, dt_out, dA_cumsum, final_states
+
+
 # ----------------------------------------------------------------------------------------------
 # Configs and compiled-kernel cache
 # ----------------------------------------------------------------------------------------------
@@ -304,6 +418,8 @@ _BODIES: dict[str, Callable[..., Any]] = {
     # one body, two names, so each dtype has its own tuned configs
     "ssd_chunk_scan": _chunk_scan_kernel,
     "ssd_chunk_scan_cb16": _chunk_scan_kernel,
+    # the whole forward in one launch (HelionSettings.ssd_fwd = "fused")
+    "ssd_fused_fwd": _fused_fwd_kernel,
 }
 
 # Conservative defaults (sm90-safe): block_sizes follow each body's register_block_size order.
@@ -315,6 +431,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "ssd_bmm_chunk": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
     "ssd_chunk_scan": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=2),
     "ssd_chunk_scan_cb16": dict(block_sizes=[64, 64, 32], num_warps=4, num_stages=1),  # chunk_scan's tuned Nano config
+    # [block_p, block_m (output rows), block_k (causal columns)]; headdim in two blocks at the Nano shape
+    "ssd_fused_fwd": dict(block_sizes=[32, 64, 32], num_warps=4, num_stages=2),
 }
 
 
@@ -746,12 +864,68 @@ def ssd_forward_helion(
     return out, out_x, dt_out, dA_cumsum, states_in, final_states
 
 
+def ssd_forward_fused_helion(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole forward in one kernel launch (``ssd_fused_fwd``): (out, out_x, dt_out, dA_cumsum, final_states),
+    the values of ``ssd_forward_helion``'s outputs of the same names, from the same arguments.
+
+    One program per (batch, head, headdim block) walks the chunks in order with its slice of the state in fp32
+    registers, so the per-chunk states (``states_in``) never reach memory and are not returned (the fused op's
+    backward recomputes them). The inter-chunk term reads the state in C's dtype, as chunk_scan reads
+    ``states_in``. Nothing is copied when l is a multiple of the chunk size and seq_idx is int32; otherwise the
+    inputs are padded to nc * c as for the chunked forward."""
+    b, l, h, p, g, n = _check_xbc(x, B)
+    if C.shape != B.shape:
+        raise ValueError(f"C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
+    _check_chunk(chunk_size)
+    _check_dt(dt, A, dt_bias)
+    if dt.shape != (b, l, h):
+        raise ValueError(f"dt must be {(b, l, h)}, got {tuple(dt.shape)}")
+    if seq_idx is not None and seq_idx.shape != (b, l):
+        raise ValueError(f"seq_idx must be {(b, l)}, got {tuple(seq_idx.shape)}")
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise ValueError(f"D must be ({h},) or ({h}, {p}), got {tuple(D.shape)}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"z must be {tuple(x.shape)}, got {tuple(z.shape)}")
+    _check_initial_states(initial_states, b, h, p, n)
+    nc = math.ceil(l / chunk_size)
+    L = nc * chunk_size
+    D2 = None if D is None else (D.contiguous() if D.dim() == 2 else D.reshape(h, 1).expand(h, p))
+    dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=chunk_size)
+    out, out_x, dt_out, dA_cumsum, final_states = _run(
+        "ssd_fused_fwd", dims, [p, chunk_size, chunk_size],
+        (_pad_seq(x, L), _pad_seq(dt, L), A.contiguous(), _pad_seq(B, L), _pad_seq(C, L), D2, _pad_seq(z, L),
+         _contig(dt_bias), _contig(initial_states), _pad_seq_idx(seq_idx, L), chunk_size, l,
+         float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus)),
+        config,
+    )
+    if L != l:
+        out, out_x = out[:, :l], out_x[:, :l]
+    return out, out_x, dt_out, dA_cumsum, final_states
+
+
 def mamba_chunk_scan_combined_helion(
     x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
     cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
-    return_varlen_states=False, state_dtype=None,
+    return_varlen_states=False, state_dtype=None, settings=None,
 ):
-    """Forward-only drop-in for mamba-ssm's ``mamba_chunk_scan_combined`` (no autograd)."""
+    """Forward-only drop-in for mamba-ssm's ``mamba_chunk_scan_combined`` (no autograd). ``settings`` (a
+    ``kernels.settings.HelionSettings``; the backend binds its own) picks the forward (``ssd_fwd``); ``state_dtype``
+    is the dtype of the chunked forward's intermediate ``states_in`` (the outputs do not depend on it)."""
     if cu_seqlens is not None:
         raise NotImplementedError("mamba_chunk_scan_combined_helion: cu_seqlens (varlen states) is not supported")
     if return_varlen_states:
@@ -761,10 +935,16 @@ def mamba_chunk_scan_combined_helion(
     ):
         raise NotImplementedError("mamba_chunk_scan_combined_helion is forward-only (inputs that require grad); the "
                                   "training path's backward is mamba_split_conv1d_scan_combined's")
-    out, _, _, _, _, final_states = ssd_forward_helion(
-        x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-        seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, state_dtype=state_dtype,
-    )
+    if settings is not None and settings.ssd_fwd == "fused":
+        out, _, _, _, final_states = ssd_forward_fused_helion(
+            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+            seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        )
+    else:
+        out, _, _, _, _, final_states = ssd_forward_helion(
+            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+            seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, state_dtype=state_dtype,
+        )
     return (out, final_states) if return_final_states else out
 
 
@@ -804,6 +984,24 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
         zx[:, :l, row - h:] = inp["dt"]
         dts = zx[..., row - h:]
         return (dts, inp["A"], inp["dt_bias"], c, l, 0.0, float("inf"), True), dict(b=b, l=l, h=h, c=c)
+    if name == "ssd_fused_fwd":
+        # as the fused op passes them: z and dt strided slices of the in_proj output zxBCdt, x / B / C strided
+        # slices of the conv output (b, L, h*p + 2*g*n); D per head (expanded), no initial states, no seq_idx
+        dim, gn = h * p, g * n
+        zx = torch.zeros(b, L, 2 * dim + 2 * gn + h, device=device, dtype=inp["x"].dtype)
+        zx[:, :l, :dim] = inp["z"].reshape(b, l, dim)
+        zx[:, :l, -h:] = inp["dt"]
+        xbc = torch.zeros(b, L, dim + 2 * gn, device=device, dtype=inp["x"].dtype)
+        xbc[:, :l, :dim] = inp["x"].reshape(b, l, dim)
+        xbc[:, :l, dim:dim + gn] = inp["B"].reshape(b, l, gn)
+        xbc[:, :l, dim + gn:] = inp["C"].reshape(b, l, gn)
+        x_v = xbc[..., :dim].view(b, L, h, p)
+        B_v = xbc[..., dim:dim + gn].view(b, L, g, n)
+        C_v = xbc[..., dim + gn:].view(b, L, g, n)
+        z_v = zx[..., :dim].view(b, L, h, p)
+        D2 = inp["D"].reshape(h, 1).expand(h, p)
+        return ((x_v, zx[..., -h:], inp["A"], B_v, C_v, D2, z_v, inp["dt_bias"], None, None, c, l, 0.0,
+                 float("inf"), True), dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c))
     dA, dto = ssd_chunk_cumsum_helion(inp["dt"], inp["A"], c, dt_bias=inp["dt_bias"], dt_softplus=True) if not tuning.interpret_mode() and device != "cpu" else (None, None)
     if dA is None:  # CPU (code generation checks): values do not matter
         dto = torch.rand(b, h, nc, c, device=device) * 0.1
@@ -865,6 +1063,12 @@ _SEEDS: dict[str, list[dict]] = {
         for bm, bn in ((64, 64), (128, 64), (32, 64), (64, 32), (128, 32))
         for bk in (32, 64) for w in (4, 8) for st in (1, 2, 3)
     ],
+    # [block_p, block_m, block_k]: headdim in 2 blocks (256 programs at the Nano shape) or whole (128 programs)
+    "ssd_fused_fwd": [
+        dict(block_sizes=[bp, bm, bk], num_warps=w, num_stages=st)
+        for bp in (32, 64) for bm, bk in ((64, 32), (64, 64), (32, 32), (128, 32), (128, 64))
+        for w in (4, 8) for st in (1, 2)
+    ] + [dict(block_sizes=[16, bm, bk], num_warps=4, num_stages=2) for bm, bk in ((64, 32), (32, 32))],
 }
 
 

@@ -66,7 +66,7 @@ CONTRACT = {
 }
 # extra keyword arguments of the helion functions (not in the reference signatures)
 EXTRAS = {"mamba_ssm.ops.triton.ssd_combined.mamba_split_conv1d_scan_combined": {"settings"},
-          "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined": {"state_dtype"}}
+          "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined": {"state_dtype", "settings"}}
 
 
 @pytest.mark.parametrize("op", list(CONTRACT))

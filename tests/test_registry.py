@@ -63,11 +63,14 @@ def test_helion_settings_travel_with_the_backend():
     from kernels.settings import HelionSettings, HelionSettingsError
 
     assert HelionSettings().as_dict() == dict(bwd_states_dtype="input", bwd_dstates_dtype="input", save_cumsum=True,
-                                              zxbcdt_in_place=True, fast_launch=True)
+                                              zxbcdt_in_place=True, fast_launch=True, ssd_fwd="chunked")
     with pytest.raises(HelionSettingsError, match="kernels.helion.bwd_states_dtype='bf16'; choose one of input, fp32"):
         HelionSettings(bwd_states_dtype="bf16")
     with pytest.raises(HelionSettingsError, match="save_cumsum=1 must be true or false"):
         HelionSettings(save_cumsum=1)
+    with pytest.raises(HelionSettingsError, match="kernels.helion.ssd_fwd='one'; choose one of chunked, fused"):
+        HelionSettings(ssd_fwd="one")
+    assert HelionSettings.from_mapping({"ssd_fwd": "fused"}).ssd_fwd == "fused"
     s = HelionSettings(bwd_dstates_dtype="fp32", zxbcdt_in_place=False, fast_launch=False)
     try:
         be = configure_backend("helion", helion=s.as_dict())
