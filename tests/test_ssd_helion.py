@@ -236,6 +236,155 @@ def test_combined_entry_and_state_dtype():
     _close(res32[0], ref[0], 2e-2, "bf16 out")
 
 
+# ---------------------------------------------------------------------------------------------- fused forward
+
+# (b, l, h, p, g, n, c, seq_breaks, dt_bias, dt_limit, softplus, initial states, per-(h, p) D, z)
+FUSED_CASES = {
+    # packed documents: one of length 1 (position 5), boundaries inside chunks (5, 6, 20, 70; 20 in the chunk's second
+    # row tile at blocks of 16), one on a chunk start (32); a partial last chunk (75 = 2 * 32 + 11); initial states
+    "seq_len1_partial": (2, 75, 4, 32, 2, 16, 32, (5, 6, 20, 32, 70), True, (0.0, float("inf")), True, True, False,
+                         True),
+    # seqlen shorter than one chunk, initial states, no z, D per (head, headdim), dt limits
+    "short": (1, 11, 4, 16, 2, 32, 32, (), True, (0.05, 1.5), True, True, True, False),
+    # no seq_idx, no initial states, no dt_bias, several chunks, ngroups 1
+    "g1_plain": (2, 64, 2, 16, 1, 16, 16, (), False, (0.0, float("inf")), True, False, False, True),
+    # dt used as is (no softplus); documents starting on a row tile (16, at blocks of 16) and on a chunk start (32)
+    "nosoftplus_seq": (1, 64, 4, 16, 4, 16, 32, (16, 32), True, (0.0, float("inf")), False, True, False, True),
+}
+_FUSED_NAMES = ["out", "out_x", "dt_out", "dA_cumsum", "final_states"]
+
+
+def _fused_args(case, seed=11):
+    b, l, h, p, g, n, c, brk, bias, lim, sp, init, D2, with_z = FUSED_CASES[case]
+    t = _inputs(b, l, h, p, g, n, seed=seed, seq_breaks=brk)
+    if not sp:
+        t["dt"] = t["dt"].abs() * 0.5 + 0.5  # kept positive (the kernels clamp at dt_min = 0 always)
+    kw = dict(D=t["Dp"] if D2 else t["D"], z=t["z"] if with_z else None, dt_bias=t["dt_bias"] if bias else None,
+              initial_states=t["init"] if init else None, seq_idx=t["seq_idx"] if brk else None, dt_softplus=sp,
+              dt_limit=lim)
+    return (t["x"], t["dt"], t["A"], t["B"], t["C"], c), kw
+
+
+def _fused_vs(args, kw, tol, tag):
+    """The fused forward's five outputs against the torch reference's and the chunked helion forward's (to ``tol``;
+    dt_out / dA_cumsum to 1e-5); returns the fused outputs."""
+    got = sh.ssd_forward_fused_helion(*args, **kw)
+    ref = ssd.ssd_forward_ref(*args, **kw)
+    chk = sh.ssd_forward_helion(*args, **kw)
+    for i, name in enumerate(_FUSED_NAMES):
+        j = 5 if name == "final_states" else i
+        t = 1e-5 if name in ("dt_out", "dA_cumsum") else tol
+        _close(got[i], ref[j], t, f"{tag} fused {name} vs reference")
+        _close(got[i], chk[j], t, f"{tag} fused {name} vs chunked helion")
+        assert got[i].dtype == chk[j].dtype and got[i].shape == chk[j].shape, (tag, name)
+    return got
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+@pytest.mark.parametrize("small_blocks", [False, True])
+@pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
+def test_fused_forward_matches_reference_and_chunked(case, small_blocks, monkeypatch):
+    """ssd_forward_fused_helion (one launch) gives the reference's and the chunked helion forward's out, out_x,
+    dt_out, dA_cumsum and final states: fp32 inputs to 1e-4 of their scale, bf16 x/B/C/z to 2e-2; at whole-extent
+    blocks and at blocks of 16 (several headdim blocks, row and column tiles per chunk)."""
+    if small_blocks:
+        _small_blocks(monkeypatch)
+    names = _record_kernels(monkeypatch)
+    args, kw = _fused_args(case)
+    got = _fused_vs(args, kw, 1e-4, "fp32")
+    assert names[0] == "ssd_fused_fwd" and names.count("ssd_fused_fwd") == 1, names
+    # the fp64 recurrence (step by step, no chunks)
+    y64, fin64 = ssd.ssd_recurrence_fp64(*args[:5], **kw)
+    _close(got[0], y64, 1e-4, "fused out vs fp64 recurrence")
+    _close(got[4], fin64, 1e-4, "fused final_states vs fp64 recurrence")
+    if kw["seq_idx"] is not None:
+        # the document boundaries matter at these inputs: without seq_idx the output differs
+        other = sh.ssd_forward_fused_helion(*args, **dict(kw, seq_idx=None))
+        assert (other[0] - got[0]).abs().max() > 1e-2
+    x, dt, A, B, C, c = args
+    kw16 = dict(kw, z=None if kw["z"] is None else kw["z"].bfloat16())
+    _fused_vs((x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), c), kw16, 2e-2, "bf16")
+
+
+@pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
+def test_fused_forward_one_launch_and_combined_entry(monkeypatch):
+    """The fused forward is one launch (seq_idx, initial states, z, l a multiple of the chunk); the combined entry
+    runs it with ``HelionSettings(ssd_fwd="fused")`` and gives the chunked entry's out and final states."""
+    from kernels.settings import HelionSettings
+
+    names = _record_kernels(monkeypatch)
+    b, l, h, p, g, n, c = 1, 32, 2, 16, 1, 16, 16
+    t = _inputs(b, l, h, p, g, n, seed=2, seq_breaks=(9,))
+    args = (t["x"], t["dt"], t["A"], t["B"], t["C"], c)
+    kw = dict(D=t["D"], z=t["z"], dt_bias=t["dt_bias"], initial_states=t["init"], seq_idx=t["seq_idx"],
+              dt_softplus=True)
+    sh.ssd_forward_fused_helion(*args, **kw)
+    assert names == ["ssd_fused_fwd"], names
+    names.clear()
+    out_f, fin_f = sh.mamba_chunk_scan_combined_helion(*args, return_final_states=True,
+                                                       settings=HelionSettings(ssd_fwd="fused"), **kw)
+    assert names == ["ssd_fused_fwd"], names
+    names.clear()
+    out_c, fin_c = sh.mamba_chunk_scan_combined_helion(*args, return_final_states=True, **kw)
+    assert "ssd_fused_fwd" not in names and len(names) == 4, names
+    _close(out_f, out_c, 1e-5, "combined fused vs chunked out")
+    _close(fin_f, fin_c, 1e-5, "combined fused vs chunked final states")
+    with pytest.raises(ValueError, match="seq_idx must be"):
+        sh.ssd_forward_fused_helion(*args, seq_idx=t["seq_idx"][:, :8])
+    with pytest.raises(ValueError, match="chunk_size"):
+        sh.ssd_forward_fused_helion(*args[:5], 24)
+    with pytest.raises(ValueError, match="initial_states must be"):
+        sh.ssd_forward_fused_helion(*args, initial_states=t["init"][:, :1])
+
+
+def _op_case(b, l, h, p, g, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dim = h * p
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(
+        zxbcdt=r(b, l, 2 * dim + 2 * g * n + h), conv1d_weight=r(dim + 2 * g * n, 4) * 0.5,
+        conv1d_bias=r(dim + 2 * g * n), dt_bias=r(h), A=-torch.rand(h, generator=gen) - 0.5, D=r(h),
+    )
+
+
+@pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
+def test_fused_op_grads_same_with_fused_forward(monkeypatch):
+    """The fused training op with ``ssd_fwd="fused"``: output, final states and every gradient (the backward is
+    shared; it reads the forward's out_x, dt_out and dA_cumsum) equal the chunked forward's to 1e-5 of their scale,
+    and the forward launches ssd_fused_fwd instead of the four chunked kernels. seq_idx (a boundary inside a
+    chunk), initial states, a partial last chunk."""
+    from kernels import mamba_split_helion as msh
+    from kernels.settings import HelionSettings
+
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    si = torch.zeros(b, l, dtype=torch.int32)
+    si[:, 20:] = 1
+    res = {}
+    for mode in ("chunked", "fused"):
+        names = _record_kernels(monkeypatch)
+        t = _op_case(b, l, h, p, g, n, seed=3)
+        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5))
+        ins = list(t.values()) + [t0]
+        for v in ins:
+            v.requires_grad_(True)
+        o, f = msh.mamba_split_conv1d_scan_combined_helion(
+            *t.values(), chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True,
+            settings=HelionSettings(ssd_fwd=mode))
+        fwd_names = list(names)
+        gen = torch.Generator().manual_seed(9)
+        loss = (o * torch.randn(o.shape, generator=gen)).sum() + (f * torch.randn(f.shape, generator=gen)).sum()
+        res[mode] = [o, f, *torch.autograd.grad(loss, ins)]
+        if mode == "fused":
+            assert fwd_names == ["ssd_fused_fwd"], fwd_names
+        else:
+            assert "ssd_fused_fwd" not in fwd_names and len(fwd_names) == 4, fwd_names
+        monkeypatch.undo()
+    labels = ["out", "final_states"] + [f"d{k}" for k in t] + ["dinitial_states"]
+    for name, a, r in zip(labels, res["fused"], res["chunked"]):
+        assert r.abs().max() > 0, name
+        _close(a, r, 1e-5, f"ssd_fwd=fused vs chunked: {name}")
+
+
 def test_bad_input_fails_early():
     t = _inputs(1, 32, 4, 16, 2, 16, device="cpu")
     with pytest.raises(ValueError, match="chunk_size"):
@@ -269,7 +418,7 @@ def test_triton_codegen_nano_shape(name, monkeypatch):
         assert "@triton.jit" in code, f"{name}: no Triton kernel for {cfg}"
         assert code.count("def _helion_") == 1, f"{name}: expected one device kernel"
         if name in ("ssd_chunk_state", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan",
-                    "ssd_chunk_scan_cb16"):
+                    "ssd_chunk_scan_cb16", "ssd_fused_fwd"):
             assert "tl.dot" in code and "out_dtype=tl.float32" in code, f"{name}: GEMM not lowered to tl.dot fp32"
 
 
