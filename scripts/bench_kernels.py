@@ -13,6 +13,10 @@ with bf16 parameters (as under Megatron's Float16Module) and ops taken from ``ke
     python scripts/bench_kernels.py --backend mamba_ssm                      # kernel table (baseline check)
     python scripts/bench_kernels.py --backend mamba_ssm --compare helion     # + side-by-side ratios
     python scripts/bench_kernels.py --backend mamba_ssm --shape tp2          # per-rank shape at TP=2
+    python scripts/bench_kernels.py --backend helion --compare helion:ssd_fwd=fused   # helion settings per arm
+
+A backend may carry helion settings (``kernels.settings.HelionSettings`` keys) after a colon:
+``helion:ssd_fwd=fused,save_cumsum=false``; the arm is labelled with that spec.
 
 Method: warm-up, then R rounds; each round times every arm (A, B, and A again as the A-vs-A control)
 for N calls with CUDA events, in ABBA order. Reported: medians per arm and op, the speedup B/A as
@@ -100,7 +104,28 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{k} must be >= 1")
     if a.compare is not None and a.compare == a.backend:
         p.error("--compare must name a different backend than --backend (the A-vs-A control is built in)")
+    for spec in (a.backend, a.compare):
+        try:
+            if spec is not None:
+                backend_spec(spec)
+        except ValueError as e:
+            p.error(str(e))
     return a
+
+
+def backend_spec(spec: str) -> tuple[str, dict | None]:
+    """'helion:ssd_fwd=fused,save_cumsum=false' -> ('helion', {'ssd_fwd': 'fused', 'save_cumsum': False});
+    a plain name -> (name, None). Values true / false become booleans; the settings are validated by the backend."""
+    name, _, rest = spec.partition(":")
+    if not rest:
+        return name, None
+    settings = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"backend spec {spec!r}: expected name:key=value[,key=value...], got {item!r}")
+        settings[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return name, settings
 
 
 class MixerOp:
@@ -221,7 +246,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, DTYPES[args.dtype])
     shape = SHAPES[args.shape]
     backends = [args.backend] + ([args.compare] if args.compare else [])
-    be = {name: get_backend(name) for name in backends}  # fails early with one clear message
+    be = {name: get_backend(*backend_spec(name)) for name in backends}  # fails early with one clear message
     params = make_params(shape, device, dtype, args.seed)
     ops = {name: MixerOp(be[name], shape, params, device, dtype) for name in backends}
 
@@ -345,16 +370,17 @@ def markdown(res: dict) -> str:
 
 
 def output_stem(args) -> str:
-    return f"kernels_{args.backend}" + (f"_vs_{args.compare}" if args.compare else "") + f"_{args.shape}"
+    stem = f"kernels_{args.backend}" + (f"_vs_{args.compare}" if args.compare else "") + f"_{args.shape}"
+    return "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in stem)
 
 
 def main(argv=None) -> int:
-    from kernels.registry import BackendUnavailableError, UnknownBackendError
+    from kernels.registry import BackendUnavailableError, KernelSwitchError, UnknownBackendError
 
     args = parse_args(argv)
     try:
         res = run(args)
-    except (UnknownBackendError, BackendUnavailableError) as e:
+    except (UnknownBackendError, BackendUnavailableError, KernelSwitchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else bl.default_out_dir()

@@ -4,10 +4,14 @@ For each shape (nano, nano_tp2, nano_b4_l4096; configs tuned at nano only) and e
 (mamba-ssm kernel(s) vs Helion counterpart; fused Helion kernels vs the sum of what they replace;
 the whole SSD forward), arms [mamba_ssm, helion, mamba_ssm#2] run in alternating order over
 ``--rounds`` rounds of ``--iters`` timed calls each (CUDA events); mamba_ssm#2 is the A-vs-A
-control. Reports medians, p10/p90, speedup = median(mamba)/median(helion) with a bootstrap CI, and
-the control's ratio. Correctness: the whole forward of both backends vs an fp32 torch reference.
+control. The whole-forward comparisons (without and with packed documents + initial states) add the
+arm helion_fused (``ssd_forward_fused_helion``, one launch) beside helion (the chunked forward, four
+launches): [mamba_ssm, helion, helion_fused, mamba_ssm#2]. Reports medians, p10/p90, speedup =
+median(mamba)/median(arm) with a bootstrap CI for every arm, fused vs chunked, and the control's ratio.
+Correctness: the whole forward of mamba-ssm, the chunked and the fused Helion forward vs an fp32
+torch reference.
 
-    python3 scripts/bench_ssd_fwd.py [--shapes nano,...] [--rounds 5 --iters 10]
+    python3 scripts/bench_ssd_fwd.py [--shapes nano,...] [--rounds 5 --iters 10] [--only whole]
 
 Writes $OUT/ssd_fwd_bench.json and .md (GPU name, versions, shapes, date).
 """
@@ -46,8 +50,19 @@ def _rel_err(a, b) -> float:
     return float((a - b).abs().max() / (b.abs().max() + 1e-6))
 
 
+def _seq_kwargs(md: dict) -> dict:
+    """Packed documents (boundaries at l * 3/8 and l * 5/8 + 3, inside chunks) and random initial states."""
+    b, l = md["b"], md["l"]
+    seq_idx = torch.zeros(b, l, dtype=torch.int32, device="cuda")
+    seq_idx[:, (3 * l) // 8:] = 1
+    seq_idx[:, (5 * l) // 8 + 3:] = 2
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    init = (torch.randn(b, md["h"], md["p"], md["n"], generator=gen) * 0.1).to("cuda")
+    return dict(seq_idx=seq_idx, initial_states=init)
+
+
 def comparisons(md: dict, m) -> dict:
-    """name -> (mamba_fn, helion_fn, what the helion side replaces)."""
+    """name -> (mamba_fn, helion_fn, what the helion side replaces[, {extra arm: fn}])."""
     c = md["c"]
     t = sh.example_inputs(md, "cuda")
     x, dt, A, B, C, D, z, dtb = (t[k] for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias"))
@@ -60,6 +75,8 @@ def comparisons(md: dict, m) -> dict:
     # the Helion forward's CB dtype (the inputs': bf16 here, which ssd_chunk_scan_cb16 reads)
     cbh = sh.forward_cb_dtype(x.dtype)
     CBh = CB.to(cbh)
+
+    skw = _seq_kwargs(md)
 
     def m_state_and_passing():
         s = m.chunk_state(B, x, dto, dA, states_in_fp32=True)
@@ -82,39 +99,59 @@ def comparisons(md: dict, m) -> dict:
                        lambda: sh.ssd_chunk_scan_helion(CBh, x, dto, dA, C, sin, D=D, z=z), "_chunk_scan_fwd"),
         "ssd_forward (whole)": (lambda: m.combined_fwd(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True),
                                 lambda: sh.ssd_forward_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True),
-                                "_mamba_chunk_scan_combined_fwd (5 kernels)"),
+                                "_mamba_chunk_scan_combined_fwd (5 kernels)",
+                                {"helion_fused": lambda: sh.ssd_forward_fused_helion(
+                                    x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True)}),
+        "ssd_forward (whole, seq_idx + initial states)": (
+            lambda: m.combined_fwd(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True, **skw),
+            lambda: sh.ssd_forward_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb, dt_softplus=True, **skw),
+            "_mamba_chunk_scan_combined_fwd (5 kernels)",
+            {"helion_fused": lambda: sh.ssd_forward_fused_helion(x, dt, A, B, C, c, D=D, z=z, dt_bias=dtb,
+                                                                 dt_softplus=True, **skw)}),
     }
 
 
-def correctness(md: dict, m) -> dict:
+def correctness(md: dict, m, with_seq: bool = False) -> dict:
+    """Max abs error / max |ref| of each forward output: the chunked and the fused Helion forward and mamba-ssm vs
+    the fp32 torch reference, and each Helion forward vs mamba-ssm (``with_seq``: packed documents and initial
+    states)."""
     c = md["c"]
     t = sh.example_inputs(md, "cuda", seed=1)
     args = (t["x"], t["dt"], t["A"], t["B"], t["C"], c)
-    kw = dict(D=t["D"], z=t["z"], dt_bias=t["dt_bias"], dt_softplus=True)
+    kw = dict(D=t["D"], z=t["z"], dt_bias=t["dt_bias"], dt_softplus=True, **(_seq_kwargs(md) if with_seq else {}))
     ref = ssd.ssd_forward_ref(*(a.float() if torch.is_tensor(a) else a for a in args), **{
-        k: (v.float() if torch.is_tensor(v) else v) for k, v in kw.items()})
+        k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()})
     hel = sh.ssd_forward_helion(*args, **kw)
+    fus = sh.ssd_forward_fused_helion(*args, **kw)
+    fus = (*fus[:4], None, fus[4])  # no states_in
     mam = m.combined_fwd(*args, **kw)
     names = ["out", "out_x", "dt_out", "dA_cumsum", "states_in", "final_states"]
     res = {}
     for i, nm in enumerate(names):
         res[nm] = {"helion_vs_fp32": _rel_err(hel[i], ref[i]), "mamba_vs_fp32": _rel_err(mam[i], ref[i]),
                    "helion_vs_mamba": _rel_err(hel[i], mam[i])}
+        if fus[i] is not None:
+            res[nm].update(fused_vs_fp32=_rel_err(fus[i], ref[i]), fused_vs_mamba=_rel_err(fus[i], mam[i]),
+                           fused_vs_helion=_rel_err(fus[i], hel[i]))
     del ref
     return res
 
 
-def bench_shape(name: str, md: dict, m, rounds: int, iters: int) -> dict:
+def bench_shape(name: str, md: dict, m, rounds: int, iters: int, only: str | None = None) -> dict:
     out = {"dims": md, "comparisons": {}, "errors": {}}
-    try:
-        out["correctness_rel_max_err"] = correctness(md, m)
-    except Exception:  # noqa: BLE001 - recorded, the timings still run
-        out["errors"]["correctness"] = traceback.format_exc()
-    torch.cuda.empty_cache()
-    comps = comparisons(md, m)
-    for cname, (fm, fh, replaces) in comps.items():
+    for key, with_seq in (("correctness_rel_max_err", False), ("correctness_seq_rel_max_err", True)):
         try:
-            arms = {"mamba_ssm": fm, "helion": fh, "mamba_ssm#2": fm}
+            out[key] = correctness(md, m, with_seq=with_seq)
+        except Exception:  # noqa: BLE001 - recorded, the timings still run
+            out["errors"][key] = traceback.format_exc()
+        torch.cuda.empty_cache()
+    comps = comparisons(md, m)
+    for cname, (fm, fh, replaces, *extra) in comps.items():
+        if only is not None and only not in cname:
+            continue
+        extra_arms = extra[0] if extra else {}
+        try:
+            arms = {"mamba_ssm": fm, "helion": fh, **extra_arms, "mamba_ssm#2": fm}
             for f in arms.values():  # warm-up: compile / autotune outside the timings
                 f()
                 f()
@@ -127,10 +164,17 @@ def bench_shape(name: str, md: dict, m, rounds: int, iters: int) -> dict:
             r = {"replaces": replaces, "ms": {k: bl.summarize(v) for k, v in samples.items()}}
             r["speedup_helion_vs_mamba"] = bl.ratio_summary(samples["mamba_ssm"], samples["helion"])
             r["control_mamba_vs_mamba"] = bl.ratio_summary(samples["mamba_ssm"], samples["mamba_ssm#2"])
+            for arm in extra_arms:
+                r[f"speedup_{arm}_vs_mamba"] = bl.ratio_summary(samples["mamba_ssm"], samples[arm])
+                r[f"speedup_{arm}_vs_helion"] = bl.ratio_summary(samples["helion"], samples[arm])
             out["comparisons"][cname] = r
             print(f"[{name}] {cname:36s} mamba {r['ms']['mamba_ssm']['median']*1e3:8.1f} us  helion "
                   f"{r['ms']['helion']['median']*1e3:8.1f} us  speedup {r['speedup_helion_vs_mamba']['speedup']:.2f}x "
                   f"(control {r['control_mamba_vs_mamba']['speedup']:.3f})", flush=True)
+            for arm in extra_arms:
+                print(f"[{name}] {cname:36s} {arm} {r['ms'][arm]['median']*1e3:8.1f} us  vs mamba "
+                      f"{r[f'speedup_{arm}_vs_mamba']['speedup']:.2f}x  vs helion "
+                      f"{r[f'speedup_{arm}_vs_helion']['speedup']:.3f}x", flush=True)
         except Exception:  # noqa: BLE001
             out["errors"][cname] = traceback.format_exc()
             print(f"[{name}] {cname} FAILED\n{out['errors'][cname]}", flush=True)
@@ -142,6 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="nano,nano_tp2,nano_b4_l4096")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--only", default=None,
+                    help="time only the comparisons whose name contains this (e.g. 'whole': the whole forward, with "
+                    "the fused arm); correctness runs either way")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_ssd_fwd.py needs a CUDA GPU")
@@ -149,14 +196,17 @@ def main(argv=None) -> int:
     env = bl.env_info()
     from kernels.settings import HelionSettings
 
-    # the forward pieces run as ssd_helion's functions; none of the backend's settings changes a forward kernel
+    # the forward pieces run as ssd_helion's functions; of the backend's settings only ssd_fwd picks a forward, and
+    # here the arms call both forwards directly (helion: chunked, helion_fused: fused)
     results = {"env": env, "backend_settings": {"backend": "helion", **HelionSettings().as_dict()},
+               "arms": {"helion": "ssd_forward_helion (ssd_fwd=chunked)",
+                        "helion_fused": "ssd_forward_fused_helion (ssd_fwd=fused)"},
                "method": "alternating rounds, CUDA events per call, A-vs-A control, bootstrap CI",
                "rounds": args.rounds, "iters": args.iters, "shapes": {}}
     for s in args.shapes.split(","):
         md = tuning.SHAPE_PRESETS[s]
         print(f"=== shape {s}: {md}", flush=True)
-        results["shapes"][s] = bench_shape(s, md, m, args.rounds, args.iters)
+        results["shapes"][s] = bench_shape(s, md, m, args.rounds, args.iters, args.only)
         torch.cuda.empty_cache()
     rows = []
     for s, r in results["shapes"].items():
@@ -165,13 +215,22 @@ def main(argv=None) -> int:
             rows.append([s, cname, cr["ms"]["mamba_ssm"]["median"] * 1e3, cr["ms"]["helion"]["median"] * 1e3,
                          f"{sp['speedup']:.2f} [{sp['ci_lo']:.2f}, {sp['ci_hi']:.2f}]",
                          f"{cr['control_mamba_vs_mamba']['speedup']:.3f}"])
+            for arm in [k for k in cr["ms"] if k not in ("mamba_ssm", "helion", "mamba_ssm#2")]:
+                sa, sc = cr[f"speedup_{arm}_vs_mamba"], cr[f"speedup_{arm}_vs_helion"]
+                rows.append([s, f"{cname} [{arm}; vs helion {sc['speedup']:.3f} [{sc['ci_lo']:.3f}, {sc['ci_hi']:.3f}]]",
+                             cr["ms"]["mamba_ssm"]["median"] * 1e3, cr["ms"][arm]["median"] * 1e3,
+                             f"{sa['speedup']:.2f} [{sa['ci_lo']:.2f}, {sa['ci_hi']:.2f}]",
+                             f"{cr['control_mamba_vs_mamba']['speedup']:.3f}"])
     md_txt = "# SSD forward: Helion vs mamba-ssm\n\n" + bl.env_markdown(env) + "\n\n" + bl.md_table(
         ["shape", "kernel", "mamba-ssm us", "helion us", "speedup [95% CI]", "A-vs-A"], rows)
     for s, r in results["shapes"].items():
-        if "correctness_rel_max_err" in r:
-            md_txt += f"\n\nCorrectness {s} (max abs err / max |ref|):\n\n" + bl.md_table(
-                ["tensor", "helion vs fp32", "mamba vs fp32", "helion vs mamba"],
-                [[k, v["helion_vs_fp32"], v["mamba_vs_fp32"], v["helion_vs_mamba"]] for k, v in r["correctness_rel_max_err"].items()])
+        for key, what in (("correctness_rel_max_err", ""), ("correctness_seq_rel_max_err", ", seq_idx + initial states")):
+            if key in r:
+                md_txt += f"\n\nCorrectness {s}{what} (max abs err / max |ref|):\n\n" + bl.md_table(
+                    ["tensor", "helion vs fp32", "mamba vs fp32", "helion vs mamba", "fused vs fp32", "fused vs mamba",
+                     "fused vs helion"],
+                    [[k, v["helion_vs_fp32"], v["mamba_vs_fp32"], v["helion_vs_mamba"], v.get("fused_vs_fp32", "-"),
+                      v.get("fused_vs_mamba", "-"), v.get("fused_vs_helion", "-")] for k, v in r[key].items()])
         for k, e in r["errors"].items():
             md_txt += f"\n\nERROR {s} {k}:\n```\n{e[-1500:]}\n```"
     jp, mp = bl.write_results(bl.default_out_dir(), "ssd_fwd_bench", results, md_txt)

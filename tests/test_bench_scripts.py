@@ -178,6 +178,19 @@ def test_bench_kernels_args():
             bk.parse_args(bad)
 
 
+def test_bench_kernels_backend_specs_carry_helion_settings(tmp_path):
+    """An arm may be a backend with helion settings ('helion:ssd_fwd=fused'): parsed into the backend's settings,
+    a file-name-safe output stem, a malformed spec stops argument parsing and a bad setting is one error line."""
+    assert bk.backend_spec("helion") == ("helion", None)
+    assert bk.backend_spec("helion:ssd_fwd=fused,save_cumsum=false") == (
+        "helion", {"ssd_fwd": "fused", "save_cumsum": False})
+    a = bk.parse_args(["--backend", "helion", "--compare", "helion:ssd_fwd=fused"])
+    assert bk.output_stem(a) == "kernels_helion_vs_helion_ssd_fwd_fused_nano"
+    with pytest.raises(SystemExit):
+        bk.parse_args(["--backend", "helion:ssd_fwd"])
+    assert bk.main(["--backend", "helion:ssd_fwd=one", "--shape", "tiny", "--out", str(tmp_path)]) == 2
+
+
 def test_bench_kernels_unknown_backend_fails_clearly(tmp_path):
     from kernels.registry import UnknownBackendError
 
