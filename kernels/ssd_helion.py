@@ -295,9 +295,16 @@ def _chunk_scan_kernel(
 # its (block_p, n) slice of the state in fp32 registers. Per chunk it computes the chunk cumsum of dt (the whole chunk
 # as one vector), the chunk's output row tile by row tile (the inter-chunk term C . state^T and the intra-chunk term
 # (C . B^T masked and decayed) . (dt x), causal column tiles only), then the state update x^T . (decayed dt B).
-# Values of the chunk vectors at a row or column tile are picked by a one-hot sum (exact: one non-zero term), since a
-# register vector cannot be indexed by another tile. C . B^T is recomputed per head and headdim block (the chunked
-# path computes it once per group); every program writes the same dt_out / dA_cumsum values of its head.
+# A register vector cannot be indexed by another tile, so a row or column tile's dt and dA cumsum are recomputed from
+# dt (a cache hit: the chunk's dt was just loaded): its dt values are the chunk vector's bitwise; its cumsum is the
+# chunk cumsum just before the tile (picked by a one-hot sum, exact) plus the tile's own cumsum (equal to rounding).
+# C . B^T is recomputed per head and headdim block (the chunked path computes it once per group); every program writes
+# the same dt_out / dA_cumsum values of its head.
+def _softplus_fast(d: torch.Tensor) -> torch.Tensor:
+    """mamba-ssm's softplus log(1 + exp(d)) below 20 (d itself above), on the fast exp2 / log."""
+    return torch.where(d <= 20.0, torch.log(torch.exp2(d * _LOG2E) + 1.0), d)
+
+
 def _fused_fwd_kernel(
     x: torch.Tensor,  # (b, L, h, p), L = nc * c
     dt: torch.Tensor,  # (b, L, h) raw dt, any float dtype
@@ -332,6 +339,8 @@ def _fused_fwd_kernel(
     for tb, th, tp in hl.tile([b, h, p], block_size=[1, 1, block_p]):
         hg = th.begin // ratio
         a_h = A[th.begin].to(torch.float32)
+        if dt_bias is not None:
+            bias_h = dt_bias[th.begin].to(torch.float32)
         if initial_states is not None:
             s = initial_states[tb.begin, th.begin, tp, :].to(torch.float32)  # (P, n)
         else:
@@ -344,11 +353,10 @@ def _fused_fwd_kernel(
                 pos = base + tq.index
                 d = dt[tb.begin, pos, th.begin].to(torch.float32)  # (c,)
                 if dt_bias is not None:
-                    d = d + dt_bias[th.begin].to(torch.float32)
+                    d = d + bias_h
                 if dt_softplus:
-                    d = torch.where(d <= 20.0, torch.log(torch.exp2(d * _LOG2E) + 1.0), d)
-                d = torch.clamp(d, min=dt_min, max=dt_max)
-                d = torch.where(pos < seqlen, d, 0.0)
+                    d = _softplus_fast(d)
+                d = torch.where(pos < seqlen, torch.clamp(d, min=dt_min, max=dt_max), 0.0)
                 dA_cs = torch.cumsum(d * a_h, dim=0)
                 dt_out[tb.begin, th.begin, tc.begin, tq] = d
                 dA_cumsum[tb.begin, th.begin, tc.begin, tq] = dA_cs
@@ -359,7 +367,14 @@ def _fused_fwd_kernel(
                 # this chunk's output, row tile by row tile
                 for tm in hl.tile(c, block_size=block_m):
                     pos_m = base + tm.index
-                    dA_m = torch.sum(torch.where(tm.index[:, None] == tq.index[None, :], dA_cs[None, :], 0.0), dim=1)
+                    d_m = dt[tb.begin, pos_m, th.begin].to(torch.float32)
+                    if dt_bias is not None:
+                        d_m = d_m + bias_h
+                    if dt_softplus:
+                        d_m = _softplus_fast(d_m)
+                    d_m = torch.where(pos_m < seqlen, torch.clamp(d_m, min=dt_min, max=dt_max), 0.0)
+                    dA_m = (torch.sum(torch.where(tq.index == tm.begin - 1, dA_cs, 0.0), dim=0)
+                            + torch.cumsum(d_m * a_h, dim=0))
                     c_m = C[tb.begin, pos_m, hg, :]  # (M, n)
                     acc = hl.dot(c_m, s_bf.permute(1, 0))  # (M, P)
                     scale_m = torch.exp2(dA_m * _LOG2E)
@@ -369,9 +384,14 @@ def _fused_fwd_kernel(
                     acc = acc * scale_m[:, None]
                     for tk in hl.tile((tm.id + 1) * block_m, block_size=block_k):
                         pos_k = base + tk.index
-                        onehot = tk.index[:, None] == tq.index[None, :]
-                        dA_k = torch.sum(torch.where(onehot, dA_cs[None, :], 0.0), dim=1)
-                        dt_k = torch.sum(torch.where(onehot, d[None, :], 0.0), dim=1)
+                        dt_k = dt[tb.begin, pos_k, th.begin].to(torch.float32)
+                        if dt_bias is not None:
+                            dt_k = dt_k + bias_h
+                        if dt_softplus:
+                            dt_k = _softplus_fast(dt_k)
+                        dt_k = torch.where(pos_k < seqlen, torch.clamp(dt_k, min=dt_min, max=dt_max), 0.0)
+                        dA_k = (torch.sum(torch.where(tq.index == tk.begin - 1, dA_cs, 0.0), dim=0)
+                                + torch.cumsum(dt_k * a_h, dim=0))
                         b_k = B[tb.begin, pos_k, hg, :]  # (K, n)
                         cb = hl.dot(c_m, b_k.permute(1, 0))  # (M, K) fp32
                         w = cb * torch.exp2(torch.clamp(dA_m[:, None] - dA_k[None, :], max=0.0) * _LOG2E) * dt_k[None, :]
