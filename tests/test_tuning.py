@@ -185,10 +185,17 @@ NANO_COMMITTED = {
 }
 
 
+# tunable kernels that no default setting runs and that have no sm90 file until their first GPU tuning run
+# (python scripts/tune_kernels.py --kernels <name> --shapes nano); they use their generic default config until then
+NOT_YET_TUNED = {"ssd_fused_fwd"}  # HelionSettings.ssd_fwd="fused"
+
+
 def test_every_tunable_kernel_has_exactly_one_sm90_file():
-    """One config file per kernel of the current design, named as the kernel (and its "kernel" field), no other."""
+    """One config file per kernel of the current design, named as the kernel (and its "kernel" field), no other
+    (the kernels in NOT_YET_TUNED may lack theirs)."""
     files = {p.stem for p in (tuning.CONFIG_ROOT / "sm90").glob("*.json")}
-    assert files == set(tuning.discover_tunable_kernels()) == set(NANO_COMMITTED)
+    assert files | NOT_YET_TUNED == set(tuning.discover_tunable_kernels())
+    assert files - NOT_YET_TUNED == set(NANO_COMMITTED)
     for name in files:
         assert json.loads((tuning.CONFIG_ROOT / "sm90" / f"{name}.json").read_text())["kernel"] == name
 
