@@ -361,7 +361,7 @@ def _fused_fwd_kernel(
                 dt_out[tb.begin, th.begin, tc.begin, tq] = d
                 dA_cumsum[tb.begin, th.begin, tc.begin, tq] = dA_cs
                 dA_last = torch.sum(torch.where(tq.index == c - 1, dA_cs, 0.0), dim=0)
-                s_bf = s.to(C.dtype)  # the state entering the chunk, in C's dtype (as states_in)
+                s_t = s.to(C.dtype).permute(1, 0)  # (n, P): the state entering the chunk, in C's dtype (as states_in)
                 if seq_idx is not None:
                     seq_last = seq_idx[tb.begin, base + c - 1]
                 # this chunk's output, row tile by row tile
@@ -376,7 +376,7 @@ def _fused_fwd_kernel(
                     dA_m = (torch.sum(torch.where(tq.index == tm.begin - 1, dA_cs, 0.0), dim=0)
                             + torch.cumsum(d_m * a_h, dim=0))
                     c_m = C[tb.begin, pos_m, hg, :]  # (M, n)
-                    acc = hl.dot(c_m, s_bf.permute(1, 0))  # (M, P)
+                    acc = hl.dot(c_m, s_t)  # (M, P)
                     scale_m = torch.exp2(dA_m * _LOG2E)
                     if seq_idx is not None:
                         seq_m = seq_idx[tb.begin, pos_m]
