@@ -294,7 +294,8 @@ def _chunk_scan_kernel(
 # The whole forward in one kernel: one program per (batch, head, headdim block) walks the chunks in order and carries
 # its (block_p, n) slice of the state in fp32 registers. Per chunk it computes the chunk cumsum of dt (the whole chunk
 # as one vector), the chunk's output row tile by row tile (the inter-chunk term C . state^T and the intra-chunk term
-# (C . B^T masked and decayed) . (dt x), causal column tiles only), then the state update x^T . (decayed dt B).
+# (C . B^T masked and decayed) . (dt x), causal column tiles only), then the state update x^T . (decayed dt B), a tile
+# of rows at a time (a whole (c, n) tile of B would hold 128 registers per thread at 4 warps).
 # A register vector cannot be indexed by another tile, so a row or column tile's dt and dA cumsum are recomputed from
 # dt (a cache hit: the chunk's dt was just loaded): its dt values are the chunk vector's bitwise; its cumsum is the
 # chunk cumsum just before the tile (picked by a one-hot sum, exact) plus the tile's own cumsum (equal to rounding).
@@ -336,6 +337,7 @@ def _fused_fwd_kernel(
     block_p = hl.register_block_size(16, p)
     block_m = hl.register_block_size(16, c)
     block_k = hl.register_block_size(16, c)
+    block_s = hl.register_block_size(16, c)
     for tb, th, tp in hl.tile([b, h, p], block_size=[1, 1, block_p]):
         hg = th.begin // ratio
         a_h = A[th.begin].to(torch.float32)
@@ -408,15 +410,26 @@ def _fused_fwd_kernel(
                         z_m = z[tb.begin, pos_m, th.begin, tp].to(torch.float32)
                         acc = acc * (z_m * torch.sigmoid(z_m))
                     out[tb.begin, pos_m, th.begin, tp] = acc.to(out.dtype)
-                # the state leaving the chunk
-                scale = torch.exp2(torch.clamp(dA_last - dA_cs, max=0.0) * _LOG2E) * d
+                # the state leaving the chunk: decayed, plus the chunk's tokens, block_s rows at a time
                 decay = torch.exp2(dA_last * _LOG2E)
                 if seq_idx is not None:
-                    scale = torch.where(seq_idx[tb.begin, pos] == seq_last, scale, 0.0)
                     decay = torch.where(seq_last == seq_prev, decay, 0.0)
-                b_s = (B[tb.begin, pos, hg, :].to(torch.float32) * scale[:, None]).to(x.dtype)  # (c, n)
-                x_c = x[tb.begin, pos, th.begin, tp]  # (c, P)
-                s = decay * s + hl.dot(x_c.permute(1, 0), b_s)
+                s = decay * s
+                for ts in hl.tile(c, block_size=block_s):
+                    pos_s = base + ts.index
+                    dt_s = dt[tb.begin, pos_s, th.begin].to(torch.float32)
+                    if dt_bias is not None:
+                        dt_s = dt_s + bias_h
+                    if dt_softplus:
+                        dt_s = _softplus_fast(dt_s)
+                    dt_s = torch.where(pos_s < seqlen, torch.clamp(dt_s, min=dt_min, max=dt_max), 0.0)
+                    dA_s = (torch.sum(torch.where(tq.index == ts.begin - 1, dA_cs, 0.0), dim=0)
+                            + torch.cumsum(dt_s * a_h, dim=0))
+                    scale = torch.exp2(torch.clamp(dA_last - dA_s, max=0.0) * _LOG2E) * dt_s
+                    if seq_idx is not None:
+                        scale = torch.where(seq_idx[tb.begin, pos_s] == seq_last, scale, 0.0)
+                    b_s = (B[tb.begin, pos_s, hg, :].to(torch.float32) * scale[:, None]).to(x.dtype)  # (S, n)
+                    s = hl.dot(x[tb.begin, pos_s, th.begin, tp].permute(1, 0), b_s, acc=s)
                 if seq_idx is not None:
                     seq_prev = seq_last
         final_states[tb.begin, th.begin, tp, :] = s
@@ -451,8 +464,9 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "ssd_bmm_chunk": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=3),
     "ssd_chunk_scan": dict(block_sizes=[64, 64, 64], num_warps=4, num_stages=2),
     "ssd_chunk_scan_cb16": dict(block_sizes=[64, 64, 32], num_warps=4, num_stages=1),  # chunk_scan's tuned Nano config
-    # [block_p, block_m (output rows), block_k (causal columns)]; headdim in two blocks at the Nano shape
-    "ssd_fused_fwd": dict(block_sizes=[32, 64, 32], num_warps=4, num_stages=2),
+    # [block_p, block_m (output rows), block_k (causal columns), block_s (state-update rows)]; headdim in two blocks
+    # at the Nano shape
+    "ssd_fused_fwd": dict(block_sizes=[32, 64, 32, 32], num_warps=4, num_stages=2),
 }
 
 
@@ -927,7 +941,7 @@ def ssd_forward_fused_helion(
     D2 = None if D is None else (D.contiguous() if D.dim() == 2 else D.reshape(h, 1).expand(h, p))
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=chunk_size)
     out, out_x, dt_out, dA_cumsum, final_states = _run(
-        "ssd_fused_fwd", dims, [p, chunk_size, chunk_size],
+        "ssd_fused_fwd", dims, [p, chunk_size, chunk_size, chunk_size],
         (_pad_seq(x, L), _pad_seq(dt, L), A.contiguous(), _pad_seq(B, L), _pad_seq(C, L), D2, _pad_seq(z, L),
          _contig(dt_bias), _contig(initial_states), _pad_seq_idx(seq_idx, L), chunk_size, l,
          float(dt_limit[0]), float(dt_limit[1]), bool(dt_softplus)),
@@ -1083,12 +1097,16 @@ _SEEDS: dict[str, list[dict]] = {
         for bm, bn in ((64, 64), (128, 64), (32, 64), (64, 32), (128, 32))
         for bk in (32, 64) for w in (4, 8) for st in (1, 2, 3)
     ],
-    # [block_p, block_m, block_k]: headdim in 2 blocks (256 programs at the Nano shape) or whole (128 programs)
+    # [block_p, block_m, block_k, block_s]: headdim in 2 blocks (256 programs at the Nano shape: one wave at 2 programs
+    # per SM, i.e. 4 warps at <= 255 registers) or whole (128 programs, one per SM); headdim in 4 blocks (512 programs)
+    # at 4 warps. Compiled offline for sm90 (Triton 3.9 + ptxas), the ones sampled use 246-255 registers per thread and
+    # spill at 4 warps (88-712 bytes); [32, 128, 32, 32] at 8 warps does not (one program per SM: two waves of 256).
     "ssd_fused_fwd": [
-        dict(block_sizes=[bp, bm, bk], num_warps=w, num_stages=st)
-        for bp in (32, 64) for bm, bk in ((64, 32), (64, 64), (32, 32), (128, 32), (128, 64))
-        for w in (4, 8) for st in (1, 2)
-    ] + [dict(block_sizes=[16, bm, bk], num_warps=4, num_stages=2) for bm, bk in ((64, 32), (32, 32))],
+        dict(block_sizes=[bp, bm, bk, bs], num_warps=w, num_stages=1)
+        for bp, w in ((32, 4), (64, 8), (32, 8), (16, 4))
+        for bm, bk in ((64, 32), (64, 64), (128, 32), (32, 32))
+        for bs in (32, 16, 64)
+    ],
 }
 
 
