@@ -265,10 +265,24 @@ def _fused_args(case, seed=11):
     return (t["x"], t["dt"], t["A"], t["B"], t["C"], c), kw
 
 
-def _fused_vs(args, kw, tol, tag):
+def _fused_blocks(monkeypatch, blocks):
+    """The fused kernel's four block sizes (block_p, block_m, block_k, block_s) in interpret mode, in the order its
+    register_block_size calls run; call before each fused forward (and leave no other kernel in between)."""
+    import helion.language as hl
+
+    it = iter(blocks)
+    monkeypatch.setattr(hl.register_block_size, "_ref_fn", lambda lo, hi=None: next(it))
+
+
+def _fused_vs(args, kw, tol, tag, blocks=None, monkeypatch=None):
     """The fused forward's five outputs against the torch reference's and the chunked helion forward's (to ``tol``;
-    dt_out / dA_cumsum to 1e-5); returns the fused outputs."""
+    dt_out / dA_cumsum to 1e-5); returns the fused outputs. ``blocks``: the fused kernel's block sizes (else the
+    current register_block_size behaviour)."""
+    if blocks is not None:
+        _fused_blocks(monkeypatch, blocks)
     got = sh.ssd_forward_fused_helion(*args, **kw)
+    if blocks is not None:
+        monkeypatch.undo()
     ref = ssd.ssd_forward_ref(*args, **kw)
     chk = sh.ssd_forward_helion(*args, **kw)
     for i, name in enumerate(_FUSED_NAMES):
@@ -281,29 +295,38 @@ def _fused_vs(args, kw, tol, tag):
 
 
 @pytest.mark.parametrize("case", list(FUSED_CASES))
-@pytest.mark.parametrize("small_blocks", [False, True])
+@pytest.mark.parametrize("blocks", ["whole", "small", "mixed"])
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
-def test_fused_forward_matches_reference_and_chunked(case, small_blocks, monkeypatch):
+def test_fused_forward_matches_reference_and_chunked(case, blocks, monkeypatch):
     """ssd_forward_fused_helion (one launch) gives the reference's and the chunked helion forward's out, out_x,
     dt_out, dA_cumsum and final states: fp32 inputs to 1e-4 of their scale, bf16 x/B/C/z to 2e-2; at whole-extent
-    blocks and at blocks of 16 (several headdim blocks, row and column tiles per chunk)."""
-    if small_blocks:
+    blocks, at blocks of 16 (several headdim blocks, row, column and state-update tiles per chunk) and at mixed
+    blocks (column tiles wider than row tiles: the causal bound masks part of a column tile)."""
+    if blocks == "small":
         _small_blocks(monkeypatch)
-    names = _record_kernels(monkeypatch)
+    fused_blocks = [16, 16, 32, 64] if blocks == "mixed" else None
+    if blocks == "mixed" and FUSED_CASES[case][6] < 32:
+        pytest.skip("mixed blocks need a chunk of 32 or more")
     args, kw = _fused_args(case)
-    got = _fused_vs(args, kw, 1e-4, "fp32")
-    assert names[0] == "ssd_fused_fwd" and names.count("ssd_fused_fwd") == 1, names
+    got = _fused_vs(args, kw, 1e-4, "fp32", fused_blocks, monkeypatch)
+    names = _record_kernels(monkeypatch)
+    if fused_blocks is not None:
+        _fused_blocks(monkeypatch, fused_blocks)
+    sh.ssd_forward_fused_helion(*args, **kw)
+    assert names == ["ssd_fused_fwd"], names
     # the fp64 recurrence (step by step, no chunks)
     y64, fin64 = ssd.ssd_recurrence_fp64(*args[:5], **kw)
     _close(got[0], y64, 1e-4, "fused out vs fp64 recurrence")
     _close(got[4], fin64, 1e-4, "fused final_states vs fp64 recurrence")
     if kw["seq_idx"] is not None:
         # the document boundaries matter at these inputs: without seq_idx the output differs
+        if fused_blocks is not None:
+            _fused_blocks(monkeypatch, fused_blocks)
         other = sh.ssd_forward_fused_helion(*args, **dict(kw, seq_idx=None))
         assert (other[0] - got[0]).abs().max() > 1e-2
     x, dt, A, B, C, c = args
     kw16 = dict(kw, z=None if kw["z"] is None else kw["z"].bfloat16())
-    _fused_vs((x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), c), kw16, 2e-2, "bf16")
+    _fused_vs((x.bfloat16(), dt, A, B.bfloat16(), C.bfloat16(), c), kw16, 2e-2, "bf16", fused_blocks, monkeypatch)
 
 
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
