@@ -6,9 +6,11 @@ this repository: pass the file with ``--peer-file`` (it imports ``mamba_ssm.ops.
 mamba-ssm). The peer runs at both of its precisions: ``medium`` (16-bit states and C·Bᵀ, the fast setting) and
 ``high`` (fp32 intermediates).
 
-For each shape, the arms [mamba_ssm, helion, peer_medium, peer_high, mamba_ssm#2] run in alternating order over
-``--rounds`` rounds of ``--iters`` calls (CUDA events per call); mamba_ssm#2 is the A-vs-A control. Speedups are
-median ratios against mamba_ssm with a bootstrap CI; device time per call comes from one profiled round per arm.
+For each shape, the arms [mamba_ssm, helion, helion_fused, peer_medium, peer_high, mamba_ssm#2] run in alternating
+order over ``--rounds`` rounds of ``--iters`` calls (CUDA events per call); mamba_ssm#2 is the A-vs-A control. helion
+is the helion backend's chunked forward (``kernels.helion.ssd_fwd=chunked``, four launches), helion_fused its
+one-launch forward (``ssd_fwd=fused``). Speedups are median ratios against mamba_ssm with a bootstrap CI; device time
+per call comes from one profiled round per arm.
 Correctness: every arm's output against the fp32 PyTorch reference (``kernels.ssd``), as max-abs / max-ref.
 
     python scripts/bench_ssd_peer.py --peer-file .peer/ssd_fused5.py [--shapes nano,tp2,l4096b4,l16384b1]
@@ -88,7 +90,8 @@ def arms(peer) -> dict:
 
     from kernels.registry import get_backend
 
-    helion = get_backend("helion").mamba_chunk_scan_combined
+    helion = get_backend("helion", {"ssd_fwd": "chunked"}).mamba_chunk_scan_combined
+    helion_fused = get_backend("helion", {"ssd_fwd": "fused"}).mamba_chunk_scan_combined
 
     def mamba(t):
         return _mamba_chunk_scan_combined_fwd(t["x"], t["dt"], t["A"], t["B"], t["C"], CHUNK, D=t["D"],
@@ -96,6 +99,10 @@ def arms(peer) -> dict:
 
     def hel(t):
         return helion(t["x"], t["dt"], t["A"], t["B"], t["C"], CHUNK, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True)
+
+    def hel_fused(t):
+        return helion_fused(t["x"], t["dt"], t["A"], t["B"], t["C"], CHUNK, D=t["D"], dt_bias=t["dt_bias"],
+                            dt_softplus=True)
 
     def fused5(precision):
         fp32 = precision == "high"
@@ -106,8 +113,8 @@ def arms(peer) -> dict:
                                     cb_store_fp32=fp32, cb_scale_fp32=fp32, cs_acc_fp32=fp32, cb_comp_fp32=True)[0]
         return run
 
-    return {"mamba_ssm": mamba, "helion": hel, "peer_medium": fused5("medium"), "peer_high": fused5("high"),
-            "mamba_ssm#2": mamba}
+    return {"mamba_ssm": mamba, "helion": hel, "helion_fused": hel_fused, "peer_medium": fused5("medium"),
+            "peer_high": fused5("high"), "mamba_ssm#2": mamba}
 
 
 def reference(t: dict) -> torch.Tensor:
