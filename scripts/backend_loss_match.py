@@ -299,7 +299,8 @@ def _run(a, cfg) -> dict | None:
             initialize_parallel(cfg)  # the same RNG state at step 1 for every arm
             arm_ctx = dataclasses.replace(ctx, model=model, optimizer=optimizer, scheduler=scheduler,
                                           data_iterator=iter(batches))
-            rec = {"backend": name, "settings": dict(spec.overrides), "loss": [], "grad_norm": [], "lr": [], "skipped": [], "step_time_s": []}
+            rec = {"backend": name, "settings": dict(spec.overrides), "loss": [], "grad_norm": [], "lr": [],
+                   "skipped": [], "step_time_s": []}
             say(f"--- arm {label} (kernels.backend={name}"
                 + "".join(f", {k}={v}" for k, v in spec.overrides) + ") ---")
             for s in range(1, a.steps + 1):
