@@ -202,13 +202,15 @@ def snapshot_diff(a: dict, b: dict) -> tuple[bool, float, str | None]:
 
 # ------------------------------------------------------------------------------------------ run
 def arm_config(cfg, spec):
-    """A copy of ``cfg`` with the arm's settings (``ab_step_time.SWITCHABLE`` keys) applied."""
+    """A copy of ``cfg`` with the arm's backend and settings (``ab_step_time.SWITCHABLE`` keys) applied; keys the arm
+    does not set keep the composed config's values."""
     import copy
 
     from omegaconf import OmegaConf, open_dict
 
     arm = copy.deepcopy(cfg)
     with open_dict(arm):
+        arm.kernels.backend = spec.backend
         for k, v in spec.overrides:
             OmegaConf.update(arm, k, v, force_add=True)
     return arm
@@ -242,7 +244,6 @@ def run(a) -> dict | None:
 
 def _run(a, cfg) -> dict | None:
     import torch
-    from omegaconf import OmegaConf, open_dict
 
     from kernels.registry import KernelSwitchError, configure_backend
     from nano_hybrid import train as T
@@ -262,7 +263,6 @@ def _run(a, cfg) -> dict | None:
     dtype_name = str(plan.dtype).removeprefix("torch.")
     tol = tolerances(a, dtype_name)
     labels = bl.arm_labels([x.label for x in a.arm_specs])
-    base = {k: OmegaConf.select(cfg, k) for x in a.arm_specs for k, _ in x.overrides}
     say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
 
     ctx = T.setup(cfg, plan)
@@ -280,12 +280,9 @@ def _run(a, cfg) -> dict | None:
         per_arm = {}
         for label, spec in zip(labels, a.arm_specs):
             name = spec.backend
-            with open_dict(cfg):  # the arm's settings; keys it does not set take the composed config's values
-                cfg.kernels.backend = name
-                for k, v in {**base, **dict(spec.overrides)}.items():
-                    OmegaConf.update(cfg, k, v, force_add=True)
-            initialize_parallel(cfg)  # re-seed (same seeds as at start-up) -> identical initial weights
-            model, optimizer, scheduler = T.build_model_and_optimizer(T.plan_for_backend(plan, cfg), cfg)
+            arm_cfg = arm_config(cfg, spec)
+            initialize_parallel(arm_cfg)  # re-seed (same seeds as at start-up) -> identical initial weights
+            model, optimizer, scheduler = T.build_model_and_optimizer(T.plan_for_backend(plan, arm_cfg), arm_cfg)
             init = weights_snapshot(model)
             if init_ref is None:
                 init_ref = init
@@ -296,8 +293,8 @@ def _run(a, cfg) -> dict | None:
                     raise RuntimeError(f"arm {label}: initial weights differ from arm {labels[0]}'s "
                                        f"(max |diff| {worst:.3e} in {where}); the comparison would be meaningless")
             del init
-            initialize_parallel(cfg)  # the same RNG state at step 1 for every arm
-            arm_ctx = dataclasses.replace(ctx, model=model, optimizer=optimizer, scheduler=scheduler,
+            initialize_parallel(arm_cfg)  # the same RNG state at step 1 for every arm
+            arm_ctx = dataclasses.replace(ctx, cfg=arm_cfg, model=model, optimizer=optimizer, scheduler=scheduler,
                                           data_iterator=iter(batches))
             rec = {"backend": name, "settings": dict(spec.overrides), "loss": [], "grad_norm": [], "lr": [],
                    "skipped": [], "step_time_s": []}
