@@ -69,12 +69,25 @@ class RunError(RuntimeError):
         self.collective = collective
 
 
+def _write_line(line: str) -> None:
+    """Write one stderr line in a single write, so lines from ranks sharing a pipe never interleave."""
+    data = (line + "\n").encode()
+    try:
+        fd = sys.stderr.fileno()
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured output)
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        return
+    os.write(fd, data)
+
+
 def report_error(message: str, *, rank: int | None = None, collective: bool = False) -> None:
     """Print ``error: message`` (once per job for a collective error) and leave it for torchrun's summary."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     line = f"error: {message}"
     if not collective or rank == 0:
-        print(line, file=sys.stderr, flush=True)
+        _write_line(line)
     err_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if err_file:
         try:
