@@ -18,7 +18,7 @@ copies, no fp32 casts); the backward allocates d_zxbcdt once and the kernels wri
 backward) and ddt straight into its slices, as mamba-ssm does (no ``torch.cat``). What is left outside
 the kernels: the deterministic sums of per-program partials (dweight, dbias, dA, dD, ddt_bias) and the
 small mask/zero tensors of the SSD backward (``tests/test_mamba_split_helion.py::test_op_count_fused_path``
-prints the count).
+holds the count: 5 Helion kernels forward, 10 backward).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Count the aten ops the Helion fused Mamba op runs *outside* its Helion kernels (CPU, interpret mode).
 
-    python -m pytest -q -s tests/test_mamba_split_helion.py -k op_count     (prints the counts)
+    python -m pytest -q -s tests/test_mamba_split_helion.py -k op_count     (asserts and prints the counts)
 
 (a test helper: interpret mode needs the ``aten::mm.dtype`` CPU shim of tests/conftest.py).
 
 Every aten op dispatched during forward and backward is recorded with a TorchDispatchMode; ops
-issued inside a Helion kernel (``kernels.tuning.run_with_config``) are not counted (they are the
-kernel body in interpret mode) and each kernel launch is counted once as ``helion:<kernel>``.
+issued inside a Helion kernel (``kernels.tuning.run_interpret``, which every eager kernel run goes
+through) are not counted (they are the kernel body in interpret mode) and each kernel launch is
+counted once as ``helion:<kernel>``.
 Ops are classified as ``view`` (metadata only, no GPU work), ``alloc`` (empty/empty_like/..., no
 kernel) and ``work`` (everything else: on a GPU each is at least one aten kernel launch).
 Shapes are tiny (the count does not depend on them, only on the code path).
@@ -45,7 +46,7 @@ class _Counter(TorchDispatchMode):
 
 
 def _install(counter: _Counter):
-    orig = tuning.run_with_config
+    orig = tuning.run_interpret
 
     def wrapped(kernel, args, config):
         counter.ops.append("helion:" + (getattr(kernel, "name", None) or kernel.fn.__name__))
@@ -55,7 +56,7 @@ def _install(counter: _Counter):
         finally:
             counter.inside -= 1
 
-    tuning.run_with_config = wrapped
+    tuning.run_interpret = wrapped
     return orig
 
 
@@ -100,5 +101,5 @@ def count(seq: bool = False, init: bool = False) -> dict:
             y.backward(dout)
         bwd = list(counter.ops)
     finally:
-        tuning.run_with_config = orig
+        tuning.run_interpret = orig
     return dict(forward=classify(fwd), backward=classify(bwd))

@@ -320,16 +320,35 @@ def test_zxbcdt_transposed_view_nano_bf16():
         assert torch.equal(x, y), f"{nm}: differs for the (l, b, d)-ordered zxbcdt (max {(x.float() - y.float()).abs().max():.3e})"
 
 
+FWD_KERNELS = ["causal_conv1d_fwd_kernel", "_chunk_cumsum_kernel", "_chunk_state_passing_kernel", "_bmm_chunk_kernel",
+               "_chunk_scan_kernel"]
+BWD_KERNELS = ["causal_conv1d_fwd_kernel", "_chunk_state_passing_kernel", "_bmm_chunk_kernel", "ssd_bwd_dz_dstates",
+               "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt",
+               "causal_conv1d_bwd_kernel"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode op count (CPU)")
-def test_op_count_fused_path():
-    """aten ops outside the Helion kernels on the fused op's forward/backward (see tests/fused_op_counts.py)."""
+@pytest.mark.parametrize("seq", [False, True], ids=["no_seq_idx", "seq_idx"])
+def test_op_count_fused_path(seq):
+    """The fused op launches 5 Helion kernels forward and 10 backward, and outside them runs only the small
+    reductions of per-program partials and the seq_idx masks (tests/fused_op_counts.py; -s prints the counts).
+    A copy or cast of a full activation added around the kernels fails this test."""
     from fused_op_counts import count
 
-    res = count()
+    res = count(seq=seq)
     for part in ("forward", "backward"):
         r = res[part]
         print(f"\n{part}: {r['n_work']} work ops, {r['n_alloc']} allocs, {r['n_view']} views, "
               f"{r['n_helion']} Helion kernels\n  work: {r['work']}\n  helion: {r['helion']}")
+    assert res["forward"]["helion"] == {f"helion:{k}": 1 for k in FWD_KERNELS}
+    assert res["backward"]["helion"] == {f"helion:{k}": 1 for k in BWD_KERNELS}
+    small = {"sum": 8, "_to_copy": 2, "copy_": 1, "zeros": 1}
+    if seq:
+        assert res["forward"]["work"] == {"cat": 2, "zeros_like": 2}
+        assert res["backward"]["work"] == {**small, "_to_copy": 6, "cat": 2, "eq": 4, "zeros_like": 2}
+    else:
+        assert res["forward"]["work"] == {}
+        assert res["backward"]["work"] == {**small, "ones": 2}
 
 
 @pytest.mark.gpu
