@@ -6,6 +6,7 @@ The op is exactly what Megatron-Core's MambaMixer runs in training (``_ssm_train
     y = mamba_split_conv1d_scan_combined(zxBCdt, conv_w, conv_b, dt_bias.float(), A=-exp(A_log.float()), D,
                                          chunk_size=128, activation="silu", headdim=64, ngroups=8,
                                          norm_before_gate=False)
+    y = rearrange(y, "b l d -> l b d").contiguous()
     y = RMSNormGated(d_inner, eps=1e-5, group_size=d_inner/ngroups, norm_before_gate=False)(y)
 
 with bf16 parameters (as under Megatron's Float16Module) and ops taken from ``kernels.registry``.
@@ -128,6 +129,10 @@ class MixerOp:
             norm_before_gate=False,
         )
 
+    def mixer(self):
+        # as in MambaMixer._ssm_training: the op's (b, l, d) output is copied to (l, b, d) for the norm and out_proj
+        return self.norm(self.split().transpose(0, 1).contiguous())
+
     def leaves(self):
         return [self.p[k] for k in ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D")] + [self.norm.weight]
 
@@ -145,16 +150,16 @@ class MixerOp:
 
     def norm_fwdbwd(self):
         self.zero_grad()
-        self.norm(self.p["norm_in"]).backward(self.p["dy"])
+        self.norm(self.p["norm_in"]).backward(self.p["dy_lbd"])
 
     def mixer_fwdbwd(self):
         self.zero_grad()
-        self.norm(self.split()).backward(self.p["dy"])
+        self.mixer().backward(self.p["dy_lbd"])
 
     def outputs_and_grads(self) -> dict:
         self.zero_grad()
-        y = self.norm(self.split())
-        y.backward(self.p["dy"])
+        y = self.mixer()
+        y.backward(self.p["dy_lbd"])
         names = ["zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D", "norm_weight"]
         out = {"y": y.detach().float()}
         for n, t in zip(names, self.leaves()):
@@ -187,11 +192,12 @@ def make_params(shape: MixerShape, device, dtype, seed: int) -> dict:
         "A_log": A_log,
         "D": (1.0 + 0.1 * torch.randn(s.nheads, generator=g)).to(device=device, dtype=dtype),
         "norm_weight": (1.0 + 0.1 * torch.randn(s.d_inner, generator=g)).to(device=device, dtype=dtype),
-        "norm_in": rnd(s.batch, s.seqlen, s.d_inner),
-        # the gradient as Megatron's mixer hands it back: y is rearranged "b l d -> l b d" and made
-        # contiguous after the op, so dy arrives as a (b, l, d) view of an (l, b, d) tensor
-        "dy": rnd(s.seqlen, s.batch, s.d_inner).transpose(0, 1),
+        "norm_in": rnd(s.seqlen, s.batch, s.d_inner),
+        # the gradients as Megatron's mixer hands them back: the norm and out_proj run on (l, b, d), so the
+        # norm gets a contiguous (l, b, d) gradient and the op a (b, l, d) view of one
+        "dy_lbd": rnd(s.seqlen, s.batch, s.d_inner),
     }
+    p["dy"] = p["dy_lbd"].transpose(0, 1)
     for k in ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D", "norm_in"):
         p[k].requires_grad_(True)
     return p
@@ -291,7 +297,7 @@ def run(args: argparse.Namespace) -> dict:
             "split_fwd": "mamba_split_conv1d_scan_combined forward",
             "split_fwdbwd": "mamba_split_conv1d_scan_combined forward + backward",
             "norm_fwdbwd": "gated RMSNorm (group_size d_inner/ngroups, norm_before_gate=False) forward + backward",
-            "mixer_fwdbwd": "split-conv1d-scan then gated RMSNorm, forward + backward",
+            "mixer_fwdbwd": "split-conv1d-scan, its output copied to (l, b, d), gated RMSNorm, forward + backward",
         },
         "times_ms": summary,
         "ratios": ratios,

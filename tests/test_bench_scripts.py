@@ -360,6 +360,56 @@ def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
         destroy_parallel()
 
 
+def test_bench_mixer_op_has_the_training_mixer_layouts():
+    """bench_kernels' mixer op hands the norm and the fused op tensors in the layouts the model's mixer does:
+    the norm runs on a contiguous (l, b, d) tensor and gets a contiguous gradient, the op's output gradient is a
+    (b, l, d) view of an (l, b, d) tensor (batch 2: with batch 1 both layouts are contiguous)."""
+    import dataclasses
+
+    import torch
+
+    from kernels.registry import get_backend
+    from nano_hybrid.config import compose
+    from nano_hybrid.model import build_model
+    from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+
+    ref = get_backend("torch")
+    seen = []
+
+    def recording_op(*args, **kw):
+        y = ref.mamba_split_conv1d_scan_combined(*args, **kw)
+        y.register_hook(lambda g: seen.append(("op dout", g.is_contiguous(), g.transpose(0, 1).is_contiguous())))
+        return y
+
+    class RecordingNorm(ref.RMSNormGated):
+        def forward(self, x, z=None):
+            seen.append(("norm x", x.is_contiguous(), x.shape[1] == 2))
+            y = super().forward(x, z)
+            y.register_hook(lambda g: seen.append(("norm dy", g.is_contiguous(), g.shape[1] == 2)))
+            return y
+
+    fake = dataclasses.replace(ref, name="fake", mamba_split_conv1d_scan_combined=recording_op,
+                               RMSNormGated=RecordingNorm)
+    shape = bk.MixerShape(batch=2, seqlen=64, nheads=4, headdim=8, ngroups=2, d_state=16, chunk_size=32)
+    op = bk.MixerOp(fake, shape, bk.make_params(shape, torch.device("cpu"), torch.float32, seed=0),
+                    torch.device("cpu"), torch.float32)
+    op.mixer_fwdbwd()
+    bench = sorted(seen)
+    seen.clear()
+    cfg = compose(["model=tiny", "kernels.backend=torch"])
+    initialize_parallel(cfg)
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg, device="cpu")
+        mixer = next(m for m in model.modules() if type(m).__name__ == "BackendMambaMixer")
+        ab.set_kernel_backend(model, fake)
+        y, _ = mixer(torch.randn(64, 2, cfg.model.hidden_size))
+        y.sum().backward()
+    finally:
+        destroy_parallel()
+    assert sorted(seen) == bench == [("norm dy", True, True), ("norm x", True, True), ("op dout", False, True)]
+
+
 def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPTS / "ab_step_time.py"), "--backends", "torch,torch", "--warmup", "0",
                         "--blocks", "2", "--block-steps", "2", "--profile-steps", "0", "--n-boot", "200",
