@@ -513,12 +513,15 @@ def resolve_load_path(load: str | None, ckpt_dir: str | Path, *, verify: bool = 
     return None if found is None else Path(found)
 
 
+REFUSE_FRESH = " (refusing to start from scratch)"  # the training wording; tools that only read a checkpoint drop it
+
+
 def _resolve_here(load: str, ckpt_dir: Path, verify: bool) -> Path | None:
     if load == "auto":
         return _newest_verified(ckpt_dir, verify) if ckpt_dir.is_dir() else None
     p = Path(load)
     if not p.exists():
-        raise CheckpointError(f"checkpoint.load={load}: no such checkpoint (refusing to start from scratch)")
+        raise CheckpointError(f"checkpoint.load={load}: no such checkpoint{REFUSE_FRESH}")
     found = None
     if is_complete(p):
         found = p
@@ -526,8 +529,8 @@ def _resolve_here(load: str, ckpt_dir: Path, verify: bool) -> Path | None:
         found = latest_complete(p)
     if found is None:
         raise CheckpointError(
-            f"checkpoint.load={load}: not a complete checkpoint (no {META_FILE}; a save was interrupted?) "
-            "(refusing to start from scratch)"
+            f"checkpoint.load={load}: not a complete checkpoint (no {META_FILE}; a save was interrupted?)"
+            f"{REFUSE_FRESH}"
         )
     if verify:
         verify_checkpoint(found)
@@ -878,11 +881,13 @@ class Checkpointer:
         self.locate()
         return None if self.load_meta is None else self.load_meta.get("wandb_run_id")
 
-    def resume(self, model, optimizer, scheduler, train_state) -> LoadedCheckpoint | None:
-        """Load the located checkpoint (None: fresh start); RNG waits for :meth:`restore_rng`."""
+    def resume(self, model, optimizer, scheduler, train_state, *, init_from_hf: str | None = None) -> LoadedCheckpoint | None:
+        """Load the located checkpoint (None: fresh start, from the initial weights or from ``init_from_hf``, the
+        Hugging Face folder they were loaded from); RNG waits for :meth:`restore_rng`."""
         path = self.locate()
         if path is None:
-            _log(f"no checkpoint to load (checkpoint.load={self.load}, dir {self.dir}); starting from scratch")
+            start = f"the Hugging Face weights in {init_from_hf}" if init_from_hf else "freshly initialised weights"
+            _log(f"no checkpoint to resume (checkpoint.load={self.load}, dir {self.dir}); training starts from {start}")
             return None
         loaded = load_checkpoint(path, model, optimizer, scheduler, restore_rng=False)
         names = {f.name for f in fields(train_state)}

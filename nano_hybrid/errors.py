@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -40,6 +41,14 @@ HARMLESS_LOG_RECORDS = (
 )
 
 
+# Warnings of one megatron-core module only: (message start, module). The distributed optimizer's zero_grad reads
+# ``.grad`` of its fp32 shard views (non-leaf views of the main-parameter buffer, never given an autograd gradient):
+# the read is what megatron intends, torch warns on every rank.
+HARMLESS_MODULE_WARNINGS = (
+    ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", "megatron.core.optimizer.optimizer"),
+)
+
+
 class _DropRecords(logging.Filter):
     def __init__(self, prefix: str):
         super().__init__()
@@ -53,6 +62,8 @@ def filter_startup_warnings() -> None:
     """Silence the known harmless start-up warnings and log records (idempotent)."""
     for text in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{text}")
+    for text, module in HARMLESS_MODULE_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text), module=re.escape(module))
     for name, prefix in HARMLESS_LOG_RECORDS:
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropRecords) and f.prefix == prefix for f in log.filters):
@@ -86,14 +97,16 @@ def report_error(message: str, *, rank: int | None = None, collective: bool = Fa
     """Print ``error: message`` (once per job for a collective error) and leave it for torchrun's summary."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     line = f"error: {message}"
-    if not collective or rank == 0:
+    printed = not collective or rank == 0
+    if printed:
         _write_line(line)
     err_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if err_file:
         try:
             with open(err_file, "w") as f:
                 # torch.distributed.elastic's error-file layout; the summary's "traceback" field shows py_callstack
-                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                # ("printed": this rank wrote the line; nano_hybrid.launch prints it when no failed rank did)
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "printed": printed,
                                                                       "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass  # the printed line is the report; the summary then shows torchrun's generic text

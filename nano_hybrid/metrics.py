@@ -112,7 +112,7 @@ def format_console_line(rec: dict[str, Any], train_iters: int, eta_s: float) -> 
         f"lr {rec['lr']:.3e}",
         f"grad_norm {rec['grad_norm']:.3f}",
         f"{rec['step_time_s'] * 1000:.0f} ms",
-        f"{rec['tokens_per_s']:,.0f} tok/s",
+        f"{rec.get('tokens_per_s_per_gpu', rec['tokens_per_s']):,.0f} tok/s/gpu",
         f"{rec['tflops_per_gpu']:.2f} TFLOP/s/gpu",
         f"mem {rec['mem_gb']:.2f} GB",
         f"eta {_fmt_duration(eta_s)}",

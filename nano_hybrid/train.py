@@ -50,6 +50,7 @@ from nano_hybrid.data import (  # noqa: E402
     missing_paths,
     padded_vocab_size,
 )
+from nano_hybrid.data.check import CorpusCheckError, check_corpus  # noqa: E402
 from nano_hybrid.signals import ExitRequest  # noqa: E402
 
 EXIT_BAD_INPUT = 2
@@ -103,6 +104,38 @@ def _env_int(name: str, default: int) -> int:
         return int(os.environ.get(name, default))
     except ValueError:
         raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
+
+
+# Keys read as numbers: a value that is not one (``optim.lr=abc``) is one line naming the key before any work.
+# (key, kind, nullable); kind "int" takes whole numbers only.
+NUMERIC_KEYS = (
+    ("seed", "int", False), ("model.seq_length", "int", False), ("model.vocab_size", "int", False),
+    ("optim.lr", "float", False), ("optim.min_lr", "float", False), ("optim.init_lr", "float", False),
+    ("optim.weight_decay", "float", False), ("optim.clip_grad", "float", False), ("optim.adam_beta1", "float", False),
+    ("optim.adam_beta2", "float", False), ("optim.adam_eps", "float", False), ("optim.warmup_iters", "int", False),
+    ("optim.wsd_decay_fraction", "float", True), ("train.exit_after_minutes", "float", True),
+    ("train.torch_threads", "int", True), ("checkpoint.interval", "int", True), ("checkpoint.keep_last", "int", True),
+    ("data.num_workers", "int", True), ("data.prepare_workers", "int", True),
+    ("data.tokenizer.vocab_size", "int", True), ("data.tokenizer.num_special_tokens", "int", True),
+)
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """ConfigError naming the first key of NUMERIC_KEYS whose value is not a number of its kind."""
+    for key, kind, nullable in NUMERIC_KEYS:
+        v = OmegaConf.select(cfg, key, default=None)
+        if v is None and nullable:
+            continue
+        ok = not isinstance(v, bool) and (isinstance(v, int) if kind == "int" else isinstance(v, (int, float)))
+        if not ok and isinstance(v, str) and kind == "float":  # YAML reads 3e-3 (no dot) as a string
+            try:
+                float(v)
+                ok = True
+            except ValueError:
+                pass
+        if not ok:
+            what = "a whole number" if kind == "int" else "a number"
+            raise ConfigError(f"{key}={v!r} must be {what}" + (" or null" if nullable else ""))
 
 
 def _positive_int(cfg: DictConfig, key: str) -> int:
@@ -169,6 +202,7 @@ def validate(cfg: DictConfig) -> RunPlan:
     world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     t = cfg.train
+    check_numbers(cfg)
     mbs, gbs = _positive_int(cfg, "train.micro_batch_size"), _positive_int(cfg, "train.global_batch_size")
     seq = _positive_int(cfg, "train.seq_length")
     iters = _positive_int(cfg, "train.train_iters")
@@ -251,8 +285,13 @@ def validate(cfg: DictConfig) -> RunPlan:
             f"corpus only at its default locations {', '.join(DEFAULT_CORPORA)}; build other corpora with "
             "scripts/prepare_data.py)"
         )
-    for p in spec.paths + spec.valid_paths:  # a corpus written by prepare_data records its tokenizer
-        written_with = corpus_tokenizer_type(p)
+    for p in spec.paths + spec.valid_paths:
+        if p not in missing:  # .idx and .bin agree (sizes) and match the fingerprint preparation recorded
+            try:
+                check_corpus(p)
+            except CorpusCheckError as e:
+                raise DataConfigError(str(e)) from None
+        written_with = corpus_tokenizer_type(p)  # a corpus written by prepare_data records its tokenizer
         if written_with is not None and written_with != tok_spec.type:
             raise DataConfigError(
                 f"{p} was tokenized with the {written_with} tokenizer but data.tokenizer.type={tok_spec.type}"
@@ -315,6 +354,7 @@ def resolve_run_dir(cfg: DictConfig, plan: RunPlan) -> Path:
 
 
 _RUN_LOCK: list = []  # rank 0's lock on run_dir, held until the process exits
+_CLAIMED_DIRS: list[Path] = []  # directories claim_run_dir created (removed again when the start is refused)
 
 
 def claim_run_dir(run_dir: Path, ckpt_dir: Path) -> None:
@@ -322,37 +362,65 @@ def claim_run_dir(run_dir: Path, ckpt_dir: Path) -> None:
     from nano_hybrid.runlock import RunLock
     from nano_hybrid.storage import check_writable
 
+    for d in (run_dir, ckpt_dir):
+        new = [p for p in (d, *d.parents) if not p.exists()]
+        _CLAIMED_DIRS.extend(p for p in reversed(new) if p not in _CLAIMED_DIRS)
     check_writable(run_dir, "run_dir")
     check_writable(ckpt_dir, "checkpoint.dir")
     _RUN_LOCK.append(RunLock(run_dir).acquire())
 
 
-def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
-    """Build a missing default corpus on rank 0 (others wait); fail loudly if that is impossible."""
+def release_refused_start() -> None:
+    """A start refused before its first step leaves the run directory as it found it: the lock goes, and the
+    directories the claim created go again when they are still empty."""
+    while _RUN_LOCK:
+        _RUN_LOCK.pop().release()
+    for d in sorted(_CLAIMED_DIRS, key=lambda p: len(p.parts), reverse=True):
+        try:
+            d.rmdir()
+        except OSError:
+            pass  # not empty (something was written there) or already gone
+    _CLAIMED_DIRS.clear()
+
+
+def _rank0_first(plan: RunPlan, fn, errors: tuple[type[Exception], ...]):
+    """Run ``fn`` on rank 0 while the others wait; an ``errors`` exception there is raised on every rank (the
+    same type and message, printed once by rank 0), so no rank is left waiting in a collective. Returns rank 0's
+    result on rank 0 and None elsewhere."""
     import torch.distributed as dist
 
-    if plan.data.kind == "indexed" and plan.rank == 0:
-        ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log, tokenizer=plan.tokenizer_spec,
-                      workers=int(cfg.data.get("prepare_workers") or 1))
-    if dist.is_initialized():
-        dist.barrier()
+    result, box = None, [None, None]
+    if plan.rank == 0:
+        try:
+            result = fn()
+        except errors as e:
+            box = [type(e).__name__, str(e)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise next(t for t in errors if t.__name__ == box[0])(box[1])
+    return result
+
+
+def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
+    """Build a missing default corpus on rank 0 (others wait); fail loudly if that is impossible."""
+    if plan.data.kind == "indexed":
+        _rank0_first(plan, lambda: ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log,
+                                                 tokenizer=plan.tokenizer_spec,
+                                                 workers=int(cfg.data.get("prepare_workers") or 1)),
+                     (DataPreparationError,))
     missing = missing_paths(plan.data) if plan.data.kind == "indexed" else []
     if missing:  # e.g. rank 0 wrote to a node-local path this rank cannot see
         raise DataPreparationError(f"data path(s) not visible on rank {plan.rank}: {missing}")
 
 
 def build_dataset(plan: RunPlan, cfg: DictConfig):
-    """(train, valid) datasets; rank 0 builds megatron's index cache first, then the others read it.
-    ``valid`` holds ``eval_iters x global_batch_size`` samples (None without validation)."""
-    import torch.distributed as dist
-
+    """(train, valid) datasets, built on every rank at once: megatron's builder builds the index cache on rank 0
+    first (its own barrier), then the others read it. ``valid`` holds ``eval_iters x global_batch_size`` samples
+    (None without validation). A split too small for the run is the same DataConfigError on every rank."""
     gbs = int(cfg.train.global_batch_size)
     num_samples = int(cfg.train.train_iters) * gbs
-    args = (plan.data, plan.tokenizer, plan.seq_length, num_samples, int(cfg.seed), plan.eval_iters * gbs)
-    datasets = build_datasets(*args) if plan.rank == 0 else None
-    if dist.is_initialized():
-        dist.barrier()
-    return datasets if datasets is not None else build_datasets(*args)
+    return build_datasets(plan.data, plan.tokenizer, plan.seq_length, num_samples, int(cfg.seed), plan.eval_iters * gbs)
 
 
 def plan_for_backend(plan: RunPlan, cfg: DictConfig) -> RunPlan:
@@ -637,8 +705,10 @@ class Trainer:
         return ps.get_data_parallel_rank()
 
 
-def setup(cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool = True) -> Trainer:
-    """Distributed state, run folder, data, model (and, unless ``with_optimizer=False``, optimizer and schedule)."""
+def setup(cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool = True, resume: bool = True) -> Trainer:
+    """Distributed state, run folder, data, model (and, unless ``with_optimizer=False``, optimizer and schedule),
+    then the checkpoint to resume (``resume``). Nothing is written into the run directory before every check
+    and the resume have passed: ``config.yaml``, ``metrics.jsonl`` and W&B start last."""
     from nano_hybrid.arch import HybridArch
     from nano_hybrid.flops import training_flops_per_token
     from nano_hybrid.metrics import MetricsLogger
@@ -664,9 +734,14 @@ def setup(cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool = True) -> Tra
     if (with_optimizer and bool(cfg.checkpoint.check_free_space)
             and (checkpointer.interval or checkpointer.save_on_exit)):
         decided_on_rank0(checkpointer.check_free_space, model, optimizer, int(cfg.train.train_iters))
+    state = TrainState()
+    if resume:  # a checkpoint this model cannot load is refused here, before the run directory changes
+        checkpointer.resume(model, optimizer, scheduler, state, init_from_hf=str(init_hf) if init_hf else None)
     unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
     flops = training_flops_per_token(HybridArch.from_megatron(unwrapped), plan.seq_length)
     if plan.rank == 0:
+        report_data_epochs(dataset, int(cfg.train.train_iters) * int(cfg.train.global_batch_size), plan.seq_length,
+                           state.consumed_samples, say)
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     logger = MetricsLogger(
@@ -694,12 +769,29 @@ def setup(cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool = True) -> Tra
         scheduler=scheduler,
         dataset=dataset,
         valid_dataset=valid_dataset,
-        state=TrainState(),
+        state=state,
         logger=logger,
         flops_per_token=flops,
         attention_mask=causal_mask_for(cfg, plan.seq_length, plan.device),
         checkpointer=checkpointer,
     )
+
+
+def report_data_epochs(dataset, num_samples: int, seq_length: int, consumed_samples: int, say) -> float | None:
+    """Say how many passes over the training split the run reads (and warn when it repeats data); returns it."""
+    from nano_hybrid.data import train_split_tokens
+
+    tokens = train_split_tokens(dataset)
+    if not tokens:
+        return None  # synthetic data (data=mock)
+    epochs = num_samples * seq_length / tokens
+    left = (num_samples - consumed_samples) * seq_length / tokens
+    say(f"data: the training split holds {tokens:,} tokens; the run reads {num_samples:,} samples x {seq_length} "
+        f"tokens = {epochs:.3g} epochs" + (f" ({left:.3g} from this start)" if consumed_samples else ""))
+    if epochs > 1:
+        say(f"warning: the run repeats its training data ({epochs:.1f} epochs): the loss then measures memorisation; "
+            "use a larger corpus or fewer train.train_iters for a pretraining curve")
+    return epochs
 
 
 def _sync(device: torch.device) -> None:
@@ -771,27 +863,35 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(overrides_from_argv(argv))
         plan = validate(cfg)
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
-        report_error(str(e))
+        # every rank validates the same config and finds the same error: rank 0 prints it, once per job; the
+        # others give it a moment to, as torchrun stops the job at the first rank that exits
+        rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+        report_error(str(e), rank=rank, collective=True)
+        if rank != 0:
+            time.sleep(5.0)
         return EXIT_BAD_INPUT
     ctx = None
+    started = False  # a start refused before the first step leaves the run directory as it was
     try:
-        ctx = setup(cfg, plan)
-        ctx.checkpointer.resume(ctx.model, ctx.optimizer, ctx.scheduler, ctx.state)  # no-op on a fresh start
+        ctx = setup(cfg, plan)  # resumes from the located checkpoint (a no-op on a fresh start)
         ctx.start_data()
         ctx.checkpointer.restore_rng()  # after start_data: creating the DataLoader iterator draws from the RNG
+        started = True
         with ExitRequest(cfg.train.exit_after_minutes, start_time=t_start) as stop:  # SIGTERM/SIGINT -> stop
             train_loop(ctx, stop)
             ctx.checkpointer.save_final(ctx.state, ctx.model, ctx.optimizer, ctx.scheduler,
                                         wandb_run_id=ctx.logger.wandb_run_id)
         if plan.rank == 0:
             ctx.logger.print(f"done: {ctx.state.step} steps, {ctx.state.consumed_tokens:,} tokens; metrics in {ctx.run_dir}/metrics.jsonl")
-    except DataPreparationError as e:
-        report_error(str(e))
+    except (DataPreparationError, DataConfigError) as e:
+        report_error(str(e), collective=plan.world_size > 1)
         return EXIT_BAD_INPUT
     except RunError as e:  # checkpoint, storage, run-dir lock, divergence: one line (once per job if collective)
         report_error(str(e), collective=e.collective)
         return e.exit_code
     finally:
+        if not started:
+            release_refused_start()
         shutdown(ctx)
     return 0
 

@@ -10,6 +10,7 @@ from nano_hybrid.data.dataset import (
     build_train_dataset,
     build_valid_dataset,
     missing_paths,
+    train_split_tokens,
 )
 from nano_hybrid.data.prepare import (
     DataPreparationError,
@@ -45,6 +46,7 @@ __all__ = [
     "padded_vocab_size",
     "ensure_corpus",
     "missing_paths",
+    "train_split_tokens",
     "stdlib_sources",
     "write_indexed_dataset",
 ]

@@ -125,6 +125,22 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, num_samples: int,
     return train, (valid if valid_samples else None)
 
 
+def train_split_tokens(dataset) -> int | None:
+    """Tokens in one pass over a built training split (GPTDataset, or the sum over a BlendedDataset's parts;
+    a blend's weights may repeat one part sooner); None for synthetic data (MockGPTDataset)."""
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    if isinstance(dataset, MockGPTDataset):
+        return None
+    if isinstance(dataset, GPTDataset):
+        return dataset._get_num_tokens_per_epoch()
+    parts = getattr(dataset, "datasets", None)
+    if parts:
+        counts = [train_split_tokens(d) for d in parts]
+        return None if any(c is None for c in counts) else sum(counts)
+    return None
+
+
 def _keep_needed_splits(config, spec: DataSpec, need_valid: bool) -> None:
     """Build only the splits the run reads (train, and valid when validating): megatron builds every split with
     a nonzero weight, and GPTDataset loops forever on a split that holds no tokens (e.g. the 0.1% test split of a

@@ -30,6 +30,7 @@ from typing import Iterator
 
 import numpy as np
 
+from nano_hybrid.data.check import fingerprint
 from nano_hybrid.data.tokenizer import TokenizerError, TokenizerSpec, build_tokenizer
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -94,10 +95,17 @@ def check_inputs(files: list[Path], json_key: str) -> int:
 
 
 def _json_text(line: bytes | str, key: str, path, lineno: int) -> str:
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataPreparationError(
+                f"{path}:{lineno}: not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1}); JSONL input "
+                "must be UTF-8") from None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataPreparationError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        raise DataPreparationError(f"{path}:{lineno}: not valid JSON: {e.msg.removesuffix(' at')} at column {e.colno}") from None
     if not isinstance(record, dict) or key not in record:
         raise DataPreparationError(f"{path}:{lineno}: no {key!r} key in this JSON line (--json-key names it)")
     text = record[key]
@@ -275,6 +283,7 @@ def write_indexed_dataset(
         "seconds": round(seconds, 2),
         "docs_per_s": round(n_docs / max(seconds, 1e-9), 1),
         "tokens_per_s": round(n_tokens / max(seconds, 1e-9), 1),
+        "fingerprint": fingerprint(prefix),  # checked by nano_hybrid.data.check before a run reads the corpus
     }
     Path(f"{prefix}.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

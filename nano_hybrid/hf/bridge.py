@@ -95,15 +95,17 @@ def _prepare_out(out_dir: str | Path) -> Path:
 # -------------------------------------------------------------------------------------- export
 def resolve_checkpoint(path: str | Path) -> Path:
     """An ``iter_*`` checkpoint, a checkpoints folder (its newest complete one) or a run folder."""
-    from nano_hybrid.checkpoint import CheckpointError, resolve_load_path
+    from nano_hybrid.checkpoint import REFUSE_FRESH, CheckpointError, resolve_load_path
 
     p = Path(path)
+    if not p.exists():
+        raise HFBridgeError(f"{path}: no such checkpoint, checkpoints folder or run folder")
     if (p / "checkpoints").is_dir() and not (p / "nano_hybrid_checkpoint.json").is_file():
         p = p / "checkpoints"
     try:
         found = resolve_load_path(str(p), p)
     except CheckpointError as e:
-        raise HFBridgeError(str(e).replace("checkpoint.load=", "")) from None
+        raise HFBridgeError(str(e).replace("checkpoint.load=", "").replace(REFUSE_FRESH, "")) from None
     if found is None:
         raise HFBridgeError(f"{path}: no complete checkpoint")
     if not (found / "config.yaml").is_file():

@@ -1,0 +1,129 @@
+"""torchrun for nano-hybrid training, with one line per error.
+
+    python -m nano_hybrid.launch --standalone --nproc-per-node 8 model=nano30b parallel=ep2 kernels.backend=helion
+    python -m nano_hybrid.launch --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -- \\
+        model=nano30b ...
+
+Takes torchrun's options (``python -m torch.distributed.run --help``), then the training overrides (the first
+argument with ``=`` that is not an option, or everything after ``--``). Before any worker starts it composes and
+validates the config for the job's world size, so bad input is one ``error: ...`` line and exit code 2 with no
+process group, no worker and nothing written. Then it runs torchrun in this process with ``-m nano_hybrid.train``;
+when a worker fails, the worker's own one-line error is the report (no torchrun failure summary and traceback),
+and the exit code is the failed worker's. A worker that dies without such a line (a crash, a signal) gets one
+``error:`` line naming its rank, exit code or signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from nano_hybrid.errors import EXIT_BAD_INPUT, filter_startup_warnings, report_error
+
+filter_startup_warnings()
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(torchrun options, training overrides)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    for i, a in enumerate(argv):
+        if not a.startswith("-") and "=" in a and not (i and argv[i - 1] in ("--rdzv-conf", "--rdzv_conf")):
+            return argv[:i], argv[i:]
+    return argv, []
+
+
+def _world_size(args) -> int | None:
+    """Workers in the job when torchrun's options fix it (``--nnodes N`` or ``N:N``, ``--nproc-per-node N``)."""
+    nnodes = str(args.nnodes)
+    lo, _, hi = nnodes.partition(":")
+    if hi and hi != lo:
+        return None  # elastic: the size is known only at rendezvous
+    try:
+        nproc = int(args.nproc_per_node)
+    except ValueError:  # "gpu", "auto": counted on the node
+        import torch
+
+        nproc = torch.cuda.device_count() if args.nproc_per_node == "gpu" or torch.cuda.is_available() else os.cpu_count()
+    return int(lo) * int(nproc)
+
+
+def validate_for(overrides: list[str], world_size: int | None) -> None:
+    """The checks ``nano_hybrid.train`` runs on each rank, here once, for a job of ``world_size`` workers."""
+    from nano_hybrid.config import compose, overrides_from_argv
+    from nano_hybrid.train import validate
+
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    os.environ.update(WORLD_SIZE=str(world_size or 1), RANK="0", LOCAL_RANK="0")
+    try:
+        validate(compose(overrides_from_argv(overrides)))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _DropWorkerFailureLog(logging.Filter):
+    """torchrun's agent logs each failed worker, and the signal it sends the others, as it stops a job; the
+    launcher reports the failure itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return "failed (exitcode" not in msg and "closing signal" not in msg
+
+
+def _failure_line(err) -> tuple[str | None, int]:
+    """(the line to print, or None when a worker printed it; the exit code) for a ChildFailedError."""
+    rank, failure = err.get_first_failure()
+    code = failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
+    ours = {}  # rank -> the error file nano_hybrid.errors.report_error left
+    for r, f in err.failures.items():
+        if isinstance(f.message, dict) and str(f.message.get("message", "")).startswith("error: "):
+            ours[r] = f.message
+    if ours:
+        if any(m.get("extraInfo", {}).get("printed") for m in ours.values()):
+            return None, code
+        return ours[min(ours)]["message"].removeprefix("error: "), code
+    sig = failure.signal_name()
+    how = f"was killed by {sig}" if sig and sig != "<N/A>" else f"exited with code {failure.exitcode}"
+    return f"rank {rank} (local rank {failure.local_rank}) {how}; its output is above", code
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from kernels.registry import BackendUnavailableError, UnknownBackendError
+    from nano_hybrid.config import ConfigError
+    from nano_hybrid.data import DataConfigError
+
+    argv = sys.argv[1:] if argv is None else argv
+    opts, overrides = split_argv(argv)
+    parser = get_args_parser()
+    try:
+        args = parser.parse_args([*opts, "-m", "nano_hybrid.train", *overrides])
+    except SystemExit as e:  # argparse printed its usage and message
+        return EXIT_BAD_INPUT if e.code else 0
+    try:
+        validate_for(overrides, _world_size(args))
+    except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
+        report_error(str(e), rank=0)
+        return EXIT_BAD_INPUT
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_DropWorkerFailureLog())
+    try:
+        run(args)
+    except ChildFailedError as err:
+        line, code = _failure_line(err)
+        if line is not None:
+            report_error(line, rank=0)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
