@@ -49,8 +49,10 @@ def _single_parallel_path():
 
 def main(argv: list[str] | None = None) -> int:
     from nano_hybrid.config import ConfigError, overrides_from_argv
+    from nano_hybrid.errors import filter_startup_warnings
 
     warnings.filterwarnings("ignore")
+    filter_startup_warnings()  # megatron's log records of the local specs (nano_hybrid/errors.py)
     try:
         out = inspect_model(overrides_from_argv(sys.argv[1:] if argv is None else argv))
     except ConfigError as e:

@@ -147,6 +147,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "bf
     tok_files = _write_config_and_tokenizer(out, m, vocab, target, run_cfg, log)
     log(f"[export_hf] {path} -> {out}: {len(shards)} shard(s), {writer.total_bytes / 1e9:.3f} GB {dtype}"
         f"{', tokenizer ' + ', '.join(tok_files) if tok_files else ''} in {time.perf_counter() - t0:.1f}s")
+    log("[export_hf] transformers runs the Mamba layers with mamba-ssm and causal-conv1d when they are installed; "
+        "without them it logs '... falling back to its reference PyTorch implementation' (the same outputs, slower)")
     return out
 
 

@@ -51,6 +51,9 @@ def _check_supported(m: dict) -> None:
                                "Nemotron-H does (norm_topk_prob)")
 
 
+TRANSFORMERS_VERSION = "5.17.0"
+
+
 def hf_config(m: dict, vocab_size: int, *, dtype: str = "bfloat16", token_ids: dict | None = None) -> dict:
     """The ``config.json`` dict for model config ``m`` (a plain dict of ``cfg.model``) with the
     (padded) embedding size ``vocab_size``. ``token_ids``: bos/eos/pad ids of the run's tokenizer."""
@@ -118,6 +121,9 @@ def hf_config(m: dict, vocab_size: int, *, dtype: str = "bfloat16", token_ids: d
         "num_logits_to_keep": 1,
         "dtype": dtype,
         "torch_dtype": dtype,  # the name transformers 4.x, vLLM and the published config use
+        # the transformers release the folder is written for (the project's pin): transformers >= 5 reads the
+        # tokenizer's split regex as written (no fix_mistral_regex rewrite, no warning that one is needed)
+        "transformers_version": TRANSFORMERS_VERSION,
     }
     c.update(token_ids or {})
     return c
