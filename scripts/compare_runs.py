@@ -110,12 +110,31 @@ def run_from_records(name: str, records: list[dict]) -> Run:
                val_steps=np.array([v[0] for v in val], dtype=np.int64), val_loss=np.array([v[1] for v in val]))
 
 
+def same_tokens_per_step(a: Run, b: Run) -> bool:
+    """Whether both runs saw the same tokens by each step they both logged (then steps compare like with like)."""
+    common, ia, ib = np.intersect1d(a.steps, b.steps, return_indices=True)
+    return bool(common.size) and bool(np.allclose(a.tokens[ia], b.tokens[ib], rtol=1e-9))
+
+
+def _align(a_x: np.ndarray, a_y: np.ndarray, b_x: np.ndarray, b_y: np.ndarray):
+    """(indices into a, a's values, b's values linearly interpolated at a's x) over the x range both cover."""
+    keep = np.nonzero((a_x >= b_x[0]) & (a_x <= b_x[-1]))[0] if b_x.size else np.zeros(0, dtype=np.int64)
+    return keep, a_y[keep], np.interp(a_x[keep], b_x, b_y)
+
+
 def val_diff_stats(a: Run, b: Run) -> dict:
-    """b's validation loss against a's at the steps both evaluated (same validation batches in both runs)."""
-    common, ia, ib = np.intersect1d(a.val_steps, b.val_steps, return_indices=True)
+    """b's validation loss against a's at the steps both evaluated (same validation batches in both runs); when
+    their tokens per step differ, at a's evaluations with b's curve interpolated at the same tokens."""
+    if same_tokens_per_step(a, b):
+        common, ia, ib = np.intersect1d(a.val_steps, b.val_steps, return_indices=True)
+        la, lb = a.val_loss[ia], b.val_loss[ib]
+    else:
+        a_tok = a.tokens[np.searchsorted(a.steps, a.val_steps)] if a.val_steps.size else np.zeros(0)
+        b_tok = b.tokens[np.searchsorted(b.steps, b.val_steps)] if b.val_steps.size else np.zeros(0)
+        keep, la, lb = _align(a_tok, a.val_loss, b_tok, b.val_loss)
+        common = a.val_steps[keep]
     if common.size == 0:
         return {"baseline": a.name, "run": b.name, "matching_evals": 0}
-    la, lb = a.val_loss[ia], b.val_loss[ib]
     rel = (lb - la) / np.abs(la)
     return {"baseline": a.name, "run": b.name, "matching_evals": int(common.size), "last_step": int(common[-1]),
             "final_baseline": float(la[-1]), "final_run": float(lb[-1]), "final_rel_diff": float(rel[-1]),
@@ -199,11 +218,17 @@ def run_stats(run: Run, warmup: int) -> dict:
 
 
 def loss_diff_stats(a: Run, b: Run) -> dict:
-    """Statistics of b's loss minus a's over the steps both logged."""
-    common, ia, ib = np.intersect1d(a.steps, b.steps, return_indices=True)
+    """Statistics of b's loss minus a's over the steps both logged; when their tokens per step differ, at a's steps
+    with b's loss interpolated at the same tokens (``aligned_by``)."""
+    aligned_by = "steps" if same_tokens_per_step(a, b) else "tokens"
+    if aligned_by == "steps":
+        common, ia, ib = np.intersect1d(a.steps, b.steps, return_indices=True)
+        la, lb = a.loss[ia], b.loss[ib]
+    else:
+        keep, la, lb = _align(a.tokens, a.loss, b.tokens, b.loss)
+        common = a.steps[keep]
     if len(common) == 0:
-        return {"matching_steps": 0}
-    la, lb = a.loss[ia], b.loss[ib]
+        return {"matching_steps": 0, "aligned_by": aligned_by}
     absd = np.abs(lb - la)
     reld = absd / np.abs(la)
     signed_reld = (lb - la) / np.abs(la)
@@ -224,6 +249,7 @@ def loss_diff_stats(a: Run, b: Run) -> dict:
 
     k = _tail(len(common))
     return {
+        "aligned_by": aligned_by,
         "matching_steps": int(len(common)),
         "first_step": int(common[0]),
         "last_step": int(common[-1]),
@@ -264,8 +290,15 @@ def format_report(result: dict) -> str:
         if d["matching_steps"] == 0:
             lines.append(f"loss diff {d['run']} vs {d['baseline']}: no matching steps")
             continue
-        lines.append(f"loss diff {d['run']} vs {d['baseline']} over {d['matching_steps']} matching steps "
-                     f"({d['first_step']}..{d['last_step']}):")
+        if d.get("aligned_by") == "tokens":
+            lines.append(f"note: {d['run']} and {d['baseline']} differ in tokens per step: the loss is compared at equal "
+                         f"tokens ({d['run']} interpolated at {d['baseline']}'s steps), and step time ratios compare "
+                         "steps of different sizes (compare tok/s/GPU)")
+            lines.append(f"loss diff {d['run']} vs {d['baseline']} at the tokens of {d['matching_steps']} baseline steps "
+                         f"({d['first_step']}..{d['last_step']}):")
+        else:
+            lines.append(f"loss diff {d['run']} vs {d['baseline']} over {d['matching_steps']} matching steps "
+                         f"({d['first_step']}..{d['last_step']}):")
         for label, blk in (("all", d["all"]), (f"last 10% ({d['last10pct']['steps']} steps)", d["last10pct"])):
             lines.append(f"  {label:<22} mean|d| {blk['mean_abs_diff']:.3e}  max|d| {blk['max_abs_diff']:.3e}  "
                          f"mean rel {blk['mean_rel_diff']:.3e}  max rel {blk['max_rel_diff']:.3e}  mean d {blk['mean_diff']:+.3e}  "
@@ -289,7 +322,8 @@ def plot(runs: list[Run], warmup: int, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    fig, (ax, axd) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
+    fig, (ax, axd) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]},
+                                  layout="constrained")
     for r in runs:
         ax.plot(r.tokens, r.loss, lw=1.2, label=r.name)
         if r.val_steps.size:  # validation loss as markers at the tokens of its steps
@@ -308,21 +342,19 @@ def plot(runs: list[Run], warmup: int, out_dir: Path) -> list[Path]:
     axd.set_ylabel(f"rel. diff vs\n{base.name[:20]}")
     axd.set_xlabel("tokens")
     axd.grid(alpha=0.3)
-    fig.tight_layout()
     loss_png = out_dir / "loss.png"
-    fig.savefig(loss_png, dpi=110)
+    fig.savefig(loss_png, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
     data = [r.step_time_s[_post_warmup(r, warmup)] for r in runs]
     ax.boxplot(data, showfliers=True)
-    ax.set_xticks(range(1, len(runs) + 1), [r.name[:24] for r in runs], fontsize=8)
+    ax.set_xticks(range(1, len(runs) + 1), [r.name[:24] for r in runs], fontsize=8, rotation=20, ha="right")
     ax.set_ylabel("step time (s)")
     ax.set_title(f"step time after {warmup} warm-up steps")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
     st_png = out_dir / "step_time.png"
-    fig.savefig(st_png, dpi=110)
+    fig.savefig(st_png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return [loss_png, st_png]
 

@@ -93,9 +93,9 @@ def test_resumed_run_last_record_wins_and_partial_steps(tmp_path):
     b.mkdir()
     with open(b / "metrics.jsonl", "w") as f:
         for s in range(3, 7):
-            f.write(json.dumps({"step": s, "loss": la[s - 1] + 0.5, "step_time_s": 2.0, "tokens_per_s": 50.0}) + "\n")
+            f.write(json.dumps({"step": s, "loss": la[s - 1] + 0.5, "step_time_s": 2.0, "tokens_per_s": 500.0}) + "\n")
     rb = cr.load_run(str(b / "metrics.jsonl"))
-    np.testing.assert_array_equal(rb.tokens, np.array([300.0, 400.0, 500.0, 600.0]))  # 100 tokens/step * step
+    np.testing.assert_array_equal(rb.tokens, np.array([3000.0, 4000.0, 5000.0, 6000.0]))  # 1000 tokens/step * step
     d = cr.loss_diff_stats(run, rb)
     assert d["matching_steps"] == 4 and d["first_step"] == 3 and d["last_step"] == 6
     assert d["all"]["max_abs_diff"] == pytest.approx(0.5, rel=1e-12)
@@ -154,3 +154,23 @@ def test_wandb_history_mapping(monkeypatch, two_runs):
     assert calls == ["team/proj/abc123"]
     assert list(run.steps) == [1, 2, 3, 4, 5] and run.tokens[-1] == 500
     assert cr.run_stats(run, 1)["tokens_per_s_per_gpu_median"] == 200.0
+
+
+def test_runs_with_other_tokens_per_step_compare_at_equal_tokens(tmp_path, capsys):
+    """Sequence 128 vs 256: B's step k saw A's step 2k's tokens; the loss is compared there, and the report says so."""
+    la = [6.0 - 0.1 * i for i in range(1, 21)]  # A: 1000 tokens per step, loss linear in tokens
+    a = _write_run(tmp_path / "A", la, [1.0] * 20)
+    lb = [6.0 - 0.2 * i + 0.05 for i in range(1, 11)]  # B: 2000 tokens per step, the same curve + 0.05
+    b = _write_run(tmp_path / "B", lb, [1.0] * 10, tokens_per_step=2000)
+    ra, rb = cr.load_run(str(a)), cr.load_run(str(b))
+    assert not cr.same_tokens_per_step(ra, rb)
+    d = cr.loss_diff_stats(ra, rb)
+    assert d["aligned_by"] == "tokens" and d["first_step"] == 2 and d["last_step"] == 20 and d["matching_steps"] == 19
+    assert d["all"]["mean_diff"] == pytest.approx(0.05, abs=1e-9) and d["all"]["max_abs_diff"] == pytest.approx(0.05, abs=1e-9)
+    assert cr.main([str(a), str(b), "--no-plots", "--warmup", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "differ in tokens per step" in out and "at the tokens of 19 baseline steps" in out
+    # equal tokens per step: compared step by step, no note
+    c = _write_run(tmp_path / "C", [x + 0.01 for x in la], [1.0] * 20)
+    d = cr.loss_diff_stats(ra, cr.load_run(str(c)))
+    assert d["aligned_by"] == "steps" and d["matching_steps"] == 20
