@@ -893,6 +893,9 @@ def main(argv: list[str] | None = None) -> int:
         if not started:
             release_refused_start()
         shutdown(ctx)
+        while _RUN_LOCK:  # the run is over: the next trainer (also in this process) may take run_dir
+            _RUN_LOCK.pop().release()
+        _CLAIMED_DIRS.clear()
     return 0
 
 

@@ -1,0 +1,209 @@
+"""The usual mistakes of a new user: each is one ``error:`` line with exit code 2 naming the key or file, before any
+work, and a refused start leaves the run directory exactly as it was."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nano_hybrid.data.check import CorpusCheckError, check_corpus
+from nano_hybrid.data.prepare import DataPreparationError, text_sources, write_indexed_dataset
+from nano_hybrid.train import EXIT_BAD_INPUT, main
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["model=tiny", "kernels.backend=torch", "train.seq_length=64", "train.micro_batch_size=2",
+        "train.global_batch_size=2", "optim.warmup_iters=1", "train.torch_threads=1", "logger.wandb.mode=disabled"]
+
+
+def _tree(d: Path) -> dict[str, bytes | None]:
+    """Every path under ``d`` with the bytes of each file (None for a directory)."""
+    if not d.exists():
+        return {}
+    return {p.relative_to(d).as_posix(): (p.read_bytes() if p.is_file() else None) for p in sorted(d.rglob("*"))}
+
+
+def _one_error(capsys, rc: int, *needles: str) -> str:
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == EXIT_BAD_INPUT and len(err) == 1 and err[0].startswith("error: "), (rc, err)
+    for n in needles:
+        assert n in err[0], err[0]
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small byte-token corpus of 40 documents written by the preparation step."""
+    d = tmp_path_factory.mktemp("corpus")
+    docs = d / "docs"
+    docs.mkdir()
+    for i in range(40):
+        (docs / f"doc{i:02d}.txt").write_text(f"document {i}: " + "some words of text to train on. " * (20 + i))
+    write_indexed_dataset(text_sources([docs]), d / "c", "byte")
+    return d / "c"
+
+
+def _copy_corpus(src: Path, dst: Path) -> Path:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for ext in (".bin", ".idx", ".json"):
+        Path(f"{dst}{ext}").write_bytes(Path(f"{src}{ext}").read_bytes())
+    return dst
+
+
+def _data(prefix: Path) -> list[str]:
+    return [f"data.paths=[{prefix}]", "data.prepare_if_missing=null", f"data.cache_dir={prefix.parent / 'cache'}"]
+
+
+def test_truncated_bin_is_one_line_naming_the_file(corpus, tmp_path, capsys):
+    c = _copy_corpus(corpus, tmp_path / "t" / "c")
+    check_corpus(c)  # intact
+    data = Path(f"{c}.bin").read_bytes()
+    Path(f"{c}.bin").write_bytes(data[: len(data) // 2])
+    run = tmp_path / "run"
+    rc = main([*TINY, *_data(c), f"run_dir={run}"])
+    _one_error(capsys, rc, f"{c}.bin", "truncated")
+    assert not run.exists()
+
+
+def test_bin_rewritten_in_place_fails_its_recorded_fingerprint(corpus, tmp_path, capsys):
+    c = _copy_corpus(corpus, tmp_path / "t" / "c")
+    data = bytearray(Path(f"{c}.bin").read_bytes())
+    data[0] ^= 0xFF  # same size, other tokens: the .idx agrees, the fingerprint does not
+    Path(f"{c}.bin").write_bytes(bytes(data))
+    with pytest.raises(CorpusCheckError, match="bin sample crc32"):
+        check_corpus(c)
+    rc = main([*TINY, *_data(c), f"run_dir={tmp_path / 'run'}"])
+    _one_error(capsys, rc, f"{c}.bin", "changed since")
+
+
+def test_truncated_idx_is_one_line(corpus, tmp_path):
+    c = _copy_corpus(corpus, tmp_path / "t" / "c")
+    data = Path(f"{c}.idx").read_bytes()
+    Path(f"{c}.idx").write_bytes(data[:-8])
+    with pytest.raises(CorpusCheckError, match=r"c\.idx: 834 bytes, .* needs 842 \(truncated"):
+        check_corpus(c)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("optim.lr=abc", "optim.lr='abc' must be a number"),
+    ("optim.warmup_iters=2.5", "optim.warmup_iters=2.5 must be a whole number"),
+    ("checkpoint.interval=often", "checkpoint.interval='often' must be a whole number or null"),
+    ("seed=x", "seed='x' must be a whole number"),
+])
+def test_value_that_is_not_a_number_names_the_key(override, needle, tmp_path, capsys):
+    rc = main(["data=mock", *TINY, override, f"run_dir={tmp_path / 'run'}"])
+    _one_error(capsys, rc, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_too_few_documents_for_the_validation_split(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(f"document number {i} " * 40)
+    c = tmp_path / "small" / "c"
+    write_indexed_dataset(text_sources([docs]), c, "byte")
+    run = tmp_path / "runs" / "r"
+    rc = main([*TINY, *_data(c), "train.eval_interval=2", "train.train_iters=4", f"run_dir={run}"])
+    _one_error(capsys, rc, "validation split", str(c))
+    assert not (tmp_path / "runs").exists()  # the claim's run_dir and checkpoints/ are gone again
+
+
+def test_non_utf8_jsonl_line_names_file_and_line(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataPreparationError, match=r"in\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 14\)"):
+        write_indexed_dataset([f], tmp_path / "out", "byte")
+    p = subprocess.run([sys.executable, "scripts/prepare_data.py", "--input", str(f), "--output", str(tmp_path / "o"),
+                        "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        f"error: {f}:2: not UTF-8 text (byte 0xe9 at column 14); JSONL input must be UTF-8"], p.stderr
+
+
+def test_invalid_json_message_is_whole(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"text": "ok"}\n{"text": "a\x01b"}\n')
+    with pytest.raises(DataPreparationError) as e:
+        write_indexed_dataset([f], tmp_path / "out", "byte")
+    assert str(e.value) == f"{f}:2: not valid JSON: Invalid control character at column 12"
+
+
+def test_refused_resume_leaves_the_run_directory_unchanged(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["data=mock", *TINY, "train.train_iters=2", f"run_dir={run}"]) == 0
+    before = _tree(run)
+    assert "config.yaml" in before and any(k.startswith("checkpoints/iter_") for k in before)
+    capsys.readouterr()
+    rc = main(["data=mock", *TINY, "train.train_iters=4", "model.vocab_size=640", f"run_dir={run}"])
+    _one_error(capsys, rc, "vocab size differs")
+    assert _tree(run) == before  # config.yaml, metrics.jsonl and the checkpoints as they were
+
+
+def test_epochs_are_said_before_the_start_and_repeats_warned(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"d{i}.txt").write_text(f"short document {i}. " * 25)
+    c = tmp_path / "small" / "c"
+    tokens = write_indexed_dataset(text_sources([docs]), c, "byte")["tokens"]
+    rc = main([*TINY, *_data(c), 'data.split="100,0,0"', "train.train_iters=20", "checkpoint.interval=0",
+               "checkpoint.save_on_exit=false", f"run_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.startswith("data: "))
+    epochs = 20 * 2 * 64 / tokens
+    assert f"holds {tokens:,} tokens" in line and f"= {epochs:.3g} epochs" in line, line
+    assert epochs > 1 and f"warning: the run repeats its training data ({epochs:.1f} epochs)" in out
+    assert out.index("data: ") < out.index("nano-hybrid: model=") < out.index("| loss ")
+
+
+def test_export_of_a_missing_checkpoint_speaks_of_export(tmp_path, capsys):
+    from nano_hybrid.export_hf import main as export_main
+
+    rc = export_main([str(tmp_path / "nope"), str(tmp_path / "out")])
+    err = _one_error(capsys, rc, "no such checkpoint, checkpoints folder or run folder")
+    assert "scratch" not in err and not (tmp_path / "out").exists()
+
+
+def test_inspect_prints_no_megatron_spec_log_lines():
+    p = subprocess.run([sys.executable, "-m", "nano_hybrid.inspect", "model=nano30b"], cwd=REPO, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0 and "Unknown MLP type" not in p.stdout + p.stderr, p.stderr[-2000:]
+    assert json.loads(p.stdout)["model"] == "nano30b"
+
+
+def test_exported_config_loads_its_tokenizer_without_the_mistral_regex_warning(tmp_path, caplog):
+    """transformers >= 5 skips its Mistral split-regex rewrite (and the warning that one is needed) for a folder
+    whose config.json names a transformers 5 release; the tokenizer then encodes as written."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from nano_hybrid.data.tokenizer import TokenizerSpec, build_tokenizer, extract_tekken
+    from nano_hybrid.hf.config import TRANSFORMERS_VERSION
+    from nano_hybrid.hf.tokenizer import write_tokenizer_files
+
+    path = tmp_path / "tekken_131k.json"
+    extract_tekken(path)
+    spec = TokenizerSpec.from_cfg({"type": "tiktoken", "path": str(path), "vocab_size": 131072,
+                                   "num_special_tokens": 1000, "pattern": "v2"})
+    text = "def f(x):\n    return x  # 3 numbers: 1234567\n"
+    want = build_tokenizer(spec).tokenize(text)
+    for version, warned in ((None, True), (TRANSFORMERS_VERSION, False)):
+        folder = tmp_path / f"hf_{version}"
+        folder.mkdir()
+        write_tokenizer_files(spec, build_tokenizer(spec), folder)
+        config = {"model_type": "nemotron_h", **({"transformers_version": version} if version else {})}
+        (folder / "config.json").write_text(json.dumps(config))
+        caplog.clear()
+        hf_logging.enable_propagation()  # transformers' loggers do not propagate to the root logger by default
+        try:
+            with caplog.at_level(logging.WARNING):
+                tok = AutoTokenizer.from_pretrained(str(folder))
+        finally:
+            hf_logging.disable_propagation()
+        assert any("fix_mistral_regex" in r.getMessage() for r in caplog.records) == warned, version
+        assert tok(text, add_special_tokens=False).input_ids == list(want)  # the ids the run trained on
