@@ -2,11 +2,11 @@
 
     python scripts/tune_kernels.py --kernels rmsnorm_fwd,rmsnorm_bwd,conv1d_fwd,conv1d_bwd --shapes nano --budget-min 8
 
-Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuning.discover_tunable_kernels``);
-shapes are ``kernels.tuning.SHAPE_PRESETS`` names. The budget is split evenly over (kernel, shape)
+Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuner.discover_tunable_kernels``);
+shapes are ``kernels.tuner.SHAPE_PRESETS`` names. The budget is split evenly over (kernel, shape)
 pairs. Candidates: the kernel's default config, its hand-written seeds (shuffled with a fixed seed),
 then random configs from the bound kernel's config space; each is compiled as a fixed config,
-checked against the default config's output and timed in-process (``kernels.tuning.search``).
+checked against the default config's output and timed in-process (``kernels.tuner.search``).
 Kernels whose raw outputs depend on the config (per-program partial sums of rmsnorm_bwd / conv1d_bwd)
 are compared on their final results (``TuneCase.finalize``: dx, dz, summed dweight/dbias).
 A JSON log with every candidate's outcome goes to $OUT (default runs/bench/h200).
@@ -33,22 +33,23 @@ from pathlib import Path
 import torch  # noqa: E402
 
 from kernels import tuning  # noqa: E402
+from kernels import tuner  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", default="all", help="comma list of tunable kernel names, or 'all'")
-    ap.add_argument("--shapes", "--shape", dest="shapes", default="nano", help=f"comma list of presets: {', '.join(tuning.SHAPE_PRESETS)}")
+    ap.add_argument("--shapes", "--shape", dest="shapes", default="nano", help=f"comma list of presets: {', '.join(tuner.SHAPE_PRESETS)}")
     ap.add_argument("--budget-min", type=float, default=8.0, help="total wall-clock budget in minutes")
     ap.add_argument("--budget-s", type=float, default=None, help="total budget in seconds (overrides --budget-min)")
     ap.add_argument("--rep-ms", type=float, default=40.0, help="timing window per candidate (ms)")
-    ap.add_argument("--timer", choices=tuning.TIMERS, default=None,
+    ap.add_argument("--timer", choices=tuner.TIMERS, default=None,
                     help="how candidates are timed (NANO_TUNE_TIMER; default events): 'cudagraph' times device time "
                     "from CUDA-graph replays, for kernels of a few microseconds whose per-call time is the launch's")
     ap.add_argument("--no-write", action="store_true", help="do not update kernels/configs/")
     ap.add_argument("--list", action="store_true", help="list tunable kernels and exit")
     ap.add_argument("--from-scratch", action="store_true",
-                    help="do not start from the committed config and its neighbours (tuning.neighbour_configs)")
+                    help="do not start from the committed config and its neighbours (tuner.neighbour_configs)")
     ap.add_argument("--no-isolate", action="store_true",
                     help="search every (kernel, shape) pair in this process (default: one child process per pair "
                     "when there is more than one)")
@@ -56,9 +57,9 @@ def main(argv=None) -> int:
     if args.budget_s is not None:
         args.budget_min = args.budget_s / 60.0
     if args.timer is not None:
-        os.environ["NANO_TUNE_TIMER"] = args.timer  # read by tuning.time_fn here and in the child processes
+        os.environ["NANO_TUNE_TIMER"] = args.timer  # read by tuner.time_fn here and in the child processes
 
-    registry = tuning.discover_tunable_kernels()
+    registry = tuner.discover_tunable_kernels()
     if args.list:
         for name, (mod, _) in sorted(registry.items()):
             print(f"{name}\t{mod}")
@@ -68,9 +69,9 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown kernels {unknown}; known: {sorted(registry)}")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in tuning.SHAPE_PRESETS]
+    bad = [s for s in shapes if s not in tuner.SHAPE_PRESETS]
     if bad:
-        ap.error(f"unknown shapes {bad}; known: {sorted(tuning.SHAPE_PRESETS)}")
+        ap.error(f"unknown shapes {bad}; known: {sorted(tuner.SHAPE_PRESETS)}")
     if not torch.cuda.is_available():
         print("tune_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
         "helion": _version("helion"),
         "triton": _version("triton"),
         "budget_min_total": args.budget_min,
-        "timer": tuning.timer_name(),
+        "timer": tuner.timer_name(),
         "budget_s_per_kernel_shape": per_budget,
         "runs": [],
     }
@@ -105,14 +106,14 @@ def main(argv=None) -> int:
     for shape in shapes:
         for name in names:
             t0 = time.monotonic()
-            run = {"kernel": name, "shape": shape, "model_dims": tuning.SHAPE_PRESETS[shape]}
+            run = {"kernel": name, "shape": shape, "model_dims": tuner.SHAPE_PRESETS[shape]}
             print(f"== {name} @ {shape} (budget {per_budget:.0f}s)", flush=True)
             try:
-                case = registry[name][1](dict(tuning.SHAPE_PRESETS[shape]), device)
+                case = registry[name][1](dict(tuner.SHAPE_PRESETS[shape]), device)
                 run["kernel_dims"] = case.dims
                 seeds = list(case.seeds)
                 random.Random(0).shuffle(seeds)
-                cands = tuning.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
+                cands = tuner.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
                 # the generic default (what runs without a config file) comes after the spec default (the reference)
                 cands.insert(1, tuning._as_config(case.default))
                 # and before both, right after the reference: the committed winner for this shape (or, for a shape
@@ -122,14 +123,14 @@ def main(argv=None) -> int:
                 how, near_key, entry = tuning.lookup(name, case.dims)
                 if how in ("exact", "nearest") and not args.from_scratch:
                     committed = tuning._as_config(entry["config"])
-                    near = [committed] + [tuning._as_config(d) for d in tuning.neighbour_configs(committed)]
+                    near = [committed] + [tuning._as_config(d) for d in tuner.neighbour_configs(committed)]
                     run["start"] = {"how": how, "key": near_key}
                     if how == "exact":
                         run["committed_ms"] = entry.get("time_ms")
                     cands[1:1] = near  # right after the reference: a short budget still times them
                     seen: set[str] = set()  # a neighbour can equal a seed: time each config once
                     cands = [c for c in cands if not (c.to_json() in seen or seen.add(c.to_json()))]
-                best, results = tuning.search(
+                best, results = tuner.search(
                     case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
                     log=lambda s: print(s, flush=True), finalize=case.finalize, prepare=case.prepare,
                 )
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
                         run["full_config_error"] = f"{type(e).__name__}: {e}"
                     run["written_config"] = tuning.config_to_dict(best)
                     path = tuning.record(name, case.dims, best, best_ms, {
-                        "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"], "timer": tuning.timer_name(),
+                        "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"], "timer": tuner.timer_name(),
                         "generic_default_ms": run["generic_default_ms"], "search_s": round(time.monotonic() - t0, 1),
                         "torch": torch.__version__, "helion": _version("helion"), "triton": _version("triton"),
                     })
