@@ -29,6 +29,7 @@ from kernels import tuning
 from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
 from kernels.settings import HelionSettings
+from kernels.shapes import check_supported
 from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
 from kernels.ssd_helion_bwd import ssd_backward_helion
 
@@ -140,6 +141,10 @@ def mamba_split_conv1d_scan_combined_helion(
                 "separate modules)")
     if zxbcdt.dim() != 3:
         raise ValueError(f"zxbcdt must be (batch, seqlen, width), got {tuple(zxbcdt.shape)}")
+    nheads, p, _, dstate = split_dims(zxbcdt, conv1d_weight, D, headdim, ngroups)
+    check_supported(nheads=nheads, headdim=p, ngroups=ngroups, dstate=dstate, chunk_size=chunk_size,
+                    dtype=zxbcdt.dtype, conv_width=conv1d_weight.shape[-1], seq_idx=seq_idx, batch=zxbcdt.shape[0],
+                    seqlen=zxbcdt.shape[1], op="mamba_split_conv1d_scan_combined_helion")
     return MambaSplitConv1dScanCombinedHelionFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
         return_final_states, activation, headdim, ngroups, HelionSettings() if settings is None else settings,

@@ -756,6 +756,12 @@ def mamba_chunk_scan_combined_helion(
     ):
         raise NotImplementedError("mamba_chunk_scan_combined_helion is forward-only (inputs that require grad); the "
                                   "training path's backward is mamba_split_conv1d_scan_combined's")
+    if x.dim() == 4 and B.dim() == 4:
+        from kernels.shapes import check_supported
+
+        check_supported(nheads=x.shape[2], headdim=x.shape[3], ngroups=B.shape[2], dstate=B.shape[3],
+                        chunk_size=chunk_size, dtype=x.dtype, seq_idx=seq_idx, batch=x.shape[0], seqlen=x.shape[1],
+                        op="mamba_chunk_scan_combined_helion")
     out, _, _, _, _, final_states = ssd_forward_helion(
         x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, state_dtype=state_dtype,
