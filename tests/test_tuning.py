@@ -642,17 +642,14 @@ def helion_kernel_dims(b: int, l: int, h: int, p: int, g: int, n: int, c: int, w
 def recipe_mixer_shapes() -> dict[str, tuple]:
     """{recipe: (b, l, h, p, g, n, c, w)} of the mixer each GPU recipe (train.device=cuda) runs, per rank."""
     from nano_hybrid.config import compose, list_recipes
+    from nano_hybrid.model.config import mixer_dims
 
     out = {}
     for name in list_recipes():
         cfg = compose([f"recipe={name}"])
         if str(cfg.train.device) != "cuda":
             continue
-        m, tp = cfg.model, int(cfg.parallel.tensor_model_parallel_size)
-        cp = int(cfg.parallel.get("context_parallel_size", 1) or 1)
-        out[name] = (int(cfg.train.micro_batch_size), int(cfg.train.seq_length) // cp, int(m.mamba_num_heads) // tp,
-                     int(m.mamba_head_dim), int(m.mamba_num_groups) // tp, int(m.mamba_state_dim),
-                     int(m.get("mamba_chunk_size", 128)), int(m.get("mamba_conv_width", 4)))
+        out[name] = tuple(mixer_dims(cfg)[k] for k in ("b", "l", "h", "p", "g", "n", "c", "w"))
     return out
 
 
