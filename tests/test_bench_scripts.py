@@ -790,3 +790,19 @@ def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_pa
                         "--fwd-bwd-only", "--out", str(tmp_path / "bad"), *common, f"run_dir={tmp_path / 'bad' / 'run'}"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode != 0 and "optim.fused needs the optimizer step" in r.stderr
+
+
+def test_bench_shape_grid_smoke_on_cpu(tmp_path):
+    """bench_shape_grid.py end to end on the CPU: torch reference vs helion (interpret mode) at the tiny shape with
+    packed documents; every field of the record is there and the helion errors are bf16-sized."""
+    import bench_shape_grid as bsg
+
+    assert len([s for s in bsg.GRID if s != "tiny"]) >= 12
+    args = bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--rounds", "1",
+                           "--iters", "1", "--profile-iters", "0", "--device", "cpu", "--out", str(tmp_path)])
+    res = bsg.run(args)
+    r = res["shapes"]["tiny"]
+    assert "error" not in r, r.get("traceback")
+    assert set(r["rel_err_vs_fp32"]) == {"torch", "helion"} and r["rel_err_vs_fp32"]["helion"]["d_zxbcdt"] < 3e-2
+    assert r["speedup_per_call"]["speedup"] > 0 and res["summary"]["shapes_run"] == 1
+    assert "| tiny |" in bsg.markdown(res)
