@@ -636,18 +636,6 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
     return fn
 
 
-def fast_lookup(tag: str, kernel, args: Sequence[object]):
-    """(key, compiled callable or None) for ``args`` under ``tag`` in the active runtime: the per-call fast path;
-    store with ``fast_store(key, fn)`` after the first call."""
-    key = (tag, id(kernel), _arg_signature(args))
-    return key, runtime().fast.get(key)
-
-
-def fast_store(key: tuple, fn: Callable) -> Callable:
-    runtime().fast[key] = fn
-    return fn
-
-
 def tuned_call(
     kernel_name: str,
     kernel,
