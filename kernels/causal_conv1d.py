@@ -77,6 +77,7 @@ import helion.language as hl  # noqa: E402
 from helion.autotuner import PowerOfTwoFragment  # noqa: E402
 
 from kernels import tuning  # noqa: E402
+from kernels import tuner  # noqa: E402
 
 
 # Backward: a rolling-window walk that reads each x / dout element about once and computes the
@@ -97,7 +98,7 @@ from kernels import tuning  # noqa: E402
 # partials (batch, programs along seqlen, ...) summed by torch. With seq_idx the carried
 # window also holds the seq ids and every term above is masked by same-sequence; without seq_idx
 # (``seq is None``, specialised at compile time) there is no mask math at all.
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def causal_conv1d_bwd_kernel(
     x: torch.Tensor,  # (B, L, D) view
     w4: torch.Tensor,  # (D, 4) any float dtype (the weight itself for width 4)
@@ -240,7 +241,7 @@ def causal_conv1d_bwd_kernel(
 # previous lane's rows, mostly cache hits). Loads per element: x (l_per_lane + 3) / l_per_lane, one
 # store. With seq_idx the window also carries the seq ids and x[r-k] counts only where
 # seq[r-k] == seq[r]; without it (``seq is None``, specialised at compile time) there is no mask math.
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def causal_conv1d_fwd_kernel(
     x: torch.Tensor,  # (B, L, D) view
     w4: torch.Tensor,  # (D, 4) any float dtype (the weight itself for width 4)
@@ -416,12 +417,14 @@ class CausalConv1dHelionFn(torch.autograd.Function):
         out = causal_conv1d_fwd_helion(x, weight, bias, seq_idx, activation)
         ctx.save_for_backward(x, weight, bias, seq_idx)
         ctx.activation = activation
+        ctx.settings = tuning.runtime().settings  # the backward (autograd's thread) runs under the same runtime
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias, seq_idx = ctx.saved_tensors
-        dx, dw, db = causal_conv1d_bwd_helion(x, weight, bias, dout, seq_idx, ctx.activation)
+        with tuning.use(ctx.settings):
+            dx, dw, db = causal_conv1d_bwd_helion(x, weight, bias, dout, seq_idx, ctx.activation)
         return dx, dw, db, None, None
 
 
@@ -448,7 +451,7 @@ def causal_conv1d_update_helion(x, conv_state, weight, bias=None, activation=Non
 
 
 def _conv_case(kind: str):
-    def build(dims: dict, device) -> tuning.TuneCase:
+    def build(dims: dict, device) -> tuner.TuneCase:
         b, l = dims["b"], dims["l"]
         d = dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"]  # conv channels (x, B, C)
         width_total = 2 * dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"] + dims["h"]  # zxBCdt
@@ -462,27 +465,27 @@ def _conv_case(kind: str):
         if kind == "fwd":
             args = (x.transpose(1, 2), w4, bias, seq, silu)
             # block_sizes = [lanes per program, channel block]; l_per_lane rows per lane
-            seeds = (tuning.grid_seeds(l_per_lane=[32, 64, 128], block_sizes=[[2, 128], [4, 128], [2, 256]],
+            seeds = (tuner.grid_seeds(l_per_lane=[32, 64, 128], block_sizes=[[2, 128], [4, 128], [2, 256]],
                                        num_warps=[4])
-                     + tuning.grid_seeds(l_per_lane=[64], block_sizes=[[8, 256], [4, 512]], num_warps=[8])
+                     + tuner.grid_seeds(l_per_lane=[64], block_sizes=[[8, 256], [4, 512]], num_warps=[8])
                      # unrolled walk (range_unroll_factors: [grid, walk])
-                     + tuning.grid_seeds(l_per_lane=[64, 128], block_sizes=[[4, 128], [2, 256], [8, 64]],
+                     + tuner.grid_seeds(l_per_lane=[64, 128], block_sizes=[[4, 128], [2, 256], [8, 64]],
                                          num_warps=[4], range_unroll_factors=[[0, 2], [0, 4]]))
-            return tuning.TuneCase(causal_conv1d_fwd_kernel, args, kd, CONV_FWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2)
+            return tuner.TuneCase(causal_conv1d_fwd_kernel, args, kd, CONV_FWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2)
         dout = torch.randn(b, l, d, generator=gen).to(device=device, dtype=torch.bfloat16)
         dxb = torch.empty(b, l, d, dtype=torch.bfloat16, device=device)
         args = (x.transpose(1, 2), w4, bias, dout, seq, dxb, silu)
         # block_sizes = [lanes per program, channel block]; l_per_lane rows per lane
-        seeds = (tuning.grid_seeds(l_per_lane=[32, 64, 128], block_sizes=[[2, 128], [4, 128], [2, 256], [1, 512]],
+        seeds = (tuner.grid_seeds(l_per_lane=[32, 64, 128], block_sizes=[[2, 128], [4, 128], [2, 256], [1, 512]],
                                    num_warps=[4])
-                 + tuning.grid_seeds(l_per_lane=[64], block_sizes=[[8, 256], [16, 128], [4, 512]], num_warps=[8])
+                 + tuner.grid_seeds(l_per_lane=[64], block_sizes=[[8, 256], [16, 128], [4, 512]], num_warps=[8])
                  # unrolled walk (range_unroll_factors: [grid, main walk, 3-row tail]): the rolling
                  # window's register moves become renames
-                 + tuning.grid_seeds(l_per_lane=[64, 128], block_sizes=[[4, 128], [2, 256], [1, 512], [8, 64]],
+                 + tuner.grid_seeds(l_per_lane=[64, 128], block_sizes=[[4, 128], [2, 256], [1, 512], [8, 64]],
                                      num_warps=[4], range_unroll_factors=[[0, 2, 0], [0, 4, 0]]))
         # Compared on the final results (dx written into its buffer, summed dweight/dbias): the
         # partials' count depends on the lanes per program. dx is poisoned before each checked run.
-        return tuning.TuneCase(causal_conv1d_bwd_kernel, args, kd, CONV_BWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2,
+        return tuner.TuneCase(causal_conv1d_bwd_kernel, args, kd, CONV_BWD_DEFAULT, seeds, atol=2e-2, rtol=2e-2,
                                n_random=16, finalize=conv_bwd_final, prepare=conv_bwd_poison)
 
     return build

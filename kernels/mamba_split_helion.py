@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import torch
 
+from kernels import tuning
 from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
 from kernels.settings import HelionSettings
+from kernels.shapes import check_supported
 from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
 from kernels.ssd_helion_bwd import ssd_backward_helion
 
@@ -41,6 +43,14 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
                 dt_limit, return_final_states, activation, headdim, ngroups, settings):
+        with tuning.use(settings):
+            return MambaSplitConv1dScanCombinedHelionFn._forward(
+                ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
+                return_final_states, activation, headdim, ngroups, settings)
+
+    @staticmethod
+    def _forward(ctx, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx,
+                 dt_limit, return_final_states, activation, headdim, ngroups, settings):
         nheads, headdim, dim, dstate = split_dims(zxbcdt, conv1d_weight, D, headdim, ngroups)
         if activation not in ("silu", "swish", None):
             raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
@@ -67,6 +77,11 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *args):
+        with tuning.use(ctx.settings):  # autograd runs this on its own thread: the runtime is entered again
+            return MambaSplitConv1dScanCombinedHelionFn._backward(ctx, dout, *args)
+
+    @staticmethod
+    def _backward(ctx, dout, *args):
         (zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx, dt_out,
          dA_cumsum) = ctx.saved_tensors
         nheads, headdim, dim, dstate, ngroups, chunk_size = ctx.dims
@@ -126,6 +141,10 @@ def mamba_split_conv1d_scan_combined_helion(
                 "separate modules)")
     if zxbcdt.dim() != 3:
         raise ValueError(f"zxbcdt must be (batch, seqlen, width), got {tuple(zxbcdt.shape)}")
+    nheads, p, _, dstate = split_dims(zxbcdt, conv1d_weight, D, headdim, ngroups)
+    check_supported(nheads=nheads, headdim=p, ngroups=ngroups, dstate=dstate, chunk_size=chunk_size,
+                    dtype=zxbcdt.dtype, conv_width=conv1d_weight.shape[-1], seq_idx=seq_idx, batch=zxbcdt.shape[0],
+                    seqlen=zxbcdt.shape[1], op="mamba_split_conv1d_scan_combined_helion")
     return MambaSplitConv1dScanCombinedHelionFn.apply(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states, seq_idx, dt_limit,
         return_final_states, activation, headdim, ngroups, HelionSettings() if settings is None else settings,

@@ -16,6 +16,7 @@ every setting that changes what it computes or how fast), bound into its ops; ``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -55,6 +56,9 @@ class KernelBackend:
     strided_zxbcdt: bool = False
     # the helion backend's settings (None for the others)
     settings: HelionSettings | None = None
+    # kernels.deterministic: bitwise-repeatable gradients were asked for (the helion kernels are atomics-free, the
+    # torch reference is deterministic, mamba-ssm honours MAMBA_DETERMINISTIC=1)
+    deterministic: bool = False
 
     def settings_dict(self) -> dict[str, Any]:
         """{"backend": name, **settings}: what a run or benchmark records about the kernels it ran."""
@@ -149,8 +153,13 @@ def _helion_backend(settings: HelionSettings) -> KernelBackend:
             missing.append(f"{mod}.{attr} ({type(e).__name__}: {e})")
     if missing:
         raise BackendUnavailableError("kernel backend 'helion' is incomplete: missing " + "; ".join(missing))
+    from kernels import tuning
+
+    # every op runs its kernels under this backend's runtime (kernels.tuning.use): its own switches and caches
     parts["mamba_split_conv1d_scan_combined"] = functools.partial(parts["mamba_split_conv1d_scan_combined"],
                                                                   settings=settings)
+    parts["mamba_chunk_scan_combined"] = tuning.with_runtime(parts["mamba_chunk_scan_combined"], settings)
+    parts["RMSNormGated"] = type(parts["RMSNormGated"].__name__, (parts["RMSNormGated"],), {"settings": settings})
     return KernelBackend("helion", description="Helion kernels, per-GPU tuned configs",
                          strided_zxbcdt=settings.zxbcdt_in_place, settings=settings, **parts)
 
@@ -194,13 +203,14 @@ def get_backend(name: str, helion: HelionSettings | Mapping[str, Any] | None = N
     return _CACHE[key]
 
 
-def configure_backend(name: str, *, autotune: bool = False, deterministic: bool = False,
+def configure_backend(name: str, *, deterministic: bool = False,
                       helion: HelionSettings | Mapping[str, Any] | None = None) -> KernelBackend:
-    """Resolve backend ``name`` and apply the ``kernels.autotune`` / ``kernels.deterministic`` switches and the
-    process-wide part of the helion settings (``fast_launch``).
+    """Resolve backend ``name`` with the ``kernels.deterministic`` switch and, for helion, its settings.
 
-    * ``autotune``: only the helion backend has a tuner we drive (configs are otherwise read from
-      ``kernels/configs/<arch>/``); asking for it with another backend is an error, not a no-op.
+    Nothing process-wide is switched: the helion settings (fast launch, first-use tuning ``kernels.helion.autotune``,
+    its budget and cache directory) belong to the backend's runtime (``kernels.tuning.runtime_for``), which its
+    ops enter, so two backends with different settings in one process do not share state.
+
     * ``helion``: ``HelionSettings`` or a mapping of its keys (``cfg.kernels.helion``); a bad key or value is a
       ``KernelSwitchError``.
     * ``deterministic``: helion's kernels reduce through per-program partials in a fixed order (no
@@ -210,21 +220,13 @@ def configure_backend(name: str, *, autotune: bool = False, deterministic: bool 
     """
     if name not in _FACTORIES:
         raise UnknownBackendError(f"unknown kernel backend {name!r}; choose one of: {', '.join(BACKENDS)}")
-    if autotune and name != "helion":
-        raise KernelSwitchError(f"kernels.autotune=true applies to kernels.backend=helion only (got {name!r})")
     if deterministic and name == "mamba_ssm" and os.environ.get("MAMBA_DETERMINISTIC") != "1":
         if "mamba_ssm" in sys.modules:
             raise KernelSwitchError("kernels.deterministic=true with mamba_ssm needs MAMBA_DETERMINISTIC=1 before mamba-ssm "
                              "is imported; set it in the environment")
         os.environ["MAMBA_DETERMINISTIC"] = "1"
     backend = get_backend(name, helion)
-    if name == "helion":
-        from kernels import ssd_helion_bwd, tuning
-
-        tuning.set_autotune(autotune)
-        tuning.set_fast_launch(backend.settings.fast_launch)
-        ssd_helion_bwd.set_deterministic(deterministic)
-    return backend
+    return dataclasses.replace(backend, deterministic=True) if deterministic else backend
 
 
 def available_backends() -> dict[str, str | None]:

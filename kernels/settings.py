@@ -24,7 +24,14 @@ zxbcdt_in_place     true       the Mamba mixer hands the fused op its (l, b, d) 
                                a contiguous (b, l, d) tensor first, as megatron does for mamba-ssm.
 fast_launch         true       after a compiled kernel's first launch, later launches call its Triton binary
                                directly (``kernels.tuning.FastLauncher``), skipping Triton's per-call argument
-                               binding; bitwise the same results, less host time per launch. Process-wide.
+                               binding; bitwise the same results, less host time per launch.
+autotune            false      a kernel call at a shape with no exact committed or user-cache config is tuned
+                               at its first call (``kernels.tuner.tune_call``) and the winner stored in the
+                               user cache, which later runs and the other ranks read; off: the nearest tuned
+                               shape's config that fits (said once), else a default
+autotune_budget_s   120        wall-clock seconds of one first-use search (one kernel at one shape)
+cache_dir           ""         the per-user config cache (``<cache_dir>/<arch>/<kernel>.json``); "" is
+                               ``~/.cache/nano_hybrid/helion`` (``$XDG_CACHE_HOME/nano_hybrid/helion``)
 ==================  =========  ===============================================================================
 """
 
@@ -35,6 +42,7 @@ from collections.abc import Mapping
 from typing import Any
 
 DTYPE_CHOICES = ("input", "fp32")
+_DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype")
 
 
 class HelionSettingsError(ValueError):
@@ -48,14 +56,24 @@ class HelionSettings:
     save_cumsum: bool = True
     zxbcdt_in_place: bool = True
     fast_launch: bool = True
+    autotune: bool = False
+    autotune_budget_s: float = 120.0
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.type == "bool" and not isinstance(v, bool):
                 raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be true or false")
-            if f.type == "str" and v not in DTYPE_CHOICES:
+            if f.name in _DTYPE_KEYS and v not in DTYPE_CHOICES:
                 raise HelionSettingsError(f"kernels.helion.{f.name}={v!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+            if f.type == "float":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                    raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be a number of seconds > 0")
+                object.__setattr__(self, f.name, float(v))
+            if f.name == "cache_dir" and not isinstance(v, str):
+                raise HelionSettingsError(f"kernels.helion.cache_dir={v!r} must be a path (a string; \"\" for "
+                                          "~/.cache/nano_hybrid/helion)")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -70,6 +88,8 @@ class HelionSettings:
         if unknown:
             raise HelionSettingsError(
                 f"unknown kernels.helion key(s) {', '.join(unknown)}; known: {', '.join(cls.keys())}")
+        if values.get("cache_dir") is None and "cache_dir" in values:
+            values["cache_dir"] = ""
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:

@@ -27,7 +27,7 @@ Sequence lengths that are not a multiple of the chunk size are padded internally
 (padded positions get dt = 0, so they change no state; padded output rows are dropped).
 ``chunk_size`` must be a power of two (Megatron uses 128).
 
-Configs come from ``kernels.tuning.get_config(name, dims, default)``; the defaults below are
+Configs come from ``kernels.tuning.select_config`` (through ``tuning.tuned_call``); the defaults below are
 conservative (power-of-two blocks, 4 warps, 2-3 stages) and compile on Triton 3.6 / sm90.
 Each (kernel, config) pair is one ``helion.kernel`` with a fixed config: no autotuning at call time.
 """
@@ -43,6 +43,7 @@ import helion
 import helion.language as hl
 
 from kernels import tuning
+from kernels import tuner  # noqa: E402
 from kernels.ssd import _pad_len
 from kernels.ssd import _pad_seq_idx as _pad_seq_idx_ref
 
@@ -357,7 +358,8 @@ def get_kernel(name: str) -> Any:
     k = _KERNELS.get(name)
     if k is None:
         k = helion.kernel(
-            _BODIES[name], static_shapes=True, ignore_warnings=[helion.exc.TensorOperationInWrapper]
+            _BODIES[name], static_shapes=True,
+            ignore_warnings=[helion.exc.TensorOperationInWrapper, *tuning.IGNORED_HELION_WARNINGS]
         )
         _KERNELS[name] = k
     return k
@@ -366,15 +368,8 @@ def get_kernel(name: str) -> Any:
 def _run(name: str, dims: dict[str, int], limits: list[int], args: tuple, config: Any = None) -> Any:
     kernel = get_kernel(name)
     if config is None:
-        # fast path: the compiled kernel for this argument signature, once its config has been chosen
-        key, fn = tuning.fast_lookup(name, kernel, args)
-        if fn is not None:
-            return fn(*args)
-        config = tuning.get_config(name, dims, default=DEFAULT_CONFIGS[name])
-        cfg = _clip_blocks(name, _config_dict(config), limits)
-        if tuning.kernel_in_ref_mode(kernel):
-            return tuning.run_interpret(kernel, args, cfg)
-        return tuning.fast_store(key, tuning.compiled(kernel, args, cfg))(*args)
+        return tuning.tuned_call(name, kernel, args, dims, DEFAULT_CONFIGS[name], seeds=_SEEDS.get(name, ()),
+                                 atol=2e-2, rtol=2e-2, adjust=lambda cfg: _clip_blocks(name, cfg, limits))
     cfg = _clip_blocks(name, _config_dict(config), limits)
     return tuning.run_with_config(kernel, args, cfg)
 
@@ -761,6 +756,12 @@ def mamba_chunk_scan_combined_helion(
     ):
         raise NotImplementedError("mamba_chunk_scan_combined_helion is forward-only (inputs that require grad); the "
                                   "training path's backward is mamba_split_conv1d_scan_combined's")
+    if x.dim() == 4 and B.dim() == 4:
+        from kernels.shapes import check_supported
+
+        check_supported(nheads=x.shape[2], headdim=x.shape[3], ngroups=B.shape[2], dstate=B.shape[3],
+                        chunk_size=chunk_size, dtype=x.dtype, seq_idx=seq_idx, batch=x.shape[0], seqlen=x.shape[1],
+                        op="mamba_chunk_scan_combined_helion")
     out, _, _, _, _, final_states = ssd_forward_helion(
         x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, state_dtype=state_dtype,
@@ -829,7 +830,7 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
     raise KeyError(name)
 
 
-# Seeds: partial configs layered over Helion's default by tuning.candidate_configs; each list
+# Seeds: partial configs layered over Helion's default by tuner.candidate_configs; each list
 # includes the conservative defaults above, so a safe config is always among the candidates.
 _SEEDS: dict[str, list[dict]] = {
     # mamba-ssm's autotune picked BLOCK_SIZE_H 8 at 4 warps for the Nano shape (8.0 us in its do_bench): first
@@ -873,7 +874,7 @@ def _tune_case(name: str):
         args, kd = _kernel_args(name, md, device)
         seeds = [DEFAULT_CONFIGS[name]] + [s for s in _SEEDS[name] if s != DEFAULT_CONFIGS[name]]
         # CB/states in chunk_scan and the long serial sums are fp32-accumulated; bf16 outputs.
-        return tuning.TuneCase(
+        return tuner.TuneCase(
             kernel=get_kernel(name), args=args, dims=kd, default=DEFAULT_CONFIGS[name], seeds=seeds,
             atol=2e-2, rtol=2e-2, n_random=8,
         )

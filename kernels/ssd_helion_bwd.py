@@ -21,10 +21,9 @@ kernel                       computes                                           
 
 Reductions across programs (dD, dA, ddt_bias, ddA_chunk over state splits) are written as
 per-program partial sums and reduced by ``torch.sum`` in a fixed order; no kernel uses atomics.
-So gradients are bitwise repeatable under every config in both modes, and the deterministic mode
-(``set_deterministic(True)``, ``kernels.deterministic=true``) costs nothing extra here: it only
-additionally asserts that the inputs ran through this atomics-free path. (mamba-ssm's
-deterministic mode instead falls back to its cheapest autotune config.)
+So gradients are bitwise repeatable under every config, and ``kernels.deterministic=true`` (recorded on the
+backend, ``KernelBackend.deterministic``) costs nothing here. (mamba-ssm's deterministic mode instead falls back
+to its cheapest autotune config.)
 
 Input layouts (the same as ``kernels/ssd.py`` and mamba-ssm): x/dout/z/out_x (b, l, h, p),
 B/C (b, l, g, n), dt_out/dA_cumsum (b, h, nc, c) fp32, states_in (b, nc, h, p, n) x.dtype or fp32,
@@ -41,21 +40,10 @@ import helion
 import helion.language as hl
 
 from kernels import tuning
+from kernels import tuner  # noqa: E402
 from kernels.ssd import _pad_len, _pad_seq_idx
 
-_DETERMINISTIC = False
 _LOG2E = 1.4426950408889634
-
-
-def set_deterministic(enabled: bool) -> None:
-    """Bitwise-repeatable gradients (``kernels.deterministic``). All kernels here are atomics-free,
-    so this is always true; the switch is kept so the backend honours the config key uniformly."""
-    global _DETERMINISTIC
-    _DETERMINISTIC = bool(enabled)
-
-
-def is_deterministic() -> bool:
-    return _DETERMINISTIC
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,7 +53,7 @@ def is_deterministic() -> bool:
 # ssd_bwd_dz_dstates: grid (b, nc, h). dz and dout_x = dout * silu(z) per row tile, and dstates = dout_x^T (C e^dAcs)
 #   with the row scale exp(dAcs[t]) applied to dout_x (c*p multiplies per head, folded into the rounding to x's dtype
 #   that dout_x needs anyway) so C goes from memory straight into the dot.
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dz_dstates(
     dout: torch.Tensor,  # (b, nc, c, h, p)
     z: torch.Tensor,  # (b, nc, c, h, p)
@@ -101,7 +89,7 @@ def ssd_bwd_dz_dstates(
     return dout_x, dstates
 
 
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_state_passing(
     dstates: torch.Tensor,  # (b, nc, h, s, blk) x.dtype or fp32 (dstates_dtype; p*n split into s blocks)
     states_in: torch.Tensor,  # (b, nc, h, s, blk) x.dtype or fp32 (HelionSettings.bwd_states_dtype)
@@ -133,7 +121,7 @@ def ssd_bwd_state_passing(
 #   its diagonal) that the caller sums; the whole-chunk sum of the state term st goes into that partial at t = c - 1,
 #   which ssd_bwd_dt adds to the same place. dD is summed per row tile, (b, nc, c / bm, h, p). Row tiles of one
 #   (chunk, head) are adjacent program ids, so dL[h] (p x n) and the group's CB tile come from L2 for all but the first.
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dx(
     x: torch.Tensor,  # (b, nc, c, h, p)
     dout_x: torch.Tensor,  # (b, nc, c, h, p)
@@ -208,7 +196,7 @@ def ssd_bwd_dx(
 #     (b, nc, g, c, c) is 34 MB at the Nano shape.
 #   ssd_bwd_db: grid (row tiles of c as s, g, nc, b). dB[s] = sum_h decay dt x_h[s] @ dL_h
 #     + sum_{t >= s} dCB[t, s]^T C[t]. Registers: (bm x n) fp32 accumulators and one (bm x c) block.
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dc_dcb(
     x: torch.Tensor,  # (b, nc, c, h, p)
     dout_x: torch.Tensor,  # (b, nc, c, h, p)
@@ -255,7 +243,7 @@ def ssd_bwd_dc_dcb(
     return ddacs_prev, dCB
 
 
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_db(
     x: torch.Tensor,  # (b, nc, c, h, p)
     dCB: torch.Tensor,  # (b, nc, g, c, c) x.dtype, from ssd_bwd_dc_dcb
@@ -291,7 +279,7 @@ def ssd_bwd_db(
     return dB
 
 
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dt(
     ddacs_row: torch.Tensor,  # (b, h, nc, c) fp32
     ddacs_col: torch.Tensor,  # (b, h, nc, c)
@@ -587,14 +575,14 @@ _OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dt": (9,),
 
 
 def _tune_builder(name: str):
-    def build(dims: dict, device) -> "tuning.TuneCase":
+    def build(dims: dict, device) -> "tuner.TuneCase":
         args, kd = _example_args(name, dims, device)
-        seeds = tuning.grid_seeds(block_sizes=_block_seeds(name), num_warps=[4, 8], num_stages=[1, 2, 3]) if _has_blocks(name) \
-            else tuning.grid_seeds(num_warps=[1, 2, 4, 8], num_stages=[1, 2])
+        seeds = tuner.grid_seeds(block_sizes=_block_seeds(name), num_warps=[4, 8], num_stages=[1, 2, 3]) if _has_blocks(name) \
+            else tuner.grid_seeds(num_warps=[1, 2, 4, 8], num_stages=[1, 2])
         out_args = _OUT_ARGS.get(name, ())
 
         def finalize(raw, a, idx=out_args):  # results written into argument buffers + returned ones
-            outs = list(tuning._flatten_outputs(raw))
+            outs = list(tuner.flatten_outputs(raw))
             if name == "ssd_bwd_dx":
                 # its partials have one slot per row tile (the shape depends on the config): compare their sums
                 outs[1], outs[3] = outs[1].sum(dim=3), outs[3].sum(dim=2)
@@ -604,7 +592,7 @@ def _tune_builder(name: str):
             for i in idx:
                 a[i].fill_(float("nan"))
 
-        return tuning.TuneCase(kernel=_KERNELS[name], args=args, dims=kd, default=_DEFAULTS[name], seeds=seeds,
+        return tuner.TuneCase(kernel=_KERNELS[name], args=args, dims=kd, default=_DEFAULTS[name], seeds=seeds,
                                atol=5e-2, rtol=5e-2, n_random=8, finalize=finalize if out_args else None,
                                prepare=prepare if out_args else None)
 

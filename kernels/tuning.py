@@ -1,121 +1,154 @@
-"""Per-GPU Helion configs as committed files, and the config search that produces them.
+"""The runtime every training step calls: config store and lookup, the fit check, the launch cache, the fast launcher.
 
 Files
 -----
-``kernels/configs/<arch>/<kernel_name>.json`` (arch = ``current_arch()``, e.g. ``sm90`` for H100/H200,
-``sm100`` for B200)::
+Committed: ``kernels/configs/<arch>/<kernel_name>.json`` (arch = ``current_arch()``, e.g. ``sm90`` for H100/H200,
+``sm100`` for B200). Per user: ``<kernels.helion.cache_dir>/<arch>/<kernel_name>.json`` (default cache dir
+``~/.cache/nano_hybrid/helion``), written by first-use tuning (``kernels.helion.autotune``). Both hold::
 
     {"kernel": "rmsnorm_bwd", "arch": "sm90",
      "entries": {"<shape_key>": {"dims": {...}, "config": {<helion.Config dict>},
                                  "time_ms": 0.123, "date": "2026-11-29T...", "gpu": "NVIDIA H200",
                                  "meta": {...}}}}
 
-Lookup (``get_config``)
------------------------
-1. CPU / ``HELION_INTERPRET=1``: the kernel's ``default`` (interpret mode ignores configs anyway).
-2. exact ``shape_key(**dims)`` entry in the file for this arch;
-3. else the *nearest tuned shape*: among entries whose dims have the same names and identical
-   non-integer values, the one minimising ``sum_k |log2(dims[k] / entry[k])|`` (log-space L1
-   distance; ties broken by the sorted shape key);
-4. else ``default``.
-Cases 3 and 4 emit ONE ``warnings.warn`` per (kernel, shape) naming what was used.
+Choosing a config (``select_config``), at the first call of a kernel with a given argument signature
+------------------------------------------------------------------------------------------------------
+1. a kernel in Helion's eager reference mode (``HELION_INTERPRET=1``) or arch ``cpu``: the kernel's default;
+2. the exact committed entry for ``shape_key(**dims)``, else the exact user-cache entry;
+3. with ``kernels.helion.autotune`` on: a search at this call (``kernels.tuner.tune_call``, within
+   ``kernels.helion.autotune_budget_s``), stored in the user cache under a file lock (the first rank to take the
+   lock tunes, the others then read its entry);
+4. the nearest tuned shapes (committed and user cache; log-space L1 distance over the integer dims, same
+   non-integer dims; ties broken by the sorted shape key), in distance order;
+5. the kernel's generic default, and last the bound kernel's spec default (``config_spec.default_config()``),
+   valid for every shape by construction.
+Every candidate is first fitted (``fit_config``: flat pid, access lists and block sizes fitted to this
+specialisation) and checked against the bound kernel's config spec at the call's shape with Helion's own
+normalization (``ConfigSpec.normalized_config``, which raises ``helion.exc.InvalidConfig`` for a config of
+another kernel shape, e.g. a ``static_ranges`` entry this binding lacks). A candidate that does not fit is
+skipped with one warning per (kernel, shape) naming the tuned shape it came from; using a nearest shape or a
+default says so once per kernel; an arch without committed configs says so once, with the command that tunes it.
 
-Calling a kernel with a chosen config (``run_with_config``)
------------------------------------------------------------
-On GPU: ``kernel.bind(args).compile_config(config)`` gives a compiled callable; it is cached per
-(kernel, argument signature: dtype/shape/stride/device of tensors and values of scalars, config), so
-a training step pays one dict lookup per launch. Wrappers never call ``kernel(*args)`` on GPU, so
-Helion's own autotuner never runs in a training step. Under ``HELION_INTERPRET=1`` (CPU) the kernel
-function runs in Helion's eager reference mode with the config visible to ``hl.register_tunable``.
+Calling a kernel with a chosen config
+-------------------------------------
+On GPU: ``kernel.bind(args).compile_config(config)`` gives a compiled callable, cached per (kernel, argument
+signature: dtype/shape/stride/device of tensors and values of scalars, config), so a training step pays one dict
+lookup per launch. Wrappers never call ``kernel(*args)`` on GPU, so Helion's own autotuner never runs. Under
+``HELION_INTERPRET=1`` (CPU) the kernel function runs in Helion's eager reference mode with the config visible to
+``hl.register_tunable``.
 
-Autotuning at run time
-----------------------
-Off by default. ``set_autotune(True)`` (what ``kernels.autotune=true`` maps to) makes ``tuned_call``
-run ``search`` once per (kernel, shape) that has no exact entry, with the candidates of the
-kernel's ``TuneCase`` builder if given, and keep the winner in memory for this process (it is not
-written to the committed files; use ``scripts/tune_kernels.py`` for that).
-
-Search (``search``)
--------------------
-Helion's own autotuner returned ``NoConfigFound`` on the H200 host (see kernels/README.md), so we
-drive the search ourselves: every candidate is compiled as a fixed config, run once, its outputs are
-compared with the reference config's outputs (the kernel's default config), and then timed
-in-process with CUDA events (``triton.testing.do_bench`` median when available). Candidates that fail
-to compile, crash, or disagree are skipped and logged. The wall-clock budget is respected between
-candidates.
-
-Registry of tunable kernels
----------------------------
-Each kernel module may expose ``TUNABLE_KERNELS: dict[str, Callable[[dict, torch.device], TuneCase]]``;
-the callable receives *model dims* (a ``SHAPE_PRESETS`` entry: b, l, h, p, g, n, c, w) and returns a
-``TuneCase`` (kernel, args, kernel dims, seed configs, tolerances). ``discover_tunable_kernels()``
-imports every ``kernels.*`` module and collects them, so new kernel modules need no edit here.
+State
+-----
+What depends on the backend's settings (fast launch, autotune, its budget and cache directory) lives in a
+``Runtime``, one per ``HelionSettings`` (``runtime_for``), with its own compiled-kernel and launch caches. The
+helion backend's ops run inside ``use(settings)``; outside any, the default settings' runtime applies. Two
+backends with different settings in one process share no switch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
-import functools
 import datetime as _dt
-import importlib
-import itertools
+import fcntl
+import functools
 import json
 import math
 import os
-import pkgutil
-import random
-import signal
-import threading
 import time
-import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 import helion
 
 from kernels import debug
+from kernels.settings import HelionSettings
 
 CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 
-# Model-level shape presets (Nemotron-3 Nano mixer dims per rank). Kernel TuneCase builders derive their own kernel
-# dims from these. "nano" is the benchmark shape; nano_b1 (recipe nano30b_slice_h200), nano_b4_l4096
-# (convergence_ab_h200) and nano_b4_l1024 (convergence_ab_h200_2000*) are what the GPU recipes run
-# (tests/test_tuning.py::test_recipe_shapes_have_tuned_configs); nano_tp2 is the mixer at tensor parallel 2.
-SHAPE_PRESETS: dict[str, dict[str, int]] = {
-    "nano": dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128, w=4),
-    "nano_b1": dict(b=1, l=8192, h=64, p=64, g=8, n=128, c=128, w=4),
-    "nano_tp2": dict(b=2, l=8192, h=32, p=64, g=4, n=128, c=128, w=4),
-    "nano_b4_l4096": dict(b=4, l=4096, h=64, p=64, g=8, n=128, c=128, w=4),
-    "nano_b4_l1024": dict(b=4, l=1024, h=64, p=64, g=8, n=128, c=128, w=4),
-}
+# Helion warnings that say nothing about our kernels: ProcessGroupNameNotFound is printed at every bind in a
+# process with torch.distributed initialized when the torch build cannot tell symmetric-memory tensors apart
+# (helion/_dist_utils.py); none of our kernels is a distributed kernel. Every kernel in kernels/ ignores these.
+IGNORED_HELION_WARNINGS: list = [helion.exc.ProcessGroupNameNotFound]
 
-_AUTOTUNE = False
 _WARNED: set[tuple[str, str]] = set()
 _FILE_CACHE: dict[Path, dict] = {}
-_COMPILED: dict[tuple, Callable] = {}
-# (kernel name, id(kernel), argument signature) -> compiled callable: the per-call fast path of
-# tuned_call (no config lookup, no Config objects, no JSON per call once a signature has been seen)
-_FAST: dict[tuple, Callable] = {}
-_AUTOTUNED: dict[tuple[str, str], helion.Config] = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# the per-settings runtime
+
+
+@dataclasses.dataclass(eq=False)
+class Runtime:
+    """The state of one helion backend's settings: its switches and its compile / launch caches."""
+
+    settings: HelionSettings
+    compiled: dict = dataclasses.field(default_factory=dict)  # (id(kernel), signature, config json) -> callable
+    # (tag, id(kernel), argument signature) -> compiled callable: the per-call fast path (no config lookup, no
+    # Config objects, no JSON per call once a signature has been seen)
+    fast: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def cache_root(self) -> Path:
+        return user_cache_root(self.settings.cache_dir)
+
+    def clear(self) -> None:
+        self.compiled.clear()
+        self.fast.clear()
+
+
+_RUNTIMES: dict[HelionSettings, Runtime] = {}
+_ACTIVE: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("nano_hybrid_helion_runtime", default=None)
+
+
+def runtime_for(settings: HelionSettings | None = None) -> Runtime:
+    """The runtime of ``settings`` (the defaults when None), one per distinct settings value."""
+    settings = HelionSettings() if settings is None else settings
+    rt = _RUNTIMES.get(settings)
+    if rt is None:
+        rt = _RUNTIMES[settings] = Runtime(settings)
+    return rt
+
+
+def runtime() -> Runtime:
+    """The runtime of the op being run (``use``), else the default settings' runtime."""
+    rt = _ACTIVE.get()
+    return rt if rt is not None else runtime_for(None)
+
+
+@contextlib.contextmanager
+def use(settings: HelionSettings | None) -> Iterator[Runtime]:
+    """Run the kernels called inside with the runtime of ``settings`` (None: keep the active one). Autograd runs a
+    backward on its own thread: a Function's backward enters it again."""
+    if settings is None:
+        yield runtime()
+        return
+    token = _ACTIVE.set(runtime_for(settings))
+    try:
+        yield _ACTIVE.get()
+    finally:
+        _ACTIVE.reset(token)
+
+
+def with_runtime(fn: Callable, settings: HelionSettings) -> Callable:
+    """``fn`` running inside ``use(settings)`` (what the registry binds into the helion backend's ops)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with use(settings):
+            return fn(*args, **kwargs)
+
+    wrapped.settings = settings
+    return wrapped
 
 
 # ----------------------------------------------------------------------------------------------
 # basic helpers
-
-
-def set_autotune(enabled: bool) -> None:
-    """Allow (True) or forbid (False, default) config searches inside ``tuned_call``."""
-    global _AUTOTUNE
-    _AUTOTUNE = bool(enabled)
-    _FAST.clear()
-
-
-def autotune_enabled() -> bool:
-    return _AUTOTUNE
 
 
 def interpret_mode() -> bool:
@@ -128,6 +161,15 @@ def current_arch() -> str:
         return "cpu"
     major, minor = torch.cuda.get_device_capability()
     return f"sm{major}{minor}"
+
+
+def user_cache_root(cache_dir: str = "") -> Path:
+    """The per-user config cache: ``cache_dir`` (``kernels.helion.cache_dir``), else ``~/.cache/nano_hybrid/helion``
+    (under ``$XDG_CACHE_HOME`` when set)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "nano_hybrid" / "helion"
 
 
 _DIM_ORDER = ("b", "l", "m", "d", "h", "p", "g", "n", "c", "w", "gs")
@@ -187,12 +229,11 @@ def _load_file(path: Path) -> dict:
 
 
 def clear_caches() -> None:
-    """Forget loaded files, compiled kernels, warnings already given and in-process autotune results."""
+    """Forget loaded files, compiled kernels and the warnings already given (every runtime)."""
     _FILE_CACHE.clear()
-    _COMPILED.clear()
-    _FAST.clear()
     _WARNED.clear()
-    _AUTOTUNED.clear()
+    for rt in _RUNTIMES.values():
+        rt.clear()
 
 
 def _distance(a: Mapping[str, Any], b: Mapping[str, Any]) -> float | None:
@@ -213,67 +254,75 @@ def _distance(a: Mapping[str, Any], b: Mapping[str, Any]) -> float | None:
     return d
 
 
+
+
+def _entries(kernel_name: str, arch: str, root: Path | None) -> dict:
+    return _load_file(config_path(kernel_name, arch, root))["entries"]
+
+
 def lookup(kernel_name: str, dims: Mapping[str, Any], arch: str | None = None, root: Path | None = None):
-    """Return ``(how, key, entry)`` with how in {"exact", "nearest", "none"} (no CPU shortcut)."""
+    """Return ``(how, key, entry)`` with how in {"exact", "nearest", "none"}: the committed file's exact entry, else
+    its nearest tuned shape (the first of ``nearest_entries``)."""
     key = shape_key(**dims)
-    entries = _load_file(config_path(kernel_name, arch, root))["entries"]
+    entries = _entries(kernel_name, arch or current_arch(), root)
     if key in entries:
         return "exact", key, entries[key]
-    best = None
-    for k in sorted(entries):
-        e = entries[k]
-        d = _distance(dims, e.get("dims", {}))
-        if d is not None and (best is None or d < best[0]):
-            best = (d, k, e)
-    if best is not None:
-        return "nearest", best[1], best[2]
+    near = nearest_entries(entries, dims)
+    if near:
+        return "nearest", near[0][0], near[0][1]
     return "none", None, None
 
 
+def nearest_entries(entries: Mapping[str, dict], dims: Mapping[str, Any]) -> list[tuple[str, dict]]:
+    """``[(key, entry)]`` of the entries with the same dim names and non-integer values as ``dims``, nearest first
+    (log-space L1 distance over the integer dims; ties broken by the sorted key); the exact key is left out."""
+    key = shape_key(**dims)
+    scored = []
+    for k in sorted(entries):
+        if k == key:
+            continue
+        d = _distance(dims, entries[k].get("dims", {}))
+        if d is not None:
+            scored.append((d, k))
+    scored.sort(key=lambda t: t[0])  # stable: ties keep the sorted-key order
+    return [(k, entries[k]) for _, k in scored]
+
+
+def arch_has_configs(arch: str, root: Path | None = None) -> bool:
+    d = Path(root or CONFIG_ROOT) / arch
+    return d.is_dir() and any(d.glob("*.json"))
+
+
 def _warn_once(kernel_name: str, what: str, msg: str) -> None:
-    """One warning per (kernel, what) and process. The config fallback warns with what="config": once per kernel,
-    naming the first shape without a tuned entry."""
+    """One warning per (kernel, what) and process."""
     if (kernel_name, what) in _WARNED:
         return
     _WARNED.add((kernel_name, what))
     warnings.warn(msg, stacklevel=3)
 
 
-def get_config(
-    kernel_name: str,
-    dims: Mapping[str, Any],
-    default: helion.Config | Mapping[str, Any],
-    *,
-    arch: str | None = None,
-    root: Path | None = None,
-) -> helion.Config:
-    """Config for ``kernel_name`` at ``dims`` on this GPU arch (see module doc for the order)."""
-    default = _as_config(default)
-    arch = arch or current_arch()
-    if arch == "cpu" or interpret_mode():
-        return default
-    key = shape_key(**dims)
-    if (kernel_name, key) in _AUTOTUNED:
-        return _AUTOTUNED[(kernel_name, key)]
-    how, used_key, entry = lookup(kernel_name, dims, arch, root)
-    if how == "exact":
-        return _as_config(entry["config"])
-    path = config_path(kernel_name, arch, root)
-    if how == "nearest":
-        _warn_once(
-            kernel_name,
-            "config",
-            f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key}; "
-            f"using the nearest tuned shape {used_key} from {path} (warned once per kernel)",
-        )
-        return _as_config(entry["config"])
-    _warn_once(
-        kernel_name,
-        "config",
-        f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key} (no entry in {path}); "
-        f"using the kernel's generic default config {config_to_dict(default)} (warned once per kernel)",
-    )
-    return default
+TUNE_COMMAND = "python scripts/tune_kernels.py <the run's overrides, e.g. model=... train.micro_batch_size=...>"
+
+
+def _notice_arch_without_configs(arch: str, root: Path | None) -> None:
+    if arch_has_configs(arch, root):
+        return
+    _warn_once("*", f"arch:{arch}",
+               f"nano_hybrid kernels: no committed Helion configs for {arch} ({Path(root or CONFIG_ROOT) / arch} has "
+               f"none): kernels run with their default configs (or user-cache entries); tune this GPU with "
+               f"`{TUNE_COMMAND}` (writes kernels/configs/{arch}/, to commit) or set kernels.helion.autotune=true")
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<path>.lock`` (ranks of one host, and of hosts sharing a POSIX file system)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def record(
@@ -286,35 +335,187 @@ def record(
     arch: str | None = None,
     root: Path | None = None,
 ) -> Path:
-    """Write/update the entry for (kernel, shape) in ``configs/<arch>/<kernel>.json``."""
+    """Write/update the entry for (kernel, shape) in ``<root>/<arch>/<kernel>.json`` (root: the committed configs
+    by default), read-modify-written under ``file_lock`` and replaced atomically (a reader never sees half a file)."""
     arch = arch or current_arch()
     path = config_path(kernel_name, arch, root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data.setdefault("kernel", kernel_name)
-    data.setdefault("arch", arch)
-    entries = data.setdefault("entries", {})
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    entries[shape_key(**dims)] = {
-        "dims": dict(dims),
-        "config": config_to_dict(config),
-        "time_ms": float(time_ms),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": gpu,
-        "meta": dict(meta or {}),
-    }
-    data["entries"] = dict(sorted(entries.items()))
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    tmp.replace(path)
+    with file_lock(path):
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data.setdefault("kernel", kernel_name)
+        data.setdefault("arch", arch)
+        entries = data.setdefault("entries", {})
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        entries[shape_key(**dims)] = {
+            "dims": dict(dims),
+            "config": config_to_dict(config),
+            "time_ms": float(time_ms),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": gpu,
+            "meta": dict(meta or {}),
+        }
+        data["entries"] = dict(sorted(entries.items()))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+        tmp.replace(path)
     _FILE_CACHE.pop(path, None)
-    _FAST.clear()
+    for rt in _RUNTIMES.values():
+        rt.fast.clear()
     return path
 
 
 # ----------------------------------------------------------------------------------------------
-# running a kernel with a fixed config
+# the fit check and the selection chain
 
+# config keys that exist only on some devices (Helion's ConfigSpec.supports_config_key): a config tuned on a
+# TMA-capable GPU carries them; a binding on a device without them drops them
+DEVICE_KEYS = ("host_tensor_descriptors", "cross_loop_pipeline")
+
+
+class ConfigMisfit(ValueError):
+    """A config that does not fit a kernel bound at a call's shape (Helion's normalization refuses it)."""
+
+
+def fit_config(bound, cfg: helion.Config | Mapping[str, Any],
+               adjust: Callable[[dict], dict] | None = None) -> helion.Config:
+    """``cfg`` made ready for ``bound`` (a kernel bound at the call's arguments) and checked against its config spec.
+
+    Fitting: ``adjust`` (a wrapper's own clamps), a flat pid when none is named, access lists and block sizes fitted
+    to this specialisation, device-only keys the binding's device lacks dropped. Check: Helion's
+    ``config_spec.normalized_config`` (what ``compile_config`` runs first). Raises ``ConfigMisfit`` with Helion's
+    reason; returns the fitted config (not the normalized one: what compiles is what was chosen)."""
+    try:
+        cfg = _as_config(cfg)
+        if adjust is not None:
+            cfg = _as_config(adjust(dict(cfg.config)))
+        cfg = with_flat_pid(cfg)
+        spec = getattr(bound, "config_spec", None)
+        if spec is None:
+            return cfg
+        drop = [k for k in DEVICE_KEYS if k in cfg.config and not spec.supports_config_key(k)]
+        if drop:
+            cfg = helion.Config(**{k: v for k, v in cfg.config.items() if k not in drop})
+        cfg = fit_block_sizes(bound, fit_access_lists(bound, cfg))
+        spec.normalized_config(cfg)
+        return cfg
+    except (helion.exc.InvalidConfig, ValueError, TypeError, KeyError, IndexError, AssertionError) as e:
+        raise ConfigMisfit(f"{type(e).__name__}: {e}") from None
+
+
+def select_config(
+    kernel_name: str,
+    kernel,
+    args: Sequence[object],
+    dims: Mapping[str, Any],
+    default: helion.Config | Mapping[str, Any],
+    *,
+    arch: str | None = None,
+    root: Path | None = None,
+    rt: Runtime | None = None,
+    adjust: Callable[[dict], dict] | None = None,
+    seeds: Sequence[helion.Config | Mapping[str, Any]] = (),
+    atol: float = 1e-2,
+    rtol: float = 1e-2,
+    finalize: Callable[[Any, tuple], Any] | None = None,
+    prepare: Callable[[tuple], None] | None = None,
+    bound=None,
+) -> tuple[helion.Config, str]:
+    """The config ``kernel`` runs with at this call, and where it came from ("exact", "cache", "tuned", "nearest",
+    "default", "spec-default"; see the module doc for the chain). ``bound``: the kernel bound at ``args`` if the
+    caller has it."""
+    rt = rt or runtime()
+    arch = arch or current_arch()
+    if kernel_in_ref_mode(kernel) or arch == "cpu":
+        return _as_config(default), "default"
+    key = shape_key(**dims)
+    bound = bound if bound is not None else kernel.bind(tuple(args))
+    _notice_arch_without_configs(arch, root)
+
+    def fits(cfg, source: str, source_key: str | None):
+        try:
+            return fit_config(bound, cfg, adjust)
+        except ConfigMisfit as e:
+            _warn_once(kernel_name, f"misfit:{key}:{source}:{source_key}",
+                       f"nano_hybrid kernels: the {source} config of {kernel_name} tuned at {source_key} does not fit "
+                       f"the kernel at this call's shape {key} ({e}); skipped")
+            return None
+
+    committed = _entries(kernel_name, arch, root)
+    cache_path = config_path(kernel_name, arch, rt.cache_root)
+    cached = _entries(kernel_name, arch, rt.cache_root)
+    if key in committed and (cfg := fits(committed[key]["config"], "committed", key)) is not None:
+        return cfg, "exact"
+    if key in cached and (cfg := fits(cached[key]["config"], "user-cache", key)) is not None:
+        return cfg, "cache"
+    near = [("committed", k, e) for k, e in nearest_entries(committed, dims)]
+    near += [("user-cache", k, e) for k, e in nearest_entries(cached, dims)]
+    near.sort(key=lambda t: _distance(dims, t[2]["dims"]))
+    if rt.settings.autotune:
+        cfg = _tune_first_use(kernel_name, kernel, args, dims, bound, rt, arch, cache_path, adjust, seeds, atol, rtol,
+                              finalize, prepare, [e["config"] for _, _, e in near[:1]])
+        if cfg is not None:
+            return cfg, "tuned"
+    for source, k, e in near:
+        cfg = fits(e["config"], source, k)
+        if cfg is not None:
+            _warn_once(kernel_name, "nearest",
+                       f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key}; using the nearest "
+                       f"tuned shape {k} from the {source} file "
+                       f"{config_path(kernel_name, arch, root if source == 'committed' else rt.cache_root)} "
+                       f"(said once per kernel)")
+            return cfg, "nearest"
+    cfg = fits(default, "generic default", "any shape")
+    how = "default"
+    if cfg is None:
+        cfg, how = fit_config(bound, bound.config_spec.default_config()), "spec-default"
+    _warn_once(kernel_name, "default",
+               f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key} that fits (none in "
+               f"{config_path(kernel_name, arch, root)}); using the kernel's "
+               f"{'generic' if how == 'default' else 'Helion spec'} default config {config_to_dict(cfg)} "
+               f"(said once per kernel)")
+    return cfg, how
+
+
+def _tune_first_use(kernel_name, kernel, args, dims, bound, rt, arch, cache_path, adjust, seeds, atol, rtol, finalize,
+                    prepare, start) -> helion.Config | None:
+    """``kernels.helion.autotune``: tune this call once under the cache file's lock, or read what another rank (or
+    an earlier run) stored meanwhile."""
+    from kernels import tuner
+
+    key = shape_key(**dims)
+    with file_lock(cache_path.with_name(f"{cache_path.stem}.{key}")):
+        _FILE_CACHE.pop(cache_path, None)
+        entry = _entries(kernel_name, arch, rt.cache_root).get(key)
+        if entry is not None:
+            _warn_once(kernel_name, f"cache-read:{key}",
+                       f"nano_hybrid kernels: {kernel_name} at {key}: using the config tuned by another process "
+                       f"({cache_path})")
+            try:
+                return fit_config(bound, entry["config"], adjust)
+            except ConfigMisfit:
+                return None
+        fitting = []
+        for c in start:
+            try:
+                fitting.append(fit_config(bound, c, adjust))
+            except ConfigMisfit:
+                pass
+        t0 = time.monotonic()
+        cfg, ms, meta = tuner.tune_call(kernel_name, kernel, args, start=fitting, seeds=seeds,
+                                        budget_s=rt.settings.autotune_budget_s, atol=atol, rtol=rtol,
+                                        finalize=finalize, prepare=prepare)
+        record(kernel_name, dims, cfg, ms, meta, arch=arch, root=rt.cache_root)
+        _warn_once(kernel_name, f"tuned:{key}",
+                   f"nano_hybrid kernels: tuned {kernel_name} at {key} in {time.monotonic() - t0:.0f} s "
+                   f"({ms * 1000:.1f} us); stored in {cache_path}")
+    try:
+        return fit_config(bound, cfg, adjust)
+    except ConfigMisfit:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# running a kernel with a fixed config
 
 def _arg_signature(args: Sequence[object]) -> tuple:
     """Hashable signature of kernel arguments: what a compiled Helion kernel is specialised on.
@@ -339,22 +540,6 @@ def _arg_signature(args: Sequence[object]) -> tuple:
 # and gradients are bitwise equal with and without it
 # (tests/test_mamba_split_helion.py::test_fast_launch_gives_bitwise_equal_results), and the RMSNorm
 # backward takes 213 us of wall time per call with it against 347 us without (bench_norm_conv --profile).
-_FAST_LAUNCH = True
-
-
-def set_fast_launch(enabled: bool) -> None:
-    """Use ``FastLauncher`` (True) or Helion's own launcher (False). A change drops every compiled kernel, so what
-    runs from now on follows the new setting."""
-    global _FAST_LAUNCH
-    if bool(enabled) != _FAST_LAUNCH:
-        _FAST_LAUNCH = bool(enabled)
-        _COMPILED.clear()
-        _FAST.clear()
-
-
-def fast_launch_enabled() -> bool:
-    return _FAST_LAUNCH
-
 
 class FastLauncher:
     """A ``_launcher`` for one compiled Helion kernel that skips Triton's per-call argument binding.
@@ -426,26 +611,66 @@ def _launches_on_cuda(args: Sequence[object]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args)
 
 
-def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]) -> Callable:
-    """Compiled callable of ``kernel`` for this argument signature and config (cached).
+
+def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any], *,
+             rt: Runtime | None = None, bound=None) -> Callable:
+    """Compiled callable of ``kernel`` for this argument signature and config (cached in the runtime).
 
     With ``NANO_HELION_DUMP_DIR`` set (``kernels.debug``), each compilation also writes the normalized config and the
     generated Triton source there (``<kernel>_<sha>.py``): a diagnostic for comparing what two
     processes actually run for the same kernel, config and argument signature."""
+    rt = rt or runtime()
     cfg = with_flat_pid(_as_config(config))
     key = (id(kernel), _arg_signature(args), cfg.to_json())
-    fn = _COMPILED.get(key)
+    fn = rt.compiled.get(key)
     if fn is None:
-        bound = kernel.bind(tuple(args))
+        bound = bound if bound is not None else kernel.bind(tuple(args))
         cfg = fit_block_sizes(bound, fit_access_lists(bound, cfg))
         fn = bound.compile_config(cfg, allow_print=False)
-        if _FAST_LAUNCH and _launches_on_cuda(args):
+        if rt.settings.fast_launch and _launches_on_cuda(args):
             fn = functools.partial(fn, _launcher=FastLauncher())
-        _COMPILED[key] = fn
+        rt.compiled[key] = fn
         dump = debug.dump_dir()
         if dump is not None:
             _dump_code(dump, kernel, bound, cfg, args)
     return fn
+
+
+def tuned_call(
+    kernel_name: str,
+    kernel,
+    args: Sequence[object],
+    dims: Mapping[str, Any],
+    default: helion.Config | Mapping[str, Any],
+    *,
+    seeds: Sequence[helion.Config | Mapping[str, Any]] = (),
+    atol: float = 1e-2,
+    rtol: float = 1e-2,
+    finalize: Callable[[Any, tuple], Any] | None = None,
+    prepare: Callable[[tuple], None] | None = None,
+    adjust: Callable[[dict], dict] | None = None,
+):
+    """What kernel wrappers call: the config ``select_config`` chooses, compiled once per argument signature.
+    ``seeds`` / ``finalize`` / ``prepare``: for first-use tuning (see ``kernels.tuner.search``); ``adjust``: the
+    wrapper's own clamps, applied before the fit check.
+
+    After the first call with a given argument signature (dtypes, shapes, strides, devices, scalar
+    values) the compiled kernel is looked up by that signature alone: the host cost per call is one
+    signature tuple and one dict lookup on top of the launcher."""
+    rt = runtime()
+    fkey = (kernel_name, id(kernel), _arg_signature(args))
+    fn = rt.fast.get(fkey)
+    if fn is not None:
+        return fn(*args)
+    if kernel_in_ref_mode(kernel):
+        cfg = _as_config(default) if adjust is None else _as_config(adjust(dict(_as_config(default).config)))
+        return run_interpret(kernel, args, cfg)
+    bound = kernel.bind(tuple(args))
+    cfg, _ = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, seeds=seeds, atol=atol,
+                           rtol=rtol, finalize=finalize, prepare=prepare, bound=bound)
+    fn = compiled(kernel, args, cfg, rt=rt, bound=bound)
+    rt.fast[fkey] = fn
+    return fn(*args)
 
 
 _ACCESS_LISTS = ("indexing", "load_eviction_policies", "atomic_indexing")
@@ -576,391 +801,3 @@ def run_interpret(kernel, args: Sequence[object], config: helion.Config | Mappin
     with RefModeContext(bound.env, _as_config(config)):
         return kernel.fn(*args)
 
-
-def fast_lookup(tag: str, kernel, args: Sequence[object]):
-    """(key, compiled callable or None) for ``args`` under ``tag``: the per-call fast path for wrappers
-    that choose their config themselves; store with ``fast_store(key, fn)`` after the first call."""
-    key = (tag, id(kernel), _arg_signature(args))
-    return key, _FAST.get(key)
-
-
-def fast_store(key: tuple, fn: Callable) -> Callable:
-    _FAST[key] = fn
-    return fn
-
-
-def tuned_call(
-    kernel_name: str,
-    kernel,
-    args: Sequence[object],
-    dims: Mapping[str, Any],
-    default: helion.Config | Mapping[str, Any],
-    *,
-    seeds: Sequence[helion.Config | Mapping[str, Any]] = (),
-    autotune_budget_s: float = 60.0,
-    atol: float = 1e-2,
-    rtol: float = 1e-2,
-    finalize: Callable[[Any, tuple], Any] | None = None,
-    prepare: Callable[[tuple], None] | None = None,
-):
-    """What kernel wrappers call: committed config (or fallback), or a search if autotune is on.
-    ``finalize`` / ``prepare``: see ``search`` (kernels whose raw outputs depend on the config).
-
-    After the first call with a given argument signature (dtypes, shapes, strides, devices, scalar
-    values) the compiled kernel is looked up by that signature alone: the host cost per call is one
-    signature tuple and one dict lookup on top of Helion's launcher."""
-    fkey = (kernel_name, id(kernel), _arg_signature(args))
-    fn = _FAST.get(fkey)
-    if fn is not None:
-        return fn(*args)
-    if (
-        _AUTOTUNE
-        and not interpret_mode()
-        and torch.cuda.is_available()
-        and (kernel_name, shape_key(**dims)) not in _AUTOTUNED
-        and lookup(kernel_name, dims)[0] != "exact"
-    ):
-        cands = candidate_configs(kernel, args, seeds=seeds, n_random=16)
-        best, _ = search(kernel, args, cands, budget_s=autotune_budget_s, atol=atol, rtol=rtol,
-                         finalize=finalize, prepare=prepare)
-        _AUTOTUNED[(kernel_name, shape_key(**dims))] = best
-    cfg = get_config(kernel_name, dims, default)
-    if kernel_in_ref_mode(kernel):
-        return run_interpret(kernel, args, cfg)
-    fn = compiled(kernel, args, cfg)
-    _FAST[fkey] = fn
-    return fn(*args)
-
-
-# ----------------------------------------------------------------------------------------------
-# candidate generation and search
-
-
-@dataclasses.dataclass
-class TuneCase:
-    """One tunable kernel at one shape: what ``scripts/tune_kernels.py`` searches."""
-
-    kernel: Any  # a helion Kernel
-    args: tuple
-    dims: dict  # kernel dims (the shape key of the file entry)
-    default: helion.Config | dict  # the generic config used when nothing is tuned
-    seeds: list = dataclasses.field(default_factory=list)  # partial config dicts / Configs
-    atol: float = 1e-2
-    rtol: float = 1e-2
-    n_random: int = 24
-    # (raw kernel outputs, args) -> the config-independent results the search compares, e.g. the
-    # summed dweight instead of per-program partials whose count depends on rows_per_program, plus
-    # outputs written into argument buffers. None: compare the raw outputs.
-    finalize: Callable[[Any, tuple], Any] | None = None
-    # args -> None, run before each candidate's checked run: poison output buffers passed as
-    # arguments (e.g. fill with NaN) so a candidate that leaves elements unwritten fails the check.
-    prepare: Callable[[tuple], None] | None = None
-
-
-def grid_seeds(**axes: Iterable[Any]) -> list[dict]:
-    """Cartesian product of partial-config values, e.g. ``grid_seeds(block_sizes=[[8],[16]], num_warps=[4,8])``."""
-    names = list(axes)
-    return [dict(zip(names, vals)) for vals in itertools.product(*(list(axes[n]) for n in names))]
-
-
-def candidate_configs(
-    kernel,
-    args: Sequence[object],
-    *,
-    seeds: Sequence[helion.Config | Mapping[str, Any]] = (),
-    n_random: int = 24,
-    rng_seed: int = 0,
-) -> list[helion.Config]:
-    """Default config, then seeds (partial dicts layered over the default), then ``n_random`` random
-    configs from the bound kernel's config space (``config_spec.create_config_generation()``).
-    Duplicates are removed. Works without a GPU (binding needs no device launch)."""
-    bound = kernel.bind(tuple(args))
-    spec = bound.config_spec
-    default = spec.default_config()
-    out: list[helion.Config] = [default]
-    for s in seeds:
-        d = dict(default.config)
-        d.update(config_to_dict(s) if isinstance(s, helion.Config) else dict(s))
-        out.append(helion.Config.from_dict(d))
-    if n_random > 0:
-        state = random.getstate()
-        random.seed(rng_seed)
-        try:
-            gen = spec.create_config_generation()
-            for _ in range(n_random):
-                try:
-                    out.append(gen.random_config())
-                except Exception:  # noqa: BLE001 - an unsampleable space only shortens the list
-                    break
-        finally:
-            random.setstate(state)
-    uniq, seen = [], set()
-    for c in out:
-        j = c.to_json()
-        if j not in seen:
-            seen.add(j)
-            uniq.append(c)
-    return uniq
-
-
-def neighbour_configs(cfg: helion.Config | Mapping[str, Any]) -> list[dict]:
-    """Configs one step away from ``cfg`` (a committed winner), for a search that starts from it:
-    every access through TMA (``indexing="tensor_descriptor"``, Hopper and newer) or block pointers,
-    every load with eviction policy "first" / "last", num_warps halved / doubled, num_stages -1 / +1.
-    Per-access lists are replaced by one string (Helion applies it to every access)."""
-    base = config_to_dict(cfg)
-    out: list[dict] = []
-
-    def add(**kw):
-        d = dict(base)
-        d.update(kw)
-        if d != base and d not in out:
-            out.append(d)
-
-    add(indexing="tensor_descriptor")
-    add(indexing="block_ptr")
-    ev = base.get("load_eviction_policies")
-    if isinstance(ev, list) and ev:
-        add(load_eviction_policies=["first"] * len(ev))
-        add(load_eviction_policies=["last"] * len(ev))
-    w = int(base.get("num_warps", 4))
-    for nw in (w // 2, w * 2):
-        if 1 <= nw <= 16:
-            add(num_warps=nw)
-    st = int(base.get("num_stages", 1))
-    for ns in (st - 1, st + 1):
-        if 1 <= ns <= 5:
-            add(num_stages=ns)
-    return out
-
-
-def _flatten_outputs(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        res = []
-        for o in out:
-            res.extend(_flatten_outputs(o))
-        return res
-    return []
-
-
-def outputs_close(a, b, atol: float, rtol: float) -> tuple[bool, float]:
-    """Compare two kernel outputs (tensor or nested tuple); returns (ok, max abs error)."""
-    fa, fb = _flatten_outputs(a), _flatten_outputs(b)
-    if len(fa) != len(fb):
-        return False, float("inf")
-    worst = 0.0
-    ok = True
-    for x, y in zip(fa, fb):
-        if x.shape != y.shape:
-            return False, float("inf")
-        x32, y32 = x.float(), y.float()
-        if not torch.isfinite(x32).all():
-            return False, float("inf")
-        err = (x32 - y32).abs()
-        worst = max(worst, float(err.max()) if err.numel() else 0.0)
-        if not torch.all(err <= atol + rtol * y32.abs()):
-            ok = False
-    return ok, worst
-
-
-def checked_outputs(fn: Callable, args: tuple, finalize=None, prepare=None):
-    """One checked run of a compiled candidate: ``prepare(args)``, run, ``finalize(out, args)``."""
-    if prepare is not None:
-        prepare(args)
-    out = fn(*args)
-    return out if finalize is None else finalize(out, args)
-
-
-TIMERS = debug.TIMERS
-
-
-def timer_name() -> str:
-    """The tuner's timer (``NANO_TUNE_TIMER``, see ``kernels.debug``): "events" (default) or "cudagraph"."""
-    return debug.tune_timer()
-
-
-def time_fn(fn: Callable[[], Any], rep_ms: float = 100.0) -> float:
-    """Median milliseconds per call, measured on the GPU in-process (``timer_name()`` says how)."""
-    if timer_name() == "cudagraph":
-        from triton.testing import do_bench_cudagraph
-
-        fn()  # compiled and allocated outside the capture
-        torch.cuda.synchronize()
-        return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
-    except ImportError:
-        pass
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fn()
-    e.record()
-    torch.cuda.synchronize()
-    est = max(s.elapsed_time(e), 1e-3)
-    n = int(max(5, min(1000, rep_ms / est)))
-    times = []
-    for _ in range(n):
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return float(times[len(times) // 2])
-
-
-def _cuda_alive() -> bool:
-    try:
-        torch.zeros(1, device="cuda").add_(1)
-        torch.cuda.synchronize()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-class CandidateTimeout(Exception):
-    """A candidate's compile + check took longer than ``search``'s ``candidate_timeout_s``."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float | None):
-    """Raise CandidateTimeout in this (main) thread after ``seconds`` (SIGALRM); no-op elsewhere.
-
-    Interrupts Python code and waits on subprocesses (ptxas) at once; a long call inside a C
-    extension (LLVM passes) is interrupted when it returns to Python."""
-    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def _raise(signum, frame):
-        raise CandidateTimeout(f"compile + check took longer than {seconds:.0f} s")
-
-    old = signal.signal(signal.SIGALRM, _raise)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def search(
-    kernel,
-    args: Sequence[object],
-    candidates: Sequence[helion.Config | Mapping[str, Any]],
-    budget_s: float,
-    rep: float = 50.0,
-    *,
-    atol: float = 1e-2,
-    rtol: float = 1e-2,
-    reference: helion.Config | Mapping[str, Any] | None = None,
-    log: Callable[[str], None] | None = None,
-    finalize: Callable[[Any, tuple], Any] | None = None,
-    prepare: Callable[[tuple], None] | None = None,
-    candidate_timeout_s: float | None = 30.0,
-) -> tuple[helion.Config, list[dict]]:
-    """Compile, check and time each candidate; return ``(best_config, results)``.
-
-    The reference output comes from ``reference`` (default: the bound kernel's default config) and
-    every candidate's output must match it within ``atol + rtol*|ref|``. With ``finalize``, the
-    compared values are ``finalize(raw_outputs, args)`` (config-independent results) for the
-    reference and every candidate; ``prepare(args)`` runs before each checked run. ``results`` has one dict per
-    candidate tried: config, status ("ok", "compile_error", "run_error", "mismatch", "skipped_budget"),
-    time_ms, max_abs_err, error. The budget is checked before each candidate; the reference is always
-    run. A candidate whose compile + check + timing exceeds ``candidate_timeout_s`` (or the budget left
-    plus 10 s) is dropped with status "timeout" (some configs make Triton compile for minutes).
-    A CUDA error that leaves the context unusable ends the search with the best so far.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("tuning.search needs a CUDA GPU (timings are measured on the device)")
-    log = log or (lambda s: None)
-    t0 = time.monotonic()
-    args = tuple(args)
-    ref_cfg = _as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
-    ref_out = checked_outputs(compiled(kernel, args, ref_cfg), args, finalize, prepare)
-    torch.cuda.synchronize()
-    ref_out = [t.clone() for t in _flatten_outputs(ref_out)]
-    results: list[dict] = []
-    best: tuple[float, helion.Config] | None = None
-    cands = [ref_cfg] + [c for c in map(_as_config, candidates) if c.to_json() != ref_cfg.to_json()]
-    for i, cfg in enumerate(cands):
-        r: dict[str, Any] = {"config": config_to_dict(cfg), "status": None, "time_ms": None, "max_abs_err": None}
-        if i > 0 and time.monotonic() - t0 > budget_s:
-            r["status"] = "skipped_budget"
-            results.append(r)
-            continue
-        limit = None
-        if i > 0 and candidate_timeout_s:
-            limit = max(1.0, min(candidate_timeout_s, budget_s - (time.monotonic() - t0) + 10.0))
-        try:
-            with _time_limit(limit):
-                r["status"] = "compile_error"
-                fn = compiled(kernel, args, cfg)
-                r["status"] = None
-                out = checked_outputs(fn, args, finalize, prepare)
-                torch.cuda.synchronize()
-                ok, err = outputs_close(out, ref_out, atol, rtol)
-                ms = time_fn(lambda: fn(*args), rep) if ok else None
-        except CandidateTimeout as e:
-            r.update(status="timeout", error=str(e))
-            results.append(r)
-            log(f"  [{i}] timeout ({e})")
-            if not _cuda_alive():
-                break
-            continue
-        except Exception as e:  # noqa: BLE001
-            if r["status"] == "compile_error":
-                r.update(error=f"{type(e).__name__}: {str(e)[:300]}")
-                results.append(r)
-                log(f"  [{i}] compile_error {r['error'][:120]}")
-                continue
-            r.update(status="run_error", error=f"{type(e).__name__}: {str(e)[:300]}")
-            results.append(r)
-            log(f"  [{i}] run_error {r['error'][:120]}")
-            if not _cuda_alive():
-                r["error"] += " (CUDA context lost: search stopped)"
-                break
-            continue
-        r["max_abs_err"] = err
-        if not ok:
-            r["status"] = "mismatch"
-            results.append(r)
-            log(f"  [{i}] mismatch max_abs_err={err:.3g}")
-            continue
-        r.update(status="ok", time_ms=ms)
-        results.append(r)
-        log(f"  [{i}] ok {ms * 1000:.1f} us")
-        if best is None or ms < best[0]:
-            best = (ms, cfg)
-    if best is None:
-        raise RuntimeError(
-            "tuning.search: no candidate ran correctly (not even the reference config); "
-            f"first errors: {[r.get('error') for r in results[:3]]}"
-        )
-    return best[1], results
-
-
-def discover_tunable_kernels() -> dict[str, tuple[str, Callable]]:
-    """``{kernel_name: (module_name, case_builder)}`` from every ``kernels.*`` module's TUNABLE_KERNELS."""
-    import kernels as _pkg
-
-    found: dict[str, tuple[str, Callable]] = {}
-    for mod in pkgutil.iter_modules(_pkg.__path__):
-        if mod.name in ("tuning", "registry") or mod.name.startswith("_"):
-            continue
-        m = importlib.import_module(f"kernels.{mod.name}")
-        for name, builder in getattr(m, "TUNABLE_KERNELS", {}).items():
-            if name in found:
-                raise ValueError(f"tunable kernel {name!r} defined in both {found[name][0]} and kernels.{mod.name}")
-            found[name] = (f"kernels.{mod.name}", builder)
-    return found
-
-
-def format_exc() -> str:
-    return traceback.format_exc()

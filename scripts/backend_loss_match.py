@@ -254,8 +254,7 @@ def _run(a, cfg) -> dict | None:
     kcfg = cfg.kernels
     for name in dict.fromkeys(x.backend for x in a.arm_specs):  # every arm must be usable before any work
         try:
-            configure_backend(name, autotune=bool(kcfg.get("autotune", False)),
-                              deterministic=bool(kcfg.get("deterministic", False)))
+            configure_backend(name, deterministic=bool(kcfg.get("deterministic", False)))
         except KernelSwitchError as e:  # a switch that does not apply to this arm
             from nano_hybrid.config import ConfigError
 
@@ -356,8 +355,7 @@ def _run(a, cfg) -> dict | None:
                 "train_iters": int(cfg.train.train_iters),
                 "optim": {k: cfg.optim[k] for k in ("lr", "min_lr", "warmup_iters", "decay_style", "clip_grad",
                                                      "weight_decay")},
-                "kernels": {"autotune": bool(kcfg.get("autotune", False)),
-                            "deterministic": bool(kcfg.get("deterministic", False))},
+                "kernels": {"deterministic": bool(kcfg.get("deterministic", False))},
             },
             "shapes": {
                 "tokens_per_microbatch": list(sample.shape),

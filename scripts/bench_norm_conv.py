@@ -6,7 +6,7 @@
     # RMSNorm with a per-call profile of each side (device time, kernels, wall time per call):
     OUT=/tmp/bench python scripts/bench_norm_conv.py --ops rmsnorm --shapes nano --profile
 
-Shapes: kernels.tuning.SHAPE_PRESETS (nano = tuned; nano_tp2, nano_b4_l4096 use whatever config
+Shapes: kernels.tuner.SHAPE_PRESETS (nano = tuned; nano_tp2, nano_b4_l4096 use whatever config
 lookup gives, i.e. nearest tuned shape, without retuning). The RMSNorm call is Megatron's:
 x (b*l, h*p) bf16, z=None, group_size=h*p/g, norm_before_gate=False. The conv call is the fused
 path's: x = channel-last view of the xBC slice of a (b, l, 10304) zxBCdt, width 4, bias, SiLU.
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch  # noqa: E402
 
 from kernels import tuning  # noqa: E402
+from kernels import tuner  # noqa: E402
 from kernels.causal_conv1d import causal_conv1d_helion, causal_conv1d_ref  # noqa: E402
 from kernels.rmsnorm_gated import rmsnorm_fn_helion, rmsnorm_gated_ref  # noqa: E402
 from kernels.settings import HelionSettings  # noqa: E402
@@ -61,7 +62,7 @@ def _bench_pair(fa, fb, rounds, rep_ms):
     for i in range(rounds):
         order = [("A", fa), ("B", fb), ("A2", fa)] if i % 2 == 0 else [("B", fb), ("A2", fa), ("A", fa)]
         for tag, f in order:
-            ms = tuning.time_fn(f, rep_ms)
+            ms = tuner.time_fn(f, rep_ms)
             {"A": a, "B": b, "A2": a2}[tag].append(ms)
 
     def s(x):
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
     path = out_dir / "bench_norm_conv.json"
     rc = 0
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
-        dims = tuning.SHAPE_PRESETS[shape]
+        dims = tuner.SHAPE_PRESETS[shape]
         entry = {"model_dims": dims}
         for op, fn in (("rmsnorm", bench_rmsnorm), ("conv1d", bench_conv)):
             if op not in ops:

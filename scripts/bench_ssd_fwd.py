@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from kernels import ssd  # noqa: E402
 from kernels import ssd_helion as sh  # noqa: E402
 from kernels import tuning  # noqa: E402
+from kernels import tuner  # noqa: E402
 
 
 def _mamba():
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
                "method": "alternating rounds, CUDA events per call, A-vs-A control, bootstrap CI",
                "rounds": args.rounds, "iters": args.iters, "shapes": {}}
     for s in args.shapes.split(","):
-        md = tuning.SHAPE_PRESETS[s]
+        md = tuner.SHAPE_PRESETS[s]
         print(f"=== shape {s}: {md}", flush=True)
         results["shapes"][s] = bench_shape(s, md, m, args.rounds, args.iters)
         torch.cuda.empty_cache()

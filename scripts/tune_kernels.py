@@ -1,12 +1,18 @@
 """Search Helion configs for tunable kernels on this GPU and write winners to kernels/configs/<arch>/.
 
+    python scripts/tune_kernels.py model=nano30b_slice train.micro_batch_size=2 parallel.tensor_model_parallel_size=2
     python scripts/tune_kernels.py --kernels rmsnorm_fwd,rmsnorm_bwd,conv1d_fwd,conv1d_bwd --shapes nano --budget-min 8
 
-Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuning.discover_tunable_kernels``);
-shapes are ``kernels.tuning.SHAPE_PRESETS`` names. The budget is split evenly over (kernel, shape)
+Positional arguments are a run's own overrides (the same as ``python -m nano_hybrid.train ...``): the config is
+composed as training composes it and the mixer dims one rank of that run calls are tuned
+(``nano_hybrid.model.config.mixer_dims``: micro-batch, sequence per context-parallel rank, heads and groups per
+tensor-parallel rank, head dim, state dim, chunk, conv width). Without overrides, ``--shapes`` names presets.
+
+Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuner.discover_tunable_kernels``);
+shapes are ``kernels.tuner.SHAPE_PRESETS`` names. The budget is split evenly over (kernel, shape)
 pairs. Candidates: the kernel's default config, its hand-written seeds (shuffled with a fixed seed),
 then random configs from the bound kernel's config space; each is compiled as a fixed config,
-checked against the default config's output and timed in-process (``kernels.tuning.search``).
+checked against the default config's output and timed in-process (``kernels.tuner.search``).
 Kernels whose raw outputs depend on the config (per-program partial sums of rmsnorm_bwd / conv1d_bwd)
 are compared on their final results (``TuneCase.finalize``: dx, dz, summed dweight/dbias).
 A JSON log with every candidate's outcome goes to $OUT (default runs/bench/h200).
@@ -33,22 +39,29 @@ from pathlib import Path
 import torch  # noqa: E402
 
 from kernels import tuning  # noqa: E402
+from kernels import tuner  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="a run's overrides (as for nano_hybrid.train): tune the mixer shapes it calls")
     ap.add_argument("--kernels", default="all", help="comma list of tunable kernel names, or 'all'")
-    ap.add_argument("--shapes", "--shape", dest="shapes", default="nano", help=f"comma list of presets: {', '.join(tuning.SHAPE_PRESETS)}")
+    ap.add_argument("--shapes", "--shape", dest="shapes", default=None,
+                    help=f"comma list of presets (default nano without overrides): {', '.join(tuner.SHAPE_PRESETS)}")
+    ap.add_argument("--model-dims", default=None, help=argparse.SUPPRESS)  # JSON {name: dims}: the isolated children
+    ap.add_argument("--out-root", default=None,
+                    help="write configs under this root instead of kernels/configs (e.g. the user cache "
+                    "~/.cache/nano_hybrid/helion); the default writes the files a team commits")
     ap.add_argument("--budget-min", type=float, default=8.0, help="total wall-clock budget in minutes")
     ap.add_argument("--budget-s", type=float, default=None, help="total budget in seconds (overrides --budget-min)")
     ap.add_argument("--rep-ms", type=float, default=40.0, help="timing window per candidate (ms)")
-    ap.add_argument("--timer", choices=tuning.TIMERS, default=None,
+    ap.add_argument("--timer", choices=tuner.TIMERS, default=None,
                     help="how candidates are timed (NANO_TUNE_TIMER; default events): 'cudagraph' times device time "
                     "from CUDA-graph replays, for kernels of a few microseconds whose per-call time is the launch's")
     ap.add_argument("--no-write", action="store_true", help="do not update kernels/configs/")
     ap.add_argument("--list", action="store_true", help="list tunable kernels and exit")
     ap.add_argument("--from-scratch", action="store_true",
-                    help="do not start from the committed config and its neighbours (tuning.neighbour_configs)")
+                    help="do not start from the committed config and its neighbours (tuner.neighbour_configs)")
     ap.add_argument("--no-isolate", action="store_true",
                     help="search every (kernel, shape) pair in this process (default: one child process per pair "
                     "when there is more than one)")
@@ -56,9 +69,9 @@ def main(argv=None) -> int:
     if args.budget_s is not None:
         args.budget_min = args.budget_s / 60.0
     if args.timer is not None:
-        os.environ["NANO_TUNE_TIMER"] = args.timer  # read by tuning.time_fn here and in the child processes
+        os.environ["NANO_TUNE_TIMER"] = args.timer  # read by tuner.time_fn here and in the child processes
 
-    registry = tuning.discover_tunable_kernels()
+    registry = tuner.discover_tunable_kernels()
     if args.list:
         for name, (mod, _) in sorted(registry.items()):
             print(f"{name}\t{mod}")
@@ -67,10 +80,11 @@ def main(argv=None) -> int:
     unknown = [k for k in names if k not in registry]
     if unknown:
         ap.error(f"unknown kernels {unknown}; known: {sorted(registry)}")
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in tuning.SHAPE_PRESETS]
-    if bad:
-        ap.error(f"unknown shapes {bad}; known: {sorted(tuning.SHAPE_PRESETS)}")
+    try:
+        shape_dims = resolve_shapes(args.overrides, args.shapes, args.model_dims)
+    except ValueError as e:
+        ap.error(str(e))
+    shapes = list(shape_dims)
     if not torch.cuda.is_available():
         print("tune_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -80,7 +94,7 @@ def main(argv=None) -> int:
 
     per_budget = args.budget_min * 60.0 / (len(names) * len(shapes))
     if not args.no_isolate and len(names) * len(shapes) > 1:
-        return _run_isolated(args, names, shapes, per_budget)
+        return _run_isolated(args, names, shape_dims, per_budget)
 
     out_dir = Path(os.environ.get("OUT", "runs/bench/h200"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +110,7 @@ def main(argv=None) -> int:
         "helion": _version("helion"),
         "triton": _version("triton"),
         "budget_min_total": args.budget_min,
-        "timer": tuning.timer_name(),
+        "timer": tuner.timer_name(),
         "budget_s_per_kernel_shape": per_budget,
         "runs": [],
     }
@@ -105,14 +119,14 @@ def main(argv=None) -> int:
     for shape in shapes:
         for name in names:
             t0 = time.monotonic()
-            run = {"kernel": name, "shape": shape, "model_dims": tuning.SHAPE_PRESETS[shape]}
+            run = {"kernel": name, "shape": shape, "model_dims": shape_dims[shape]}
             print(f"== {name} @ {shape} (budget {per_budget:.0f}s)", flush=True)
             try:
-                case = registry[name][1](dict(tuning.SHAPE_PRESETS[shape]), device)
+                case = registry[name][1](dict(shape_dims[shape]), device)
                 run["kernel_dims"] = case.dims
                 seeds = list(case.seeds)
                 random.Random(0).shuffle(seeds)
-                cands = tuning.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
+                cands = tuner.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
                 # the generic default (what runs without a config file) comes after the spec default (the reference)
                 cands.insert(1, tuning._as_config(case.default))
                 # and before both, right after the reference: the committed winner for this shape (or, for a shape
@@ -122,14 +136,14 @@ def main(argv=None) -> int:
                 how, near_key, entry = tuning.lookup(name, case.dims)
                 if how in ("exact", "nearest") and not args.from_scratch:
                     committed = tuning._as_config(entry["config"])
-                    near = [committed] + [tuning._as_config(d) for d in tuning.neighbour_configs(committed)]
+                    near = [committed] + [tuning._as_config(d) for d in tuner.neighbour_configs(committed)]
                     run["start"] = {"how": how, "key": near_key}
                     if how == "exact":
                         run["committed_ms"] = entry.get("time_ms")
                     cands[1:1] = near  # right after the reference: a short budget still times them
                     seen: set[str] = set()  # a neighbour can equal a seed: time each config once
                     cands = [c for c in cands if not (c.to_json() in seen or seen.add(c.to_json()))]
-                best, results = tuning.search(
+                best, results = tuner.search(
                     case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
                     log=lambda s: print(s, flush=True), finalize=case.finalize, prepare=case.prepare,
                 )
@@ -151,8 +165,9 @@ def main(argv=None) -> int:
                     except Exception as e:  # noqa: BLE001 - keep the partial winner, say so
                         run["full_config_error"] = f"{type(e).__name__}: {e}"
                     run["written_config"] = tuning.config_to_dict(best)
-                    path = tuning.record(name, case.dims, best, best_ms, {
-                        "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"], "timer": tuning.timer_name(),
+                    path = tuning.record(name, case.dims, best, best_ms, root=args.out_root and Path(args.out_root),
+                                         meta={
+                        "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"], "timer": tuner.timer_name(),
                         "generic_default_ms": run["generic_default_ms"], "search_s": round(time.monotonic() - t0, 1),
                         "torch": torch.__version__, "helion": _version("helion"), "triton": _version("triton"),
                     })
@@ -174,28 +189,53 @@ def main(argv=None) -> int:
 ISOLATE_OVERHEAD_S = 15.0
 
 
-def child_commands(args, names: list[str], shapes: list[str], per_budget: float) -> list[list[str]]:
+def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | None) -> dict[str, dict]:
+    """{shape name: model dims}: from a run's overrides (one shape, named by its shape key), else the presets
+    (``--shapes``, default nano); ``model_dims`` (JSON) is what the isolated children get."""
+    if model_dims:
+        return json.loads(model_dims)
+    if overrides:
+        if presets:
+            raise ValueError("give either a run's overrides or --shapes, not both")
+        from nano_hybrid.config import ConfigError, compose
+        from nano_hybrid.model.config import mixer_dims
+
+        try:
+            dims = mixer_dims(compose(list(overrides)))
+        except ConfigError as e:
+            raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
+        return {"run_" + tuning.shape_key(**dims): dims}
+    names = [s.strip() for s in (presets or "nano").split(",") if s.strip()]
+    bad = [s for s in names if s not in tuner.SHAPE_PRESETS]
+    if bad:
+        raise ValueError(f"unknown shapes {bad}; known: {sorted(tuner.SHAPE_PRESETS)}")
+    return {s: dict(tuner.SHAPE_PRESETS[s]) for s in names}
+
+
+def child_commands(args, names: list[str], shape_dims: dict[str, dict], per_budget: float) -> list[list[str]]:
     """One ``tune_kernels.py --no-isolate`` command per (kernel, shape) pair, each with that pair's budget
     less the child's start-up time."""
     per_budget = max(10.0, per_budget - ISOLATE_OVERHEAD_S)
     cmds = []
-    for shape in shapes:
+    for shape, dims in shape_dims.items():
         for name in names:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--kernels", name, "--shapes", shape,
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--kernels", name,
+                   "--model-dims", json.dumps({shape: dims}),
                    "--budget-s", f"{per_budget:.1f}", "--rep-ms", str(args.rep_ms), "--no-isolate"]
+            cmd += ["--out-root", args.out_root] if getattr(args, "out_root", None) else []
             cmd += ["--no-write"] if args.no_write else []
             cmd += ["--from-scratch"] if args.from_scratch else []
             cmds.append(cmd)
     return cmds
 
 
-def _run_isolated(args, names: list[str], shapes: list[str], per_budget: float) -> int:
+def _run_isolated(args, names: list[str], shapes: dict[str, dict], per_budget: float) -> int:
     """Each pair in its own process (fresh CUDA context); each child writes its own JSON log and config file.
     A child is stopped after its share of the budget plus 75 s (start-up, the reference compile, one candidate's
     time limit)."""
     failed = []
     for cmd in child_commands(args, names, shapes, per_budget):
-        pair = f"{cmd[cmd.index('--kernels') + 1]} @ {cmd[cmd.index('--shapes') + 1]}"
+        pair = f"{cmd[cmd.index('--kernels') + 1]} @ {next(iter(json.loads(cmd[cmd.index('--model-dims') + 1])))}"
         try:
             rc = subprocess.run(cmd, timeout=per_budget + 75.0).returncode
         except subprocess.TimeoutExpired:

@@ -650,8 +650,9 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
     import tune_kernels as tk
 
     args = argparse.Namespace(rep_ms=40.0, no_write=True, from_scratch=False)
-    cmds = tk.child_commands(args, ["ssd_bwd_dc_dcb", "ssd_bwd_db"], ["nano", "tp2"], per_budget=70.0)
-    pairs = [(c[c.index("--kernels") + 1], c[c.index("--shapes") + 1]) for c in cmds]
+    shapes = {"nano": dict(b=2), "tp2": dict(b=1)}
+    cmds = tk.child_commands(args, ["ssd_bwd_dc_dcb", "ssd_bwd_db"], shapes, per_budget=70.0)
+    pairs = [(c[c.index("--kernels") + 1], next(iter(json.loads(c[c.index("--model-dims") + 1])))) for c in cmds]
     assert pairs == [("ssd_bwd_dc_dcb", "nano"), ("ssd_bwd_db", "nano"), ("ssd_bwd_dc_dcb", "tp2"),
                      ("ssd_bwd_db", "tp2")]
     for c in cmds:
@@ -659,8 +660,26 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
         assert "--from-scratch" not in c
         assert float(c[c.index("--budget-s") + 1]) == 70.0 - tk.ISOLATE_OVERHEAD_S
     args.no_write, args.from_scratch = False, True
-    (c,) = tk.child_commands(args, ["rmsnorm_fwd"], ["nano"], per_budget=5.0)
+    (c,) = tk.child_commands(args, ["rmsnorm_fwd"], {"nano": dict(b=2)}, per_budget=5.0)
     assert "--no-write" not in c and "--from-scratch" in c and float(c[c.index("--budget-s") + 1]) == 10.0
+
+
+def test_tune_kernels_takes_a_runs_overrides():
+    """tune_kernels.py with a run's overrides tunes the mixer dims one rank of that run calls (per tensor-parallel
+    rank heads and groups, the micro-batch, the sequence); presets still work; a split that does not divide is
+    refused naming the keys."""
+    import tune_kernels as tk
+
+    got = tk.resolve_shapes(["model=nano30b_slice", "train.micro_batch_size=2",
+                             "parallel.tensor_model_parallel_size=2"], None, None)
+    ((name, dims),) = got.items()
+    assert dims == dict(b=2, l=dims["l"], h=32, p=64, g=4, n=128, c=128, w=4) and name.startswith("run_b2_")
+    assert tk.resolve_shapes([], "nano,nano_b1", None) == {"nano": tk.tuner.SHAPE_PRESETS["nano"],
+                                                            "nano_b1": tk.tuner.SHAPE_PRESETS["nano_b1"]}
+    with pytest.raises(ValueError, match="mamba_num_groups=8 is not divisible by parallel.tensor_model_parallel_size=16"):
+        tk.resolve_shapes(["model=nano30b_slice", "parallel.tensor_model_parallel_size=16"], None, None)
+    with pytest.raises(ValueError, match="not both"):
+        tk.resolve_shapes(["model=nano30b_slice"], "nano", None)
 
 
 def test_bench_layers_backend_options():
@@ -771,3 +790,19 @@ def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_pa
                         "--fwd-bwd-only", "--out", str(tmp_path / "bad"), *common, f"run_dir={tmp_path / 'bad' / 'run'}"],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode != 0 and "optim.fused needs the optimizer step" in r.stderr
+
+
+def test_bench_shape_grid_smoke_on_cpu(tmp_path):
+    """bench_shape_grid.py end to end on the CPU: torch reference vs helion (interpret mode) at the tiny shape with
+    packed documents; every field of the record is there and the helion errors are bf16-sized."""
+    import bench_shape_grid as bsg
+
+    assert len([s for s in bsg.GRID if s != "tiny"]) >= 12
+    args = bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--rounds", "1",
+                           "--iters", "1", "--profile-iters", "0", "--device", "cpu", "--out", str(tmp_path)])
+    res = bsg.run(args)
+    r = res["shapes"]["tiny"]
+    assert "error" not in r, r.get("traceback")
+    assert set(r["rel_err_vs_fp32"]) == {"torch", "helion"} and r["rel_err_vs_fp32"]["helion"]["d_zxbcdt"] < 3e-2
+    assert r["speedup_per_call"]["speedup"] > 0 and res["summary"]["shapes_run"] == 1
+    assert "| tiny |" in bsg.markdown(res)

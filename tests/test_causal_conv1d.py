@@ -332,7 +332,7 @@ def test_tuner_compares_final_results_across_lanes_per_program():
     """The conv1d_bwd TuneCase compares dx (written into its argument buffer, poisoned with NaN before
     each checked run) and the summed dweight/dbias, so configs with different lanes per program (different
     partial counts) pass the tuner's check."""
-    from kernels import tuning
+    from kernels import tuner, tuning
     from kernels.causal_conv1d import TUNABLE_KERNELS
 
     import helion
@@ -343,13 +343,13 @@ def test_tuner_compares_final_results_across_lanes_per_program():
     c2 = helion.Config(num_warps=8, block_sizes=[4, 32], l_per_lane=16)
 
     def run(cfg):
-        return tuning.checked_outputs(lambda *a: tuning.run_with_config(case.kernel, a, cfg), case.args,
+        return tuner.checked_outputs(lambda *a: tuning.run_with_config(case.kernel, a, cfg), case.args,
                                       case.finalize, case.prepare)
 
-    ref = [t.clone() for t in tuning._flatten_outputs(run(c1))]
+    ref = [t.clone() for t in tuner.flatten_outputs(run(c1))]
     assert torch.isfinite(ref[0]).all()  # every dx element written after the NaN poisoning
     got = run(c2)
-    ok, err = tuning.outputs_close(got, ref, case.atol, case.rtol)
+    ok, err = tuner.outputs_close(got, ref, case.atol, case.rtol)
     assert ok, err
     raw = tuning.run_with_config(case.kernel, case.args, c2)
     assert raw[0].shape[1] == 1 and ref[1].shape == (4, 32)  # 1 partial vs 4; summed (taps, channels)
@@ -434,7 +434,7 @@ def test_bwd_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
     also for seq_idx that is not sorted (an input counts only where its seq id equals the output's)."""
     import helion
 
-    from kernels import tuning
+    from kernels import tuner, tuning
 
     x, wt, bias, seq, dy = _lane_case(b, d, l, w, seqkind, act, hasb, torch.float64)
     cfg = helion.Config(block_sizes=[2, 4], num_warps=4, l_per_lane=16)
@@ -453,7 +453,7 @@ def test_fwd_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
     import helion
 
     from kernels import causal_conv1d as cc
-    from kernels import tuning
+    from kernels import tuner, tuning
 
     x, wt, bias, seq, _ = _lane_case(b, d, l, w, seqkind, act, hasb, torch.float64)
     xx, w4, bb, sq, silu, _, _ = cc._conv_prep(x, wt, bias, seq, act)

@@ -362,26 +362,23 @@ def test_fast_launch_gives_bitwise_equal_results():
 
     def run(shape, fast):
         tuning.clear_caches()
-        prev = tuning.fast_launch_enabled()
-        tuning.set_fast_launch(fast)
-        try:
+        settings = HelionSettings(fast_launch=fast)
+        with tuning.use(settings) as rt:
             t = _case(*shape[:6], device="cuda", dtype=torch.bfloat16)
             t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
             kw = dict(chunk_size=shape[6], headdim=shape[3], ngroups=shape[4], norm_before_gate=False)
             outs = []
             for _ in range(3):
                 leaves = {k: v.detach().requires_grad_(True) for k, v in t.items()}
-                out = msh.mamba_split_conv1d_scan_combined_helion(*leaves.values(), **kw)
+                out = msh.mamba_split_conv1d_scan_combined_helion(*leaves.values(), settings=settings, **kw)
                 x = out.reshape(-1, out.shape[-1])
                 w = torch.ones(x.shape[-1], device="cuda", dtype=x.dtype)
                 y = R.rmsnorm_fn_helion(x, w, None, eps=1e-5, group_size=x.shape[-1] // shape[4], norm_before_gate=False)
                 grads = torch.autograd.grad(y.float().square().sum(), list(leaves.values()))
                 outs.append([y] + list(grads))
-            launchers = [f.keywords["_launcher"] for f in tuning._COMPILED.values() if hasattr(f, "keywords")]
-            return outs, launchers
-        finally:
-            tuning.set_fast_launch(prev)
-            tuning.clear_caches()
+            launchers = [f.keywords["_launcher"] for f in rt.compiled.values() if hasattr(f, "keywords")]
+        tuning.clear_caches()
+        return outs, launchers
 
     for shape in ((2, 300, 8, 32, 2, 32, 64), (2, 8192, 64, 64, 8, 128, 128)):
         base, none = run(shape, False)

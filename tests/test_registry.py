@@ -31,25 +31,49 @@ def test_gpu_backends_unavailable_on_cpu_with_one_line(monkeypatch):
 def test_kernel_switches_are_validated_not_ignored():
     from kernels.registry import KernelSwitchError, configure_backend
 
-    with pytest.raises(KernelSwitchError, match="kernels.autotune=true applies to kernels.backend=helion only"):
-        configure_backend("torch", autotune=True)
     with pytest.raises(UnknownBackendError):
         configure_backend("nope")
     assert configure_backend("torch", deterministic=True).name == "torch"
 
 
-def test_helion_switches_reach_the_kernels():
-    from kernels import ssd_helion_bwd, tuning
-    from kernels.registry import configure_backend
+def test_helion_switches_belong_to_the_backend():
+    """Two helion backends with different settings in one process: each op runs under its own runtime (switches and
+    compile caches), nothing process-wide is flipped; deterministic is recorded on the backend."""
+    import torch
 
+    from kernels import tuning
+    from kernels.registry import configure_backend
+    from kernels.settings import HelionSettings
+
+    a = configure_backend("helion", helion={"autotune": True, "fast_launch": False}, deterministic=True)
+    b = configure_backend("helion")
+    assert a.deterministic and not b.deterministic and a.settings.autotune and not b.settings.autotune
+    assert tuning.runtime().settings == HelionSettings()  # building a backend changes no process state
+    from kernels import rmsnorm_gated as R
+
+    seen = []
+
+    def fwd(x3, w2, z3, eps, nbg, p):  # records the runtime the kernels would run under
+        seen.append(("rmsnorm_fwd", tuning.runtime().settings))
+        return x3.clone(), torch.ones(x3.shape[:-1])
+
+    def bwd(dy, x3, w2, z3, rstd, nbg, plan):
+        seen.append(("rmsnorm_bwd", tuning.runtime().settings))
+        return torch.zeros_like(x3), None, torch.zeros(w2.numel())
+
+    x = torch.randn(2, 8, 16)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(R, "_fwd", fwd)
+    mp.setattr(R, "_bwd", bwd)
     try:
-        configure_backend("helion", autotune=True, deterministic=True)
-        assert tuning.autotune_enabled() and ssd_helion_bwd.is_deterministic()
-        configure_backend("helion")
-        assert not tuning.autotune_enabled() and not ssd_helion_bwd.is_deterministic()
+        for be in (a, b):
+            norm = be.RMSNormGated(16, eps=1e-5, group_size=8, norm_before_gate=False)
+            norm(x.clone().requires_grad_(True)).sum().backward()
     finally:
-        tuning.set_autotune(False)
-        ssd_helion_bwd.set_deterministic(False)
+        mp.undo()
+    assert {s for n, s in seen if n == "rmsnorm_fwd"} == {a.settings, b.settings}
+    assert {s for n, s in seen if n == "rmsnorm_bwd"} == {a.settings, b.settings}  # backward on autograd's thread
+    assert tuning.runtime_for(a.settings) is not tuning.runtime_for(b.settings)
 
 
 def test_helion_settings_travel_with_the_backend():
@@ -63,22 +87,21 @@ def test_helion_settings_travel_with_the_backend():
     from kernels.settings import HelionSettings, HelionSettingsError
 
     assert HelionSettings().as_dict() == dict(bwd_states_dtype="input", bwd_dstates_dtype="input", save_cumsum=True,
-                                              zxbcdt_in_place=True, fast_launch=True)
+                                              zxbcdt_in_place=True, fast_launch=True, autotune=False,
+                                              autotune_budget_s=120.0, cache_dir="")
     with pytest.raises(HelionSettingsError, match="kernels.helion.bwd_states_dtype='bf16'; choose one of input, fp32"):
         HelionSettings(bwd_states_dtype="bf16")
     with pytest.raises(HelionSettingsError, match="save_cumsum=1 must be true or false"):
         HelionSettings(save_cumsum=1)
     s = HelionSettings(bwd_dstates_dtype="fp32", zxbcdt_in_place=False, fast_launch=False)
-    try:
-        be = configure_backend("helion", helion=s.as_dict())
-        assert be.settings == s and be.strided_zxbcdt is False and not tuning.fast_launch_enabled()
-        op = be.mamba_split_conv1d_scan_combined
-        assert isinstance(op, functools.partial) and op.keywords == {"settings": s}
-        assert be.settings_dict() == {"backend": "helion", **s.as_dict()}
-        assert get_backend("helion") is not be and get_backend("helion").settings == HelionSettings()
-        assert configure_backend("helion").strided_zxbcdt is True and tuning.fast_launch_enabled()
-    finally:
-        tuning.set_fast_launch(True)
+    be = configure_backend("helion", helion=s.as_dict())
+    assert be.settings == s and be.strided_zxbcdt is False and not tuning.runtime_for(be.settings).settings.fast_launch
+    op = be.mamba_split_conv1d_scan_combined
+    assert isinstance(op, functools.partial) and op.keywords == {"settings": s}
+    assert be.mamba_chunk_scan_combined.settings == s and be.RMSNormGated.settings == s
+    assert be.settings_dict() == {"backend": "helion", **s.as_dict()}
+    assert get_backend("helion") is not be and get_backend("helion").settings == HelionSettings()
+    assert configure_backend("helion").strided_zxbcdt is True
     assert get_backend("torch").settings_dict() == {"backend": "torch"}
     with pytest.raises(KernelSwitchError, match="unknown kernels.helion key.*bwd_states"):
         configure_backend("helion", helion={"bwd_states": "fp32"})

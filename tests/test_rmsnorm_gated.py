@@ -16,6 +16,7 @@ import torch
 
 import helion
 from kernels import tuning
+from kernels import tuner
 from kernels import rmsnorm_gated as R
 from kernels.rmsnorm_gated import (
     RMSNormGatedHelion,
@@ -161,17 +162,17 @@ def test_tuner_compares_final_results_across_rows_per_program():
     raw1 = tuning.run_with_config(case.kernel, case.args, c1)
     raw2 = tuning.run_with_config(case.kernel, case.args, c2)
     assert raw1[2].shape[0] == 12 and raw2[2].shape[0] == 2  # config-dependent partials
-    assert not tuning.outputs_close(raw2, raw1, case.atol, case.rtol)[0]
-    ref = [t.clone() for t in tuning._flatten_outputs(tuning.checked_outputs(
+    assert not tuner.outputs_close(raw2, raw1, case.atol, case.rtol)[0]
+    ref = [t.clone() for t in tuner.flatten_outputs(tuner.checked_outputs(
         lambda *a: tuning.run_with_config(case.kernel, a, c1), case.args, case.finalize, case.prepare))]
-    got = tuning.checked_outputs(lambda *a: tuning.run_with_config(case.kernel, a, c2), case.args, case.finalize,
+    got = tuner.checked_outputs(lambda *a: tuning.run_with_config(case.kernel, a, c2), case.args, case.finalize,
                                  case.prepare)
-    ok, err = tuning.outputs_close(got, ref, case.atol, case.rtol)
+    ok, err = tuner.outputs_close(got, ref, case.atol, case.rtol)
     assert ok, err
     # the check still catches a wrong result
     bad = list(got)
     bad[-1] = bad[-1] + 1.0
-    assert not tuning.outputs_close(bad, ref, case.atol, case.rtol)[0]
+    assert not tuner.outputs_close(bad, ref, case.atol, case.rtol)[0]
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")

@@ -274,9 +274,9 @@ def test_triton_codegen_nano_shape(name, monkeypatch):
 
 
 def test_tunable_registry_and_defaults():
-    from kernels import tuning
+    from kernels import tuner, tuning
 
-    found = tuning.discover_tunable_kernels()
+    found = tuner.discover_tunable_kernels()
     for name in sh._BODIES:
         assert found[name][0] == "kernels.ssd_helion"
         tc = sh.TUNABLE_KERNELS[name](dict(b=1, l=64, h=4, p=16, g=2, n=16, c=32), "cpu")

@@ -11,100 +11,22 @@ import torch
 
 import helion
 import helion.language as hl
-from kernels import tuning
+from pathlib import Path
+
+from kernels import tuner, tuning
+from kernels.settings import HelionSettings, HelionSettingsError
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
+def _fresh(monkeypatch, tmp_path):
     tuning.clear_caches()
     monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default user cache of these tests
     yield
     tuning.clear_caches()
-    tuning.set_autotune(False)
 
 
 DEFAULT = helion.Config(block_sizes=[32], num_warps=4)
-
-
-def test_shape_key_canonical():
-    assert tuning.shape_key(c=128, n=128, g=8, p=64, h=64, l=8192, b=2) == "b2_l8192_h64_p64_g8_n128_c128"
-    assert tuning.shape_key(m=16384, gs=512, g=8, z=True, nbg=False) == "m16384_g8_gs512_nbg0_z1"
-    assert tuning.shape_key(b=2, dtype="bf16") == "b2_dtypebf16"
-    with pytest.raises(ValueError):
-        tuning.shape_key(b=2.5)
-    with pytest.raises(ValueError):
-        tuning.shape_key()
-
-
-def test_record_round_trip_and_exact(tmp_path):
-    dims = dict(m=16384, g=8, gs=512)
-    cfg = helion.Config(block_sizes=[16, 64], num_warps=8)
-    path = tuning.record("rmsnorm_bwd", dims, cfg, 0.123, {"note": "x"}, arch="sm90", root=tmp_path)
-    data = json.loads(path.read_text())
-    e = data["entries"]["m16384_g8_gs512"]
-    assert data["arch"] == "sm90" and data["kernel"] == "rmsnorm_bwd"
-    assert e["time_ms"] == pytest.approx(0.123) and e["dims"] == dims and e["meta"] == {"note": "x"}
-    assert "date" in e and "gpu" in e
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = tuning.get_config("rmsnorm_bwd", dims, DEFAULT, arch="sm90", root=tmp_path)
-    assert got == cfg
-    # updating keeps other entries
-    tuning.record("rmsnorm_bwd", dict(m=8192, g=8, gs=512), DEFAULT, 0.2, arch="sm90", root=tmp_path)
-    data = json.loads(path.read_text())
-    assert set(data["entries"]) == {"m16384_g8_gs512", "m8192_g8_gs512"}
-
-
-def test_nearest_with_one_warning(tmp_path):
-    near = helion.Config(block_sizes=[8], num_warps=2)
-    far = helion.Config(block_sizes=[128], num_warps=8)
-    tuning.record("k", dict(m=16384, g=8, gs=512), near, 0.1, arch="sm90", root=tmp_path)
-    tuning.record("k", dict(m=1024, g=8, gs=512), far, 0.1, arch="sm90", root=tmp_path)
-    tuning.record("k", dict(m=32768, g=4, gs=1024, extra=1), far, 0.1, arch="sm90", root=tmp_path)  # other dim names
-    with pytest.warns(UserWarning, match="nearest tuned shape m16384_g8_gs512.*once per kernel"):
-        got = tuning.get_config("k", dict(m=32768, g=4, gs=512), DEFAULT, arch="sm90", root=tmp_path)
-    assert got == near
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        tuning.get_config("k", dict(m=32768, g=4, gs=512), DEFAULT, arch="sm90", root=tmp_path)
-        assert tuning.get_config("k", dict(m=2048, g=8, gs=512), DEFAULT, arch="sm90", root=tmp_path) == far
-    assert not w, "the fallback warning must be given once per kernel, not per shape"
-    with pytest.warns(UserWarning, match="no tuned sm90 config for k2 at m2048"):  # another kernel warns on its own
-        tuning.record("k2", dict(m=16384, g=8, gs=512), near, 0.1, arch="sm90", root=tmp_path)
-        tuning.get_config("k2", dict(m=2048, g=8, gs=512), DEFAULT, arch="sm90", root=tmp_path)
-
-
-def test_nearest_requires_same_non_int_dims(tmp_path):
-    tuning.record("k", dict(m=16384, dt="bf16"), DEFAULT, 0.1, arch="sm90", root=tmp_path)
-    with pytest.warns(UserWarning, match="generic default"):
-        got = tuning.get_config("k", dict(m=16384, dt="fp16"), {"block_sizes": [64]}, arch="sm90", root=tmp_path)
-    assert got == helion.Config(block_sizes=[64])
-
-
-def test_fallback_default_with_one_warning(tmp_path):
-    with pytest.warns(UserWarning, match="no entry in"):
-        got = tuning.get_config("nope", dict(m=4), DEFAULT, arch="sm100", root=tmp_path)
-    assert got == DEFAULT
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        tuning.get_config("nope", dict(m=4), DEFAULT, arch="sm100", root=tmp_path)
-
-
-def test_cpu_and_interpret_use_default(tmp_path, monkeypatch):
-    tuning.record("k", dict(m=4), helion.Config(block_sizes=[4]), 0.1, arch="sm90", root=tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert tuning.get_config("k", dict(m=4), DEFAULT, arch="cpu", root=tmp_path) == DEFAULT
-        monkeypatch.setenv("HELION_INTERPRET", "1")
-        assert tuning.get_config("k", dict(m=4), DEFAULT, arch="sm90", root=tmp_path) == DEFAULT
-
-
-def test_malformed_file_fails_clearly(tmp_path):
-    p = tmp_path / "sm90" / "bad.json"
-    p.parent.mkdir(parents=True)
-    p.write_text(json.dumps({"oops": 1}))
-    with pytest.raises(ValueError, match="malformed"):
-        tuning.get_config("bad", dict(m=1), DEFAULT, arch="sm90", root=tmp_path)
 
 
 def _scale_rows_fn(x: torch.Tensor) -> torch.Tensor:
@@ -117,11 +39,207 @@ def _scale_rows_fn(x: torch.Tensor) -> torch.Tensor:
 _scale_rows = helion.kernel(_scale_rows_fn, static_shapes=True)
 
 
+def _select(name, dims, default, root, arch="sm90", **kw):
+    """select_config for a small compiled-mode kernel (bound on CPU; the chosen config must fit its spec)."""
+    k = helion.kernel(_scale_rows_fn, static_shapes=True)
+    rt = kw.pop("rt", None) or tuning.Runtime(HelionSettings(cache_dir=str(root / "cache")))
+    return tuning.select_config(name, k, (torch.randn(64, 32),), dims, default, arch=arch, root=root, rt=rt, **kw)
+
+
+def test_shape_key_canonical():
+    assert tuning.shape_key(c=128, n=128, g=8, p=64, h=64, l=8192, b=2) == "b2_l8192_h64_p64_g8_n128_c128"
+    assert tuning.shape_key(m=16384, gs=512, g=8, z=True, nbg=False) == "m16384_g8_gs512_nbg0_z1"
+    assert tuning.shape_key(b=2, dtype="bf16") == "b2_dtypebf16"
+    with pytest.raises(ValueError):
+        tuning.shape_key(b=2.5)
+    with pytest.raises(ValueError):
+        tuning.shape_key()
+
+
+def _blocks(cfg):
+    return cfg.config["block_sizes"], cfg.config["num_warps"]
+
+
+def test_record_round_trip_and_exact(tmp_path):
+    dims = dict(m=16384, g=8, gs=512)
+    cfg = helion.Config(block_sizes=[16], num_warps=8)
+    path = tuning.record("rmsnorm_bwd", dims, cfg, 0.123, {"note": "x"}, arch="sm90", root=tmp_path)
+    data = json.loads(path.read_text())
+    e = data["entries"]["m16384_g8_gs512"]
+    assert data["arch"] == "sm90" and data["kernel"] == "rmsnorm_bwd"
+    assert e["time_ms"] == pytest.approx(0.123) and e["dims"] == dims and e["meta"] == {"note": "x"}
+    assert "date" in e and "gpu" in e
+    assert not list(path.parent.glob("*.tmp"))  # written atomically (a temporary file replaced)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, how = _select("rmsnorm_bwd", dims, DEFAULT, tmp_path)
+    assert how == "exact" and _blocks(got) == ([16], 8) and got.config["pid_type"] == "flat"
+    # updating keeps other entries
+    tuning.record("rmsnorm_bwd", dict(m=8192, g=8, gs=512), DEFAULT, 0.2, arch="sm90", root=tmp_path)
+    data = json.loads(path.read_text())
+    assert set(data["entries"]) == {"m16384_g8_gs512", "m8192_g8_gs512"}
+
+
+def test_nearest_with_one_warning(tmp_path):
+    near = helion.Config(block_sizes=[8], num_warps=2)
+    far = helion.Config(block_sizes=[64], num_warps=8)
+    tuning.record("k", dict(m=16384, g=8, gs=512), near, 0.1, arch="sm90", root=tmp_path)
+    tuning.record("k", dict(m=1024, g=8, gs=512), far, 0.1, arch="sm90", root=tmp_path)
+    tuning.record("k", dict(m=32768, g=4, gs=1024, extra=1), far, 0.1, arch="sm90", root=tmp_path)  # other dim names
+    with pytest.warns(UserWarning, match="nearest tuned shape m16384_g8_gs512.*once per kernel"):
+        got, how = _select("k", dict(m=32768, g=4, gs=512), DEFAULT, tmp_path)
+    assert how == "nearest" and _blocks(got) == ([8], 2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _select("k", dict(m=32768, g=4, gs=512), DEFAULT, tmp_path)
+        assert _blocks(_select("k", dict(m=2048, g=8, gs=512), DEFAULT, tmp_path)[0]) == ([64], 8)
+    assert not w, "the nearest-shape notice is given once per kernel, not per shape"
+    with pytest.warns(UserWarning, match="no tuned sm90 config for k2 at m2048"):  # another kernel says so on its own
+        tuning.record("k2", dict(m=16384, g=8, gs=512), near, 0.1, arch="sm90", root=tmp_path)
+        _select("k2", dict(m=2048, g=8, gs=512), DEFAULT, tmp_path)
+
+
+def test_nearest_requires_same_non_int_dims(tmp_path):
+    tuning.record("k", dict(m=16384, dt="bf16"), DEFAULT, 0.1, arch="sm90", root=tmp_path)
+    with pytest.warns(UserWarning, match="generic default"):
+        got, how = _select("k", dict(m=16384, dt="fp16"), {"block_sizes": [64]}, tmp_path)
+    assert how == "default" and got.config["block_sizes"] == [64]
+
+
+def test_arch_without_configs_says_so_once_with_the_tune_command(tmp_path):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got, how = _select("nope", dict(m=4), DEFAULT, tmp_path, arch="sm100")
+        _select("nope2", dict(m=4), DEFAULT, tmp_path, arch="sm100")
+    assert how == "default" and _blocks(got) == ([32], 4)
+    msgs = [str(x.message) for x in w]
+    arch = [m for m in msgs if "no committed Helion configs for sm100" in m]
+    assert len(arch) == 1 and "scripts/tune_kernels.py" in arch[0] and "kernels.helion.autotune=true" in arch[0]
+    assert sum("nope " in m or "nope at" in m for m in msgs) == 1  # one default notice per kernel
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _select("nope", dict(m=4), DEFAULT, tmp_path, arch="sm100")
+
+
+def test_cpu_and_interpret_use_default(tmp_path, monkeypatch):
+    tuning.record("k", dict(m=4), helion.Config(block_sizes=[4]), 0.1, arch="sm90", root=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _select("k", dict(m=4), DEFAULT, tmp_path, arch="cpu") == (DEFAULT, "default")
+        monkeypatch.setenv("HELION_INTERPRET", "1")
+        k = helion.kernel(_scale_rows_fn, static_shapes=True)  # ref mode is fixed at decoration
+        got = tuning.select_config("k", k, (torch.randn(4, 4),), dict(m=4), DEFAULT, arch="sm90", root=tmp_path)
+        assert got == (DEFAULT, "default")
+
+
+def test_malformed_file_fails_clearly(tmp_path):
+    p = tmp_path / "sm90" / "bad.json"
+    p.parent.mkdir(parents=True)
+    p.write_text(json.dumps({"oops": 1}))
+    with pytest.raises(ValueError, match="malformed"):
+        _select("bad", dict(m=1), DEFAULT, tmp_path)
+
+
+def test_a_config_that_does_not_fit_is_skipped_with_one_warning(tmp_path):
+    """An exact entry with a static_ranges value the bound kernel does not have (Helion's InvalidConfig) is skipped,
+    named with its tuned shape; the nearest entry that fits runs; the warning is given once per kernel and shape."""
+    bad = dict(block_sizes=[16], num_warps=4, static_ranges=[False, True])
+    tuning.record("k", dict(m=64), bad, 0.1, arch="sm90", root=tmp_path)
+    tuning.record("k", dict(m=128), dict(block_sizes=[8], num_warps=2), 0.1, arch="sm90", root=tmp_path)
+    with pytest.warns(UserWarning, match=r"committed config of k tuned at m64 does not fit .* shape m64 "
+                                         r"\(InvalidConfig: Too many values for config\['static_ranges'\]"):
+        got, how = _select("k", dict(m=64), DEFAULT, tmp_path)
+    assert how == "nearest" and _blocks(got) == ([8], 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _select("k", dict(m=64), DEFAULT, tmp_path)
+    # nothing fits, not even the generic default: the spec's own default (valid for every shape) runs
+    tuning.record("k3", dict(m=64), bad, 0.1, arch="sm90", root=tmp_path)
+    with pytest.warns(UserWarning, match="Helion spec default"):
+        got, how = _select("k3", dict(m=64), dict(bad, block_sizes=[8]), tmp_path)
+    assert how == "spec-default"
+    k = helion.kernel(_scale_rows_fn, static_shapes=True)
+    k.bind((torch.randn(64, 32),)).config_spec.normalized_config(got)  # fits
+
+
+def _fake_tune(calls, cfg=helion.Config(block_sizes=[4], num_warps=1)):
+    def tune_call(name, kernel, args, **kw):
+        calls.append((name, kw["budget_s"], [c.config.get("block_sizes") for c in kw["start"]]))
+        return cfg, 0.05, {"how": "fake search"}
+    return tune_call
+
+
+def test_first_use_tuning_stores_in_the_user_cache_and_later_runs_reuse_it(tmp_path, monkeypatch):
+    """kernels.helion.autotune: a shape without an exact entry is searched once (a fake search here: no GPU), the
+    winner written to <cache_dir>/<arch>/<kernel>.json; a later run (fresh process state) and another rank read it
+    without searching; with autotune off the cache entry is still used before any nearest shape."""
+    from kernels import tuner
+
+    calls = []
+    monkeypatch.setattr(tuner, "tune_call", _fake_tune(calls))
+    tuning.record("k", dict(m=128), dict(block_sizes=[8], num_warps=2), 0.1, arch="sm90", root=tmp_path)
+    cache = tmp_path / "ucache"
+    rt = tuning.Runtime(HelionSettings(autotune=True, autotune_budget_s=7, cache_dir=str(cache)))
+    with pytest.warns(UserWarning, match=r"tuned k at m64 .*stored in .*ucache/sm90/k.json"):
+        got, how = _select("k", dict(m=64), DEFAULT, tmp_path, rt=rt)
+    assert how == "tuned" and _blocks(got) == ([4], 1)
+    assert calls == [("k", 7.0, [[8]])]  # the budget, and the nearest shape's config (it fits) tried first
+    entry = json.loads((cache / "sm90" / "k.json").read_text())["entries"]["m64"]
+    assert entry["config"]["block_sizes"] == [4] and entry["meta"] == {"how": "fake search"}
+    tuning.clear_caches()  # a later run
+    got, how = _select("k", dict(m=64), DEFAULT, tmp_path, rt=tuning.Runtime(rt.settings))
+    assert how == "cache" and _blocks(got) == ([4], 1) and len(calls) == 1
+    off = tuning.Runtime(HelionSettings(cache_dir=str(cache)))
+    assert _select("k", dict(m=64), DEFAULT, tmp_path, rt=off)[1] == "cache"
+    # another rank that finds the entry written while it waited for the lock reads it instead of searching
+    tuning.clear_caches()
+    monkeypatch.setattr(tuning, "_entries", _entries_after_lock(tuning._entries, cache))
+    assert _select("k", dict(m=96), DEFAULT, tmp_path, rt=tuning.Runtime(rt.settings))[1] == "tuned"
+    assert len(calls) == 1
+
+
+def _entries_after_lock(real, cache):
+    """_entries, except that the user cache gains an m96 entry once the tuning lock is taken (another rank wrote
+    it meanwhile)."""
+    state = {"n": 0}
+
+    def entries(name, arch, root):
+        e = real(name, arch, root)
+        if Path(root) == cache:
+            state["n"] += 1
+            if state["n"] >= 2:  # the second read is the one under the lock
+                e = dict(e, m96={"dims": {"m": 96}, "config": {"block_sizes": [2], "num_warps": 1}})
+        return e
+
+    return entries
+
+
+def test_settings_keys_are_typed_and_validated():
+    for bad, msg in ((dict(autotune="yes"), "kernels.helion.autotune='yes' must be true or false"),
+                     (dict(autotune_budget_s=0), "kernels.helion.autotune_budget_s=0 must be a number of seconds > 0"),
+                     (dict(autotune_budget_s="60"), "autotune_budget_s='60' must be a number"),
+                     (dict(cache_dir=3), "kernels.helion.cache_dir=3 must be a path"),
+                     (dict(autotun=True), "unknown kernels.helion key.*autotun")):
+        with pytest.raises(HelionSettingsError, match=msg) as e:
+            HelionSettings.from_mapping(bad)
+        assert "\n" not in str(e.value)
+    s = HelionSettings.from_mapping(dict(autotune=True, autotune_budget_s=30, cache_dir="~/x"))
+    assert s.autotune_budget_s == 30.0 and tuning.user_cache_root(s.cache_dir) == Path("~/x").expanduser()
+    assert HelionSettings.from_mapping(dict(cache_dir=None)).cache_dir == ""
+
+
+def test_default_user_cache_is_outside_the_repository(monkeypatch, tmp_path):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert tuning.user_cache_root("") == tmp_path / ".cache" / "nano_hybrid" / "helion"
+    assert tuning.CONFIG_ROOT.parent not in tuning.user_cache_root("").parents
+
+
 def test_candidate_configs_from_config_space():
     _scale_rows = helion.kernel(_scale_rows_fn, static_shapes=True)  # not in interpret mode (env cleared)
     assert not tuning.kernel_in_ref_mode(_scale_rows)
     x = torch.randn(64, 32)
-    cands = tuning.candidate_configs(_scale_rows, (x,), seeds=tuning.grid_seeds(block_sizes=[[4], [8]], num_warps=[2, 4]), n_random=5)
+    cands = tuner.candidate_configs(_scale_rows, (x,), seeds=tuner.grid_seeds(block_sizes=[[4], [8]], num_warps=[2, 4]), n_random=5)
     jsons = [c.to_json() for c in cands]
     assert len(jsons) == len(set(jsons))
     assert cands[0] == _scale_rows.bind((x,)).config_spec.default_config()
@@ -139,24 +257,24 @@ def test_run_with_config_interpret(monkeypatch):
 
 def test_outputs_close():
     a = (torch.ones(3), torch.zeros(2))
-    assert tuning.outputs_close(a, (torch.ones(3), torch.zeros(2)), 1e-3, 0)[0]
-    assert not tuning.outputs_close(a, (torch.ones(3) * 1.1, torch.zeros(2)), 1e-3, 0)[0]
-    assert not tuning.outputs_close((torch.tensor([float("nan")]),), (torch.zeros(1),), 1, 1)[0]
+    assert tuner.outputs_close(a, (torch.ones(3), torch.zeros(2)), 1e-3, 0)[0]
+    assert not tuner.outputs_close(a, (torch.ones(3) * 1.1, torch.zeros(2)), 1e-3, 0)[0]
+    assert not tuner.outputs_close((torch.tensor([float("nan")]),), (torch.zeros(1),), 1, 1)[0]
 
 
 def test_search_requires_gpu():
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
     with pytest.raises(RuntimeError, match="CUDA"):
-        tuning.search(_scale_rows, (torch.randn(4, 4),), [], budget_s=1)
+        tuner.search(_scale_rows, (torch.randn(4, 4),), [], budget_s=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_search_on_gpu_picks_a_correct_config():
     x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
-    cands = tuning.candidate_configs(_scale_rows, (x,), seeds=tuning.grid_seeds(block_sizes=[[1], [4], [16]]), n_random=4)
-    best, results = tuning.search(_scale_rows, (x,), cands, budget_s=60, rep=10)
+    cands = tuner.candidate_configs(_scale_rows, (x,), seeds=tuner.grid_seeds(block_sizes=[[1], [4], [16]]), n_random=4)
+    best, results = tuner.search(_scale_rows, (x,), cands, budget_s=60, rep=10)
     assert any(r["status"] == "ok" for r in results)
     torch.testing.assert_close(tuning.run_with_config(_scale_rows, (x,), best), x * 2)
 
@@ -188,23 +306,21 @@ NANO_COMMITTED = {
 def test_every_tunable_kernel_has_exactly_one_sm90_file():
     """One config file per kernel of the current design, named as the kernel (and its "kernel" field), no other."""
     files = {p.stem for p in (tuning.CONFIG_ROOT / "sm90").glob("*.json")}
-    assert files == set(tuning.discover_tunable_kernels()) == set(NANO_COMMITTED)
+    assert files == set(tuner.discover_tunable_kernels()) == set(NANO_COMMITTED)
     for name in files:
         assert json.loads((tuning.CONFIG_ROOT / "sm90" / f"{name}.json").read_text())["kernel"] == name
 
 
 def test_committed_sm90_configs_resolve_at_nano_shape():
     """Every committed kernels/configs/sm90 file has an exact entry at the Nano shape key the wrapper
-    computes, and get_config returns it as a helion.Config for arch sm90 without any warning."""
+    computes (the exact entry select_config starts from, before the fit check that needs the bound kernel)."""
     files = sorted(p.stem for p in (tuning.CONFIG_ROOT / "sm90").glob("*.json"))
     assert set(NANO_COMMITTED) <= set(files), f"missing committed sm90 configs: {set(NANO_COMMITTED) - set(files)}"
     for name, dims in NANO_COMMITTED.items():
         entry = json.loads((tuning.CONFIG_ROOT / "sm90" / f"{name}.json").read_text())["entries"][tuning.shape_key(**dims)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            cfg = tuning.get_config(name, dims, DEFAULT, arch="sm90")
-        assert isinstance(cfg, helion.Config) and cfg == helion.Config.from_dict(entry["config"]), name
-        assert cfg != DEFAULT
+        how, key, got = tuning.lookup(name, dims, arch="sm90")
+        assert how == "exact" and got is entry or got == entry, name
+        assert helion.Config.from_dict(entry["config"]) != DEFAULT
 
 
 @pytest.mark.parametrize("name", ["ssd_bwd_dz_dstates", "ssd_bwd_dx", "ssd_bwd_db", "rmsnorm_bwd"])
@@ -255,8 +371,8 @@ class _FakeKernel:
 def test_tuned_call_fast_path_skips_config_lookup(monkeypatch):
     k = _FakeKernel()
     calls = []
-    real = tuning.get_config
-    monkeypatch.setattr(tuning, "get_config", lambda *a, **kw: calls.append(a[0]) or real(*a, arch="cpu", **kw))
+    real = tuning.select_config
+    monkeypatch.setattr(tuning, "select_config", lambda *a, **kw: calls.append(a[0]) or real(*a, arch="cpu", **kw))
     x = torch.zeros(4, 8)
     for _ in range(3):
         assert tuning.tuned_call("fake", k, (x, 3), {"m": 4}, DEFAULT) == ("ran", (4, 8))
@@ -285,11 +401,11 @@ def test_time_limit_interrupts_a_slow_candidate():
     import time
 
     t0 = time.monotonic()
-    with pytest.raises(tuning.CandidateTimeout):
-        with tuning._time_limit(0.5):
+    with pytest.raises(tuner.CandidateTimeout):
+        with tuner._time_limit(0.5):
             subprocess.run(["sleep", "5"], check=False)
     assert time.monotonic() - t0 < 3
-    with tuning._time_limit(None):  # no limit: a no-op
+    with tuner._time_limit(None):  # no limit: a no-op
         pass
 
 
@@ -374,7 +490,7 @@ def test_committed_config_fits_other_specialisations_of_its_shape():
 def test_neighbour_configs_change_one_knob_of_the_committed_config():
     base = {"block_sizes": [64], "num_warps": 8, "num_stages": 1, "indexing": ["pointer"] * 3,
             "load_eviction_policies": ["", ""]}
-    near = tuning.neighbour_configs(base)
+    near = tuner.neighbour_configs(base)
     changed = [sorted(k for k in d if d[k] != base.get(k)) for d in near]
     assert all(len(c) == 1 for c in changed), changed
     assert {"indexing": "tensor_descriptor"}.items() <= near[0].items()
@@ -461,10 +577,7 @@ def test_fast_launcher_reuses_the_binary_only_for_the_same_launch_key(monkeypatc
 
 
 def test_fast_launch_is_on_by_default():
-    import subprocess, sys
-    code = "from kernels import tuning; print(tuning.fast_launch_enabled())"
-    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert on.stdout.split()[-1] == "True"
+    assert tuning.runtime().settings.fast_launch and HelionSettings().fast_launch
 
 
 def test_fast_launch_switch_wraps_compiled_kernels(monkeypatch):
@@ -485,19 +598,17 @@ def test_fast_launch_switch_wraps_compiled_kernels(monkeypatch):
     tuning.clear_caches()
     assert not tuning._launches_on_cuda((torch.zeros(2), 3))  # CPU tensors never take Triton's CUDA launcher
     monkeypatch.setattr(tuning, "_launches_on_cuda", lambda args: True)
-    monkeypatch.setattr(tuning, "_FAST_LAUNCH", False)
-    tuning.compiled(FakeKernel(), (torch.zeros(2),), helion.Config(num_warps=4))()
-    tuning.set_fast_launch(True)
-    try:
-        tuning.compiled(FakeKernel(), (torch.zeros(3),), helion.Config(num_warps=4))()
-    finally:
-        monkeypatch.setattr(tuning, "_FAST_LAUNCH", tuning._FAST_LAUNCH)  # restored at teardown
-        tuning.clear_caches()
+    slow, fast = tuning.runtime_for(HelionSettings(fast_launch=False)), tuning.runtime_for(HelionSettings())
+    tuning.compiled(FakeKernel(), (torch.zeros(2),), helion.Config(num_warps=4), rt=slow)()
+    with tuning.use(HelionSettings()):  # the active runtime's setting applies
+        tuning.compiled(FakeKernel(), (torch.zeros(2),), helion.Config(num_warps=4))()
     assert calls[0] is None and isinstance(calls[1], tuning.FastLauncher)
+    assert len(slow.compiled) == 1 and len(fast.compiled) == 1  # each runtime keeps its own compiled kernels
+    tuning.clear_caches()
 
 
 def test_timer_name_from_env(monkeypatch):
-    from kernels import tuning as tu
+    tu = tuner
 
     monkeypatch.delenv("NANO_TUNE_TIMER", raising=False)
     assert tu.timer_name() == "events"
@@ -531,17 +642,14 @@ def helion_kernel_dims(b: int, l: int, h: int, p: int, g: int, n: int, c: int, w
 def recipe_mixer_shapes() -> dict[str, tuple]:
     """{recipe: (b, l, h, p, g, n, c, w)} of the mixer each GPU recipe (train.device=cuda) runs, per rank."""
     from nano_hybrid.config import compose, list_recipes
+    from nano_hybrid.model.config import mixer_dims
 
     out = {}
     for name in list_recipes():
         cfg = compose([f"recipe={name}"])
         if str(cfg.train.device) != "cuda":
             continue
-        m, tp = cfg.model, int(cfg.parallel.tensor_model_parallel_size)
-        cp = int(cfg.parallel.get("context_parallel_size", 1) or 1)
-        out[name] = (int(cfg.train.micro_batch_size), int(cfg.train.seq_length) // cp, int(m.mamba_num_heads) // tp,
-                     int(m.mamba_head_dim), int(m.mamba_num_groups) // tp, int(m.mamba_state_dim),
-                     int(m.get("mamba_chunk_size", 128)), int(m.get("mamba_conv_width", 4)))
+        out[name] = tuple(mixer_dims(cfg)[k] for k in ("b", "l", "h", "p", "g", "n", "c", "w"))
     return out
 
 
@@ -565,12 +673,12 @@ def test_recipe_shapes_are_tuned():
                if tuning.lookup(kernel, dims, arch="sm90")[0] != "exact"]
     assert not missing, "no tuned sm90 config for:\n" + "\n".join(missing)
     # the Nano shape every benchmark measures is tuned for every kernel
-    nano = tuning.SHAPE_PRESETS["nano"]
+    nano = tuner.SHAPE_PRESETS["nano"]
     md = tuple(nano[k] for k in ("b", "l", "h", "p", "g", "n", "c", "w"))
     assert all(tuning.lookup(k, d, arch="sm90")[0] == "exact" for k, d in helion_kernel_dims(*md).items())
 
 
 def test_shape_presets_cover_the_recipe_shapes():
     """scripts/tune_kernels.py tunes by preset name: every GPU recipe's mixer shape is a preset."""
-    presets = {(d["b"], d["l"], d["h"], d["p"], d["g"], d["n"], d["c"], d["w"]) for d in tuning.SHAPE_PRESETS.values()}
+    presets = {(d["b"], d["l"], d["h"], d["p"], d["g"], d["n"], d["c"], d["w"]) for d in tuner.SHAPE_PRESETS.values()}
     assert set(recipe_mixer_shapes().values()) <= presets, set(recipe_mixer_shapes().values()) - presets

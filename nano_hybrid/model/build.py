@@ -17,7 +17,7 @@ def default_device() -> torch.device:
 
 
 def resolve_backend(cfg: DictConfig):
-    """The ``KernelBackend`` of ``cfg.kernels``: the backend, its switches (autotune, deterministic) and, for
+    """The ``KernelBackend`` of ``cfg.kernels``: the backend, its deterministic switch and, for
     ``kernels.backend=helion``, its typed settings ``kernels.helion.*`` (``kernels.settings.HelionSettings``; checked
     for every backend, so a typo fails whichever backend runs). Unknown/unavailable backends raise their own one-line
     errors; a bad switch or setting is a ConfigError. Validation calls it once and hands the backend on."""
@@ -28,8 +28,7 @@ def resolve_backend(cfg: DictConfig):
     name = str(kcfg.backend)
     try:
         helion = HelionSettings.from_mapping(kcfg.get("helion") or {})
-        return configure_backend(name, autotune=bool(kcfg.get("autotune", False)),
-                                 deterministic=bool(kcfg.get("deterministic", False)),
+        return configure_backend(name, deterministic=bool(kcfg.get("deterministic", False)),
                                  helion=helion if name == "helion" else None)
     except (KernelSwitchError, HelionSettingsError) as e:
         raise ConfigError(str(e)) from None

@@ -208,3 +208,25 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
         return TransformerConfig(**kw)
     except (AssertionError, ValueError) as e:
         raise ConfigError(f"megatron rejected model config {m['name']!r}: {e}") from None
+
+
+def mixer_dims(cfg: DictConfig) -> dict[str, int]:
+    """The Mamba mixer's kernel dims one rank of the run ``cfg`` calls: b (micro-batch), l (sequence per
+    context-parallel rank), h and g (heads and groups per tensor-parallel rank), p, n, c (chunk), w (conv width).
+    ``scripts/tune_kernels.py`` tunes exactly these; a split that does not divide is a ConfigError naming the keys."""
+    m = model_dict(cfg.model)
+    check_model_cfg(m)
+    par = cfg.parallel
+    tp = int(par.tensor_model_parallel_size)
+    cp = int(par.get("context_parallel_size", 1) or 1)
+    h, g = int(m.get("mamba_num_heads") or 0), int(m.get("mamba_num_groups") or 1)
+    if not h:
+        raise ConfigError(f"model {m.get('name')!r} has no Mamba mixer (model.mamba_num_heads is not set)")
+    for key, v in (("model.mamba_num_heads", h), ("model.mamba_num_groups", g)):
+        if v % tp:
+            raise ConfigError(f"{key}={v} is not divisible by parallel.tensor_model_parallel_size={tp}")
+    seq = int(cfg.train.seq_length)
+    if seq % cp:
+        raise ConfigError(f"train.seq_length={seq} is not divisible by parallel.context_parallel_size={cp}")
+    return dict(b=int(cfg.train.micro_batch_size), l=seq // cp, h=h // tp, p=int(m["mamba_head_dim"]), g=g // tp,
+                n=int(m["mamba_state_dim"]), c=int(m.get("mamba_chunk_size", 128)), w=int(m.get("mamba_conv_width", 4)))

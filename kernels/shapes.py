@@ -1,0 +1,66 @@
+"""The shape space of the helion backend's Mamba-2 ops, stated once and checked before any work.
+
+================  ==================================================================================================
+dim               supported
+================  ==================================================================================================
+batch, seqlen     any >= 1 (lengths that are not a multiple of the chunk are padded to whole chunks internally)
+nheads            any >= 1
+ngroups           1 .. nheads, dividing nheads (Mamba2 layouts: 1 group; Nemotron-H / Nano: 8)
+headdim           a power of two, 8 .. 256 (each head's (headdim, dstate) state is one tile)
+dstate            a power of two, 8 .. 256
+chunk_size        a power of two, 16 .. 256 (Megatron: 128, Mamba2 checkpoints: 256)
+conv width        2 .. 4 (run as width 4 with zero leading taps)
+seq_idx           None, or int (batch, seqlen) document ids (packed documents; negative ids mark padding)
+dtype (x/zxbcdt)  bfloat16, float16, float32
+================  ==================================================================================================
+
+``check_supported`` refuses anything else with one ``UnsupportedShapeError`` naming the dim, before any kernel runs.
+CPU tests in interpret mode cover the grid at small sizes (``tests/test_shape_space.py``); on the GPU the grid
+benchmark (``scripts/bench_shape_grid.py``) runs the Mamba-2 layouts of several models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+POW2_RANGES = {"headdim": (8, 256), "dstate": (8, 256), "chunk_size": (16, 256)}
+CONV_WIDTHS = (2, 3, 4)
+
+
+class UnsupportedShapeError(ValueError):
+    """A dim or option of a call that the helion backend does not support (one line naming it)."""
+
+
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+def check_supported(*, nheads: int, headdim: int, ngroups: int, dstate: int, chunk_size: int,
+                    dtype: torch.dtype | None = None, conv_width: int | None = None, seq_idx=None,
+                    batch: int | None = None, seqlen: int | None = None, op: str = "helion backend") -> None:
+    """Raise ``UnsupportedShapeError`` for the first dim outside the supported space (see the module doc)."""
+    def refuse(what: str) -> None:
+        raise UnsupportedShapeError(f"{op}: {what} is not supported (supported shapes: kernels/shapes.py)")
+
+    if not isinstance(nheads, int) or nheads < 1:
+        refuse(f"nheads={nheads!r}")
+    if not isinstance(ngroups, int) or ngroups < 1 or ngroups > nheads or nheads % ngroups:
+        refuse(f"ngroups={ngroups!r} with nheads={nheads} (ngroups must divide nheads)")
+    for name, v in (("headdim", headdim), ("dstate", dstate), ("chunk_size", chunk_size)):
+        lo, hi = POW2_RANGES[name]
+        if not _pow2(v) or not lo <= v <= hi:
+            refuse(f"{name}={v!r} (a power of two in {lo}..{hi})")
+    if dtype is not None and dtype not in DTYPES:
+        refuse(f"dtype {dtype} (bfloat16, float16 or float32)")
+    if conv_width is not None and conv_width not in CONV_WIDTHS:
+        refuse(f"conv width {conv_width} (2..4)")
+    if batch is not None and batch < 1:
+        refuse(f"batch={batch}")
+    if seqlen is not None and seqlen < 1:
+        refuse(f"seqlen={seqlen}")
+    if seq_idx is not None:
+        if seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+            refuse(f"seq_idx of dtype {seq_idx.dtype} (integer document ids)")
+        if batch is not None and seqlen is not None and tuple(seq_idx.shape) != (batch, seqlen):
+            refuse(f"seq_idx of shape {tuple(seq_idx.shape)} (must be (batch, seqlen) = {(batch, seqlen)})")

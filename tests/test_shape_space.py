@@ -1,0 +1,81 @@
+"""The helion backend's shape space (kernels/shapes.py): what it supports runs and matches the torch reference in
+interpret mode at small sizes (groups 1 and = heads, chunk 64 / 128 / 256, lengths that are not a multiple of the
+chunk, seq_idx on and off, fp32 and bf16); what it does not support is refused by name before any kernel runs."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("HELION_INTERPRET", "1")
+
+from kernels import mamba_split_helion as msh, tuning  # noqa: E402
+from kernels.mamba_split import mamba_split_conv1d_scan_combined_ref  # noqa: E402
+from kernels.shapes import UnsupportedShapeError, check_supported  # noqa: E402
+
+
+def _inputs(b, l, h, p, g, n, width=4, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    dim = h * p
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    return dict(zxbcdt=r(b, l, 2 * dim + 2 * g * n + h).to(dtype), conv1d_weight=(r(dim + 2 * g * n, width) * 0.5).to(dtype),
+                conv1d_bias=r(dim + 2 * g * n).to(dtype), dt_bias=r(h), A=-torch.rand(h, generator=gen) - 0.5, D=r(h))
+
+
+def _seq(b, l):
+    s = torch.zeros(b, l, dtype=torch.int32)
+    s[:, l // 3:] = 1
+    s[:, 2 * l // 3:] = 2
+    return s
+
+
+# (b, l, h, p, g, n, c, seq_idx, dtype): groups 1 / = heads / between, chunks 64, 128, 256, partial last chunks
+GRID = [
+    (1, 70, 2, 8, 1, 8, 64, False, torch.float32),
+    (2, 40, 4, 8, 4, 16, 256, True, torch.float32),
+    (1, 130, 4, 16, 2, 8, 128, True, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("b,l,h,p,g,n,c,seq,dtype", GRID, ids=lambda v: str(v).replace("torch.", ""))
+def test_supported_grid_matches_the_reference(b, l, h, p, g, n, c, seq, dtype):
+    t = _inputs(b, l, h, p, g, n, dtype=dtype)
+    kw = dict(chunk_size=c, seq_idx=_seq(b, l) if seq else None, headdim=p, ngroups=g, norm_before_gate=False)
+    leaves_h = {k: v.clone().requires_grad_(True) for k, v in t.items()}
+    leaves_r = {k: v.float().clone().requires_grad_(True) for k, v in t.items()}  # fp32 reference of the same values
+    out_h = msh.mamba_split_conv1d_scan_combined_helion(*leaves_h.values(), **kw)
+    out_r = mamba_split_conv1d_scan_combined_ref(*leaves_r.values(), **kw)
+    do = torch.randn(out_r.shape, generator=torch.Generator().manual_seed(1))
+    g_h = torch.autograd.grad((out_h.float() * do).sum(), list(leaves_h.values()))
+    g_r = torch.autograd.grad((out_r * do).sum(), list(leaves_r.values()))
+    for name, a, r in [("out", out_h, out_r), *zip(t, g_h, g_r)]:
+        a, r = a.float(), r.float()
+        if dtype == torch.float32:  # fp32 throughout: the reference's own rounding differences
+            err = (a - r).abs().max().item()
+            assert err <= 1e-4 * max(1.0, r.abs().max().item()), f"{name}: max err {err:.3e}"
+        else:  # bf16 inputs/outputs, fp32 accumulation: a few bf16 ulps in relative L2
+            rel = ((a - r).norm() / r.norm().clamp_min(1e-12)).item()
+            assert rel < 2e-2, f"{name}: relative L2 error {rel:.3e}"
+
+
+@pytest.mark.parametrize("dims,match", [
+    (dict(headdim=12), "headdim=12"), (dict(dstate=24), "dstate=24"), (dict(chunk_size=512), "chunk_size=512"),
+    (dict(chunk_size=48), "chunk_size=48"), (dict(ngroups=3), "ngroups=3 with nheads=4"),
+    (dict(dtype=torch.float64), "dtype torch.float64"), (dict(conv_width=5), "conv width 5"),
+])
+def test_unsupported_dims_are_refused_by_name(dims, match):
+    base = dict(nheads=4, headdim=8, ngroups=2, dstate=16, chunk_size=64, dtype=torch.float32, conv_width=4)
+    with pytest.raises(UnsupportedShapeError, match=match):
+        check_supported(**{**base, **dims})
+    check_supported(**base)
+
+
+def test_the_fused_op_refuses_before_any_kernel_runs(monkeypatch):
+    monkeypatch.setattr(tuning, "tuned_call", lambda *a, **k: pytest.fail("a kernel ran"))
+    t = _inputs(1, 16, 4, 12, 2, 16)  # headdim 12
+    with pytest.raises(UnsupportedShapeError, match="mamba_split_conv1d_scan_combined_helion: headdim=12"):
+        msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=64, headdim=12, ngroups=2)
+    t = _inputs(1, 16, 4, 8, 2, 16, dtype=torch.float64)
+    with pytest.raises(UnsupportedShapeError, match="dtype torch.float64"):
+        msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=64, headdim=8, ngroups=2)
