@@ -39,8 +39,10 @@ ARMS = {
                     "kernels.helion.bwd_dstates_dtype=fp32"],
 }
 RECIPE = "convergence_seeds_h200"
-LONG_OVERRIDES = ("train.micro_batch_size=2", "train.global_batch_size=2", "train.eval_interval=1000",
-                  "train.eval_iters=32", "optim.lr=2.5e-4", "optim.min_lr=2.5e-6")
+# The long run: one micro-batch of the seed runs' shape per step (4,096 tokens; the same tuned kernel shape), the
+# same validation tokens per evaluation (16 x 4 x 1024), every 1000 steps.
+LONG_OVERRIDES = ("train.global_batch_size=4", "train.eval_interval=1000", "train.eval_iters=16",
+                  "optim.lr=3.0e-4", "optim.min_lr=3.0e-6")
 # Files under the default roots that are not a package's own text (compiled caches, metadata, nested envs).
 STUDY_EXCLUDE = ("*__pycache__/*", "*.dist-info/*", "*.egg-info/*", "site-packages/*", "dist-packages/*")
 
