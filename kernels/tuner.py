@@ -46,6 +46,8 @@ SHAPE_PRESETS: dict[str, dict[str, int]] = {
     "nano_tp2": dict(b=2, l=8192, h=32, p=64, g=4, n=128, c=128, w=4),
     "nano_b4_l4096": dict(b=4, l=4096, h=64, p=64, g=8, n=128, c=128, w=4),
     "nano_b4_l1024": dict(b=4, l=1024, h=64, p=64, g=8, n=128, c=128, w=4),
+    # model=nano_proxy (16 heads of Nano's dims) as recipe convergence_seeds_h200 runs it: micro-batch 4 x 1024
+    "nano_proxy": dict(b=4, l=1024, h=16, p=64, g=8, n=128, c=128, w=4),
 }
 
 

@@ -18,12 +18,16 @@
 #   breakdown    device time per category of a nano30b_slice step (step_breakdown.py) and the step A/B of the
 #                default LM head + optimizer against the plain ones (ab_step_time.py)
 #   convergence  scripts/convergence_ab.sh with recipe $RECIPE (two GPUs: one arm each)
+#   seeds        the seed study on one GPU (scripts/convergence_study.py): corpus from the installed packages (built
+#                if missing), 3 seeds of mamba_ssm and helion and a 20,000-step helion run side by side, stopped
+#                after $MINUTES (default 8) and resumed by the next call; report in $OUT/convergence_seeds/compare
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
 # the packages are installed), BACKENDS (default "mamba_ssm,helion" for the A/B stages), REFERENCE_TREE
-# (equivalence), PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), STAGE_TIMEOUT (seconds per stage,
-# default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code
+# (equivalence), PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES, SEEDS_ARGS
+# (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32"), STAGE_TIMEOUT (seconds per
+# stage, default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code
 # is the number of failed stages.
 set -u
 cd "$(dirname "$0")/.."
@@ -37,11 +41,11 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
-KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence parity"
+KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence seeds parity"
 for stage in "$@"; do
     case " $KNOWN " in
         *" $stage "*) ;;
@@ -110,6 +114,10 @@ st_convergence() {
     need_gpus 2 convergence || return 1
     OUT="$OUT" RECIPE="${RECIPE:-convergence_ab_h200_2000_lowlr}" GPUS="0 1" STOP_AT=1000 \
         RESUME_EXTRA="checkpoint.save_on_exit=false" bash scripts/convergence_ab.sh
+}
+st_seeds() {  # one GPU; the same call resumes every run (same run dirs under $OUT/convergence_seeds)
+    # shellcheck disable=SC2086
+    python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --minutes "${MINUTES:-8}" ${SEEDS_ARGS:-}
 }
 
 # parity: nano30b_slice widths, pattern MEM*E, seq 4096, global batch 4, identical initial weights in every layout

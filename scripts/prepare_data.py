@@ -25,20 +25,7 @@ import warnings
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from nano_hybrid.data.prepare import DataPreparationError, stdlib_sources, text_sources, write_indexed_dataset
-from nano_hybrid.data.tokenizer import TEKKEN_131K_PATH, TokenizerError, TokenizerSpec
-
-
-def tokenizer_spec(arg: str, vocab_size: int, num_special_tokens: int, pattern: str) -> TokenizerSpec:
-    if arg == "byte":
-        return TokenizerSpec("byte")
-    if arg == "tekken131k":
-        arg = f"tiktoken:{TEKKEN_131K_PATH}"
-    kind, _, path = arg.partition(":")
-    if kind not in ("tiktoken", "hf") or not path:
-        raise TokenizerError(f"--tokenizer {arg!r}: use byte, tekken131k, tiktoken:PATH.json or hf:PATH")
-    return TokenizerSpec.from_cfg(
-        {"type": kind, "path": path, "vocab_size": vocab_size, "num_special_tokens": num_special_tokens, "pattern": pattern}
-    )
+from nano_hybrid.data.tokenizer import TokenizerError, spec_from_arg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     try:
-        spec = tokenizer_spec(args.tokenizer, args.vocab_size, args.num_special_tokens, args.pattern)
+        spec = spec_from_arg(args.tokenizer, args.vocab_size, args.num_special_tokens, args.pattern)
         spec.check_files()
         files = stdlib_sources() if args.input is None else text_sources(args.input, tuple(args.suffix))
         summary = write_indexed_dataset(

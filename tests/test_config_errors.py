@@ -73,6 +73,7 @@ def test_command_line_exit_code_and_single_line(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["convergence_ab_h200", "convergence_ab_h200_2000", "convergence_ab_h200_2000_lowlr",
+                                  "convergence_seeds_h200",
                                   "nano30b_slice_h200", "tiny_cpu"])
 def test_every_recipe_composes_with_its_overrides(name):
     """Each committed recipe expands to overrides Hydra accepts, and they land in the config."""

@@ -28,6 +28,7 @@ class DataSpec:
     cache_dir: str | None
     num_workers: int
     valid_paths: tuple[str, ...] = ()  # separate validation prefixes (then ``split`` is not used)
+    valid_seed: int | None = None  # shuffle seed of the validation samples (None: the run's seed)
 
     @staticmethod
     def from_cfg(data_cfg) -> "DataSpec":
@@ -56,7 +57,10 @@ class DataSpec:
         num_workers = int(data_cfg.get("num_workers", 0))
         if num_workers < 0:
             raise DataConfigError(f"data.num_workers must be >= 0, got {num_workers}")
-        return DataSpec(kind, paths, weights, split, data_cfg.get("cache_dir"), num_workers, valid_paths)
+        valid_seed = data_cfg.get("valid_seed")
+        if valid_seed is not None and (not isinstance(valid_seed, int) or isinstance(valid_seed, bool) or valid_seed < 0):
+            raise DataConfigError(f"data.valid_seed={valid_seed!r} must be an integer >= 0 or null (the run's seed)")
+        return DataSpec(kind, paths, weights, split, data_cfg.get("cache_dir"), num_workers, valid_paths, valid_seed)
 
     @property
     def split_has_valid(self) -> bool:
@@ -72,7 +76,15 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, num_samples: int,
     """(train, valid) as built by megatron-core's BlendedMegatronDatasetBuilder (GPTDataset, a BlendedDataset
     over several prefixes, or MockGPTDataset). The validation split comes from ``spec.split`` (Megatron's
     train,valid,test weights over each prefix's documents) or from ``spec.valid_paths``; ``valid`` is None
-    when ``valid_samples`` is 0."""
+    when ``valid_samples`` is 0.
+
+    ``seed`` shuffles the documents and samples of both splits (a different seed, a different training order);
+    with ``spec.valid_seed`` set the validation samples are shuffled with that seed instead, so runs of
+    different seeds evaluate on the same samples."""
+    if spec.valid_seed is not None and valid_samples and spec.valid_seed != seed:
+        train = build_datasets(_without_valid_seed(spec), tokenizer, seq_length, num_samples, seed)[0] if num_samples else None
+        valid = build_datasets(_without_valid_seed(spec), tokenizer, seq_length, 0, spec.valid_seed, valid_samples)[1]
+        return train, valid
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
@@ -115,8 +127,10 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, num_samples: int,
     )
     if spec.kind == "indexed":
         _keep_needed_splits(config, spec, bool(valid_samples))
+    if spec.kind == "indexed" and not num_samples:  # validation only (a separate valid_seed): no training split
+        _drop_train_split(config, spec)
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, valid_samples, 0], lambda: True, config).build()
-    if train is None or len(train) < num_samples:
+    if num_samples and (train is None or len(train) < num_samples):
         n = 0 if train is None else len(train)
         raise DataConfigError(f"the training split holds {n} samples, {num_samples} are needed")
     if valid_samples and (valid is None or len(valid) < valid_samples):
@@ -139,6 +153,21 @@ def train_split_tokens(dataset) -> int | None:
         counts = [train_split_tokens(d) for d in parts]
         return None if any(c is None for c in counts) else sum(counts)
     return None
+
+
+def _without_valid_seed(spec: DataSpec) -> DataSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, valid_seed=None)
+
+
+def _drop_train_split(config, spec: DataSpec) -> None:
+    if spec.valid_paths:
+        config.blend_per_split = [None, config.blend_per_split[1], None]
+    else:
+        matrix = list(config.split_matrix)
+        matrix[0] = None
+        config.split_matrix = matrix
 
 
 def _keep_needed_splits(config, spec: DataSpec, need_valid: bool) -> None:

@@ -160,6 +160,21 @@ class TokenizerSpec:
             raise TokenizerError(f"data.tokenizer.path={self.path} must be a .json file for tiktoken")
 
 
+def spec_from_arg(arg: str, vocab_size: int = 131072, num_special_tokens: int = 1000, pattern: str = "v2") -> TokenizerSpec:
+    """The TokenizerSpec of a command-line ``--tokenizer`` value: ``byte``, ``tekken131k`` (the 131k Tekken BPE
+    at TEKKEN_131K_PATH), ``tiktoken:PATH.json`` or ``hf:PATH``."""
+    if arg == "byte":
+        return TokenizerSpec("byte")
+    if arg == "tekken131k":
+        arg = f"tiktoken:{TEKKEN_131K_PATH}"
+    kind, _, path = arg.partition(":")
+    if kind not in ("tiktoken", "hf") or not path:
+        raise TokenizerError(f"--tokenizer {arg!r}: use byte, tekken131k, tiktoken:PATH.json or hf:PATH")
+    return TokenizerSpec.from_cfg(
+        {"type": kind, "path": path, "vocab_size": vocab_size, "num_special_tokens": num_special_tokens, "pattern": pattern}
+    )
+
+
 def build_tokenizer(spec) -> ByteTokenizer | MegatronTextTokenizer:
     """The tokenizer for ``spec`` (a TokenizerSpec, a ``data.tokenizer`` mapping or a type name)."""
     if not isinstance(spec, TokenizerSpec):

@@ -1,0 +1,284 @@
+"""The seed study on one GPU (scripts/convergence_study.py is the command line): build the corpus if it is missing,
+train every seed of every arm and one long run as separate processes side by side, stop them all before a wall-time
+limit (they save a checkpoint and exit), and compare the arms' seed groups. The same command resumes every run.
+
+Runs (each its own process and run directory under ``out``):
+- ``<arm>_s<seed>`` for every arm and seed: ``recipe`` with the arm's kernel overrides, ``seed=<seed>`` (initial
+  weights and training-data order; the validation samples are the same for every seed: ``data.valid_seed``),
+  W&B group = the arm;
+- ``long_helion``: the helion backend, seed 1, ``train.train_iters=<long_iters>`` plus ``long_overrides``
+  (W&B group ``long``).
+A run whose checkpoint tracker already reaches its ``train.train_iters`` is complete and not started again.
+
+Time: the invocation ends within ``minutes`` (plus ``grace_s`` for the last saves): the corpus build counts;
+each trainer gets ``train.exit_after_minutes`` = the time left minus ``save_margin_s``, so it stops after a step
+and saves on its own; at the deadline every process still alive gets SIGTERM (finish the step, save, exit 0),
+after ``grace_s`` more SIGKILL (that run then resumes from its previous checkpoint). Every process runs in its
+own session, so a signal reaches only the processes this launcher started.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ARMS = {
+    "mamba_ssm": ["kernels.backend=mamba_ssm"],
+    "helion": ["kernels.backend=helion"],
+    # the helion backward with mamba-ssm's fp32 recomputed states and state gradients
+    "helion_fp32": ["kernels.backend=helion", "kernels.helion.bwd_states_dtype=fp32",
+                    "kernels.helion.bwd_dstates_dtype=fp32"],
+}
+RECIPE = "convergence_seeds_h200"
+# The long run: one micro-batch of the seed runs' shape per step (4,096 tokens; the same tuned kernel shape), the
+# same validation tokens per evaluation (16 x 4 x 1024), every 1000 steps.
+LONG_OVERRIDES = ("train.global_batch_size=4", "train.eval_interval=1000", "train.eval_iters=16",
+                  "optim.lr=3.0e-4", "optim.min_lr=3.0e-6")
+# Files under the default roots that are not a package's own text (compiled caches, metadata, nested envs).
+STUDY_EXCLUDE = ("*__pycache__/*", "*.dist-info/*", "*.egg-info/*", "site-packages/*", "dist-packages/*")
+
+
+class StudyConfigError(ValueError):
+    """Bad launcher arguments, found before any process starts."""
+
+
+@dataclass
+class RunSpec:
+    name: str
+    arm: str  # a key of ARMS, or "long"
+    seed: int
+    run_dir: Path
+    overrides: list[str]
+    train_iters: int
+
+    def command(self, python: str) -> list[str]:
+        return [python, "-m", "nano_hybrid.train", *self.overrides]
+
+
+@dataclass
+class StudyPlan:
+    out: Path
+    corpus: Path
+    corpus_roots: list[str]
+    runs: list[RunSpec] = field(default_factory=list)
+
+    def arms(self) -> dict[str, list[RunSpec]]:
+        groups: dict[str, list[RunSpec]] = {}
+        for r in self.runs:
+            if r.arm != "long":
+                groups.setdefault(r.arm, []).append(r)
+        return groups
+
+
+def default_corpus_roots() -> list[str]:
+    """This interpreter's standard library and installed packages, a checkout's ./site (wheels installed by
+    scripts/gpu_setup.sh) and the system's dist-packages folders: the existing ones, each once."""
+    paths = sysconfig.get_paths()
+    cands = [paths["stdlib"], paths["purelib"], paths["platlib"], "site",
+             f"/usr/local/lib/python{sys.version_info.major}.{sys.version_info.minor}/dist-packages",
+             "/usr/lib/python3/dist-packages"]
+    out, seen = [], set()
+    for c in cands:
+        if c and Path(c).is_dir():
+            real = os.path.realpath(c)
+            if real not in seen:
+                seen.add(real)
+                out.append(os.path.abspath(c))
+    return out
+
+
+def train_iters_of(overrides: list[str], recipe_iters: int) -> int:
+    for ov in reversed(overrides):
+        if ov.startswith("train.train_iters="):
+            return int(ov.split("=", 1)[1])
+    return recipe_iters
+
+
+def recipe_train_iters(recipe: str) -> int:
+    from nano_hybrid.config import compose
+
+    return int(compose([f"recipe={recipe}"]).train.train_iters)
+
+
+def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str | Path,
+              corpus_roots: list[str] | None, long_iters: int | None, extra: list[str], long_extra: list[str],
+              wandb: str, recipe: str = RECIPE, recipe_iters: int | None = None) -> StudyPlan:
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise StudyConfigError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    if len(set(arms)) != len(arms) or len(arms) < 2:
+        raise StudyConfigError(f"give at least two different arms, got {arms}")
+    if len(seeds) < 2 or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+        raise StudyConfigError(f"give at least two different seeds >= 0, got {seeds}")
+    if long_iters is not None and long_iters < 1:
+        raise StudyConfigError(f"--long-iters must be >= 1, got {long_iters}")
+    if wandb not in ("offline", "disabled"):
+        raise StudyConfigError(f"--wandb {wandb!r}: offline or disabled (the GPU host has no network)")
+    for ov in extra + long_extra:
+        key = ov.split("=", 1)[0]
+        if "=" not in ov or key in ("seed", "run_dir", "kernels.backend", "logger.wandb.group", "logger.wandb.name"):
+            raise StudyConfigError(f"override {ov!r}: give KEY=VALUE; seed, run_dir, kernels.backend and the W&B "
+                                   "group/name are set by the launcher")
+    out, corpus = Path(out).absolute(), Path(corpus).absolute()
+    iters = recipe_train_iters(recipe) if recipe_iters is None else recipe_iters
+    plan = StudyPlan(out, corpus, list(corpus_roots) if corpus_roots else default_corpus_roots())
+
+    def spec(name, arm, seed, arm_ovs, more):
+        run_dir = out / name
+        ovs = [f"recipe={recipe}", *arm_ovs, f"seed={seed}", f"run_dir={run_dir}", f"data.corpus_dir={corpus}",
+               f"data.cache_dir={run_dir / 'data_cache'}", f"logger.wandb.mode={wandb}",
+               f"logger.wandb.group={arm}", f"logger.wandb.name={name}", *extra, *more]
+        return RunSpec(name, arm, seed, run_dir, ovs, train_iters_of(ovs, iters))
+
+    for arm in arms:
+        for seed in seeds:
+            plan.runs.append(spec(f"{arm}_s{seed}", arm, seed, ARMS[arm], []))
+    if long_iters is not None:
+        plan.runs.append(spec("long_helion", "long", 1, ARMS["helion"],
+                              [*LONG_OVERRIDES, f"train.train_iters={long_iters}", *long_extra]))
+    return plan
+
+
+def checkpointed_step(run_dir: Path) -> int:
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    try:
+        return int(tracker.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def last_logged_step(run_dir: Path) -> int:
+    f = run_dir / "metrics.jsonl"
+    try:
+        with open(f, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 8192))
+            lines = fh.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
+def corpus_command(plan: StudyPlan, python: str, workers: int, tokenizer: str) -> list[str]:
+    cmd = [python, "scripts/prepare_corpus.py", "--output", str(plan.corpus), "--tokenizer", tokenizer,
+           "--workers", str(workers), "--valid-fraction", "0.01", "--exclude", *STUDY_EXCLUDE]
+    for r in plan.corpus_roots:
+        cmd += ["--root", r]
+    return cmd
+
+
+def build_corpus_if_missing(plan: StudyPlan, workers: int, tokenizer: str, log) -> None:
+    from nano_hybrid.data.corpus import CorpusSettings, build_corpus
+    from nano_hybrid.data.tokenizer import spec_from_arg
+
+    if (plan.corpus / "manifest.json").is_file():
+        m = json.loads((plan.corpus / "manifest.json").read_text())
+        log(f"corpus {plan.corpus}: {m['splits']['train']['tokens']:,} train / {m['splits']['valid']['tokens']:,} "
+            f"valid tokens, content_sha256 {m['content_sha256'][:16]}")
+        return
+    settings = CorpusSettings(roots=tuple(plan.corpus_roots), exclude=STUDY_EXCLUDE, valid_fraction=0.01)
+    log(f"building the corpus {plan.corpus} from {', '.join(plan.corpus_roots)} ({workers} workers)")
+    m = build_corpus(settings, plan.corpus, spec_from_arg(tokenizer), workers=workers, log=log)
+    log(f"corpus: {m['splits']['train']['tokens']:,} train / {m['splits']['valid']['tokens']:,} valid tokens "
+        f"in {m['build']['seconds']} s, content_sha256 {m['content_sha256'][:16]}")
+
+
+@dataclass
+class Proc:
+    spec: RunSpec
+    popen: subprocess.Popen
+    log: Path
+
+
+def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.0, save_margin_s: float = 45.0,
+           start_time: float | None = None, log=print, poll_s: float = 5.0,
+           min_run_minutes: float = 0.5) -> dict[str, int | None]:
+    """Start every unfinished run, stop them all by the deadline; returns run name -> exit code (None: complete
+    before this invocation)."""
+    t0 = time.monotonic() if start_time is None else start_time
+    deadline = t0 + 60.0 * minutes
+    results: dict[str, int | None] = {}
+    procs: list[Proc] = []
+    (plan.out / "logs").mkdir(parents=True, exist_ok=True)
+    for r in plan.runs:
+        done = checkpointed_step(r.run_dir)
+        if done >= r.train_iters:
+            log(f"{r.name}: complete ({done} steps)")
+            results[r.name] = None
+            continue
+        left_min = (deadline - time.monotonic() - save_margin_s) / 60.0
+        if left_min <= min_run_minutes:
+            raise StudyConfigError(f"only {left_min * 60:.0f} s left before the deadline: raise --minutes")
+        segment = len(list((plan.out / "logs").glob(f"{r.name}.part*.log"))) + 1
+        logf = plan.out / "logs" / f"{r.name}.part{segment}.log"
+        cmd = r.command(python) + [f"train.exit_after_minutes={left_min:.2f}"]
+        with open(logf, "w") as fh:
+            fh.write(shlex.join(cmd) + "\n")
+            fh.flush()
+            p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(Proc(r, p, logf))
+        log(f"{r.name}: started (pid {p.pid}, from step {done}, log {logf})")
+    last_report = time.monotonic()
+    stage = "run"
+    while any(p.popen.poll() is None for p in procs):
+        now = time.monotonic()
+        if stage == "run" and now >= deadline:
+            for p in procs:
+                if p.popen.poll() is None:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+            log(f"deadline: SIGTERM to {sum(p.popen.poll() is None for p in procs)} run(s)")
+            stage = "term"
+        elif stage == "term" and now >= deadline + grace_s:
+            for p in procs:
+                if p.popen.poll() is None:
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                    log(f"{p.spec.name}: SIGKILL after {grace_s:.0f} s of grace (it resumes from its previous checkpoint)")
+            stage = "kill"
+        if now - last_report >= 60.0:
+            log("progress: " + ", ".join(f"{p.spec.name} {last_logged_step(p.spec.run_dir)}/{p.spec.train_iters}"
+                                         for p in procs))
+            last_report = now
+        time.sleep(poll_s)
+    for p in procs:
+        results[p.spec.name] = p.popen.returncode
+        tail = p.log.read_text(errors="replace").strip().splitlines()[-1:] if p.log.is_file() else []
+        log(f"{p.spec.name}: exit {p.popen.returncode}, step {last_logged_step(p.spec.run_dir)}/"
+            f"{p.spec.train_iters}, checkpoint at {checkpointed_step(p.spec.run_dir)}"
+            + (f" | {tail[0][:160]}" if p.popen.returncode and tail else ""))
+    return results
+
+
+def long_run_summary(run_dir: Path) -> dict:
+    """Steps, validation points, skipped and non-finite steps and gaps of the long run's metrics.jsonl."""
+    by_step: dict[int, dict] = {}
+    f = run_dir / "metrics.jsonl"
+    if f.is_file():
+        for line in f.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                by_step[int(rec["step"])] = rec
+            except (ValueError, KeyError, TypeError):
+                continue
+    steps = sorted(by_step)
+    bad = [s for s in steps if not all(math.isfinite(float(by_step[s].get(k, 0.0))) for k in ("loss", "grad_norm"))]
+    gaps = [s for s in range(1, (steps[-1] if steps else 0) + 1) if s not in by_step]
+    segments = len(list((run_dir.parent / "logs").glob(f"{run_dir.name}.part*.log")))
+    return {"run": str(run_dir), "steps": len(steps), "last_step": steps[-1] if steps else 0,
+            "val_points": sum("val_loss" in by_step[s] for s in steps),
+            "skipped_steps": sum(int(by_step[s].get("skipped", 0)) for s in steps), "non_finite_steps": bad[:10],
+            "missing_steps": gaps[:10], "segments": segments,
+            "last_val_loss": next((by_step[s]["val_loss"] for s in reversed(steps) if "val_loss" in by_step[s]), None)}

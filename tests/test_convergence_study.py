@@ -1,0 +1,118 @@
+"""The seed-study launcher (nano_hybrid/convergence_study.py, scripts/convergence_study.py) on CPU: the runs and
+commands it plans (seeds, arms, the long run, W&B groups, per-run caches), bad arguments as one error line, and the
+stop at the deadline (SIGTERM, then the same command resumes) with a stand-in trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+import pytest
+
+import convergence_study  # noqa: E402  (scripts/ is on the tests' path)
+from nano_hybrid.config import compose
+from nano_hybrid.convergence_study import StudyConfigError, launch, make_plan
+
+
+def _plan(tmp_path, **kw):
+    base = dict(out=tmp_path / "study", arms=["mamba_ssm", "helion"], seeds=[1, 2, 3], corpus=tmp_path / "corpus",
+                corpus_roots=[str(tmp_path)], long_iters=20000, extra=[], long_extra=[], wandb="offline")
+    base.update(kw)
+    return make_plan(**base)
+
+
+def test_plan_runs_seeds_per_arm_and_a_long_run(tmp_path):
+    plan = _plan(tmp_path)
+    assert [r.name for r in plan.runs] == ["mamba_ssm_s1", "mamba_ssm_s2", "mamba_ssm_s3", "helion_s1", "helion_s2",
+                                           "helion_s3", "long_helion"]
+    assert {a: [r.seed for r in rs] for a, rs in plan.arms().items()} == {"mamba_ssm": [1, 2, 3], "helion": [1, 2, 3]}
+    seen_dirs = set()
+    for r in plan.runs:
+        cfg = compose(r.overrides)
+        assert cfg.run_dir == str(r.run_dir) and cfg.seed == r.seed and r.run_dir not in seen_dirs
+        seen_dirs.add(r.run_dir)
+        assert cfg.model.name == "nano_proxy" and cfg.data.valid_seed == 1234
+        assert cfg.data.paths == [f"{tmp_path / 'corpus'}/train"] and cfg.data.valid_paths == [f"{tmp_path / 'corpus'}/valid"]
+        assert cfg.data.cache_dir == str(r.run_dir / "data_cache")  # no two processes write one index cache
+        assert cfg.logger.wandb.mode == "offline" and cfg.logger.wandb.group == r.arm
+        assert cfg.kernels.backend == ("mamba_ssm" if r.arm == "mamba_ssm" else "helion")
+        assert r.train_iters == cfg.train.train_iters
+        if r.arm != "long":
+            assert cfg.train.train_iters == 2000
+            tokens = cfg.train.global_batch_size * cfg.train.seq_length
+            assert tokens == 8192  # the same tokens per step in every seed run
+    long = plan.runs[-1]
+    assert long.train_iters == 20000 and compose(long.overrides).train.eval_interval == 1000
+    fp32 = _plan(tmp_path, arms=["mamba_ssm", "helion", "helion_fp32"], long_iters=None)
+    cfg = compose(fp32.runs[-1].overrides)
+    assert cfg.kernels.helion.bwd_states_dtype == "fp32" and cfg.kernels.helion.bwd_dstates_dtype == "fp32"
+    assert all(r.arm != "long" for r in fp32.runs)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"arms": ["mamba_ssm", "triton"]}, "unknown arm"),
+    ({"arms": ["helion"]}, "two different arms"),
+    ({"seeds": [1]}, "two different seeds"),
+    ({"seeds": [1, 1]}, "two different seeds"),
+    ({"extra": ["seed=4"]}, "set by the launcher"),
+    ({"extra": ["train.train_iters"]}, "KEY=VALUE"),
+    ({"wandb": "online"}, "offline or disabled"),
+])
+def test_bad_plans_are_refused(tmp_path, kw, match):
+    with pytest.raises(StudyConfigError, match=match):
+        _plan(tmp_path, **kw)
+
+
+def test_dry_run_prints_every_command_and_bad_arguments_exit_2(tmp_path, capsys):
+    assert convergence_study.main(["--dry-run", "--out", str(tmp_path / "s"), "--corpus", str(tmp_path / "c"),
+                                   "--corpus-root", str(tmp_path), "train.train_iters=300"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "scripts/prepare_corpus.py" in lines[0] and f"--root {tmp_path}" in lines[0]
+    runs = lines[1:]
+    assert len(runs) == 7 and all(" -m nano_hybrid.train recipe=convergence_seeds_h200 " in c for c in runs)
+    assert sum("train.train_iters=300" in c for c in runs) == 7  # the long run's own train_iters comes after it
+    assert runs[-1].endswith("train.train_iters=20000")
+    for argv in (["--seeds", "1,x"], ["--minutes", "0.1"], ["train.no_such_key=1"], ["--corpus-root", str(tmp_path / "no")]):
+        assert convergence_study.main(["--dry-run", "--out", str(tmp_path / "s"), "--corpus", str(tmp_path / "c")] + argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
+
+
+FAKE_TRAINER = """#!/usr/bin/env bash
+# a stand-in for `python -m nano_hybrid.train ...`: logs steps until SIGTERM, then "saves" and exits 0
+for a in "$@"; do case "$a" in run_dir=*) d="${a#run_dir=}";; esac; done
+mkdir -p "$d"
+step=$(wc -l < "$d/metrics.jsonl" 2>/dev/null || echo 0)
+trap 'echo "$step" > "$d/saved_at"; exit 0' TERM
+while true; do step=$((step + 1)); echo "{\\"step\\": $step}" >> "$d/metrics.jsonl"; sleep 0.05; done
+"""
+
+
+def test_launch_stops_every_run_at_the_deadline_and_skips_complete_ones(tmp_path):
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_TRAINER)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    plan = _plan(tmp_path, seeds=[1, 2], long_iters=None)
+    done = plan.runs[0].run_dir / "checkpoints"
+    done.mkdir(parents=True)
+    (done / "latest_checkpointed_iteration.txt").write_text("2000\n")
+    t0 = time.monotonic()
+    res = launch(plan, minutes=0.05, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
+                 log=lambda m: None)
+    assert time.monotonic() - t0 < 15
+    assert res[plan.runs[0].name] is None  # complete before: not started
+    for r in plan.runs[1:]:
+        assert res[r.name] == 0 and (r.run_dir / "saved_at").is_file()  # stopped by SIGTERM, saved, exit 0
+        first = int((r.run_dir / "saved_at").read_text())
+        assert first > 0 and (plan.out / "logs" / f"{r.name}.part1.log").is_file()
+        cmd = (plan.out / "logs" / f"{r.name}.part1.log").read_text().splitlines()[0]
+        assert f"run_dir={r.run_dir}" in cmd and "train.exit_after_minutes=" in cmd
+    # the same call again resumes each run in its own run_dir (a second log segment, the steps continue)
+    launch(plan, minutes=0.05, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
+           log=lambda m: None)
+    r = plan.runs[1]
+    steps = [json.loads(x)["step"] for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and (plan.out / "logs" / f"{r.name}.part2.log").is_file()
+    assert not os.path.exists(plan.runs[0].run_dir / "metrics.jsonl")
