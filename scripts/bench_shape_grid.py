@@ -208,6 +208,11 @@ def run(args) -> dict:
         rec["notices"] = sorted({str(x.message) for x in w if "nano_hybrid kernels" in str(x.message)})
         rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
         res["shapes"][name] = rec
+        if args.out:  # what has run so far survives a time limit
+            import json
+
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "shape_grid.partial.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
         if "speedup_per_call" in rec:
             print(f"   {rec['speedup_per_call']['speedup']:.2f}x per call, err ratio {rec['err_ratio_max']:.2f}, "
                   f"{rec['elapsed_s']} s", flush=True)
