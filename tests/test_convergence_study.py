@@ -66,8 +66,13 @@ def test_bad_plans_are_refused(tmp_path, kw, match):
 
 
 def test_dry_run_prints_every_command_and_bad_arguments_exit_2(tmp_path, capsys):
+    from nano_hybrid.data.tokenizer import extract_tekken
+
+    tok = tmp_path / "tok" / "tekken_131k.json"  # a fresh clone has no data/tokenizers/ yet
+    extract_tekken(tok)
     assert convergence_study.main(["--dry-run", "--out", str(tmp_path / "s"), "--corpus", str(tmp_path / "c"),
-                                   "--corpus-root", str(tmp_path), "train.train_iters=300"]) == 0
+                                   "--corpus-root", str(tmp_path), "--tokenizer", f"tiktoken:{tok}",
+                                   "train.train_iters=300", f"data.tokenizer.path={tok}"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "scripts/prepare_corpus.py" in lines[0] and f"--root {tmp_path}" in lines[0]
     runs = lines[1:]
@@ -75,7 +80,8 @@ def test_dry_run_prints_every_command_and_bad_arguments_exit_2(tmp_path, capsys)
     assert sum("train.train_iters=300" in c for c in runs) == 7  # the long run's own train_iters comes after it
     assert runs[-1].endswith("train.train_iters=20000")
     for argv in (["--seeds", "1,x"], ["--minutes", "0.1"], ["train.no_such_key=1"], ["--corpus-root", str(tmp_path / "no")]):
-        assert convergence_study.main(["--dry-run", "--out", str(tmp_path / "s"), "--corpus", str(tmp_path / "c")] + argv) == 2
+        assert convergence_study.main(["--dry-run", "--out", str(tmp_path / "s"), "--corpus", str(tmp_path / "c"),
+                                       "--tokenizer", f"tiktoken:{tok}", f"data.tokenizer.path={tok}"] + argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
 
