@@ -93,8 +93,9 @@ def _write_line(line: str) -> None:
     os.write(fd, data)
 
 
-def report_error(message: str, *, rank: int | None = None, collective: bool = False) -> None:
-    """Print ``error: message`` (once per job for a collective error) and leave it for torchrun's summary."""
+def report_error(message: str, *, rank: int | None = None, collective: bool = False) -> bool:
+    """Print ``error: message`` (once per job for a collective error) and leave it for torchrun's summary; returns
+    whether this rank printed it."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     line = f"error: {message}"
     printed = not collective or rank == 0
@@ -110,6 +111,7 @@ def report_error(message: str, *, rank: int | None = None, collective: bool = Fa
                                                                       "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass  # the printed line is the report; the summary then shows torchrun's generic text
+    return printed
 
 
 def decided_on_rank0(fn, *args, **kwargs):

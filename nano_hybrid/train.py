@@ -383,32 +383,17 @@ def release_refused_start() -> None:
     _CLAIMED_DIRS.clear()
 
 
-def _rank0_first(plan: RunPlan, fn, errors: tuple[type[Exception], ...]):
-    """Run ``fn`` on rank 0 while the others wait; an ``errors`` exception there is raised on every rank (the
-    same type and message, printed once by rank 0), so no rank is left waiting in a collective. Returns rank 0's
-    result on rank 0 and None elsewhere."""
-    import torch.distributed as dist
-
-    result, box = None, [None, None]
-    if plan.rank == 0:
-        try:
-            result = fn()
-        except errors as e:
-            box = [type(e).__name__, str(e)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise next(t for t in errors if t.__name__ == box[0])(box[1])
-    return result
-
-
 def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
     """Build a missing default corpus on rank 0 (others wait); fail loudly if that is impossible."""
+    def build() -> None:
+        try:
+            ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log,
+                          tokenizer=plan.tokenizer_spec, workers=int(cfg.data.get("prepare_workers") or 1))
+        except DataPreparationError as e:  # shared with the waiting ranks, printed once
+            raise RunError(str(e)) from None
+
     if plan.data.kind == "indexed":
-        _rank0_first(plan, lambda: ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log,
-                                                 tokenizer=plan.tokenizer_spec,
-                                                 workers=int(cfg.data.get("prepare_workers") or 1)),
-                     (DataPreparationError,))
+        decided_on_rank0(build)
     missing = missing_paths(plan.data) if plan.data.kind == "indexed" else []
     if missing:  # e.g. rank 0 wrote to a node-local path this rank cannot see
         raise DataPreparationError(f"data path(s) not visible on rank {plan.rank}: {missing}")
@@ -865,9 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
         # every rank validates the same config and finds the same error: rank 0 prints it, once per job; the
         # others give it a moment to, as torchrun stops the job at the first rank that exits
-        rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
-        report_error(str(e), rank=rank, collective=True)
-        if rank != 0:
+        if not report_error(str(e), collective=True):
             time.sleep(5.0)
         return EXIT_BAD_INPUT
     ctx = None
