@@ -390,8 +390,11 @@ def format_exc() -> str:
 
 def _copy_arg(a):
     """A tensor argument copied with its own strides (the search writes into output buffers; the call's tensors are
-    left as they are), anything else as it is."""
+    left as they are), anything else as it is. A tensor whose elements share memory (an expanded view, e.g. a
+    broadcast D or dt_bias) is passed as it is: no kernel writes to one, and a copy with its strides cannot exist."""
     if not isinstance(a, torch.Tensor):
+        return a
+    if torch._debug_has_internal_overlap(a) == 1:  # MemOverlap::Yes
         return a
     t = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
     t.copy_(a)

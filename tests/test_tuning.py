@@ -683,3 +683,18 @@ def test_shape_presets_cover_the_recipe_shapes():
     """scripts/tune_kernels.py tunes by preset name: every GPU recipe's mixer shape is a preset."""
     presets = {(d["b"], d["l"], d["h"], d["p"], d["g"], d["n"], d["c"], d["w"]) for d in tuner.SHAPE_PRESETS.values()}
     assert set(recipe_mixer_shapes().values()) <= presets, set(recipe_mixer_shapes().values()) - presets
+
+
+def test_tuner_copies_arguments_with_their_strides_and_passes_broadcast_views():
+    """First-use tuning runs on copies of the call's tensors; an expanded view (elements sharing memory, as the
+    mixer's broadcast D and dt_bias arguments can be) cannot be copied with its strides and is passed as it is."""
+    from kernels.tuner import _copy_arg
+
+    base = torch.randn(4, 1)
+    expanded = base.expand(4, 8)
+    assert _copy_arg(expanded) is expanded
+    strided = torch.randn(4, 8)[:, ::2]
+    copy = _copy_arg(strided)
+    assert copy is not strided and copy.data_ptr() != strided.data_ptr()
+    assert copy.stride() == strided.stride() and torch.equal(copy, strided)
+    assert _copy_arg(3) == 3 and _copy_arg(None) is None
