@@ -1,8 +1,8 @@
 """The training loop's checkpoint logic: the settings check, which checkpoint to resume, save and load, and
 :class:`Checkpointer` (save policy, resume, RNG restore).
 
-The files are :mod:`nano_hybrid.checkpoint.layout`'s, the megatron calls :mod:`nano_hybrid.checkpoint.mcore_io`'s,
-the rank and the collectives :mod:`nano_hybrid.checkpoint.ranks`'.
+Files come from :mod:`nano_hybrid.checkpoint.layout`, megatron calls from :mod:`nano_hybrid.checkpoint.mcore_io`,
+the rank and the collectives from :mod:`nano_hybrid.checkpoint.ranks`.
 """
 
 from __future__ import annotations
