@@ -180,7 +180,7 @@ def remove_step_dir(ckpt: Path, *, ignore_errors: bool = True) -> None:
 
 
 def fresh_step_dir(root: Path, ckpt: Path) -> None:
-    """Rank 0: an empty ``ckpt`` under ``root`` (a leftover from an interrupted save or an older timeline is replaced)."""
+    """Rank 0: an empty ``ckpt`` under ``root``; a leftover (an interrupted save, an older timeline) is replaced."""
     root.mkdir(parents=True, exist_ok=True)
     if ckpt.exists():
         remove_step_dir(ckpt, ignore_errors=False)

@@ -34,7 +34,7 @@ class LoadedCheckpoint:
 
 # --------------------------------------------------------------------------------------- settings
 def check_settings(c) -> None:
-    """ConfigError naming the first bad ``checkpoint.*`` setting (``c`` is ``cfg.checkpoint``); run validation calls it."""
+    """ConfigError naming the first bad ``checkpoint.*`` setting; ``c`` is ``cfg.checkpoint``. Validation calls it."""
     for key in ("interval", "keep_last"):
         v = c.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -318,7 +318,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, *, 
 
 # ------------------------------------------------------------------------------------- the handle
 class Checkpointer:
-    """The training loop's handle on ``cfg.checkpoint`` (checked by :func:`check_settings`). All ranks call every method.
+    """The training loop's handle on ``cfg.checkpoint`` (checked by :func:`check_settings`); every rank calls each method.
 
     Usage in a training loop::
 
