@@ -1,7 +1,9 @@
 """Every workaround nano-hybrid needs to run megatron-core 0.16.1 without transformer-engine and/or CUDA.
 
-This is the ONLY module that touches megatron internals or torch.cuda globals. Each item says why it
-exists (file:line refer to the installed megatron-core 0.16.1; see
+This is the one module that touches megatron internals or torch.cuda globals for the model, the optimizer
+and the process; its one companion is :mod:`nano_hybrid.checkpoint.mcore_io`, which holds the megatron
+internals of checkpoint I/O (dist_checkpointing's writer result queue, the DistributedOptimizer's Adam steps).
+Each item says why it exists (file:line refer to the installed megatron-core 0.16.1; see
 shared/reference/megatron_core_cpu_notes.md for the investigation).
 
 Public helpers (stable; used by nano_hybrid.parallel, nano_hybrid.model and the training loop):

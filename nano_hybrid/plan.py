@@ -64,7 +64,7 @@ H200s (``tests/test_plan.py``: 5 and 13 Nano-width layers, micro-batch 1-4, seq 
 DP2 / EP2 / TP2+SP, no recompute); ``scripts/plan_vs_measured.py`` measures more layouts and the
 recompute choices on a GPU.
 
-Checkpoint on disk (``checkpoint.py``, megatron dist_checkpointing): the weights in the training dtype
+Checkpoint on disk (:mod:`nano_hybrid.checkpoint`, megatron dist_checkpointing): the weights in the training dtype
 plus the optimizer states (fp32 main weights for bf16 and Adam m, v) of the whole model.
 """
 

@@ -34,7 +34,7 @@ filter_startup_warnings()  # known harmless megatron-core start-up warnings (no 
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from nano_hybrid.checkpoint import Checkpointer  # noqa: E402
+from nano_hybrid.checkpoint import Checkpointer, check_settings as check_checkpoint_settings  # noqa: E402
 from nano_hybrid.config import ConfigError, compose, overrides_from_argv  # noqa: E402
 from nano_hybrid.data import (  # noqa: E402
     DataConfigError,
@@ -114,7 +114,7 @@ NUMERIC_KEYS = (
     ("optim.weight_decay", "float", False), ("optim.clip_grad", "float", False), ("optim.adam_beta1", "float", False),
     ("optim.adam_beta2", "float", False), ("optim.adam_eps", "float", False), ("optim.warmup_iters", "int", False),
     ("optim.wsd_decay_fraction", "float", True), ("train.exit_after_minutes", "float", True),
-    ("train.torch_threads", "int", True), ("checkpoint.interval", "int", True), ("checkpoint.keep_last", "int", True),
+    ("train.torch_threads", "int", True),
     ("data.num_workers", "int", True), ("data.prepare_workers", "int", True),
     ("data.tokenizer.vocab_size", "int", True), ("data.tokenizer.num_special_tokens", "int", True),
 )
@@ -216,9 +216,7 @@ def validate(cfg: DictConfig) -> RunPlan:
     mss = t.get("max_skipped_steps")
     if mss is not None and (not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0):
         raise ConfigError(f"train.max_skipped_steps={mss!r} must be a positive integer or null")
-    for key in ("verify", "check_free_space"):
-        if not isinstance(cfg.checkpoint.get(key), bool):
-            raise ConfigError(f"checkpoint.{key}={cfg.checkpoint.get(key)!r} must be true or false")
+    check_checkpoint_settings(cfg.checkpoint)
     device = resolve_device(str(t.device), local_rank)
     dtype = resolve_dtype(str(t.precision), device)
     validate_optim(cfg.optim, iters)

@@ -18,11 +18,12 @@ import sys
 
 
 def install_faults() -> None:
-    from nano_hybrid import checkpoint, storage
+    from nano_hybrid import storage
+    from nano_hybrid.checkpoint import layout, mcore_io
 
     kill_step = os.environ.get("NANO_HYBRID_TEST_KILL_DURING_SAVE")
     if kill_step:
-        publish = checkpoint._publish
+        publish = layout.publish
 
         def publish_or_die(root, ckpt, meta, cfg_yaml, keep_last):
             if str(meta["iteration"]) == kill_step:
@@ -30,12 +31,12 @@ def install_faults() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return publish(root, ckpt, meta, cfg_yaml, keep_last)
 
-        checkpoint._publish = publish_or_die
+        layout.publish = publish_or_die
 
     save_errno = os.environ.get("NANO_HYBRID_TEST_SAVE_ERRNO")
     if save_errno:
         step, name = save_errno.split(":")
-        write_state = checkpoint._write_state
+        write_state = mcore_io.write_state
 
         def write_state_or_fail(ckpt, state):
             if int(state["train_state"]["step"]) == int(step):
@@ -45,7 +46,7 @@ def install_faults() -> None:
                 raise OSError(code, os.strerror(code), str(ckpt / "__0_0.distcp"))
             return write_state(ckpt, state)
 
-        checkpoint._write_state = write_state_or_fail
+        mcore_io.write_state = write_state_or_fail
 
     free = os.environ.get("NANO_HYBRID_TEST_FREE_BYTES")
     if free:

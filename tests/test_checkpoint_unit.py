@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 import random
+import shutil
 import tempfile
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from nano_hybrid import checkpoint as ck
+from nano_hybrid.checkpoint import mcore_io
 
 
 @pytest.fixture(scope="module")
@@ -231,14 +233,14 @@ def test_failed_save_is_one_line_and_previous_checkpoint_loads(dist_world1, tmp_
     m = _model()
     c = ck.Checkpointer(cfg)
     c.save(State(step=2), m)
-    real = ck._write_state
+    real = mcore_io.write_state
 
     def disk_fails(ckpt, state):
         (ckpt / "__0_0.distcp").write_bytes(b"\0" * 1000)  # part of a shard, then the error
         n = getattr(errno, code)
         raise OSError(n, os.strerror(n), str(ckpt / "__0_0.distcp"))
 
-    monkeypatch.setattr(ck, "_write_state", disk_fails)
+    monkeypatch.setattr(mcore_io, "write_state", disk_fails)
     with pytest.raises(ck.CheckpointSaveError) as e:
         c.save(State(step=4), m)
     msg = str(e.value)
@@ -246,11 +248,11 @@ def test_failed_save_is_one_line_and_previous_checkpoint_loads(dist_world1, tmp_
     assert "iter_0000002 stays the checkpoint that loads" in msg and e.value.exit_code == 1
     root = tmp_path / "ckpt"
     assert not (root / "iter_0000004").exists() and (root / ck.TRACKER_FILE).read_text() == "2\n"
-    monkeypatch.setattr(ck, "_write_state", real)
+    monkeypatch.setattr(mcore_io, "write_state", real)
     assert ck.Checkpointer(cfg).locate() == root / "iter_0000002"
     # torch.save on a full disk loses the errno ("unexpected pos ..."): the line says what the filesystem has
-    monkeypatch.setattr(ck, "_write_state", lambda ckpt, state: (_ for _ in ()).throw(RuntimeError("unexpected pos 704 vs 598")))
-    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: type("U", (), {"free": 5 * 2**20})())
+    monkeypatch.setattr(mcore_io, "write_state", lambda ckpt, state: (_ for _ in ()).throw(RuntimeError("unexpected pos 704 vs 598")))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: type("U", (), {"free": 5 * 2**20})())
     with pytest.raises(ck.CheckpointSaveError, match=r"RuntimeError: unexpected pos 704 vs 598; 5 MiB free .*disk full"):
         c.save(State(step=6), m)
 
@@ -328,3 +330,21 @@ def test_run_lock_exclusive_stale_and_released(tmp_path):
     assert lock.stale["pid"] == holder.pid and "stale lock" in said[0]
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_settings_check():
+    from omegaconf import OmegaConf
+
+    from nano_hybrid.config import ConfigError
+
+    base = {"dir": "ck", "interval": 2, "keep_last": None, "load": "auto", "save_on_exit": True, "verify": True,
+            "check_free_space": True}
+    ck.check_settings(OmegaConf.create(base))
+    for bad, msg in [({"interval": "often"}, "checkpoint.interval='often' must be a whole number or null"),
+                     ({"keep_last": True}, "checkpoint.keep_last=True must be a whole number or null"),
+                     ({"verify": "yes"}, "checkpoint.verify='yes' must be true or false"),
+                     ({"check_free_space": None}, "checkpoint.check_free_space=None must be true or false"),
+                     ({"dir": ""}, "checkpoint.dir is empty"),
+                     ({"keep_last": -1}, r"checkpoint.interval \(2\) and keep_last \(-1\) must be >= 0")]:
+        with pytest.raises(ConfigError, match=msg):
+            ck.check_settings(OmegaConf.create({**base, **bad}))
