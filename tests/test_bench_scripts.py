@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from nano_hybrid.bench import environment, profiling, reporting, stats
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 
-from nano_hybrid import benchlib as bl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,33 +28,33 @@ def test_percentile_matches_numpy_linear():
     for n in (1, 2, 5, 10, 101):
         xs = [rng.gauss(10, 3) for _ in range(n)]
         for q in (0, 10, 50, 90, 100):
-            assert bl.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+            assert stats.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
 
 
 def test_median_p90_on_known_data():
     xs = list(range(1, 11))  # 1..10
-    assert bl.median(xs) == 5.5
-    assert bl.percentile(xs, 90) == pytest.approx(9.1)
-    s = bl.summarize(xs)
+    assert stats.median(xs) == 5.5
+    assert stats.percentile(xs, 90) == pytest.approx(9.1)
+    s = stats.summarize(xs)
     assert s["n"] == 10 and s["min"] == 1 and s["max"] == 10 and s["mean"] == 5.5
 
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")]])
 def test_stats_reject_bad_samples(bad):
     with pytest.raises(ValueError):
-        bl.median(bad)
+        stats.median(bad)
 
 
 def test_percentile_rejects_bad_q():
     with pytest.raises(ValueError, match="percentile"):
-        bl.percentile([1.0], 101)
+        stats.percentile([1.0], 101)
 
 
 def test_bootstrap_ci_covers_true_ratio_and_excludes_one():
     rng = random.Random(0)
     a = [10.0 + rng.gauss(0, 0.2) for _ in range(60)]  # baseline
     b = [8.0 + rng.gauss(0, 0.2) for _ in range(60)]  # 1.25x faster
-    point, lo, hi = bl.bootstrap_ratio_ci(a, b, n_boot=1000, seed=1)
+    point, lo, hi = stats.bootstrap_ratio_ci(a, b, n_boot=1000, seed=1)
     assert lo < point < hi
     assert lo < 1.25 < hi
     assert lo > 1.15  # clearly excludes 1.0
@@ -65,37 +65,37 @@ def test_bootstrap_ci_a_vs_a_contains_one():
     rng = random.Random(5)
     a = [5.0 + rng.gauss(0, 0.3) for _ in range(50)]
     b = [5.0 + rng.gauss(0, 0.3) for _ in range(50)]
-    point, lo, hi = bl.bootstrap_ratio_ci(a, b, n_boot=1000, seed=2)
+    point, lo, hi = stats.bootstrap_ratio_ci(a, b, n_boot=1000, seed=2)
     assert lo < 1.0 < hi
     assert abs(point - 1.0) < 0.05
 
 
 def test_bootstrap_is_seeded_and_validates():
     a, b = [1.0, 2.0, 3.0], [1.5, 2.5, 3.5]
-    assert bl.bootstrap_ratio_ci(a, b, n_boot=200, seed=7) == bl.bootstrap_ratio_ci(a, b, n_boot=200, seed=7)
+    assert stats.bootstrap_ratio_ci(a, b, n_boot=200, seed=7) == stats.bootstrap_ratio_ci(a, b, n_boot=200, seed=7)
     with pytest.raises(ValueError, match="n_boot"):
-        bl.bootstrap_ratio_ci(a, b, n_boot=10)
+        stats.bootstrap_ratio_ci(a, b, n_boot=10)
     with pytest.raises(ValueError, match="positive"):
-        bl.bootstrap_ratio_ci(a, [0.0, 0.0], n_boot=200)
-    r = bl.ratio_summary(a, b, n_boot=200)
+        stats.bootstrap_ratio_ci(a, [0.0, 0.0], n_boot=200)
+    r = stats.ratio_summary(a, b, n_boot=200)
     assert set(r) == {"speedup", "ci_lo", "ci_hi", "ci_level"} and r["ci_level"] == 0.95
 
 
 def test_arm_labels_and_alternation():
-    assert bl.arm_labels(["mamba_ssm", "helion", "mamba_ssm"]) == ["mamba_ssm", "helion", "mamba_ssm#2"]
-    assert bl.alternating_order(2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    assert stats.arm_labels(["mamba_ssm", "helion", "mamba_ssm"]) == ["mamba_ssm", "helion", "mamba_ssm#2"]
+    assert stats.alternating_order(2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
     # every arm runs first equally often over an even number of rounds
-    firsts = [o[0] for o in bl.alternating_order(3, 6)]
+    firsts = [o[0] for o in stats.alternating_order(3, 6)]
     assert firsts.count(0) == 3 and firsts.count(2) == 3
     with pytest.raises(ValueError):
-        bl.alternating_order(0, 2)
+        stats.alternating_order(0, 2)
 
 
 def test_gpu_slug():
-    assert bl.gpu_slug("NVIDIA H200") == "h200"
-    assert bl.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
-    assert bl.gpu_slug("NVIDIA B200") == "b200"
-    assert bl.gpu_slug(None) == "cpu"
+    assert environment.gpu_slug("NVIDIA H200") == "h200"
+    assert environment.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert environment.gpu_slug("NVIDIA B200") == "b200"
+    assert environment.gpu_slug(None) == "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_gpu_slug():
 def _synthetic_trace(tmp_path: Path, iters: int, drop: str | None = None) -> Path:
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "dur": 999.0}]  # host events are ignored
     for _ in range(iters):
-        for k, calls in bl.MAMBA_SSM_EXPECTED_KERNELS.items():
+        for k, calls in profiling.MAMBA_SSM_EXPECTED_KERNELS.items():
             if k == drop:
                 continue
             name = f"void {k}<Ktraits<128, 4>>(ConvParamsBwd)" if k.startswith("causal") else k
@@ -119,8 +119,8 @@ def _synthetic_trace(tmp_path: Path, iters: int, drop: str | None = None) -> Pat
 
 def test_kernel_table_and_baseline_check(tmp_path):
     iters = 3
-    table = bl.kernel_table(bl.load_trace_events(_synthetic_trace(tmp_path, iters)), iters)
-    n_calls = sum(bl.MAMBA_SSM_EXPECTED_KERNELS.values())
+    table = profiling.kernel_table(profiling.load_trace_events(_synthetic_trace(tmp_path, iters)), iters)
+    n_calls = sum(profiling.MAMBA_SSM_EXPECTED_KERNELS.values())
     assert table["total_us_per_iter"] == pytest.approx(10.0 * n_calls + 5.0)
     assert sum(r["share"] for r in table["rows"]) == pytest.approx(1.0)
     rows = {r["kernel"]: r for r in table["rows"]}
@@ -129,29 +129,29 @@ def test_kernel_table_and_baseline_check(tmp_path):
     assert rows["_layer_norm_bwd_kernel"]["category"] == "norm"
     assert rows["at::native::vectorized_elementwise_kernel"]["category"] == "other"
     assert table["by_category"]["norm"] == pytest.approx(20.0)
-    chk = bl.check_expected_kernels(table)
+    chk = profiling.check_expected_kernels(table)
     assert chk["matches"] and chk["extra_kernels"] == ["at::native::vectorized_elementwise_kernel"]
 
 
 def test_baseline_check_reports_missing_kernel(tmp_path):
-    table = bl.kernel_table(bl.load_trace_events(_synthetic_trace(tmp_path, 2, drop="_chunk_scan_bwd_dcb_kernel")), 2)
-    chk = bl.check_expected_kernels(table)
+    table = profiling.kernel_table(profiling.load_trace_events(_synthetic_trace(tmp_path, 2, drop="_chunk_scan_bwd_dcb_kernel")), 2)
+    chk = profiling.check_expected_kernels(table)
     assert not chk["matches"] and chk["missing"] == ["_chunk_scan_bwd_dcb_kernel"]
 
 
 def test_short_kernel_name():
-    assert bl.short_kernel_name("void causal_conv1d_channellast_fwd_kernel<Ktraits<128, 4, true>>(ConvParamsBase)") \
+    assert profiling.short_kernel_name("void causal_conv1d_channellast_fwd_kernel<Ktraits<128, 4, true>>(ConvParamsBase)") \
         == "causal_conv1d_channellast_fwd_kernel"
-    assert bl.short_kernel_name("_chunk_scan_fwd_kernel") == "_chunk_scan_fwd_kernel"
+    assert profiling.short_kernel_name("_chunk_scan_fwd_kernel") == "_chunk_scan_fwd_kernel"
     # aten kernels in an anonymous namespace keep their own name (not just "at::native::")
-    assert bl.short_kernel_name("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, "
+    assert profiling.short_kernel_name("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, "
                                 "float>(int, float, c10::BFloat16 const*)") == "at::native::vectorized_layer_norm_kernel"
 
 
 def test_write_results_schema(tmp_path):
-    jp, mp = bl.write_results(tmp_path / "o", "x", {"a": 1, "p": Path("/q")}, "# hi")
+    jp, mp = reporting.write_results(tmp_path / "o", "x", {"a": 1, "p": Path("/q")}, "# hi")
     d = json.loads(jp.read_text())
-    assert d == {"schema_version": bl.SCHEMA_VERSION, "a": 1, "p": "/q"}
+    assert d == {"schema_version": reporting.SCHEMA_VERSION, "a": 1, "p": "/q"}
     assert mp.read_text() == "# hi\n"
 
 
@@ -454,14 +454,14 @@ def test_cross_stream_overlap_counts_only_other_streams():
           dict(name="_helion_ssd_bwd_state_passing", ts=20, dur=10, args={"stream": 7}),
           dict(name="gemm_early", ts=0, dur=4, args={"stream": 20}),
           dict(name="gemm_late", ts=100, dur=4, args={"stream": 20})]
-    r = bl.cross_stream_overlap(ev, iters=2)
+    r = profiling.cross_stream_overlap(ev, iters=2)
     assert set(r) == {"_helion_ssd_bwd_state_passing"}  # only ssd/norm kernels are reported
     k = r["_helion_ssd_bwd_state_passing"]
     assert k["us_per_iter"] == pytest.approx(10.0)  # 20 us over 2 iterations
     assert k["overlapped_us_per_iter"] == pytest.approx(4.5)  # 4 (gemm_early) + 5 (nccl), halved
     assert k["streams"] == ["7"]
     with pytest.raises(ValueError):
-        bl.cross_stream_overlap(ev, iters=0)
+        profiling.cross_stream_overlap(ev, iters=0)
 
 
 def test_ab_markdown_lists_step_vs_isolated_kernels():
@@ -500,7 +500,7 @@ def test_bench_norm_conv_profile_summary_and_cpu_skip():
               {"name": "_helion_rmsnorm_dweight_sum_kernel", "dur": 3.0},
               {"name": "void _helion_rmsnorm_gated_bwd_kernel(float*)", "dur": 110.0},
               {"name": "_helion_rmsnorm_dweight_sum_kernel", "dur": 5.0}]
-    s = bnc._profile_summary(bl.kernel_table(events, 2), wall_s=260e-6, n_calls=2)
+    s = bnc._profile_summary(profiling.kernel_table(events, 2), wall_s=260e-6, n_calls=2)
     assert s["n_calls"] == 2
     assert s["device_us_per_call"] == pytest.approx(109.0)
     assert s["wall_us_per_call"] == pytest.approx(130.0)
@@ -520,10 +520,10 @@ def test_device_busy_counts_overlap_once_and_idle_gaps():
     # two iterations; kernels [0,10] and [5,12] overlap (busy 12), then a gap to [20,30]
     ev = [{"name": "a", "ts": 0.0, "dur": 10.0}, {"name": "b", "ts": 5.0, "dur": 7.0},
           {"name": "c", "ts": 20.0, "dur": 10.0}]
-    r = bl.device_busy(ev, 2)
+    r = profiling.device_busy(ev, 2)
     assert r == {"span_us_per_iter": 15.0, "busy_us_per_iter": 11.0, "idle_us_per_iter": 4.0}
-    assert bl.device_busy([{"name": "a", "dur": 3.0}], 1) == {}
-    t = bl.kernel_table(ev, 2)
+    assert profiling.device_busy([{"name": "a", "dur": 3.0}], 1) == {}
+    t = profiling.kernel_table(ev, 2)
     assert t["idle_us_per_iter"] == 4.0 and t["total_us_per_iter"] == 13.5
 
 
@@ -532,10 +532,10 @@ def test_device_gaps_name_the_neighbours_of_the_longest_idle_stretches():
     # which ended first), nothing between b and c
     ev = [{"ts": 0, "dur": 10, "name": "a"}, {"ts": 50, "dur": 10, "name": "b"}, {"ts": 55, "dur": 100, "name": "c"},
           {"ts": 200, "dur": 1, "name": "d"}]
-    assert bl.device_gaps(ev, min_us=20) == [{"us": 45.0, "after": "c", "before": "d"},
+    assert profiling.device_gaps(ev, min_us=20) == [{"us": 45.0, "after": "c", "before": "d"},
                                              {"us": 40.0, "after": "a", "before": "b"}]
-    assert bl.device_gaps(ev, top=1, min_us=41) == [{"us": 45.0, "after": "c", "before": "d"}]
-    assert bl.device_gaps([], min_us=0) == []
+    assert profiling.device_gaps(ev, top=1, min_us=41) == [{"us": 45.0, "after": "c", "before": "d"}]
+    assert profiling.device_gaps([], min_us=0) == []
 
 
 def test_runtime_sync_calls_keep_only_stalling_calls_per_iteration():
@@ -543,17 +543,17 @@ def test_runtime_sync_calls_keep_only_stalling_calls_per_iteration():
           [("cudaStreamSynchronize", 5), ("cudaLaunchKernel", 7), ("cudaMemcpyAsync", 9), ("cudaMemcpy", 3),
            ("cudaFree", 4), ("cudaStreamSynchronize", 1)]]
     ev.append({"ph": "X", "cat": "cpu_op", "name": "cudaDeviceSynchronize", "dur": 50})  # not a runtime event
-    r = bl.runtime_sync_calls(ev, 2)
+    r = profiling.runtime_sync_calls(ev, 2)
     assert r == {"cudaStreamSynchronize": {"calls_per_iter": 1.0, "us_per_iter": 3.0},
                  "cudaMemcpy": {"calls_per_iter": 0.5, "us_per_iter": 1.5},
                  "cudaFree": {"calls_per_iter": 0.5, "us_per_iter": 2.0}}
     with pytest.raises(ValueError):
-        bl.runtime_sync_calls(ev, 0)
+        profiling.runtime_sync_calls(ev, 0)
 
 
 def test_smi_summary_numeric_ranges_and_reason_counts():
     fields = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
-    r = bl.smi_summary(["1980, 650.5, 0x0", "1755, 700.0, 0x4", "1830, 690.0, 0x4", "garbled line"], fields)
+    r = profiling.smi_summary(["1980, 650.5, 0x0", "1755, 700.0, 0x4", "1830, 690.0, 0x4", "garbled line"], fields)
     assert r["samples"] == 3
     assert r["clocks.sm"] == {"min": 1755.0, "median": 1830.0, "max": 1980.0}
     assert r["power.draw"]["max"] == 700.0 and r["clocks_event_reasons.active"] == {"0x0": 1, "0x4": 2}
