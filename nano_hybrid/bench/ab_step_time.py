@@ -37,150 +37,13 @@ Writes ab_step_time_<model>_<arms>[_<world>gpu].json (+ .md) to $OUT (default ru
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
-import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
+
 from nano_hybrid.bench import environment, profiling, reporting, stats, training
-
-
-
-# a benchmark saves no checkpoint (and so needs no free space for one)
-NO_CHECKPOINTS = ["checkpoint.interval=0", "checkpoint.save_on_exit=false"]
-GPU_DEFAULTS = ["model=nano30b_slice", "data=mock", "train.micro_batch_size=2", "train.global_batch_size=2",
-                "train.seq_length=8192", *NO_CHECKPOINTS]
-CPU_DEFAULTS = ["model=nano30b_slice", "data=mock", *NO_CHECKPOINTS]
-
-
-# -------------------------------------------------------------------------------- backend switch
-def set_kernel_backend(model, backend) -> int:
-    """Point every Mamba-2 mixer in ``model`` (any wrapping: DDP, Float16Module) at ``backend``.
-
-    ``backend`` is a ``kernels.registry.KernelBackend`` or its name. For each ``BackendMambaMixer``:
-    ``kernel_backend`` (the fused split-conv1d-scan op) is replaced, and its gated-norm module is
-    rebuilt as the backend's ``RMSNormGated`` class (with megatron's sharded_state_dict, as the layer
-    spec builds it) around the SAME weight Parameter, so optimizer state, DDP grad buffers and hooks
-    and checkpoint keys are unchanged. Returns the number of mixers switched; raises if there are none.
-    """
-    from kernels.registry import get_backend
-    from nano_hybrid import mcore_compat
-    from nano_hybrid.model.mixer import BackendMambaMixer
-
-    if isinstance(backend, str):
-        backend = get_backend(backend)
-    norm_cls = mcore_compat.extended_rmsnorm_class(backend.RMSNormGated)
-    n = 0
-    for m in model.modules():
-        if not isinstance(m, BackendMambaMixer):
-            continue
-        m.kernel_backend = backend
-        old = getattr(m, "norm", None)
-        if old is not None and type(old) is not norm_cls:
-            w = old.weight
-            new = norm_cls(w.numel(), eps=old.eps, group_size=old.group_size, norm_before_gate=old.norm_before_gate,
-                           device=w.device, dtype=w.dtype)
-            new.weight = w  # same Parameter object
-            new.train(old.training)
-            m.norm = new
-        n += 1
-    if n == 0:
-        raise ValueError("set_kernel_backend: the model has no Mamba-2 mixers (BackendMambaMixer)")
-    return n
-
-
-SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", "optim.fused")
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One A/B arm: a kernel backend plus settings that switch in place (``SWITCHABLE`` keys)."""
-
-    backend: str
-    overrides: tuple[tuple[str, object], ...] = ()
-
-    @property
-    def label(self) -> str:
-        """'helion' or 'helion+lm_head_loss-chunked+fused-true' (file-name safe)."""
-        return self.backend + "".join(f"+{k.rsplit('.', 1)[-1]}-{str(v).lower()}" for k, v in self.overrides)
-
-
-def parse_arm(spec: str) -> Arm:
-    """``backend[:key=value[:key=value...]]`` -> Arm; ``ValueError`` on a key that cannot switch in place."""
-    import yaml
-
-    backend, *items = [x.strip() for x in spec.split(":")]
-    if not backend:
-        raise ValueError(f"arm {spec!r} has no backend")
-    ov = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in SWITCHABLE:
-            raise ValueError(f"arm {spec!r}: {item!r} is not key=value with a key from {', '.join(SWITCHABLE)}")
-        ov[key] = yaml.safe_load(value)
-    return Arm(backend, tuple(ov.items()))
-
-
-def apply_arm(ctx, arm: Arm, backends: dict) -> None:
-    """Switch ``ctx`` (a ``nano_hybrid.train.Trainer``) to ``arm`` in place: the kernel backend, the LM head + loss
-    (``LMLossMambaModel`` attributes) and the AdamW implementation; keys the arm does not set take the
-    composed config's values, so every arm is fully determined."""
-    from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
-    from nano_hybrid.optim import set_adam_fused
-
-    cfg = ctx.cfg
-    values = {"model.lm_head_loss": cfg.model.get("lm_head_loss", "plain"),
-              "model.lm_loss_chunk_tokens": cfg.model.get("lm_loss_chunk_tokens", 4096),
-              "optim.fused": cfg.optim.get("fused", False), **dict(arm.overrides)}
-    m = {"lm_head_loss": values["model.lm_head_loss"], "lm_loss_chunk_tokens": values["model.lm_loss_chunk_tokens"]}
-    choice, chunk = lm_head_settings(m)
-    check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))
-    if not isinstance(values["optim.fused"], bool):
-        raise ValueError(f"optim.fused={values['optim.fused']!r} must be true or false")
-    if ctx.optimizer is None and "optim.fused" in dict(arm.overrides):
-        raise ValueError(f"arm {arm.label}: optim.fused needs the optimizer step (not with --fwd-bwd-only)")
-    set_kernel_backend(ctx.model, backends[arm.backend])
-    model = training.unwrap_model(ctx.model)
-    model.lm_head_loss, model.lm_loss_chunk_tokens = choice, chunk
-    if ctx.optimizer is not None:
-        set_adam_fused(ctx.optimizer, values["optim.fused"])
-
-
-class ReplayIterator:
-    """Yields a fixed list of micro-batches over and over (so every block sees the same batches)."""
-
-    def __init__(self, batches: list):
-        if not batches:
-            raise ValueError("ReplayIterator needs at least one batch")
-        self.batches = batches
-        self._it = itertools.cycle(batches)
-
-    def reset(self):
-        self._it = itertools.cycle(self.batches)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self._it)
-
-
-def fwd_bwd_step(ctx) -> dict[str, float]:
-    """Forward and backward over one global batch, no optimizer step (``--fwd-bwd-only``): the loss only."""
-    import torch
-    import torch.distributed as dist
-
-    from nano_hybrid import train as T
-
-    reports = T.forward_backward(ctx)
-    acc = torch.zeros(2, dtype=torch.float64, device=ctx.plan.device)
-    for r in reports:
-        acc += r["lm loss"].to(torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(acc)
-    return {"loss": (acc[0] / acc[1].clamp(min=1)).item()}
+from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, SWITCHABLE, apply_arm, parse_arm
+from nano_hybrid.bench.mixer import MixerOp, MixerShape, make_params
 
 
 # ------------------------------------------------------------------------------------ arguments
@@ -256,15 +119,13 @@ def isolated_op_profile(cfg, plan, backend, iters: int) -> dict:
     is slow inside the step"."""
     import torch
 
-    import bench_kernels as bk
-
     m = cfg.model
-    shape = bk.MixerShape(batch=int(cfg.train.micro_batch_size), seqlen=int(plan.seq_length),
-                          nheads=int(m.mamba_num_heads), headdim=int(m.mamba_head_dim),
-                          ngroups=int(m.mamba_num_groups), d_state=int(m.mamba_state_dim),
-                          d_conv=int(m.mamba_conv_width), chunk_size=int(m.mamba_chunk_size))
-    params = bk.make_params(shape, plan.device, plan.dtype, seed=0)
-    op = bk.MixerOp(backend, shape, params, plan.device, plan.dtype)
+    shape = MixerShape(batch=int(cfg.train.micro_batch_size), seqlen=int(plan.seq_length),
+                       nheads=int(m.mamba_num_heads), headdim=int(m.mamba_head_dim),
+                       ngroups=int(m.mamba_num_groups), d_state=int(m.mamba_state_dim),
+                       d_conv=int(m.mamba_conv_width), chunk_size=int(m.mamba_chunk_size))
+    params = make_params(shape, plan.device, plan.dtype, seed=0)
+    op = MixerOp(backend, shape, params, plan.device, plan.dtype)
     for _ in range(3):
         op.mixer_fwdbwd()
     torch.cuda.synchronize()
@@ -277,139 +138,154 @@ def isolated_op_profile(cfg, plan, backend, iters: int) -> dict:
             "cross_stream_overlap": table.get("cross_stream_overlap")}
 
 
-def run(a) -> dict | None:
+def step_timer(step_fn, ctx, device):
+    """``() -> (seconds, loss)`` of one step; under torchrun the time is the max over ranks."""
     import torch
     import torch.distributed as dist
 
+    def step_time() -> tuple[float, float]:
+        dt, out = training.timed_step(step_fn, ctx, device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([dt], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dt = float(t.item())
+        return dt, out["loss"]
+
+    return step_time
+
+
+def measure_arms(a, use, step_time, labels: list[str], device) -> tuple[dict, dict, dict]:
+    """Warm-up per arm, then ``a.blocks`` ABBA rounds of ``a.block_steps`` steps per arm: (times, losses, peak
+    GiB) per arm label; the first ``a.discard`` steps after each switch are not timed."""
+    import torch
+
+    losses = {lab: [] for lab in labels}
+    for i in range(len(a.arms)):  # warm-up
+        use(i)
+        for _ in range(a.warmup):
+            step_time()
+    times = {lab: [] for lab in labels}
+    peak_gb = {lab: 0.0 for lab in labels}  # peak allocated memory within each arm's blocks (CUDA)
+    for order in stats.alternating_order(len(a.arms), a.blocks):
+        for i in order:
+            use(i)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            for k in range(a.block_steps):
+                dt, loss = step_time()
+                if k >= a.discard:
+                    times[labels[i]].append(dt)
+                losses[labels[i]].append(loss)
+            if device.type == "cuda":
+                peak_gb[labels[i]] = max(peak_gb[labels[i]], torch.cuda.max_memory_allocated(device) / 2**30)
+    return times, losses, peak_gb
+
+
+def arm_profile(table: dict, median_s: float) -> dict:
+    """One arm's profiled steps: device time per step, the SSD op's and the gated norm's share, their kernels."""
+    by_cat = table["by_category"]
+    return {
+        "device_ms_per_step": table["total_us_per_iter"] / 1e3,
+        "ssd_ms_per_step": by_cat.get("ssd", 0.0) / 1e3,
+        "norm_ms_per_step": by_cat.get("norm", 0.0) / 1e3,
+        "share_of_device_time": {c: v / table["total_us_per_iter"] for c, v in by_cat.items()},
+        "ssd_plus_norm_share_of_step": (by_cat.get("ssd", 0.0) + by_cat.get("norm", 0.0)) / 1e3 / (median_s * 1e3),
+        "top_kernels": table["rows"][:25],
+        "ssd_norm_kernels": [r for r in table["rows"] if r["category"] in ("ssd", "norm")],
+        "cross_stream_overlap": table.get("cross_stream_overlap"),
+        "streams": table.get("streams"),
+    }
+
+
+def profile_arms(a, use, step_time, step_fn, ctx, plan, labels: list[str], backends: dict, times: dict) -> dict:
+    """On CUDA, ``a.profile_steps`` steps of each arm (A-vs-A repeats skipped) under torch.profiler."""
+    profile = {}
+    if a.profile_steps and plan.device.type == "cuda":
+        for i, lab in enumerate(labels):
+            if lab in profile or "#" in lab:
+                continue
+            use(i)
+            step_time()  # re-warm after the switch
+            trace = None if a.trace_dir is None else Path(a.trace_dir) / f"step_trace_{lab}.json"
+            table = profiling.profile_device_table(lambda: step_fn(ctx), a.profile_steps, trace_path=trace,
+                                                   overlap_categories=("ssd", "norm"))
+            profile[lab] = arm_profile(table, stats.median(times[lab]))
+            if a.isolated_op:
+                profile[lab]["isolated_op"] = isolated_op_profile(ctx.cfg, plan, backends[a.arm_specs[i].backend],
+                                                                  a.profile_steps)
+    elif a.profile_steps:
+        profile = {"skipped": "profiling needs CUDA"}
+    return profile
+
+
+def run(a) -> dict | None:
     from kernels.registry import get_backend
-    from nano_hybrid import train as T
 
     cfg = compose_cfg(a)
-    plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
+    plan = training.validate(cfg)  # config, data, first backend, parallel sizes: fails early
     backends = {x.backend: get_backend(x.backend) for x in a.arm_specs}  # every arm must be usable
     labels = stats.arm_labels([x.label for x in a.arm_specs])
-    ctx = T.setup(cfg, plan, with_optimizer=not a.fwd_bwd_only)
-    step_fn = fwd_bwd_step if a.fwd_bwd_only else T.train_step
+    ctx = training.setup(cfg, plan, with_optimizer=not a.fwd_bwd_only)
+    step_fn = training.fwd_bwd_step if a.fwd_bwd_only else training.train_step
     try:
-        ctx.start_data()
         # the same global batches for every block of every arm
-        n_micro = plan.num_microbatches * a.block_steps
-        batches = [next(ctx.data_iterator) for _ in range(n_micro)]
-        replay = ReplayIterator(batches)
-        ctx.data_iterator = replay
-        dev = plan.device
-
-        def step_time() -> float:
-            T._sync(dev)
-            t0 = time.perf_counter()
-            out = step_fn(ctx)
-            T._sync(dev)
-            dt = time.perf_counter() - t0
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                t = torch.tensor([dt], dtype=torch.float64, device=dev)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                dt = float(t.item())
-            return dt, out["loss"]
+        replay = training.replay(ctx, training.draw_batches(ctx, plan.num_microbatches * a.block_steps))
+        step_time = step_timer(step_fn, ctx, plan.device)
 
         def use(i):
             apply_arm(ctx, a.arm_specs[i], backends)
-
-        losses = {lab: [] for lab in labels}
-        for i in range(len(a.arms)):  # warm-up
-            use(i)
             replay.reset()
-            for _ in range(a.warmup):
-                step_time()
-        times = {lab: [] for lab in labels}
-        peak_gb = {lab: 0.0 for lab in labels}  # peak allocated memory within each arm's blocks (CUDA)
-        for order in stats.alternating_order(len(a.arms), a.blocks):
-            for i in order:
-                use(i)
-                replay.reset()
-                if dev.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(dev)
-                for k in range(a.block_steps):
-                    dt, loss = step_time()
-                    if k >= a.discard:
-                        times[labels[i]].append(dt)
-                    losses[labels[i]].append(loss)
-                if dev.type == "cuda":
-                    peak_gb[labels[i]] = max(peak_gb[labels[i]], torch.cuda.max_memory_allocated(dev) / 2**30)
 
-        profile = {}
-        if a.profile_steps and dev.type == "cuda":
-            for i, lab in enumerate(labels):
-                if lab in profile or "#" in lab:
-                    continue
-                use(i)
-                replay.reset()
-                step_time()  # re-warm after the switch
-                trace = None if a.trace_dir is None else Path(a.trace_dir) / f"step_trace_{lab}.json"
-                table = profiling.profile_device_table(lambda: step_fn(ctx), a.profile_steps, trace_path=trace,
-                                                overlap_categories=("ssd", "norm"))
-                per_step_ms = table["total_us_per_iter"] / 1e3
-                med = stats.median(times[lab]) * 1e3
-                profile[lab] = {
-                    "device_ms_per_step": per_step_ms,
-                    "ssd_ms_per_step": table["by_category"].get("ssd", 0.0) / 1e3,
-                    "norm_ms_per_step": table["by_category"].get("norm", 0.0) / 1e3,
-                    "share_of_device_time": {c: v / table["total_us_per_iter"]
-                                             for c, v in table["by_category"].items()},
-                    "ssd_plus_norm_share_of_step": (table["by_category"].get("ssd", 0.0)
-                                                    + table["by_category"].get("norm", 0.0)) / 1e3 / med,
-                    "top_kernels": table["rows"][:25],
-                    "ssd_norm_kernels": [r for r in table["rows"] if r["category"] in ("ssd", "norm")],
-                    "cross_stream_overlap": table.get("cross_stream_overlap"),
-                    "streams": table.get("streams"),
-                }
-                if a.isolated_op:
-                    profile[lab]["isolated_op"] = isolated_op_profile(cfg, plan, backends[a.arm_specs[i].backend], a.profile_steps)
-        elif a.profile_steps:
-            profile = {"skipped": "profiling needs CUDA"}
-
-        tokens_per_step = int(cfg.train.global_batch_size) * plan.seq_length
-        per_arm = {}
-        for lab in labels:
-            s = stats.summarize(times[lab])
-            per_arm[lab] = {
-                "step_time_s": s,
-                "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.world_size,
-                "tflops_per_gpu": ctx.flops_per_token * tokens_per_step / s["median"] / plan.world_size / 1e12,
-                "losses": losses[lab],
-                "peak_mem_gb": peak_gb[lab] if dev.type == "cuda" else None,
-            }
-        base = labels[0]
-        ratios = {f"{lab}_vs_{base}": stats.ratio_summary(times[base], times[lab], n_boot=a.n_boot)
-                  for lab in labels[1:]}
+        times, losses, peak_gb = measure_arms(a, use, step_time, labels, plan.device)
+        profile = profile_arms(a, use, step_time, step_fn, ctx, plan, labels, backends, times)
         if plan.rank != 0:
             return None
-        return {
-            "benchmark": "ab_step_time",
-            "env": environment.env_info(),
-            "args": {k: v for k, v in vars(a).items() if k != "arm_specs"},
-            "arm_settings": {lab: {"backend": x.backend, **dict(x.overrides)} for lab, x in zip(labels, a.arm_specs)},
-            "config": {
-                "model": str(cfg.model.name), "pattern": str(cfg.model.hybrid_override_pattern),
-                "parallel": {k: cfg.parallel[k] for k in cfg.parallel},
-                "micro_batch_size": int(cfg.train.micro_batch_size),
-                "global_batch_size": int(cfg.train.global_batch_size),
-                "seq_length": plan.seq_length, "data": str(cfg.data.kind),
-                "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
-            },
-            "world_size": plan.world_size,
-            "tokens_per_step": tokens_per_step,
-            "flops_per_token": ctx.flops_per_token,
-            "arms": labels,
-            "method": (f"{a.warmup} warm-up steps per arm; {a.blocks} rounds x {a.block_steps} steps per arm, ABBA order, "
-                       f"first {a.discard} step(s) after each switch discarded; same {a.block_steps} global batches "
-                       "replayed per block; step time = max over ranks, synchronized host clock around "
-                       + ("forward+backward (no optimizer built)" if a.fwd_bwd_only else "train_step")),
-            "per_arm": per_arm,
-            "speedup_vs_first": ratios,
-            "profile": profile,
-        }
+        return result(a, cfg, plan, ctx.flops_per_token, labels, times, losses, peak_gb, profile)
     finally:
-        T.shutdown(ctx)
+        training.shutdown(ctx)
+
+
+def result(a, cfg, plan, flops_per_token: float, labels, times, losses, peak_gb, profile) -> dict:
+    """The JSON record: per arm step times, throughput, losses, peak memory; speedups over the first arm."""
+    tokens_per_step = int(cfg.train.global_batch_size) * plan.seq_length
+    cuda = plan.device.type == "cuda"
+    per_arm = {}
+    for lab in labels:
+        s = stats.summarize(times[lab])
+        per_arm[lab] = {
+            "step_time_s": s,
+            "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.world_size,
+            "tflops_per_gpu": flops_per_token * tokens_per_step / s["median"] / plan.world_size / 1e12,
+            "losses": losses[lab],
+            "peak_mem_gb": peak_gb[lab] if cuda else None,
+        }
+    base = labels[0]
+    ratios = {f"{lab}_vs_{base}": stats.ratio_summary(times[base], times[lab], n_boot=a.n_boot) for lab in labels[1:]}
+    return {
+        "benchmark": "ab_step_time",
+        "env": environment.env_info(),
+        "args": {k: v for k, v in vars(a).items() if k != "arm_specs"},
+        "arm_settings": {lab: {"backend": x.backend, **dict(x.overrides)} for lab, x in zip(labels, a.arm_specs)},
+        "config": {
+            "model": str(cfg.model.name), "pattern": str(cfg.model.hybrid_override_pattern),
+            "parallel": {k: cfg.parallel[k] for k in cfg.parallel},
+            "micro_batch_size": int(cfg.train.micro_batch_size),
+            "global_batch_size": int(cfg.train.global_batch_size),
+            "seq_length": plan.seq_length, "data": str(cfg.data.kind),
+            "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
+        },
+        "world_size": plan.world_size,
+        "tokens_per_step": tokens_per_step,
+        "flops_per_token": flops_per_token,
+        "arms": labels,
+        "method": (f"{a.warmup} warm-up steps per arm; {a.blocks} rounds x {a.block_steps} steps per arm, ABBA order, "
+                   f"first {a.discard} step(s) after each switch discarded; same {a.block_steps} global batches "
+                   "replayed per block; step time = max over ranks, synchronized host clock around "
+                   + ("forward+backward (no optimizer built)" if a.fwd_bwd_only else "train_step")),
+        "per_arm": per_arm,
+        "speedup_vs_first": ratios,
+        "profile": profile,
+    }
 
 
 def markdown(res: dict) -> str:

@@ -41,15 +41,11 @@ Exit code: 0 all arms pass, 1 some arm fails the tolerance, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import math
-import sys
-import time
-from pathlib import Path
+
 from nano_hybrid.bench import environment, reporting, stats, training
-
-
+from nano_hybrid.bench.arms import parse_arm
 
 DEFAULTS = ["model=tiny"]
 CPU_DEFAULTS = ["model=tiny", "train.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2"]
@@ -94,10 +90,8 @@ def parse_args(argv=None):
     a = reporting.parse_args_with_overrides(p, argv)
     if len(a.arms) < 2:
         p.error("--backends needs at least two arms (e.g. torch,helion, or torch,torch for A-vs-A)")
-    import ab_step_time as ab
-
     try:  # backend[:key=value...]: the settings ab_step_time switches (LM head + loss, fused AdamW)
-        a.arm_specs = [ab.parse_arm(x) for x in a.arms]
+        a.arm_specs = [parse_arm(x) for x in a.arms]
     except ValueError as e:
         p.error(str(e))
     if a.steps < 1:
@@ -221,14 +215,13 @@ def check_arm_settings(cfg, specs) -> None:
     arm, before any work."""
     from omegaconf import OmegaConf
 
-    from nano_hybrid import train as T
     from nano_hybrid.config import ConfigError
     from nano_hybrid.model.lm_loss import check_lm_head_parallel
 
     for spec in specs:
         arm = arm_config(cfg, spec)
         try:
-            T.validate_optim(arm.optim, int(arm.train.train_iters))
+            training.validate_optim(arm.optim, int(arm.train.train_iters))
             check_lm_head_parallel(OmegaConf.to_container(arm.model, resolve=True),
                                    int(arm.parallel.tensor_model_parallel_size))
         except (ConfigError, ValueError) as e:
@@ -241,143 +234,151 @@ def run(a) -> dict | None:
         return _run(a, cfg)
 
 
+def check_backends(cfg, specs) -> None:
+    """Every arm's backend configured once before any work: a switch that does not apply to an arm is a
+    ConfigError naming it."""
+    from kernels.registry import KernelSwitchError, configure_backend
+    from nano_hybrid.config import ConfigError
+
+    for name in dict.fromkeys(x.backend for x in specs):
+        try:
+            configure_backend(name, deterministic=bool(cfg.kernels.get("deterministic", False)))
+        except KernelSwitchError as e:  # a switch that does not apply to this arm
+            raise ConfigError(f"arm {name}: {e}") from None
+
+
+def train_arm(a, ctx, plan, cfg, label: str, spec, batches: list, ref: dict, say) -> dict:
+    """Arm ``spec`` trains its own model (seeded as at start-up) ``a.steps`` steps on ``batches``: its per-step
+    record. ``ref`` holds the first arm's initial and final weights (set by the first arm); a later arm's
+    initial weights must equal them bitwise, and its final weights are compared with them."""
+    from nano_hybrid.parallel import initialize_parallel
+
+    arm_cfg = arm_config(cfg, spec)
+    initialize_parallel(arm_cfg)  # re-seed (same seeds as at start-up) -> identical initial weights
+    model, optimizer, scheduler = training.build_arm(plan, arm_cfg)
+    init = weights_snapshot(model)
+    if "init" not in ref:
+        ref["init"], ref["label"] = init, label
+        ref["n_params"] = sum(p.numel() for p in training.unwrap_model(model).parameters())
+    else:
+        equal, worst, where = snapshot_diff(ref["init"], init)
+        if not equal:
+            raise RuntimeError(f"arm {label}: initial weights differ from arm {ref['label']}'s "
+                               f"(max |diff| {worst:.3e} in {where}); the comparison would be meaningless")
+    del init
+    initialize_parallel(arm_cfg)  # the same RNG state at step 1 for every arm
+    arm_ctx = training.with_parts(ctx, batches, cfg=arm_cfg, model=model, optimizer=optimizer, scheduler=scheduler)
+    rec = {"backend": spec.backend, "settings": dict(spec.overrides), "loss": [], "grad_norm": [], "lr": [],
+           "skipped": [], "step_time_s": []}
+    say(f"--- arm {label} (kernels.backend={spec.backend}" + "".join(f", {k}={v}" for k, v in spec.overrides) + ") ---")
+    for s in range(1, a.steps + 1):
+        dt, out = training.timed_step(training.train_step, arm_ctx, plan.device)
+        rec["step_time_s"].append(dt)
+        for k in ("loss", "grad_norm", "lr", "skipped"):
+            rec[k].append(out[k])
+        if not a.quiet:
+            say(f"{label:>12} step {s:3d}/{a.steps} | loss {out['loss']:.6f} | grad_norm {out['grad_norm']:.4f} "
+                f"| lr {out['lr']:.3e} | {1e3 * dt:.0f} ms")
+    final = weights_snapshot(model)
+    if "final" not in ref:
+        ref["final"] = final
+    else:
+        equal, worst, where = snapshot_diff(ref["final"], final)
+        rec["final_weights_bitwise_equal"] = equal
+        rec["final_weights_max_abs_diff"] = worst
+        rec["final_weights_max_abs_diff_tensor"] = where
+    return rec
+
+
+def comparisons(per_arm: dict, labels: list[str], tol: dict) -> dict:
+    """Each later arm against the first: loss and grad-norm differences, final weights, the verdict."""
+    ref = labels[0]
+    out = {}
+    for lab in labels[1:]:
+        c = compare_losses(per_arm[ref]["loss"], per_arm[lab]["loss"])
+        g = compare_losses(per_arm[ref]["grad_norm"], per_arm[lab]["grad_norm"])
+        c["grad_norm_max_rel_diff"] = g["max_rel_diff"]
+        c["grad_norm_mean_rel_diff"] = g["mean_rel_diff"]
+        c["final_weights_bitwise_equal"] = per_arm[lab].pop("final_weights_bitwise_equal")
+        c["final_weights_max_abs_diff"] = per_arm[lab].pop("final_weights_max_abs_diff")
+        c["final_weights_max_abs_diff_tensor"] = per_arm[lab].pop("final_weights_max_abs_diff_tensor")
+        c["pass"] = verdict(c, tol)
+        out[f"{lab}_vs_{ref}"] = c
+    return out
+
+
 def _run(a, cfg) -> dict | None:
     import torch
 
-    from kernels.registry import KernelSwitchError, configure_backend
-    from nano_hybrid import train as T
-    from nano_hybrid.parallel import initialize_parallel
-
-    plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
+    plan = training.validate(cfg)  # config, data, first backend, parallel sizes: fails early
     check_arm_settings(cfg, a.arm_specs)
-    kcfg = cfg.kernels
-    for name in dict.fromkeys(x.backend for x in a.arm_specs):  # every arm must be usable before any work
-        try:
-            configure_backend(name, deterministic=bool(kcfg.get("deterministic", False)))
-        except KernelSwitchError as e:  # a switch that does not apply to this arm
-            from nano_hybrid.config import ConfigError
-
-            raise ConfigError(f"arm {name}: {e}") from None
+    check_backends(cfg, a.arm_specs)  # every arm must be usable before any work
     dtype_name = str(plan.dtype).removeprefix("torch.")
     tol = tolerances(a, dtype_name)
     labels = stats.arm_labels([x.label for x in a.arm_specs])
     say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
 
-    ctx = T.setup(cfg, plan)
+    ctx = training.setup(cfg, plan)
     try:
-        ctx.start_data()
-        n_micro = plan.num_microbatches * a.steps
-        batches = [next(ctx.data_iterator) for _ in range(n_micro)]  # the same batches for every arm
+        batches = training.draw_batches(ctx, plan.num_microbatches * a.steps)  # the same batches for every arm
         sample = batches[0]["tokens"]
-        # setup()'s own model is not used: every arm builds its own below
-        ctx.model = ctx.optimizer = ctx.scheduler = None
+        training.drop_model(ctx)  # setup()'s own model is not used: every arm builds its own
         gc.collect()
-
-        init_ref = final_ref = None
-        n_params = None
-        per_arm = {}
+        ref, per_arm = {}, {}
         for label, spec in zip(labels, a.arm_specs):
-            name = spec.backend
-            arm_cfg = arm_config(cfg, spec)
-            initialize_parallel(arm_cfg)  # re-seed (same seeds as at start-up) -> identical initial weights
-            model, optimizer, scheduler = T.build_model_and_optimizer(T.plan_for_backend(plan, arm_cfg), arm_cfg)
-            init = weights_snapshot(model)
-            if init_ref is None:
-                init_ref = init
-                n_params = sum(p.numel() for p in training.unwrap_model(model).parameters())
-            else:
-                equal, worst, where = snapshot_diff(init_ref, init)
-                if not equal:
-                    raise RuntimeError(f"arm {label}: initial weights differ from arm {labels[0]}'s "
-                                       f"(max |diff| {worst:.3e} in {where}); the comparison would be meaningless")
-            del init
-            initialize_parallel(arm_cfg)  # the same RNG state at step 1 for every arm
-            arm_ctx = dataclasses.replace(ctx, cfg=arm_cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                                          data_iterator=iter(batches))
-            rec = {"backend": name, "settings": dict(spec.overrides), "loss": [], "grad_norm": [], "lr": [],
-                   "skipped": [], "step_time_s": []}
-            say(f"--- arm {label} (kernels.backend={name}"
-                + "".join(f", {k}={v}" for k, v in spec.overrides) + ") ---")
-            for s in range(1, a.steps + 1):
-                T._sync(plan.device)
-                t0 = time.perf_counter()
-                out = T.train_step(arm_ctx)
-                T._sync(plan.device)
-                rec["step_time_s"].append(time.perf_counter() - t0)
-                for k in ("loss", "grad_norm", "lr", "skipped"):
-                    rec[k].append(out[k])
-                if not a.quiet:
-                    say(f"{label:>12} step {s:3d}/{a.steps} | loss {out['loss']:.6f} | grad_norm {out['grad_norm']:.4f} "
-                        f"| lr {out['lr']:.3e} | {1e3 * rec['step_time_s'][-1]:.0f} ms")
-            final = weights_snapshot(model)
-            if final_ref is None:
-                final_ref = final
-            else:
-                equal, worst, where = snapshot_diff(final_ref, final)
-                rec["final_weights_bitwise_equal"] = equal
-                rec["final_weights_max_abs_diff"] = worst
-                rec["final_weights_max_abs_diff_tensor"] = where
-            per_arm[label] = rec
-            del model, optimizer, scheduler, arm_ctx, final
+            per_arm[label] = train_arm(a, ctx, plan, cfg, label, spec, batches, ref, say)
             gc.collect()
             if plan.device.type == "cuda":
                 torch.cuda.empty_cache()
-
-        ref = labels[0]
-        comparisons = {}
-        for lab in labels[1:]:
-            c = compare_losses(per_arm[ref]["loss"], per_arm[lab]["loss"])
-            g = compare_losses(per_arm[ref]["grad_norm"], per_arm[lab]["grad_norm"])
-            c["grad_norm_max_rel_diff"] = g["max_rel_diff"]
-            c["grad_norm_mean_rel_diff"] = g["mean_rel_diff"]
-            c["final_weights_bitwise_equal"] = per_arm[lab].pop("final_weights_bitwise_equal")
-            c["final_weights_max_abs_diff"] = per_arm[lab].pop("final_weights_max_abs_diff")
-            c["final_weights_max_abs_diff_tensor"] = per_arm[lab].pop("final_weights_max_abs_diff_tensor")
-            c["pass"] = verdict(c, tol)
-            comparisons[f"{lab}_vs_{ref}"] = c
+        comps = comparisons(per_arm, labels, tol)
         if plan.rank != 0:
             return None
-        m = cfg.model
-        return {
-            "benchmark": "backend_loss_match",
-            "env": environment.env_info(),
-            "args": {k: v for k, v in vars(a).items() if k != "arm_specs"},
-            "config": {
-                "model": str(m.name), "pattern": str(m.hybrid_override_pattern), "n_params": n_params,
-                "parallel": {k: cfg.parallel[k] for k in cfg.parallel},
-                "micro_batch_size": int(cfg.train.micro_batch_size),
-                "global_batch_size": int(cfg.train.global_batch_size),
-                "num_microbatches": plan.num_microbatches,
-                "seq_length": plan.seq_length, "data": str(cfg.data.kind),
-                "data_paths": [str(p) for p in (cfg.data.paths or [])],
-                "dtype": dtype_name, "device": plan.device.type, "seed": int(cfg.seed),
-                "train_iters": int(cfg.train.train_iters),
-                "optim": {k: cfg.optim[k] for k in ("lr", "min_lr", "warmup_iters", "decay_style", "clip_grad",
-                                                     "weight_decay")},
-                "kernels": {"deterministic": bool(kcfg.get("deterministic", False))},
-            },
-            "shapes": {
-                "tokens_per_microbatch": list(sample.shape),
-                "mamba": {"nheads": int(m.mamba_num_heads), "headdim": int(m.mamba_head_dim),
-                          "d_state": int(m.mamba_state_dim), "ngroups": int(m.mamba_num_groups),
-                          "chunk_size": int(m.mamba_chunk_size), "conv_width": int(m.mamba_conv_width),
-                          "d_inner": int(m.mamba_num_heads) * int(m.mamba_head_dim)},
-                "hidden_size": int(m.hidden_size), "vocab_size": int(m.vocab_size),
-            },
-            "world_size": plan.world_size,
-            "steps": a.steps,
-            "arms": labels,
-            "reference": ref,
-            "method": ("same seed, bitwise-equal initial weights (checked), same replayed batches, separate "
-                       "model/optimizer/schedule per arm, RNG re-seeded before step 1; "
-                       "rel diff = |loss_arm - loss_ref| / |loss_ref| per step"),
-            "tolerance": tol,
-            "per_arm": per_arm,
-            "comparisons": comparisons,
-            "pass": all(c["pass"] for c in comparisons.values()),
-        }
+        return result(a, cfg, plan, ref["n_params"], sample, labels, tol, per_arm, comps)
     finally:
-        T.shutdown(ctx)
+        training.shutdown(ctx)
+
+
+def result(a, cfg, plan, n_params: int, sample, labels, tol, per_arm, comps) -> dict:
+    """The JSON record: config, shapes, per-arm curves, comparisons with the first arm, overall pass."""
+    m = cfg.model
+    return {
+        "benchmark": "backend_loss_match",
+        "env": environment.env_info(),
+        "args": {k: v for k, v in vars(a).items() if k != "arm_specs"},
+        "config": {
+            "model": str(m.name), "pattern": str(m.hybrid_override_pattern), "n_params": n_params,
+            "parallel": {k: cfg.parallel[k] for k in cfg.parallel},
+            "micro_batch_size": int(cfg.train.micro_batch_size),
+            "global_batch_size": int(cfg.train.global_batch_size),
+            "num_microbatches": plan.num_microbatches,
+            "seq_length": plan.seq_length, "data": str(cfg.data.kind),
+            "data_paths": [str(p) for p in (cfg.data.paths or [])],
+            "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type, "seed": int(cfg.seed),
+            "train_iters": int(cfg.train.train_iters),
+            "optim": {k: cfg.optim[k] for k in ("lr", "min_lr", "warmup_iters", "decay_style", "clip_grad",
+                                                 "weight_decay")},
+            "kernels": {"deterministic": bool(cfg.kernels.get("deterministic", False))},
+        },
+        "shapes": {
+            "tokens_per_microbatch": list(sample.shape),
+            "mamba": {"nheads": int(m.mamba_num_heads), "headdim": int(m.mamba_head_dim),
+                      "d_state": int(m.mamba_state_dim), "ngroups": int(m.mamba_num_groups),
+                      "chunk_size": int(m.mamba_chunk_size), "conv_width": int(m.mamba_conv_width),
+                      "d_inner": int(m.mamba_num_heads) * int(m.mamba_head_dim)},
+            "hidden_size": int(m.hidden_size), "vocab_size": int(m.vocab_size),
+        },
+        "world_size": plan.world_size,
+        "steps": a.steps,
+        "arms": labels,
+        "reference": labels[0],
+        "method": ("same seed, bitwise-equal initial weights (checked), same replayed batches, separate "
+                   "model/optimizer/schedule per arm, RNG re-seeded before step 1; "
+                   "rel diff = |loss_arm - loss_ref| / |loss_ref| per step"),
+        "tolerance": tol,
+        "per_arm": per_arm,
+        "comparisons": comps,
+        "pass": all(c["pass"] for c in comps.values()),
+    }
 
 
 def markdown(res: dict) -> str:

@@ -22,11 +22,9 @@ Writes layers_<model>_<backends>.json (+ .md) to $OUT (default runs/bench/<gpu>)
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-from nano_hybrid.bench import environment, reporting, stats
 
-
+from nano_hybrid.bench import environment, reporting, stats, training
+from nano_hybrid.bench.arms import set_kernel_backend
 
 KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 
@@ -91,12 +89,81 @@ def estimate(per_kind_ms: dict[str, float], counts: dict[str, int], rest_ms: flo
             "shares": {k: v / total for k, v in {**parts, "rest": rest_ms}.items()}}
 
 
+def layer_fns(a, cfg, model, bench_pattern: str, device, dtype) -> dict:
+    """Timed closures on fixed inputs: one per layer kind of ``bench_pattern`` (the layer's fwd+bwd on a hidden
+    state) and ``"model"`` (the whole model's fwd+bwd from tokens)."""
+    import torch
+
+    layers = list(model.decoder.layers)
+    if len(layers) != len(bench_pattern):
+        raise RuntimeError(f"built {len(layers)} layers for pattern {bench_pattern!r}")
+    mask = training.causal_mask_for(cfg, a.seq, device)
+    b, s, h = a.micro_batch, a.seq, int(cfg.model.hidden_size)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+    dy = torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype)
+    vocab = int(cfg.model.vocab_size)
+    tokens = torch.randint(0, vocab, (b, s), generator=g).to(device)
+    labels = torch.randint(0, vocab, (b, s), generator=g).to(device)
+    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+
+    def layer_fn(layer):
+        def f():
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            out = layer(hidden_states=x, attention_mask=mask)
+            if isinstance(out, tuple):
+                out = out[0]
+            out.backward(dy)
+        return f
+
+    def model_fn():
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, pos, mask, labels=labels)
+        loss.float().mean().backward()
+
+    fns = {sym: layer_fn(layer) for sym, layer in zip(bench_pattern, layers)}
+    fns["model"] = model_fn
+    return fns
+
+
+def time_layers(a, model, fns: dict, backends: dict, labels_m: list[str], device) -> dict:
+    """Warm-up, then ``a.rounds`` rounds: the Mamba layer per arm in ABBA order (A-vs-A control included), the
+    other layers and the model under the first backend; per-call ms per key (``M[<arm>]``, layer kinds, model)."""
+    import torch
+
+    arms = a.backend_list + ([] if a.no_control else [a.backend_list[0]])
+    # warm-up every backend's Mamba layer and the other measurements
+    for bk in a.backend_list:
+        set_kernel_backend(model, backends[bk])
+        for _ in range(a.warmup):
+            fns["M"]()
+    set_kernel_backend(model, backends[a.backend_list[0]])
+    for key, f in fns.items():
+        if key != "M":
+            for _ in range(a.warmup):
+                f()
+    stats.sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    times = {f"M[{lab}]": [] for lab in labels_m}
+    times.update({key: [] for key in fns if key != "M"})
+    for order in stats.alternating_order(len(arms), a.rounds):
+        for i in order:
+            set_kernel_backend(model, backends[arms[i]])
+            times[f"M[{labels_m[i]}]"] += stats.time_calls(fns["M"], a.iters, device)
+        set_kernel_backend(model, backends[a.backend_list[0]])
+        for key in fns:
+            if key != "M":
+                times[key] += stats.time_calls(fns[key], a.iters, device)
+    return times
+
+
 def run(a) -> dict:
     import torch
     from omegaconf import open_dict
 
-    from ab_step_time import set_kernel_backend
-    from nano_hybrid import train as T
     from nano_hybrid.config import compose
     from nano_hybrid.model import build_model
     from nano_hybrid.parallel import destroy_parallel, initialize_parallel
@@ -115,71 +182,21 @@ def run(a) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if cuda else "fp32")]
     if dtype == torch.bfloat16 and not cuda:
         raise SystemExit("--dtype bf16 needs a CUDA GPU (CPU runs in fp32)")
+    labels_m = stats.arm_labels(a.backend_list + ([] if a.no_control else [a.backend_list[0]]))
 
     initialize_parallel(cfg)
     try:
         model = build_model(cfg, device=device, dtype=dtype)
-        layers = list(model.decoder.layers)
-        if len(layers) != len(bench_pattern):
-            raise RuntimeError(f"built {len(layers)} layers for pattern {bench_pattern!r}")
-        mask = T.causal_mask_for(cfg, a.seq, device)
-        b, s, h = a.micro_batch, a.seq, int(cfg.model.hidden_size)
-        g = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
-        dy = torch.randn(s, b, h, generator=g).to(device=device, dtype=dtype)
-        vocab = int(cfg.model.vocab_size)
-        tokens = torch.randint(0, vocab, (b, s), generator=g).to(device)
-        labels = torch.randint(0, vocab, (b, s), generator=g).to(device)
-        pos = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
-
-        def layer_fn(layer):
-            def f():
-                model.zero_grad(set_to_none=True)
-                x.grad = None
-                out = layer(hidden_states=x, attention_mask=mask)
-                if isinstance(out, tuple):
-                    out = out[0]
-                out.backward(dy)
-            return f
-
-        def model_fn():
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, pos, mask, labels=labels)
-            loss.float().mean().backward()
-
-        fns = {sym: layer_fn(layer) for sym, layer in zip(bench_pattern, layers)}
-        fns["model"] = model_fn
-        arms = a.backend_list + ([] if a.no_control else [a.backend_list[0]])
-        labels_m = stats.arm_labels(arms)
-
-        # warm-up every backend's Mamba layer and the other measurements
-        for bk in a.backend_list:
-            set_kernel_backend(model, backends[bk])
-            for _ in range(a.warmup):
-                fns["M"]()
-        set_kernel_backend(model, backends[a.backend_list[0]])
-        for key, f in fns.items():
-            if key != "M":
-                for _ in range(a.warmup):
-                    f()
-        stats.sync(device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-
-        times = {f"M[{lab}]": [] for lab in labels_m}
-        times.update({key: [] for key in fns if key != "M"})
-        for order in stats.alternating_order(len(arms), a.rounds):
-            for i in order:
-                set_kernel_backend(model, backends[arms[i]])
-                times[f"M[{labels_m[i]}]"] += stats.time_calls(fns["M"], a.iters, device)
-            set_kernel_backend(model, backends[a.backend_list[0]])
-            for key in fns:
-                if key != "M":
-                    times[key] += stats.time_calls(fns[key], a.iters, device)
+        fns = layer_fns(a, cfg, model, bench_pattern, device, dtype)
+        times = time_layers(a, model, fns, backends, labels_m, device)
         peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     finally:
         destroy_parallel()
+    return result(a, cfg, full_pattern, counts, bench_pattern, dtype, labels_m, times, peak_gb)
 
+
+def result(a, cfg, full_pattern, counts, bench_pattern, dtype, labels_m, times, peak_gb) -> dict:
+    """The JSON record: per-kind medians, the full model's projected step per backend, the Mamba layer's ratios."""
     summ = {k: stats.summarize(v) for k, v in times.items()}
     base = a.backend_list[0]
     med = {k: v["median"] for k, v in summ.items()}

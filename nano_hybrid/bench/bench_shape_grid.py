@@ -4,7 +4,7 @@
     python scripts/bench_shape_grid.py --quick                 # 4 shapes, fewer rounds
     python scripts/bench_shape_grid.py --shapes nano_tp1,m2_2p7b_c256 --kernels-helion autotune=true
 
-Per shape, in one process: both backends on the same bf16 inputs (``bench_kernels.make_params``; Megatron's init
+Per shape, in one process: both backends on the same bf16 inputs (``mixer.make_params``; Megatron's init
 ranges), and the fp32 mamba-ssm op on the same values as the reference. Reported per shape:
 - speed per call: median wall time of one fwd+bwd call, CUDA events, ABBA rounds (``stats.time_calls``), and
   the speedup median(mamba_ssm)/median(helion);
@@ -25,12 +25,9 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
 from nano_hybrid.bench import environment, profiling, reporting, stats
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_kernels import MixerShape, make_params, rel_err  # noqa: E402
-
+from nano_hybrid.bench.mixer import MixerShape, make_params, rel_err
 
 _NANO = dict(headdim=64, d_state=128)
 # name -> shape. Nano (64 heads, 8 groups) per tensor-parallel rank and at other batch x length splits; packed

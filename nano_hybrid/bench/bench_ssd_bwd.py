@@ -21,9 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 
-
-import bench_kernels  # noqa: E402
-from nano_hybrid.bench import environment, reporting
+from nano_hybrid.bench import bench_kernels, environment, reporting
 
 
 def main(argv=None) -> int:

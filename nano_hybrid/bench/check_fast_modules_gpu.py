@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 import torch
+
 from nano_hybrid.bench import profiling, stats
 
 warnings.filterwarnings("ignore")
@@ -318,7 +319,7 @@ def _markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=10, help="back-to-back steps per timed round")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per layer (median reported)")
@@ -337,20 +338,62 @@ def main() -> int:
                     help="per timed fast layer: round vs per-call timing, a profiled whole round (idle stretches, "
                          "stalling runtime calls)")
     ap.add_argument("--kinds", default="attention,moe", help="layer kinds to time: attention, moe or both")
-    args = ap.parse_args()
+    return ap
+
+
+def smoke_cpu() -> int:
+    """``--smoke-cpu``: the numerics part only, on CPU (checks this module's logic; no timing, no JSON)."""
+    global DEVICE
+    DEVICE = "cpu"
+    from nano_hybrid.config import compose
+    from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+
+    initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
+    res = {k: numerics(k) for k in ("attention", "moe")}
+    destroy_parallel()
+    print(json.dumps(res, indent=2))
+    return 0 if all(v["pass"] for v in res.values()) else 1
+
+
+def timing_variants(args, kinds: set[str]) -> list[tuple]:
+    """(kind, impl, overrides, SDPA backends) per layer to time: the fast modules, the extra SDPA backend lists,
+    megatron's reference implementations (unless --no-reference-timing); only the ``kinds`` asked for."""
+    variants = [("attention", "sdpa", ["model.hybrid_override_pattern='*'", "model.attention_impl=sdpa"], None),
+                ("moe", "grouped", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=grouped"], None)]
+    for be in filter(None, args.sdpa_backends.split(";")):
+        variants.append(("attention", f"sdpa[{be}]", ["model.hybrid_override_pattern='*'", "model.attention_impl=sdpa"], be))
+    if not args.no_reference_timing:
+        variants += [("attention", "unfused", ["model.hybrid_override_pattern='*'", "model.attention_impl=unfused"], None),
+                     ("moe", "sequential", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=sequential"], None)]
+    return [v for v in variants if v[0] in kinds]
+
+
+def time_variants(args, variants: list[tuple], timing: dict) -> None:
+    """Each variant's layer timed at Nano's dims into ``timing`` (a variant that fails is recorded, the next runs)."""
+    nano = ["model=nano30b", "model.vocab_size=1024", f"model.seq_length={args.seq}"]
+    for kind, impl, ov, be in variants:
+        try:
+            fast = impl in ("sdpa", "grouped") or bool(be)
+            r = time_layer(nano + ov, 0, args.mb, args.seq, args.iters, sdpa_backends=be,
+                           profile_top=args.profile_top if fast else 0, diag=args.diag and fast)
+        except Exception as e:  # a backend SDPA cannot use for these inputs: record it, go on
+            timing[f"{kind}_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"timing {kind} {impl}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        if impl.startswith("sdpa") or impl == "grouped":
+            r["target_ms"] = TARGET_MS[kind]
+            r["meets_target"] = r["median_ms"] <= TARGET_MS[kind]
+        timing[f"{kind}_{impl}"] = r
+        print(f"timing {kind} {impl}: {r['median_ms']:.2f} ms (peak {r['peak_mem_gb']:.1f} GB)", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     global ROUNDS
     ROUNDS = max(1, args.rounds)
     if args.smoke_cpu:
-        global DEVICE
-        DEVICE = "cpu"
-        from nano_hybrid.config import compose
-        from nano_hybrid.parallel import destroy_parallel, initialize_parallel
-
-        initialize_parallel(compose(["model=tiny", "parallel=single", "kernels.backend=torch"]))
-        res = {k: numerics(k) for k in ("attention", "moe")}
-        destroy_parallel()
-        print(json.dumps(res, indent=2))
-        return 0 if all(v["pass"] for v in res.values()) else 1
+        return smoke_cpu()
     if not torch.cuda.is_available():
         print("error: scripts/check_fast_modules_gpu.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -373,41 +416,17 @@ def main() -> int:
         result["numerics"][kind] = numerics(kind)
         print(f"numerics {kind}: {json.dumps(result['numerics'][kind]['output_rel_err'])} "
               f"pass={result['numerics'][kind]['pass']}", flush=True)
-    nano = ["model=nano30b", "model.vocab_size=1024", f"model.seq_length={args.seq}"]
-    shapes = {"micro_batch": args.mb, "seq": args.seq, "hidden": 2688, "attention_heads": 32, "query_groups": 2,
-              "kv_channels": 128, "experts": 128, "topk": 6, "moe_ffn": 1856, "shared_expert_ffn": 3712}
-    result["timing"]["shapes"] = shapes
-    variants = [("attention", "sdpa", ["model.hybrid_override_pattern='*'", "model.attention_impl=sdpa"], None),
-                ("moe", "grouped", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=grouped"], None)]
-    for be in filter(None, args.sdpa_backends.split(";")):
-        variants.append(("attention", f"sdpa[{be}]", ["model.hybrid_override_pattern='*'", "model.attention_impl=sdpa"], be))
-    if not args.no_reference_timing:
-        variants += [("attention", "unfused", ["model.hybrid_override_pattern='*'", "model.attention_impl=unfused"], None),
-                     ("moe", "sequential", ["model.hybrid_override_pattern=E", "model.moe_experts_impl=sequential"], None)]
+    result["timing"]["shapes"] = {"micro_batch": args.mb, "seq": args.seq, "hidden": 2688, "attention_heads": 32,
+                                  "query_groups": 2, "kv_channels": 128, "experts": 128, "topk": 6, "moe_ffn": 1856,
+                                  "shared_expert_ffn": 3712}
     kinds = {k.strip() for k in args.kinds.split(",") if k.strip()}
     if not kinds <= {"attention", "moe"}:
         ap.error(f"--kinds: choose from attention, moe; got {sorted(kinds)}")
-    variants = [v for v in variants if v[0] in kinds]
-    for kind, impl, ov, be in variants:
-        try:
-            fast = impl in ("sdpa", "grouped") or bool(be)
-            r = time_layer(nano + ov, 0, args.mb, args.seq, args.iters, sdpa_backends=be,
-                           profile_top=args.profile_top if fast else 0, diag=args.diag and fast)
-        except Exception as e:  # a backend SDPA cannot use for these inputs: record it, go on
-            result["timing"][f"{kind}_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(f"timing {kind} {impl}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-            continue
-        if impl.startswith("sdpa") or impl == "grouped":
-            r["target_ms"] = TARGET_MS[kind]
-            r["meets_target"] = r["median_ms"] <= TARGET_MS[kind]
-        result["timing"][f"{kind}_{impl}"] = r
-        print(f"timing {kind} {impl}: {r['median_ms']:.2f} ms (peak {r['peak_mem_gb']:.1f} GB)", flush=True)
+    time_variants(args, timing_variants(args, kinds), result["timing"])
     destroy_parallel()
     stem = "fast_modules_profile" if args.skip_numerics else "fast_modules"
     path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     (out_dir / f"{stem}.md").write_text(_markdown(result))
     print(f"wrote {path} and {stem}.md")
-    ok = all(v["pass"] for v in result["numerics"].values())
-
-    return 0 if ok else 1
+    return 0 if all(v["pass"] for v in result["numerics"].values()) else 1

@@ -30,7 +30,6 @@ Writes grad_match_<arms>.json to $OUT (default runs/bench/<gpu or cpu>).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import json
@@ -143,17 +142,15 @@ def _run(a, cfg) -> dict:
     from omegaconf import open_dict
 
     from kernels.registry import configure_backend
-    from nano_hybrid import train as T
     from nano_hybrid.parallel import initialize_parallel
 
-    plan = T.validate(cfg)
+    plan = training.validate(cfg)
     for name in dict.fromkeys([a.train_backend, *a.arms]):  # every backend must be usable before any work
         configure_backend(name)
     labels = stats.arm_labels(a.arms)
-    ctx = T.setup(cfg, plan)
-    ctx.start_data()
+    ctx = training.setup(cfg, plan)
     n_train = plan.num_microbatches * a.train_steps
-    batches = [next(ctx.data_iterator) for _ in range(n_train + plan.num_microbatches * a.batches)]
+    batches = training.draw_batches(ctx, n_train + plan.num_microbatches * a.batches)
     train_batches, probe_batches = batches[:n_train], batches[n_train:]
     res = {"script": "scripts/grad_match.py", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -171,11 +168,11 @@ def _run(a, cfg) -> dict:
 
     # the probe state: the train backend's model after train_steps steps
     model, optimizer, scheduler = ctx.model, ctx.optimizer, ctx.scheduler
-    tctx = dataclasses.replace(ctx, data_iterator=iter(train_batches))
+    tctx = training.with_parts(ctx, train_batches)
     for _ in range(a.train_steps):
-        res["train_loss"].append(T.train_step(tctx)["loss"])
+        res["train_loss"].append(training.train_step(tctx)["loss"])
     state = {k: v.detach().clone() for k, v in training.unwrap_model(model).state_dict().items() if isinstance(v, torch.Tensor)}
-    ctx.model = ctx.optimizer = ctx.scheduler = None
+    training.drop_model(ctx)
     del model, optimizer, scheduler, tctx
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -187,16 +184,16 @@ def _run(a, cfg) -> dict:
         with open_dict(cfg):
             cfg.kernels.backend = name
         initialize_parallel(cfg)
-        m, opt, sch = T.build_model_and_optimizer(T.plan_for_backend(plan, cfg), cfg)
+        m, opt, sch = training.build_arm(plan, cfg)
         missing, unexpected = training.unwrap_model(m).load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"arm {label}: state mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
         initialize_parallel(cfg)
-        actx = dataclasses.replace(ctx, model=m, optimizer=opt, scheduler=sch, data_iterator=iter(probe_batches))
+        actx = training.with_parts(ctx, probe_batches, model=m, optimizer=opt, scheduler=sch)
         total, losses = None, []
         for _ in range(a.batches):
-            reports = T.forward_backward(actx)
+            reports = training.forward_backward(actx)
             acc = sum(r["lm loss"].double() for r in reports)
             losses.append(float(acc[0] / acc[1]))
             g = grads(m)

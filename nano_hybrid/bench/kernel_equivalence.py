@@ -20,88 +20,14 @@ Writes ``kernel_equivalence.json`` and ``.md`` to --out (default runs/kernel_equ
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from nano_hybrid.bench import environment, reporting
 
-REPO = Path(__file__).resolve().parent.parent
-# (b, l, h, p, g, n, c, conv width); "nano" is Nemotron-3 Nano's mixer at micro-batch 2, sequence 8192
-SHAPES = {
-    "nano": (2, 8192, 64, 64, 8, 128, 128, 4),
-    "tiny": (2, 80, 4, 16, 2, 16, 32, 4),
-}
-CASES = ("no_seq_idx", "seq_idx")
-
-
-# ----------------------------------------------------------------------------------------------------- worker
-def _inputs(shape: tuple, seed: int, device: str):
-    """Fixed inputs (CPU generator, then moved): the fused op's arguments, the norm weight and the output grads."""
-    import math
-
-    import torch
-
-    b, l, h, p, g, n, c, w = shape
-    dim = h * p
-    conv_dim = dim + 2 * g * n
-    gen = torch.Generator().manual_seed(seed)
-
-    def rn(*s, scale=1.0):
-        return torch.randn(*s, generator=gen) * scale
-
-    bf = torch.bfloat16
-    t = dict(
-        zxbcdt=rn(b, l, 2 * dim + 2 * g * n + h).to(bf),
-        conv1d_weight=rn(conv_dim, w, scale=0.5).to(bf),
-        conv1d_bias=rn(conv_dim, scale=0.1).to(bf),
-        dt_bias=torch.rand(h, generator=gen) * 2 - 4,
-        A=-torch.exp(torch.rand(h, generator=gen) * math.log(16.0)),
-        D=torch.ones(h) + rn(h, scale=0.1),
-        norm_weight=(1 + rn(dim, scale=0.1)).to(bf),
-    )
-    dy = rn(b, l, dim).to(bf)
-    # documents of several lengths, ending inside chunks, one of 2 tokens (below the conv width)
-    cuts = sorted({min(l - 1, max(1, round(l * f))) for f in (0.13, 0.4, 0.4 + 2 / l, 0.77)})
-    seq = torch.zeros(b, l, dtype=torch.int32)
-    for i, cut in enumerate(cuts):
-        seq[:, cut:] = i + 1
-    seq[1] = seq[1].flip(0).max() - seq[1].flip(0)  # the second row: the same documents in reverse order
-    return {k: v.to(device) for k, v in t.items()}, dy.to(device), seq.to(device)
-
-
-def run_tree(shape_name: str, seed: int, device: str, out_path: str) -> None:
-    """Worker: the fused op + gated norm forward and backward of the ``kernels`` package on sys.path."""
-    import torch
-
-    import kernels
-    from kernels.mamba_split_helion import mamba_split_conv1d_scan_combined_helion
-    from kernels.rmsnorm_gated import RMSNormGatedHelion
-
-    shape = SHAPES[shape_name]
-    b, l, h, p, g, n, c, w = shape
-    res = {"kernels_file": kernels.__file__, "cases": {}}
-    for case in CASES:
-        t, dy, seq = _inputs(shape, seed, device)
-        leaves = {k: v.detach().requires_grad_(True) for k, v in t.items()}
-        norm = RMSNormGatedHelion(h * p, eps=1e-5, group_size=h * p // g, norm_before_gate=False,
-                                  device=device, dtype=torch.bfloat16)
-        with torch.no_grad():
-            norm.weight.copy_(leaves["norm_weight"])
-        y = mamba_split_conv1d_scan_combined_helion(
-            leaves["zxbcdt"], leaves["conv1d_weight"], leaves["conv1d_bias"], leaves["dt_bias"], leaves["A"],
-            leaves["D"], c, seq_idx=seq if case == "seq_idx" else None, activation="silu", headdim=p, ngroups=g,
-            norm_before_gate=False)
-        out = norm(y)
-        names = ["zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"]
-        grads = torch.autograd.grad(out, [leaves[k] for k in names] + [norm.weight], dy)
-        tensors = {"mixer_out": y, "norm_out": out}
-        tensors.update({f"grad_{k}": gk for k, gk in zip(names + ["norm_weight"], grads)})
-        res["cases"][case] = {k: v.detach().cpu() for k, v in tensors.items()}
-        del t, leaves, y, out, grads, tensors
-    torch.save(res, out_path)
+from nano_hybrid.bench import environment, kernel_equivalence_worker, reporting
+from nano_hybrid.bench.kernel_equivalence_worker import SHAPES
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -156,7 +82,8 @@ def _worker_env(tree: Path, device: str) -> dict:
 def _run_worker(tree: Path, shape: str, seed: int, device: str, out: Path) -> dict:
     import torch
 
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--shape", shape, "--seed", str(seed),
+    # -P: the worker's own folder stays off sys.path; the tree comes first on PYTHONPATH
+    cmd = [sys.executable, "-P", str(Path(kernel_equivalence_worker.__file__).resolve()), "--shape", shape, "--seed", str(seed),
            "--device", device, "--worker-out", str(out)]
     r = subprocess.run(cmd, cwd=tree, env=_worker_env(tree, device), capture_output=True, text=True)
     if r.returncode != 0:
@@ -172,17 +99,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog="Exit status: 0 bitwise equal, 1 unequal, 2 bad arguments.")
     ap.add_argument("--reference-tree", help="a directory holding the reference kernels/ package")
-    ap.add_argument("--current-tree", default=str(REPO), help="the tree under test (default: this repository)")
+    ap.add_argument("--current-tree", default=str(environment.REPO_ROOT), help="the tree under test (default: this repository)")
     ap.add_argument("--shape", default="nano", choices=sorted(SHAPES))
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda if available, else cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output directory (default runs/kernel_equivalence)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.worker:
-        run_tree(a.shape, a.seed, a.device, a.worker_out)
-        return 0
     if not a.reference_tree:
         print("error: --reference-tree DIR is required (a directory holding a kernels/ package)", file=sys.stderr)
         return 2

@@ -81,17 +81,16 @@ def measure_case(name: str, a) -> dict:
     from megatron.core import parallel_state as ps
 
     from nano_hybrid.plan import make_plan
-    from nano_hybrid.train import build_model_and_optimizer, cpu_compat_mode, forward_backward, init_distributed, validate
 
     cfg = case_config(name, a.backend, a.overrides)
     plan = make_plan(cfg, 1)
-    rp = validate(cfg)
-    init_distributed(rp, cfg)
+    rp = training.validate(cfg)
+    training.init_distributed(rp, cfg)
     gc.collect()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
     t_build = time.perf_counter()
-    model, optimizer, scheduler = build_model_and_optimizer(rp, cfg)
+    model, optimizer, scheduler = training.build_model_and_optimizer(rp, cfg)
     build_s = time.perf_counter() - t_build
     mbs = int(cfg.train.micro_batch_size)
     ctx = SimpleNamespace(plan=rp, cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, attention_mask=None,
@@ -102,12 +101,12 @@ def measure_case(name: str, a) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        forward_backward(ctx)
+        training.forward_backward(ctx)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         fb_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        with cpu_compat_mode(rp):  # a no-op on CUDA
+        with training.cpu_compat_mode(rp):  # a no-op on CUDA
             update_ok, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
         torch.cuda.synchronize()
@@ -177,7 +176,7 @@ def run(a) -> dict:
 
 def child_command(name: str, a, out_json: str) -> list[str]:
     """The command that measures case ``name`` alone (``--worker-case``) and writes its result to ``out_json``."""
-    return [sys.executable, str(Path(__file__).resolve()), "--backend", a.backend, "--steps", str(a.steps),
+    return [sys.executable, str(environment.REPO_ROOT / "scripts" / "plan_vs_measured.py"), "--backend", a.backend, "--steps", str(a.steps),
             "--worker-case", name, "--worker-out", out_json, *a.overrides]
 
 

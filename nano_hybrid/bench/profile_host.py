@@ -24,9 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-
-import bench_kernels as bk  # noqa: E402
-from nano_hybrid.bench import environment, reporting
+from nano_hybrid.bench import environment, mixer, reporting
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")
 
@@ -37,7 +35,7 @@ def profile_backend(name: str, shape, params, iters: int, top: int) -> dict:
 
     from kernels.registry import get_backend
 
-    op = bk.MixerOp(get_backend(name), shape, params, torch.device("cuda"), torch.bfloat16)
+    op = mixer.MixerOp(get_backend(name), shape, params, torch.device("cuda"), torch.bfloat16)
     for _ in range(3):
         op.mixer_fwdbwd()
     torch.cuda.synchronize()
@@ -86,7 +84,7 @@ def profile_backend(name: str, shape, params, iters: int, top: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backends", default="mamba_ssm,helion")
-    ap.add_argument("--shape", default="nano", choices=sorted(bk.SHAPES))
+    ap.add_argument("--shape", default="nano", choices=sorted(mixer.SHAPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
@@ -96,8 +94,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: scripts/profile_host.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    shape = bk.SHAPES[args.shape]
-    params = bk.make_params(shape, torch.device("cuda"), torch.bfloat16, 0)
+    shape = mixer.SHAPES[args.shape]
+    params = mixer.make_params(shape, torch.device("cuda"), torch.bfloat16, 0)
     res = {"benchmark": "profile_host", "env": environment.env_info(), "args": vars(args), "shape": args.shape, "backends": {}}
     for name in args.backends.split(","):
         r = profile_backend(name, shape, params, args.iters, args.top)

@@ -39,11 +39,11 @@ import argparse
 import bisect
 import contextlib
 import re
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from nano_hybrid.bench import environment, profiling, reporting, stats, training
+from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, apply_arm, parse_arm
 
 
 CATEGORIES = (
@@ -377,67 +377,51 @@ def _share_overlaps(intervals: list[tuple[int, int, int]]) -> tuple[dict[int, fl
     return share, busy
 
 
-def attribute(events: list[Ev], *, device: bool) -> dict:
-    """Per-step time per category from profiler events containing ``nhb::step`` ranges.
-
-    ``device=True``: work items are device events (kernels, memcpy, memset) attributed through their
-    launching CPU op; ``False`` (CPU runs): items are CPU ops' self times. Returns ``{"steps": n,
-    "step_ns": mean wall ns, "by_category_ns": {cat: mean ns}, "backward_ns": {cat: ns}, "busy_ns": ns}``,
-    categories summing exactly to ``step_ns`` (``idle`` = wall - busy).
-    """
-    cpu = [e for e in events if not e.device]
-    build_cpu_tree(cpu)
-    steps = sorted((e for e in cpu if e.name == STEP_RANGE), key=lambda e: e.start)
-    if not steps:
-        raise ValueError(f"no {STEP_RANGE!r} ranges in the profile")
-    fwd = forward_categories(cpu)
-    starts = [s.start for s in steps]
-
-    # after the schedule's finalize_model_grads (the last nhb::grad_accum range of a step) the gradients are
-    # final: unattributed work from there to the step's end (clipping, norms, copies) is the optimizer's
-    opt_from = []
-    for st in steps:
-        ends = [e.end for e in cpu if e.name == RANGE_PREFIX + "grad_accum" and e.thread == st.thread
-                and st.start <= e.start < st.end]
-        opt_from.append(max(ends) if ends else st.end)
-
-    def step_of(t: int) -> int | None:
-        i = bisect.bisect_right(starts, t) - 1
-        return i if i >= 0 and t < steps[i].end else None
-
-    items: list[list[tuple[int, int, str, bool]]] = [[] for _ in steps]  # (start, end, cat, bwd) or self time
+def _device_items(events: list[Ev], cpu: list[Ev], steps: list[Ev], step_of, fwd, opt_from) -> tuple[list, list]:
+    """Per step: device work items (start, end, category, in backward) attributed through their launching CPU
+    op, and their names."""
+    items: list[list[tuple[int, int, str, bool]]] = [[] for _ in steps]
     names: list[list[str]] = [[] for _ in steps]
-    if device:
-        by_corr = {}
-        for e in cpu:
-            if e.corr and (e.corr not in by_corr or not by_corr[e.corr].name.startswith("cuda")):
-                by_corr[e.corr] = e
-        # device work: kernels, memcpy, memset (not the device-side copies of the ranges, gpu_user_annotation)
-        for k in (e for e in events if e.device and e.kind in profiling.DEVICE_EVENT_CATS):
-            i = step_of(k.start)
-            if i is None:
-                continue
-            op = by_corr.get(k.linked)
-            cat, bwd = op_category(op, fwd, k.name) if op is not None else (
-                ("communication", False) if _COMM.search(k.name) else ("other", False))
-            if cat == "other" and op is not None and op.thread == steps[i].thread and op.start >= opt_from[i]:
-                cat = "optimizer"
-            items[i].append((max(k.start, steps[i].start), min(k.end, steps[i].end), cat, bwd))
-            names[i].append(k.name if op is None else f"{k.name} < {_path(op)}")
-    else:
-        for e in cpu:
-            if e.name.startswith(RANGE_PREFIX) or e.name == CHUNKED_HEAD_RANGE:
-                continue
-            i = step_of(e.start)
-            if i is None:
-                continue
-            self_ns = (e.end - e.start) - e.child_ns
-            cat, bwd = op_category(e, fwd)
-            if cat == "other" and e.thread == steps[i].thread and e.start >= opt_from[i]:
-                cat = "optimizer"
-            items[i].append((0, self_ns, cat, bwd))
-            names[i].append(_path(e))
+    by_corr = {}
+    for e in cpu:
+        if e.corr and (e.corr not in by_corr or not by_corr[e.corr].name.startswith("cuda")):
+            by_corr[e.corr] = e
+    # device work: kernels, memcpy, memset (not the device-side copies of the ranges, gpu_user_annotation)
+    for k in (e for e in events if e.device and e.kind in profiling.DEVICE_EVENT_CATS):
+        i = step_of(k.start)
+        if i is None:
+            continue
+        op = by_corr.get(k.linked)
+        cat, bwd = op_category(op, fwd, k.name) if op is not None else (
+            ("communication", False) if _COMM.search(k.name) else ("other", False))
+        if cat == "other" and op is not None and op.thread == steps[i].thread and op.start >= opt_from[i]:
+            cat = "optimizer"
+        items[i].append((max(k.start, steps[i].start), min(k.end, steps[i].end), cat, bwd))
+        names[i].append(k.name if op is None else f"{k.name} < {_path(op)}")
+    return items, names
 
+
+def _cpu_items(cpu: list[Ev], steps: list[Ev], step_of, fwd, opt_from) -> tuple[list, list]:
+    """Per step: CPU ops' self times as items (0, self ns, category, in backward), and their names."""
+    items: list[list[tuple[int, int, str, bool]]] = [[] for _ in steps]
+    names: list[list[str]] = [[] for _ in steps]
+    for e in cpu:
+        if e.name.startswith(RANGE_PREFIX) or e.name == CHUNKED_HEAD_RANGE:
+            continue
+        i = step_of(e.start)
+        if i is None:
+            continue
+        self_ns = (e.end - e.start) - e.child_ns
+        cat, bwd = op_category(e, fwd)
+        if cat == "other" and e.thread == steps[i].thread and e.start >= opt_from[i]:
+            cat = "optimizer"
+        items[i].append((0, self_ns, cat, bwd))
+        names[i].append(_path(e))
+    return items, names
+
+
+def _sum_steps(steps: list[Ev], items: list, names: list, device: bool) -> dict:
+    """The per-step means of ``attribute``'s result from the steps' work items."""
     total = {c: 0.0 for c in CATEGORIES}
     bwd_total = {c: 0.0 for c in CATEGORIES}
     busy_total = wall_total = 0
@@ -475,6 +459,41 @@ def attribute(events: list[Ev], *, device: bool) -> dict:
             "other_top_ns": dict(sorted(((k, v / n) for k, v in other.items()), key=lambda kv: -kv[1])[:15])}
 
 
+def attribute(events: list[Ev], *, device: bool) -> dict:
+    """Per-step time per category from profiler events containing ``nhb::step`` ranges.
+
+    ``device=True``: work items are device events (kernels, memcpy, memset) attributed through their
+    launching CPU op; ``False`` (CPU runs): items are CPU ops' self times. Returns ``{"steps": n,
+    "step_ns": mean wall ns, "by_category_ns": {cat: mean ns}, "backward_ns": {cat: ns}, "busy_ns": ns}``,
+    categories summing exactly to ``step_ns`` (``idle`` = wall - busy).
+    """
+    cpu = [e for e in events if not e.device]
+    build_cpu_tree(cpu)
+    steps = sorted((e for e in cpu if e.name == STEP_RANGE), key=lambda e: e.start)
+    if not steps:
+        raise ValueError(f"no {STEP_RANGE!r} ranges in the profile")
+    fwd = forward_categories(cpu)
+    starts = [s.start for s in steps]
+
+    # after the schedule's finalize_model_grads (the last nhb::grad_accum range of a step) the gradients are
+    # final: unattributed work from there to the step's end (clipping, norms, copies) is the optimizer's
+    opt_from = []
+    for st in steps:
+        ends = [e.end for e in cpu if e.name == RANGE_PREFIX + "grad_accum" and e.thread == st.thread
+                and st.start <= e.start < st.end]
+        opt_from.append(max(ends) if ends else st.end)
+
+    def step_of(t: int) -> int | None:
+        i = bisect.bisect_right(starts, t) - 1
+        return i if i >= 0 and t < steps[i].end else None
+
+    if device:
+        items, names = _device_items(events, cpu, steps, step_of, fwd, opt_from)
+    else:
+        items, names = _cpu_items(cpu, steps, step_of, fwd, opt_from)
+    return _sum_steps(steps, items, names, device)
+
+
 # ------------------------------------------------------------------------------------------- run
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -489,10 +508,8 @@ def parse_args(argv=None):
     p.add_argument("--tag", default=None, help="extra name part for the output files")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     a = reporting.parse_args_with_overrides(p, argv)
-    import ab_step_time as ab
-
     try:
-        a.arm_specs = [ab.parse_arm(x) for x in a.arms]
+        a.arm_specs = [parse_arm(x) for x in a.arms]
     except ValueError as e:
         p.error(str(e))
     if not a.arms:
@@ -506,10 +523,9 @@ def compose_cfg(a):
     import torch
     from omegaconf import open_dict
 
-    import ab_step_time as ab
     from nano_hybrid.config import compose
 
-    cfg = compose((ab.GPU_DEFAULTS if torch.cuda.is_available() else ab.CPU_DEFAULTS) + a.overrides)
+    cfg = compose((GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS) + a.overrides)
     user_keys = {o.split("=", 1)[0].lstrip("+~") for o in a.overrides}
     n = len(a.arms) * (a.warmup + a.steps + a.profile_steps + 1)
     with open_dict(cfg):
@@ -540,44 +556,36 @@ def profile_steps(step_fn, n: int, device, trace_path=None) -> list[Ev]:
 def run(a) -> dict | None:
     import torch
 
-    import ab_step_time as ab
     from kernels.registry import get_backend
-    from nano_hybrid import train as T
 
     cfg = compose_cfg(a)
     with training.scratch_run_dir(cfg, "nano_hybrid_breakdown_"):
-        plan = T.validate(cfg)
+        plan = training.validate(cfg)
         backends = {x.backend: get_backend(x.backend) for x in a.arm_specs}
         labels = stats.arm_labels([x.label for x in a.arm_specs])
-        ctx = T.setup(cfg, plan)
+        ctx = training.setup(cfg, plan)
         ranges = None
         try:
-            ctx.start_data()
-            batches = [next(ctx.data_iterator) for _ in range(plan.num_microbatches)]
-            replay = ab.ReplayIterator(batches)
-            ctx.data_iterator = replay
+            replay = training.replay(ctx, training.draw_batches(ctx, plan.num_microbatches))
             dev = plan.device
             ranges = ModuleRanges(training.unwrap_model(ctx.model))
             per_arm = {}
             for spec, lab in zip(a.arm_specs, labels):
-                ab.apply_arm(ctx, spec, backends)
+                apply_arm(ctx, spec, backends)
                 replay.reset()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 for _ in range(a.warmup):
-                    T.train_step(ctx)
+                    training.train_step(ctx)
                 times, losses = [], []
                 for _ in range(a.steps):
-                    stats.sync(dev)
-                    t0 = time.perf_counter()
-                    out = T.train_step(ctx)
-                    stats.sync(dev)
-                    times.append(time.perf_counter() - t0)
+                    dt, out = training.timed_step(training.train_step, ctx, dev)
+                    times.append(dt)
                     losses.append(out["loss"])
                 trace = None if a.trace_dir is None else Path(a.trace_dir) / f"step_breakdown_{lab}.json"
                 with grad_ranges(ctx), optimizer_ranges(ctx.optimizer):
-                    events = profile_steps(lambda: T.train_step(ctx), a.profile_steps, dev, trace)
+                    events = profile_steps(lambda: training.train_step(ctx), a.profile_steps, dev, trace)
                 r = attribute(events, device=dev.type == "cuda")
                 per_arm[lab] = {
                     "arm": {"backend": spec.backend, **dict(spec.overrides)},
@@ -595,7 +603,7 @@ def run(a) -> dict | None:
         finally:
             if ranges is not None:
                 ranges.remove()
-            T.shutdown(ctx)
+            training.shutdown(ctx)
     if plan.rank != 0:
         return None
     return {

@@ -35,14 +35,13 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
 
-import torch  # noqa: E402
-
-from kernels import tuning  # noqa: E402
-from kernels import tuner  # noqa: E402
+from kernels import tuner, tuning
+from nano_hybrid.bench.environment import REPO_ROOT
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="a run's overrides (as for nano_hybrid.train): tune the mixer shapes it calls")
     ap.add_argument("--kernels", default="all", help="comma list of tunable kernel names, or 'all'")
@@ -65,6 +64,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-isolate", action="store_true",
                     help="search every (kernel, shape) pair in this process (default: one child process per pair "
                     "when there is more than one)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.budget_s is not None:
         args.budget_min = args.budget_s / 60.0
@@ -84,7 +88,6 @@ def main(argv=None) -> int:
         shape_dims = resolve_shapes(args.overrides, args.shapes, args.model_dims)
     except ValueError as e:
         ap.error(str(e))
-    shapes = list(shape_dims)
     if not torch.cuda.is_available():
         print("tune_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -92,10 +95,14 @@ def main(argv=None) -> int:
         print("unset HELION_INTERPRET to tune", file=sys.stderr)
         return 2
 
-    per_budget = args.budget_min * 60.0 / (len(names) * len(shapes))
-    if not args.no_isolate and len(names) * len(shapes) > 1:
+    per_budget = args.budget_min * 60.0 / (len(names) * len(shape_dims))
+    if not args.no_isolate and len(names) * len(shape_dims) > 1:
         return _run_isolated(args, names, shape_dims, per_budget)
+    return search_all(args, registry, names, shape_dims, per_budget)
 
+
+def search_all(args, registry: dict, names: list[str], shape_dims: dict[str, dict], per_budget: float) -> int:
+    """Every (kernel, shape) pair searched in this process; the JSON log rewritten after each pair."""
     out_dir = Path(os.environ.get("OUT", "runs/bench/h200"))
     out_dir.mkdir(parents=True, exist_ok=True)
     arch = tuning.current_arch()
@@ -116,64 +123,13 @@ def main(argv=None) -> int:
     }
     log_path = out_dir / f"tune_{arch}_{dt.datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
     device = torch.device("cuda")
-    for shape in shapes:
+    for shape in shape_dims:
         for name in names:
             t0 = time.monotonic()
             run = {"kernel": name, "shape": shape, "model_dims": shape_dims[shape]}
             print(f"== {name} @ {shape} (budget {per_budget:.0f}s)", flush=True)
             try:
-                case = registry[name][1](dict(shape_dims[shape]), device)
-                run["kernel_dims"] = case.dims
-                seeds = list(case.seeds)
-                random.Random(0).shuffle(seeds)
-                cands = tuner.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
-                # the generic default (what runs without a config file) comes after the spec default (the reference)
-                cands.insert(1, tuning._as_config(case.default))
-                # and before both, right after the reference: the committed winner for this shape (or, for a shape
-                # without one, the nearest shape's winner: the config the wrappers run there today) and its
-                # neighbours (TMA / block-pointer indexing, eviction policies, num_warps and num_stages one step
-                # away): a search with a short budget starts from what is known to be good and can only improve on it
-                how, near_key, entry = tuning.lookup(name, case.dims)
-                if how in ("exact", "nearest") and not args.from_scratch:
-                    committed = tuning._as_config(entry["config"])
-                    near = [committed] + [tuning._as_config(d) for d in tuner.neighbour_configs(committed)]
-                    run["start"] = {"how": how, "key": near_key}
-                    if how == "exact":
-                        run["committed_ms"] = entry.get("time_ms")
-                    cands[1:1] = near  # right after the reference: a short budget still times them
-                    seen: set[str] = set()  # a neighbour can equal a seed: time each config once
-                    cands = [c for c in cands if not (c.to_json() in seen or seen.add(c.to_json()))]
-                best, results = tuner.search(
-                    case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
-                    log=lambda s: print(s, flush=True), finalize=case.finalize, prepare=case.prepare,
-                )
-                ok = [r for r in results if r["status"] == "ok"]
-                best_ms = min(r["time_ms"] for r in ok)
-                generic = next((r for r in results if r["config"] == tuning.config_to_dict(case.default)), None)
-                run.update(
-                    winner=tuning.config_to_dict(best), winner_ms=best_ms,
-                    generic_default_ms=(generic or {}).get("time_ms"),
-                    spec_default_ms=results[0].get("time_ms"),
-                    n_candidates=len(cands), n_tried=sum(r["status"] != "skipped_budget" for r in results),
-                    n_ok=len(ok), status_counts=_counts(results), candidates=results,
-                )
-                if not args.no_write:
-                    # the normalized config (every key explicit), so the committed file does not leave
-                    # anything for Helion to fill in differently in another process
-                    try:
-                        best = tuning.full_config(case.kernel, case.args, best)
-                    except Exception as e:  # noqa: BLE001 - keep the partial winner, say so
-                        run["full_config_error"] = f"{type(e).__name__}: {e}"
-                    run["written_config"] = tuning.config_to_dict(best)
-                    path = tuning.record(name, case.dims, best, best_ms, root=args.out_root and Path(args.out_root),
-                                         meta={
-                        "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"], "timer": tuner.timer_name(),
-                        "generic_default_ms": run["generic_default_ms"], "search_s": round(time.monotonic() - t0, 1),
-                        "torch": torch.__version__, "helion": _version("helion"), "triton": _version("triton"),
-                    })
-                    run["written"] = str(path)
-                print(f"   winner {best_ms * 1000:.1f} us (generic default {run['generic_default_ms']}) "
-                      f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}", flush=True)
+                search_pair(args, registry[name][1](dict(shape_dims[shape]), device), name, shape, per_budget, run, t0)
             except Exception:  # noqa: BLE001 - logged, next kernel still runs
                 run["error"] = traceback.format_exc()
                 print(run["error"], file=sys.stderr, flush=True)
@@ -182,6 +138,67 @@ def main(argv=None) -> int:
             log_path.write_text(json.dumps(log, indent=1, default=str))
     print(f"log: {log_path}")
     return 0 if all("error" not in r for r in log["runs"]) else 1
+
+
+def candidates(args, case, name: str, run: dict) -> list:
+    """The reference (spec default) first, then the committed winner for this shape (or the nearest shape's)
+    and its neighbours, the generic default, the shuffled seeds and random configs; each config once."""
+    seeds = list(case.seeds)
+    random.Random(0).shuffle(seeds)
+    cands = tuner.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
+    # the generic default (what runs without a config file) comes after the spec default (the reference)
+    cands.insert(1, tuning._as_config(case.default))
+    # and before both, right after the reference: the committed winner for this shape (or, for a shape
+    # without one, the nearest shape's winner: the config the wrappers run there today) and its
+    # neighbours (TMA / block-pointer indexing, eviction policies, num_warps and num_stages one step
+    # away): a search with a short budget starts from what is known to be good and can only improve on it
+    how, near_key, entry = tuning.lookup(name, case.dims)
+    if how in ("exact", "nearest") and not args.from_scratch:
+        committed = tuning._as_config(entry["config"])
+        near = [committed] + [tuning._as_config(d) for d in tuner.neighbour_configs(committed)]
+        run["start"] = {"how": how, "key": near_key}
+        if how == "exact":
+            run["committed_ms"] = entry.get("time_ms")
+        cands[1:1] = near  # right after the reference: a short budget still times them
+        seen: set[str] = set()  # a neighbour can equal a seed: time each config once
+        cands = [c for c in cands if not (c.to_json() in seen or seen.add(c.to_json()))]
+    return cands
+
+
+def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict, t0: float) -> None:
+    """One (kernel, shape) search: its outcome in ``run``; the winner written unless ``--no-write``."""
+    run["kernel_dims"] = case.dims
+    cands = candidates(args, case, name, run)
+    best, results = tuner.search(
+        case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
+        log=lambda s: print(s, flush=True), finalize=case.finalize, prepare=case.prepare,
+    )
+    ok = [r for r in results if r["status"] == "ok"]
+    best_ms = min(r["time_ms"] for r in ok)
+    generic = next((r for r in results if r["config"] == tuning.config_to_dict(case.default)), None)
+    run.update(
+        winner=tuning.config_to_dict(best), winner_ms=best_ms,
+        generic_default_ms=(generic or {}).get("time_ms"),
+        spec_default_ms=results[0].get("time_ms"),
+        n_candidates=len(cands), n_tried=sum(r["status"] != "skipped_budget" for r in results),
+        n_ok=len(ok), status_counts=_counts(results), candidates=results,
+    )
+    if not args.no_write:
+        # the normalized config (every key explicit), so the committed file does not leave
+        # anything for Helion to fill in differently in another process
+        try:
+            best = tuning.full_config(case.kernel, case.args, best)
+        except Exception as e:  # noqa: BLE001 - keep the partial winner, say so
+            run["full_config_error"] = f"{type(e).__name__}: {e}"
+        run["written_config"] = tuning.config_to_dict(best)
+        path = tuning.record(name, case.dims, best, best_ms, root=args.out_root and Path(args.out_root), meta={
+            "shape_preset": shape, "n_tried": run["n_tried"], "n_ok": run["n_ok"], "timer": tuner.timer_name(),
+            "generic_default_ms": run["generic_default_ms"], "search_s": round(time.monotonic() - t0, 1),
+            "torch": torch.__version__, "helion": _version("helion"), "triton": _version("triton"),
+        })
+        run["written"] = str(path)
+    print(f"   winner {best_ms * 1000:.1f} us (generic default {run['generic_default_ms']}) "
+          f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}", flush=True)
 
 
 # seconds a child spends outside its search (imports, CUDA start, building the case): taken off each pair's
@@ -219,7 +236,7 @@ def child_commands(args, names: list[str], shape_dims: dict[str, dict], per_budg
     cmds = []
     for shape, dims in shape_dims.items():
         for name in names:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--kernels", name,
+            cmd = [sys.executable, str(REPO_ROOT / "scripts" / "tune_kernels.py"), "--kernels", name,
                    "--model-dims", json.dumps({shape: dims}),
                    "--budget-s", f"{per_budget:.1f}", "--rep-ms", str(args.rep_ms), "--no-isolate"]
             cmd += ["--out-root", args.out_root] if getattr(args, "out_root", None) else []
