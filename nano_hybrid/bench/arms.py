@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from nano_hybrid.bench import training
 
+
 # a benchmark saves no checkpoint (and so needs no free space for one)
 NO_CHECKPOINTS = ["checkpoint.interval=0", "checkpoint.save_on_exit=false"]
 GPU_DEFAULTS = ["model=nano30b_slice", "data=mock", "train.micro_batch_size=2", "train.global_batch_size=2",

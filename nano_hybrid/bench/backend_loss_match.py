@@ -47,6 +47,7 @@ import math
 from nano_hybrid.bench import environment, reporting, stats, training
 from nano_hybrid.bench.arms import parse_arm
 
+
 DEFAULTS = ["model=tiny"]
 CPU_DEFAULTS = ["model=tiny", "train.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2"]
 

@@ -28,8 +28,10 @@ import argparse
 import sys
 from dataclasses import asdict
 from pathlib import Path
+
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import OPS, SHAPES, MixerOp, check_against, make_params
+
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # bf16 operands: relative L2 error of a correct kernel vs another correct kernel stays well under this.

@@ -26,6 +26,7 @@ import argparse
 from nano_hybrid.bench import environment, reporting, stats, training
 from nano_hybrid.bench.arms import set_kernel_backend
 
+
 KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 
 

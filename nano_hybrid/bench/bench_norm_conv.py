@@ -34,14 +34,13 @@ import traceback
 import types
 from pathlib import Path
 
+import torch
 
-import torch  # noqa: E402
-
-from kernels import tuning  # noqa: E402
-from kernels import tuner  # noqa: E402
-from kernels.causal_conv1d import causal_conv1d_helion, causal_conv1d_ref  # noqa: E402
-from kernels.rmsnorm_gated import rmsnorm_fn_helion, rmsnorm_gated_ref  # noqa: E402
-from kernels.settings import HelionSettings  # noqa: E402
+from kernels import tuning
+from kernels import tuner
+from kernels.causal_conv1d import causal_conv1d_helion, causal_conv1d_ref
+from kernels.rmsnorm_gated import rmsnorm_fn_helion, rmsnorm_gated_ref
+from kernels.settings import HelionSettings
 from nano_hybrid.bench import profiling
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import MixerShape, make_params, rel_err
 
+
 _NANO = dict(headdim=64, d_state=128)
 # name -> shape. Nano (64 heads, 8 groups) per tensor-parallel rank and at other batch x length splits; packed
 # documents (seq_idx); Mamba2 layers (1 group, chunk 256; 2.7B: 80 heads of 64, 130M-like: 24 heads); Nemotron-H 8B

@@ -18,15 +18,13 @@ import argparse
 import sys
 import traceback
 import types
-from pathlib import Path
 
+import torch
 
-import torch  # noqa: E402
-
-from kernels import ssd  # noqa: E402
-from kernels import ssd_helion as sh  # noqa: E402
-from kernels import tuning  # noqa: E402
-from kernels import tuner  # noqa: E402
+from kernels import ssd
+from kernels import ssd_helion as sh
+from kernels import tuning
+from kernels import tuner
 from nano_hybrid.bench import environment, reporting, stats
 
 

@@ -25,6 +25,7 @@ import types
 from pathlib import Path
 
 import torch
+
 from nano_hybrid.bench import environment, profiling, reporting, stats
 
 

@@ -29,6 +29,7 @@ import torch
 
 from nano_hybrid.bench import profiling, stats
 
+
 warnings.filterwarnings("ignore")
 
 TARGET_MS = {"attention": 11.0, "moe": 22.0}

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 # metrics.jsonl keys, plus the "train/"-prefixed names used when the same metrics go to W&B.
 _KEYS = ("step", "loss", "step_time_s", "tokens", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
          "world_size", "backend")

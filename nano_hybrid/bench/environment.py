@@ -8,6 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

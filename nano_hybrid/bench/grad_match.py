@@ -37,8 +37,8 @@ import math
 import re
 import sys
 from pathlib import Path
-from nano_hybrid.bench import reporting, stats, training
 
+from nano_hybrid.bench import reporting, stats, training
 
 
 # (group, regex on the parameter name), first match wins

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from nano_hybrid.bench import reporting, training
 
+
 GPU_DEFAULTS = ["model=nano30b_slice", "kernels=mamba_ssm", "parallel=single", "data=mock", "train.device=cuda",
                 "train.precision=bf16", "train.seq_length=4096", "train.micro_batch_size=1",
                 "train.global_batch_size=4", "optim.warmup_iters=1", "train.log_interval=1"]

@@ -20,7 +20,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from nano_hybrid.bench import profiling
+
 
 # Helion kernels -> the mamba-ssm / causal-conv1d kernels they replace (kernels/ssd_helion_bwd.py docstring).
 # mamba-ssm's B9 (_chunk_scan_bwd_ddAcs_stable) is split between ssd_bwd_dx (its intra-chunk part) and

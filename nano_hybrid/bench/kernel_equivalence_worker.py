@@ -1,5 +1,7 @@
 """The worker of ``kernel_equivalence``: the default helion fused mixer op + gated RMSNorm, forward and backward,
 from the ``kernels`` package first on ``PYTHONPATH``, on fixed inputs; every output and gradient saved with
+
+
 ``torch.save``. Run as a file (``python -P <this file> --shape S --seed N --device D --worker-out F``): it imports
 only torch and ``kernels``, so the tree under test needs no ``nano_hybrid``."""
 

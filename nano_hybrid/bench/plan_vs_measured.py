@@ -10,6 +10,8 @@ it) on random tokens. Per step it records ``torch.cuda.max_memory_allocated`` ov
 and over the optimizer step separately, and the step time; the first step (Adam states allocated,
 kernels warmed up) is left out of the figures. The planner (``nano_hybrid.plan``) predicts both peaks
 from the config alone. Writes ``plan_vs_measured_<gpu>.json`` / ``.md`` under ``--out`` (default
+
+
 ``$OUT`` or ``runs/bench/<gpu>``) with two tables: planned vs measured peak per case, and per recompute
 choice of the same model and micro-batch the peak, the memory saved and the step time paid.
 """

@@ -15,7 +15,6 @@ import sys
 import time
 import traceback
 
-
 import helion
 import helion.language as hl
 import torch

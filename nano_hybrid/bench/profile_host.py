@@ -26,6 +26,7 @@ from pathlib import Path
 
 from nano_hybrid.bench import environment, mixer, reporting
 
+
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")
 
 

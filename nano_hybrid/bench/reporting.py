@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Sequence
 
 from nano_hybrid.bench.environment import REPO_ROOT, gpu_slug
 
+
 SCHEMA_VERSION = 1
 
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
-from nano_hybrid.bench import stats
 
+from nano_hybrid.bench import stats
 
 
 def load_metrics(run_dir: Path | str) -> list[dict]:
