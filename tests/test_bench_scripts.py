@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from nano_hybrid.bench import environment, profiling, reporting, stats
+
+from nano_hybrid.bench import ab_step_time as ab
+from nano_hybrid.bench import arms, environment, profiling, reporting, stats, training
+from nano_hybrid.bench import bench_kernels as bk
+from nano_hybrid.bench import bench_layers as blay
+from nano_hybrid.bench import mixer as mx
+from nano_hybrid.bench import run_summary as rs
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -158,13 +164,12 @@ def test_write_results_schema(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # bench_kernels.py
 # ---------------------------------------------------------------------------------------------
-import bench_kernels as bk  # noqa: E402
 
 
 def test_bench_kernels_shapes_match_architecture_doc():
-    s = bk.SHAPES["nano"]
+    s = mx.SHAPES["nano"]
     assert (s.zxbcdt_dim, s.conv_dim, s.d_inner, s.group_size) == (10304, 6144, 4096, 512)
-    t = bk.SHAPES["tp2"]
+    t = mx.SHAPES["tp2"]
     assert t.group_size == 512 and t.d_inner == 2048
 
 
@@ -191,7 +196,7 @@ def test_bench_kernels_cpu_smoke(tmp_path):
     assert rc == 0
     d = json.loads((tmp_path / "kernels_torch_tiny.json").read_text())
     assert d["benchmark"] == "bench_kernels" and d["arms"] == ["torch", "torch#2"]
-    assert set(d["times_ms"]["torch"]) == set(bk.OPS)
+    assert set(d["times_ms"]["torch"]) == set(mx.OPS)
     assert d["times_ms"]["torch"]["mixer_fwdbwd"]["n"] == 2
     assert d["correctness"]["passed"] and max(d["correctness"]["torch_vs_itself"].values()) == 0.0
     ctl = d["ratios"]["control_torch#2_vs_torch"]["mixer_fwdbwd"]
@@ -205,7 +210,6 @@ def test_bench_kernels_cpu_smoke(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # run_summary.py
 # ---------------------------------------------------------------------------------------------
-import run_summary as rs  # noqa: E402
 
 
 def _write_metrics(d: Path, losses, step_time=0.5):
@@ -245,7 +249,6 @@ def test_run_summary_missing_file(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # bench_layers.py
 # ---------------------------------------------------------------------------------------------
-import bench_layers as blay  # noqa: E402
 
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
@@ -287,7 +290,6 @@ def test_bench_layers_cpu_smoke(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # ab_step_time.py
 # ---------------------------------------------------------------------------------------------
-import ab_step_time as ab  # noqa: E402
 
 
 def test_ab_args():
@@ -300,12 +302,12 @@ def test_ab_args():
 
 
 def test_replay_iterator_repeats_batches():
-    it = ab.ReplayIterator([1, 2, 3])
+    it = training.ReplayIterator([1, 2, 3])
     assert [next(it) for _ in range(5)] == [1, 2, 3, 1, 2]
     it.reset()
     assert next(it) == 1
     with pytest.raises(ValueError):
-        ab.ReplayIterator([])
+        training.ReplayIterator([])
 
 
 def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
@@ -342,7 +344,7 @@ def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
         mixers = [m for m in model.modules() if type(m).__name__ == "BackendMambaMixer"]
         weights = [m.norm.weight for m in mixers]
         before = model(tokens, pos, None, labels=tokens).detach()
-        assert ab.set_kernel_backend(model, fake) == len(mixers) == 2
+        assert arms.set_kernel_backend(model, fake) == len(mixers) == 2
         assert all(m.norm.weight is w for m, w in zip(mixers, weights))  # same Parameter objects
         assert all(isinstance(m.norm, CountingNorm) and hasattr(m.norm, "sharded_state_dict") for m in mixers)
         after = model(tokens, pos, None, labels=tokens)
@@ -350,12 +352,12 @@ def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
         assert calls == {"op": 2, "norm": 2}
         assert all(w.grad is not None for w in weights)
         torch.testing.assert_close(after.detach(), before)  # same math, same weights
-        ab.set_kernel_backend(model, "torch")
+        arms.set_kernel_backend(model, "torch")
         assert all(type(m.norm).__mro__[1] is ref.RMSNormGated for m in mixers)
         model(tokens, pos, None, labels=tokens)
         assert calls == {"op": 2, "norm": 2}  # the fake backend is no longer used
         with pytest.raises(ValueError, match="no Mamba-2 mixers"):
-            ab.set_kernel_backend(torch.nn.Linear(2, 2), "torch")
+            arms.set_kernel_backend(torch.nn.Linear(2, 2), "torch")
     finally:
         destroy_parallel()
 
@@ -390,8 +392,8 @@ def test_bench_mixer_op_has_the_training_mixer_layouts():
 
     fake = dataclasses.replace(ref, name="fake", mamba_split_conv1d_scan_combined=recording_op,
                                RMSNormGated=RecordingNorm)
-    shape = bk.MixerShape(batch=2, seqlen=64, nheads=4, headdim=8, ngroups=2, d_state=16, chunk_size=32)
-    op = bk.MixerOp(fake, shape, bk.make_params(shape, torch.device("cpu"), torch.float32, seed=0),
+    shape = mx.MixerShape(batch=2, seqlen=64, nheads=4, headdim=8, ngroups=2, d_state=16, chunk_size=32)
+    op = mx.MixerOp(fake, shape, mx.make_params(shape, torch.device("cpu"), torch.float32, seed=0),
                     torch.device("cpu"), torch.float32)
     op.mixer_fwdbwd()
     bench = sorted(seen)
@@ -402,7 +404,7 @@ def test_bench_mixer_op_has_the_training_mixer_layouts():
         torch.manual_seed(0)
         model = build_model(cfg, device="cpu")
         mixer = next(m for m in model.modules() if type(m).__name__ == "BackendMambaMixer")
-        ab.set_kernel_backend(model, fake)
+        arms.set_kernel_backend(model, fake)
         y, _ = mixer(torch.randn(64, 2, cfg.model.hidden_size))
         y.sum().backward()
     finally:
@@ -436,7 +438,7 @@ def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
 def test_ab_step_time_defaults_save_no_checkpoints():
     from nano_hybrid.config import compose
 
-    for defaults in (ab.GPU_DEFAULTS, ab.CPU_DEFAULTS):
+    for defaults in (arms.GPU_DEFAULTS, arms.CPU_DEFAULTS):
         c = compose(defaults)
         assert c.checkpoint.interval == 0 and c.checkpoint.save_on_exit is False
 
@@ -494,7 +496,7 @@ def test_bench_norm_conv_help_lists_profile_on_cpu():
 
 
 def test_bench_norm_conv_profile_summary_and_cpu_skip():
-    import bench_norm_conv as bnc
+    from nano_hybrid.bench import bench_norm_conv as bnc
 
     events = [{"name": "void _helion_rmsnorm_gated_bwd_kernel(float*)", "dur": 100.0},
               {"name": "_helion_rmsnorm_dweight_sum_kernel", "dur": 3.0},
@@ -610,7 +612,7 @@ def test_convergence_ab_script_a_vs_a_pair_with_resume(tmp_path):
 def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
     import math
 
-    import kernel_counterparts as kc
+    from nano_hybrid.bench import kernel_counterparts as kc
 
     def table(d):
         return {"rows": [{"kernel": k, "us_per_iter": v} for k, v in d.items()]}
@@ -647,7 +649,7 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
     and keeps the write / from-scratch choices."""
     import argparse
 
-    import tune_kernels as tk
+    from nano_hybrid.bench import tune_kernels as tk
 
     args = argparse.Namespace(rep_ms=40.0, no_write=True, from_scratch=False)
     shapes = {"nano": dict(b=2), "tp2": dict(b=1)}
@@ -668,7 +670,7 @@ def test_tune_kernels_takes_a_runs_overrides():
     """tune_kernels.py with a run's overrides tunes the mixer dims one rank of that run calls (per tensor-parallel
     rank heads and groups, the micro-batch, the sequence); presets still work; a split that does not divide is
     refused naming the keys."""
-    import tune_kernels as tk
+    from nano_hybrid.bench import tune_kernels as tk
 
     got = tk.resolve_shapes(["model=nano30b_slice", "train.micro_batch_size=2",
                              "parallel.tensor_model_parallel_size=2"], None, None)
@@ -695,7 +697,7 @@ def test_bench_layers_backend_options():
 def test_grad_match_compare_reports_error_cosine_and_scale_per_group():
     import torch
 
-    import grad_match as gm
+    from nano_hybrid.bench import grad_match as gm
 
     ref = {"decoder.layers.0.mixer.dt_bias": torch.tensor([3.0, 4.0]),
            "decoder.layers.0.mixer.in_proj.weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
@@ -735,7 +737,7 @@ def test_grad_match_torch_a_vs_a_is_exact_on_cpu(tmp_path):
 
 
 def test_fast_modules_markdown_reports_power_state_and_diag():
-    import check_fast_modules_gpu as cfm
+    from nano_hybrid.bench import check_fast_modules_gpu as cfm
 
     timing = {"median_ms": 11.5, "peak_mem_gb": 1.5, "target_ms": 11.0,
               "gpu_during_rounds": {"samples": 3, "clocks.sm": {"min": 1440.0, "median": 1680.0, "max": 1980.0},
@@ -757,7 +759,7 @@ def test_fast_modules_markdown_reports_power_state_and_diag():
 
 
 def test_grad_match_bad_backend_is_one_error_line_before_work(capsys):
-    import grad_match as gm
+    from nano_hybrid.bench import grad_match as gm
 
     assert gm.main(["--backends", "torch,nope", "--train-backend", "torch", "model=tiny"]) == 2
     err = capsys.readouterr().err
@@ -795,7 +797,7 @@ def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_pa
 def test_bench_shape_grid_smoke_on_cpu(tmp_path):
     """bench_shape_grid.py end to end on the CPU: torch reference vs helion (interpret mode) at the tiny shape with
     packed documents; every field of the record is there and the helion errors are bf16-sized."""
-    import bench_shape_grid as bsg
+    from nano_hybrid.bench import bench_shape_grid as bsg
 
     assert len([s for s in bsg.GRID if s != "tiny"]) >= 12
     args = bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--rounds", "1",

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernel_equivalence as ke
+from nano_hybrid.bench import kernel_equivalence as ke
+from nano_hybrid.bench import kernel_equivalence_worker as kew
 
 REPO = Path(__file__).resolve().parents[1]
 # the test-only aten::mm.dtype shim of tests/conftest.py, for the tool's worker processes (interpret mode on CPU)
@@ -42,7 +43,7 @@ def test_compare_reports_bitwise_equality_and_max_diff():
 
 
 def test_inputs_have_a_document_shorter_than_the_conv_width():
-    _, _, seq = ke._inputs(ke.SHAPES["tiny"], 0, "cpu")
+    _, _, seq = kew._inputs(kew.SHAPES["tiny"], 0, "cpu")
     for row in seq:
         lengths = torch.unique_consecutive(row, return_counts=True)[1]
         assert lengths.min() == 2 and len(lengths) == 5 and bool((row[1:] >= row[:-1]).all())

@@ -20,7 +20,7 @@ import helion.language as hl
 import torch
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     settings = {
         "subprocess_off": {"HELION_AUTOTUNE_BENCHMARK_SUBPROCESS": "0", "HELION_AUTOTUNE_PRECOMPILE": "0"},
         "subprocess_off_precompile_fork": {"HELION_AUTOTUNE_BENCHMARK_SUBPROCESS": "0"},
@@ -30,7 +30,7 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     x = torch.randn(16384, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
-    for name in sys.argv[1:] or ["subprocess_off"]:
+    for name in (sys.argv[1:] if argv is None else argv) or ["subprocess_off"]:
         for k, v in settings[name].items():
             os.environ[k] = v
 
