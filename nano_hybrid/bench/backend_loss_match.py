@@ -78,7 +78,7 @@ TOLERANCES = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="torch,helion",  # each arm: backend[:key=value...] (ab_step_time.SWITCHABLE)
+    p.add_argument("--backends", default="torch,helion",  # each arm: backend[:key=value...] (arms.SWITCHABLE)
                    help="comma-separated arms; the first is the reference; repeat it for an A-vs-A control")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per arm (default 50)")
     p.add_argument("--mean-rtol", type=float, default=None,
@@ -196,7 +196,7 @@ def snapshot_diff(a: dict, b: dict) -> tuple[bool, float, str | None]:
 
 # ------------------------------------------------------------------------------------------ run
 def arm_config(cfg, spec):
-    """A copy of ``cfg`` with the arm's backend and settings (``ab_step_time.SWITCHABLE`` keys) applied; keys the arm
+    """A copy of ``cfg`` with the arm's backend and settings (``arms.SWITCHABLE`` keys) applied; keys the arm
     does not set keep the composed config's values."""
     import copy
 

@@ -134,7 +134,7 @@ def _sdpa_ctx(backends):
 
 
 def _profile_top(step, n_iters=2, top=20) -> dict:
-    """Top CUDA kernels of ``step`` by device time per iteration (benchlib's torch.profiler table),
+    """Top CUDA kernels of ``step`` by device time per iteration (``profiling.profile_device_table``),
     plus the device span / busy / idle time per iteration over back-to-back steps."""
 
     t = profiling.profile_device_table(step, n_iters)

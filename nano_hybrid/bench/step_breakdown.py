@@ -10,7 +10,7 @@ Everything after the --flags is a Hydra override, as for training (defaults prep
 Method:
 - The model, Megatron DDP, optimizer and data are built by ``nano_hybrid.train`` (``validate`` -> ``setup``);
   one model serves every arm. An arm is ``backend[:key=value...]`` and is switched in place with
-  ``ab_step_time.apply_arm`` (kernel backend, ``model.lm_head_loss``, ``optim.fused``).
+  ``arms.apply_arm`` (kernel backend, ``model.lm_head_loss``, ``optim.fused``).
 - Per arm: --warmup steps, then --steps steps of ``nano_hybrid.train.train_step`` timed with a synchronized
   host clock (the measured step), then --profile-steps steps under torch.profiler.
 - Ranges: forward pre/post hooks open a ``record_function("nhb::<category>")`` around the model's modules
