@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,8 +64,8 @@ def test_end_to_end_current_tree_against_itself_on_cpu(tmp_path):
     bitwise equal in both cases, every output and gradient is compared, and the report is written."""
     (tmp_path / "shim").mkdir()
     (tmp_path / "shim" / "sitecustomize.py").write_text(_SHIM)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "HELION_INTERPRET"}
-    env["PYTHONPATH"] = str(tmp_path / "shim")
+    env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "shim"), str(REPO)])  # the shim, and this checkout's packages
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_equivalence.py"), "--reference-tree", str(REPO),
                         "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "out")],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
