@@ -10,8 +10,6 @@ it) on random tokens. Per step it records ``torch.cuda.max_memory_allocated`` ov
 and over the optimizer step separately, and the step time; the first step (Adam states allocated,
 kernels warmed up) is left out of the figures. The planner (``nano_hybrid.plan``) predicts both peaks
 from the config alone. Writes ``plan_vs_measured_<gpu>.json`` / ``.md`` under ``--out`` (default
-
-
 ``$OUT`` or ``runs/bench/<gpu>``) with two tables: planned vs measured peak per case, and per recompute
 choice of the same model and micro-batch the peak, the memory saved and the step time paid.
 """
@@ -27,7 +25,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
+
 from nano_hybrid.bench import environment, reporting, stats, training
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
@@ -95,9 +93,9 @@ def measure_case(name: str, a) -> dict:
     model, optimizer, scheduler = training.build_model_and_optimizer(rp, cfg)
     build_s = time.perf_counter() - t_build
     mbs = int(cfg.train.micro_batch_size)
-    ctx = SimpleNamespace(plan=rp, cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, attention_mask=None,
-                          data_iterator=_batches(a.steps * rp.num_microbatches, mbs, rp.seq_length,
-                                                 int(cfg.model.vocab_size), rp.device))
+    ctx = training.bare_context(rp, cfg, model, optimizer, scheduler,
+                                _batches(a.steps * rp.num_microbatches, mbs, rp.seq_length, int(cfg.model.vocab_size),
+                                         rp.device))
     steps = []
     for _ in range(a.steps):
         torch.cuda.synchronize()

@@ -16,6 +16,7 @@ import itertools
 import shutil
 import tempfile
 import time
+from types import SimpleNamespace
 
 from nano_hybrid.bench import stats
 
@@ -113,6 +114,13 @@ def replay(ctx, batches: list) -> ReplayIterator:
 def drop_model(ctx) -> None:
     """``ctx`` lets go of its model, optimizer and scheduler (an arm builds its own)."""
     ctx.model = ctx.optimizer = ctx.scheduler = None
+
+
+def bare_context(plan, cfg, model, optimizer, scheduler, data_iterator):
+    """The fields of a run context that ``forward_backward`` reads, around a model built outside ``setup`` (no data
+    loader, no attention mask)."""
+    return SimpleNamespace(plan=plan, cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
+                           attention_mask=None, data_iterator=data_iterator)
 
 
 def with_parts(ctx, batches: list, **parts):
