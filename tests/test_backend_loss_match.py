@@ -22,10 +22,10 @@ import weakref
 import pytest
 import torch
 
+from nano_hybrid.bench import backend_loss_match as blm
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-
-import backend_loss_match as blm  # noqa: E402
 
 CPU = not torch.cuda.is_available()
 

@@ -13,10 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from nano_hybrid.bench import ab_step_time as ab
+from nano_hybrid.bench import arms, environment, profiling, reporting, stats, training
+from nano_hybrid.bench import bench_kernels as bk
+from nano_hybrid.bench import bench_layers as blay
+from nano_hybrid.bench import mixer as mx
+from nano_hybrid.bench import run_summary as rs
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 
-from nano_hybrid import benchlib as bl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,33 +34,33 @@ def test_percentile_matches_numpy_linear():
     for n in (1, 2, 5, 10, 101):
         xs = [rng.gauss(10, 3) for _ in range(n)]
         for q in (0, 10, 50, 90, 100):
-            assert bl.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+            assert stats.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
 
 
 def test_median_p90_on_known_data():
     xs = list(range(1, 11))  # 1..10
-    assert bl.median(xs) == 5.5
-    assert bl.percentile(xs, 90) == pytest.approx(9.1)
-    s = bl.summarize(xs)
+    assert stats.median(xs) == 5.5
+    assert stats.percentile(xs, 90) == pytest.approx(9.1)
+    s = stats.summarize(xs)
     assert s["n"] == 10 and s["min"] == 1 and s["max"] == 10 and s["mean"] == 5.5
 
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")]])
 def test_stats_reject_bad_samples(bad):
     with pytest.raises(ValueError):
-        bl.median(bad)
+        stats.median(bad)
 
 
 def test_percentile_rejects_bad_q():
     with pytest.raises(ValueError, match="percentile"):
-        bl.percentile([1.0], 101)
+        stats.percentile([1.0], 101)
 
 
 def test_bootstrap_ci_covers_true_ratio_and_excludes_one():
     rng = random.Random(0)
     a = [10.0 + rng.gauss(0, 0.2) for _ in range(60)]  # baseline
     b = [8.0 + rng.gauss(0, 0.2) for _ in range(60)]  # 1.25x faster
-    point, lo, hi = bl.bootstrap_ratio_ci(a, b, n_boot=1000, seed=1)
+    point, lo, hi = stats.bootstrap_ratio_ci(a, b, n_boot=1000, seed=1)
     assert lo < point < hi
     assert lo < 1.25 < hi
     assert lo > 1.15  # clearly excludes 1.0
@@ -65,37 +71,37 @@ def test_bootstrap_ci_a_vs_a_contains_one():
     rng = random.Random(5)
     a = [5.0 + rng.gauss(0, 0.3) for _ in range(50)]
     b = [5.0 + rng.gauss(0, 0.3) for _ in range(50)]
-    point, lo, hi = bl.bootstrap_ratio_ci(a, b, n_boot=1000, seed=2)
+    point, lo, hi = stats.bootstrap_ratio_ci(a, b, n_boot=1000, seed=2)
     assert lo < 1.0 < hi
     assert abs(point - 1.0) < 0.05
 
 
 def test_bootstrap_is_seeded_and_validates():
     a, b = [1.0, 2.0, 3.0], [1.5, 2.5, 3.5]
-    assert bl.bootstrap_ratio_ci(a, b, n_boot=200, seed=7) == bl.bootstrap_ratio_ci(a, b, n_boot=200, seed=7)
+    assert stats.bootstrap_ratio_ci(a, b, n_boot=200, seed=7) == stats.bootstrap_ratio_ci(a, b, n_boot=200, seed=7)
     with pytest.raises(ValueError, match="n_boot"):
-        bl.bootstrap_ratio_ci(a, b, n_boot=10)
+        stats.bootstrap_ratio_ci(a, b, n_boot=10)
     with pytest.raises(ValueError, match="positive"):
-        bl.bootstrap_ratio_ci(a, [0.0, 0.0], n_boot=200)
-    r = bl.ratio_summary(a, b, n_boot=200)
+        stats.bootstrap_ratio_ci(a, [0.0, 0.0], n_boot=200)
+    r = stats.ratio_summary(a, b, n_boot=200)
     assert set(r) == {"speedup", "ci_lo", "ci_hi", "ci_level"} and r["ci_level"] == 0.95
 
 
 def test_arm_labels_and_alternation():
-    assert bl.arm_labels(["mamba_ssm", "helion", "mamba_ssm"]) == ["mamba_ssm", "helion", "mamba_ssm#2"]
-    assert bl.alternating_order(2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    assert stats.arm_labels(["mamba_ssm", "helion", "mamba_ssm"]) == ["mamba_ssm", "helion", "mamba_ssm#2"]
+    assert stats.alternating_order(2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
     # every arm runs first equally often over an even number of rounds
-    firsts = [o[0] for o in bl.alternating_order(3, 6)]
+    firsts = [o[0] for o in stats.alternating_order(3, 6)]
     assert firsts.count(0) == 3 and firsts.count(2) == 3
     with pytest.raises(ValueError):
-        bl.alternating_order(0, 2)
+        stats.alternating_order(0, 2)
 
 
 def test_gpu_slug():
-    assert bl.gpu_slug("NVIDIA H200") == "h200"
-    assert bl.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
-    assert bl.gpu_slug("NVIDIA B200") == "b200"
-    assert bl.gpu_slug(None) == "cpu"
+    assert environment.gpu_slug("NVIDIA H200") == "h200"
+    assert environment.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert environment.gpu_slug("NVIDIA B200") == "b200"
+    assert environment.gpu_slug(None) == "cpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +110,7 @@ def test_gpu_slug():
 def _synthetic_trace(tmp_path: Path, iters: int, drop: str | None = None) -> Path:
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::add", "dur": 999.0}]  # host events are ignored
     for _ in range(iters):
-        for k, calls in bl.MAMBA_SSM_EXPECTED_KERNELS.items():
+        for k, calls in profiling.MAMBA_SSM_EXPECTED_KERNELS.items():
             if k == drop:
                 continue
             name = f"void {k}<Ktraits<128, 4>>(ConvParamsBwd)" if k.startswith("causal") else k
@@ -119,8 +125,8 @@ def _synthetic_trace(tmp_path: Path, iters: int, drop: str | None = None) -> Pat
 
 def test_kernel_table_and_baseline_check(tmp_path):
     iters = 3
-    table = bl.kernel_table(bl.load_trace_events(_synthetic_trace(tmp_path, iters)), iters)
-    n_calls = sum(bl.MAMBA_SSM_EXPECTED_KERNELS.values())
+    table = profiling.kernel_table(profiling.load_trace_events(_synthetic_trace(tmp_path, iters)), iters)
+    n_calls = sum(profiling.MAMBA_SSM_EXPECTED_KERNELS.values())
     assert table["total_us_per_iter"] == pytest.approx(10.0 * n_calls + 5.0)
     assert sum(r["share"] for r in table["rows"]) == pytest.approx(1.0)
     rows = {r["kernel"]: r for r in table["rows"]}
@@ -129,42 +135,41 @@ def test_kernel_table_and_baseline_check(tmp_path):
     assert rows["_layer_norm_bwd_kernel"]["category"] == "norm"
     assert rows["at::native::vectorized_elementwise_kernel"]["category"] == "other"
     assert table["by_category"]["norm"] == pytest.approx(20.0)
-    chk = bl.check_expected_kernels(table)
+    chk = profiling.check_expected_kernels(table)
     assert chk["matches"] and chk["extra_kernels"] == ["at::native::vectorized_elementwise_kernel"]
 
 
 def test_baseline_check_reports_missing_kernel(tmp_path):
-    table = bl.kernel_table(bl.load_trace_events(_synthetic_trace(tmp_path, 2, drop="_chunk_scan_bwd_dcb_kernel")), 2)
-    chk = bl.check_expected_kernels(table)
+    table = profiling.kernel_table(profiling.load_trace_events(_synthetic_trace(tmp_path, 2, drop="_chunk_scan_bwd_dcb_kernel")), 2)
+    chk = profiling.check_expected_kernels(table)
     assert not chk["matches"] and chk["missing"] == ["_chunk_scan_bwd_dcb_kernel"]
 
 
 def test_short_kernel_name():
-    assert bl.short_kernel_name("void causal_conv1d_channellast_fwd_kernel<Ktraits<128, 4, true>>(ConvParamsBase)") \
+    assert profiling.short_kernel_name("void causal_conv1d_channellast_fwd_kernel<Ktraits<128, 4, true>>(ConvParamsBase)") \
         == "causal_conv1d_channellast_fwd_kernel"
-    assert bl.short_kernel_name("_chunk_scan_fwd_kernel") == "_chunk_scan_fwd_kernel"
+    assert profiling.short_kernel_name("_chunk_scan_fwd_kernel") == "_chunk_scan_fwd_kernel"
     # aten kernels in an anonymous namespace keep their own name (not just "at::native::")
-    assert bl.short_kernel_name("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, "
+    assert profiling.short_kernel_name("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, "
                                 "float>(int, float, c10::BFloat16 const*)") == "at::native::vectorized_layer_norm_kernel"
 
 
 def test_write_results_schema(tmp_path):
-    jp, mp = bl.write_results(tmp_path / "o", "x", {"a": 1, "p": Path("/q")}, "# hi")
+    jp, mp = reporting.write_results(tmp_path / "o", "x", {"a": 1, "p": Path("/q")}, "# hi")
     d = json.loads(jp.read_text())
-    assert d == {"schema_version": bl.SCHEMA_VERSION, "a": 1, "p": "/q"}
+    assert d == {"schema_version": reporting.SCHEMA_VERSION, "a": 1, "p": "/q"}
     assert mp.read_text() == "# hi\n"
 
 
 # ---------------------------------------------------------------------------------------------
 # bench_kernels.py
 # ---------------------------------------------------------------------------------------------
-import bench_kernels as bk  # noqa: E402
 
 
 def test_bench_kernels_shapes_match_architecture_doc():
-    s = bk.SHAPES["nano"]
+    s = mx.SHAPES["nano"]
     assert (s.zxbcdt_dim, s.conv_dim, s.d_inner, s.group_size) == (10304, 6144, 4096, 512)
-    t = bk.SHAPES["tp2"]
+    t = mx.SHAPES["tp2"]
     assert t.group_size == 512 and t.d_inner == 2048
 
 
@@ -191,7 +196,7 @@ def test_bench_kernels_cpu_smoke(tmp_path):
     assert rc == 0
     d = json.loads((tmp_path / "kernels_torch_tiny.json").read_text())
     assert d["benchmark"] == "bench_kernels" and d["arms"] == ["torch", "torch#2"]
-    assert set(d["times_ms"]["torch"]) == set(bk.OPS)
+    assert set(d["times_ms"]["torch"]) == set(mx.OPS)
     assert d["times_ms"]["torch"]["mixer_fwdbwd"]["n"] == 2
     assert d["correctness"]["passed"] and max(d["correctness"]["torch_vs_itself"].values()) == 0.0
     ctl = d["ratios"]["control_torch#2_vs_torch"]["mixer_fwdbwd"]
@@ -205,7 +210,6 @@ def test_bench_kernels_cpu_smoke(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # run_summary.py
 # ---------------------------------------------------------------------------------------------
-import run_summary as rs  # noqa: E402
 
 
 def _write_metrics(d: Path, losses, step_time=0.5):
@@ -245,7 +249,6 @@ def test_run_summary_missing_file(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # bench_layers.py
 # ---------------------------------------------------------------------------------------------
-import bench_layers as blay  # noqa: E402
 
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
@@ -287,7 +290,6 @@ def test_bench_layers_cpu_smoke(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # ab_step_time.py
 # ---------------------------------------------------------------------------------------------
-import ab_step_time as ab  # noqa: E402
 
 
 def test_ab_args():
@@ -300,12 +302,12 @@ def test_ab_args():
 
 
 def test_replay_iterator_repeats_batches():
-    it = ab.ReplayIterator([1, 2, 3])
+    it = training.ReplayIterator([1, 2, 3])
     assert [next(it) for _ in range(5)] == [1, 2, 3, 1, 2]
     it.reset()
     assert next(it) == 1
     with pytest.raises(ValueError):
-        ab.ReplayIterator([])
+        training.ReplayIterator([])
 
 
 def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
@@ -342,7 +344,7 @@ def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
         mixers = [m for m in model.modules() if type(m).__name__ == "BackendMambaMixer"]
         weights = [m.norm.weight for m in mixers]
         before = model(tokens, pos, None, labels=tokens).detach()
-        assert ab.set_kernel_backend(model, fake) == len(mixers) == 2
+        assert arms.set_kernel_backend(model, fake) == len(mixers) == 2
         assert all(m.norm.weight is w for m, w in zip(mixers, weights))  # same Parameter objects
         assert all(isinstance(m.norm, CountingNorm) and hasattr(m.norm, "sharded_state_dict") for m in mixers)
         after = model(tokens, pos, None, labels=tokens)
@@ -350,12 +352,12 @@ def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
         assert calls == {"op": 2, "norm": 2}
         assert all(w.grad is not None for w in weights)
         torch.testing.assert_close(after.detach(), before)  # same math, same weights
-        ab.set_kernel_backend(model, "torch")
+        arms.set_kernel_backend(model, "torch")
         assert all(type(m.norm).__mro__[1] is ref.RMSNormGated for m in mixers)
         model(tokens, pos, None, labels=tokens)
         assert calls == {"op": 2, "norm": 2}  # the fake backend is no longer used
         with pytest.raises(ValueError, match="no Mamba-2 mixers"):
-            ab.set_kernel_backend(torch.nn.Linear(2, 2), "torch")
+            arms.set_kernel_backend(torch.nn.Linear(2, 2), "torch")
     finally:
         destroy_parallel()
 
@@ -390,8 +392,8 @@ def test_bench_mixer_op_has_the_training_mixer_layouts():
 
     fake = dataclasses.replace(ref, name="fake", mamba_split_conv1d_scan_combined=recording_op,
                                RMSNormGated=RecordingNorm)
-    shape = bk.MixerShape(batch=2, seqlen=64, nheads=4, headdim=8, ngroups=2, d_state=16, chunk_size=32)
-    op = bk.MixerOp(fake, shape, bk.make_params(shape, torch.device("cpu"), torch.float32, seed=0),
+    shape = mx.MixerShape(batch=2, seqlen=64, nheads=4, headdim=8, ngroups=2, d_state=16, chunk_size=32)
+    op = mx.MixerOp(fake, shape, mx.make_params(shape, torch.device("cpu"), torch.float32, seed=0),
                     torch.device("cpu"), torch.float32)
     op.mixer_fwdbwd()
     bench = sorted(seen)
@@ -402,7 +404,7 @@ def test_bench_mixer_op_has_the_training_mixer_layouts():
         torch.manual_seed(0)
         model = build_model(cfg, device="cpu")
         mixer = next(m for m in model.modules() if type(m).__name__ == "BackendMambaMixer")
-        ab.set_kernel_backend(model, fake)
+        arms.set_kernel_backend(model, fake)
         y, _ = mixer(torch.randn(64, 2, cfg.model.hidden_size))
         y.sum().backward()
     finally:
@@ -436,7 +438,7 @@ def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
 def test_ab_step_time_defaults_save_no_checkpoints():
     from nano_hybrid.config import compose
 
-    for defaults in (ab.GPU_DEFAULTS, ab.CPU_DEFAULTS):
+    for defaults in (arms.GPU_DEFAULTS, arms.CPU_DEFAULTS):
         c = compose(defaults)
         assert c.checkpoint.interval == 0 and c.checkpoint.save_on_exit is False
 
@@ -454,14 +456,14 @@ def test_cross_stream_overlap_counts_only_other_streams():
           dict(name="_helion_ssd_bwd_state_passing", ts=20, dur=10, args={"stream": 7}),
           dict(name="gemm_early", ts=0, dur=4, args={"stream": 20}),
           dict(name="gemm_late", ts=100, dur=4, args={"stream": 20})]
-    r = bl.cross_stream_overlap(ev, iters=2)
+    r = profiling.cross_stream_overlap(ev, iters=2)
     assert set(r) == {"_helion_ssd_bwd_state_passing"}  # only ssd/norm kernels are reported
     k = r["_helion_ssd_bwd_state_passing"]
     assert k["us_per_iter"] == pytest.approx(10.0)  # 20 us over 2 iterations
     assert k["overlapped_us_per_iter"] == pytest.approx(4.5)  # 4 (gemm_early) + 5 (nccl), halved
     assert k["streams"] == ["7"]
     with pytest.raises(ValueError):
-        bl.cross_stream_overlap(ev, iters=0)
+        profiling.cross_stream_overlap(ev, iters=0)
 
 
 def test_ab_markdown_lists_step_vs_isolated_kernels():
@@ -494,13 +496,13 @@ def test_bench_norm_conv_help_lists_profile_on_cpu():
 
 
 def test_bench_norm_conv_profile_summary_and_cpu_skip():
-    import bench_norm_conv as bnc
+    from nano_hybrid.bench import bench_norm_conv as bnc
 
     events = [{"name": "void _helion_rmsnorm_gated_bwd_kernel(float*)", "dur": 100.0},
               {"name": "_helion_rmsnorm_dweight_sum_kernel", "dur": 3.0},
               {"name": "void _helion_rmsnorm_gated_bwd_kernel(float*)", "dur": 110.0},
               {"name": "_helion_rmsnorm_dweight_sum_kernel", "dur": 5.0}]
-    s = bnc._profile_summary(bl.kernel_table(events, 2), wall_s=260e-6, n_calls=2)
+    s = bnc._profile_summary(profiling.kernel_table(events, 2), wall_s=260e-6, n_calls=2)
     assert s["n_calls"] == 2
     assert s["device_us_per_call"] == pytest.approx(109.0)
     assert s["wall_us_per_call"] == pytest.approx(130.0)
@@ -520,10 +522,10 @@ def test_device_busy_counts_overlap_once_and_idle_gaps():
     # two iterations; kernels [0,10] and [5,12] overlap (busy 12), then a gap to [20,30]
     ev = [{"name": "a", "ts": 0.0, "dur": 10.0}, {"name": "b", "ts": 5.0, "dur": 7.0},
           {"name": "c", "ts": 20.0, "dur": 10.0}]
-    r = bl.device_busy(ev, 2)
+    r = profiling.device_busy(ev, 2)
     assert r == {"span_us_per_iter": 15.0, "busy_us_per_iter": 11.0, "idle_us_per_iter": 4.0}
-    assert bl.device_busy([{"name": "a", "dur": 3.0}], 1) == {}
-    t = bl.kernel_table(ev, 2)
+    assert profiling.device_busy([{"name": "a", "dur": 3.0}], 1) == {}
+    t = profiling.kernel_table(ev, 2)
     assert t["idle_us_per_iter"] == 4.0 and t["total_us_per_iter"] == 13.5
 
 
@@ -532,10 +534,10 @@ def test_device_gaps_name_the_neighbours_of_the_longest_idle_stretches():
     # which ended first), nothing between b and c
     ev = [{"ts": 0, "dur": 10, "name": "a"}, {"ts": 50, "dur": 10, "name": "b"}, {"ts": 55, "dur": 100, "name": "c"},
           {"ts": 200, "dur": 1, "name": "d"}]
-    assert bl.device_gaps(ev, min_us=20) == [{"us": 45.0, "after": "c", "before": "d"},
+    assert profiling.device_gaps(ev, min_us=20) == [{"us": 45.0, "after": "c", "before": "d"},
                                              {"us": 40.0, "after": "a", "before": "b"}]
-    assert bl.device_gaps(ev, top=1, min_us=41) == [{"us": 45.0, "after": "c", "before": "d"}]
-    assert bl.device_gaps([], min_us=0) == []
+    assert profiling.device_gaps(ev, top=1, min_us=41) == [{"us": 45.0, "after": "c", "before": "d"}]
+    assert profiling.device_gaps([], min_us=0) == []
 
 
 def test_runtime_sync_calls_keep_only_stalling_calls_per_iteration():
@@ -543,17 +545,17 @@ def test_runtime_sync_calls_keep_only_stalling_calls_per_iteration():
           [("cudaStreamSynchronize", 5), ("cudaLaunchKernel", 7), ("cudaMemcpyAsync", 9), ("cudaMemcpy", 3),
            ("cudaFree", 4), ("cudaStreamSynchronize", 1)]]
     ev.append({"ph": "X", "cat": "cpu_op", "name": "cudaDeviceSynchronize", "dur": 50})  # not a runtime event
-    r = bl.runtime_sync_calls(ev, 2)
+    r = profiling.runtime_sync_calls(ev, 2)
     assert r == {"cudaStreamSynchronize": {"calls_per_iter": 1.0, "us_per_iter": 3.0},
                  "cudaMemcpy": {"calls_per_iter": 0.5, "us_per_iter": 1.5},
                  "cudaFree": {"calls_per_iter": 0.5, "us_per_iter": 2.0}}
     with pytest.raises(ValueError):
-        bl.runtime_sync_calls(ev, 0)
+        profiling.runtime_sync_calls(ev, 0)
 
 
 def test_smi_summary_numeric_ranges_and_reason_counts():
     fields = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
-    r = bl.smi_summary(["1980, 650.5, 0x0", "1755, 700.0, 0x4", "1830, 690.0, 0x4", "garbled line"], fields)
+    r = profiling.smi_summary(["1980, 650.5, 0x0", "1755, 700.0, 0x4", "1830, 690.0, 0x4", "garbled line"], fields)
     assert r["samples"] == 3
     assert r["clocks.sm"] == {"min": 1755.0, "median": 1830.0, "max": 1980.0}
     assert r["power.draw"]["max"] == 700.0 and r["clocks_event_reasons.active"] == {"0x0": 1, "0x4": 2}
@@ -610,7 +612,7 @@ def test_convergence_ab_script_a_vs_a_pair_with_resume(tmp_path):
 def test_kernel_counterparts_groups_ratios_and_top10_geomean(tmp_path):
     import math
 
-    import kernel_counterparts as kc
+    from nano_hybrid.bench import kernel_counterparts as kc
 
     def table(d):
         return {"rows": [{"kernel": k, "us_per_iter": v} for k, v in d.items()]}
@@ -647,7 +649,7 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
     and keeps the write / from-scratch choices."""
     import argparse
 
-    import tune_kernels as tk
+    from nano_hybrid.bench import tune_kernels as tk
 
     args = argparse.Namespace(rep_ms=40.0, no_write=True, from_scratch=False)
     shapes = {"nano": dict(b=2), "tp2": dict(b=1)}
@@ -668,7 +670,7 @@ def test_tune_kernels_takes_a_runs_overrides():
     """tune_kernels.py with a run's overrides tunes the mixer dims one rank of that run calls (per tensor-parallel
     rank heads and groups, the micro-batch, the sequence); presets still work; a split that does not divide is
     refused naming the keys."""
-    import tune_kernels as tk
+    from nano_hybrid.bench import tune_kernels as tk
 
     got = tk.resolve_shapes(["model=nano30b_slice", "train.micro_batch_size=2",
                              "parallel.tensor_model_parallel_size=2"], None, None)
@@ -695,7 +697,7 @@ def test_bench_layers_backend_options():
 def test_grad_match_compare_reports_error_cosine_and_scale_per_group():
     import torch
 
-    import grad_match as gm
+    from nano_hybrid.bench import grad_match as gm
 
     ref = {"decoder.layers.0.mixer.dt_bias": torch.tensor([3.0, 4.0]),
            "decoder.layers.0.mixer.in_proj.weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
@@ -735,7 +737,7 @@ def test_grad_match_torch_a_vs_a_is_exact_on_cpu(tmp_path):
 
 
 def test_fast_modules_markdown_reports_power_state_and_diag():
-    import check_fast_modules_gpu as cfm
+    from nano_hybrid.bench import check_fast_modules_gpu as cfm
 
     timing = {"median_ms": 11.5, "peak_mem_gb": 1.5, "target_ms": 11.0,
               "gpu_during_rounds": {"samples": 3, "clocks.sm": {"min": 1440.0, "median": 1680.0, "max": 1980.0},
@@ -757,7 +759,7 @@ def test_fast_modules_markdown_reports_power_state_and_diag():
 
 
 def test_grad_match_bad_backend_is_one_error_line_before_work(capsys):
-    import grad_match as gm
+    from nano_hybrid.bench import grad_match as gm
 
     assert gm.main(["--backends", "torch,nope", "--train-backend", "torch", "model=tiny"]) == 2
     err = capsys.readouterr().err
@@ -795,7 +797,7 @@ def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_pa
 def test_bench_shape_grid_smoke_on_cpu(tmp_path):
     """bench_shape_grid.py end to end on the CPU: torch reference vs helion (interpret mode) at the tiny shape with
     packed documents; every field of the record is there and the helion errors are bf16-sized."""
-    import bench_shape_grid as bsg
+    from nano_hybrid.bench import bench_shape_grid as bsg
 
     assert len([s for s in bsg.GRID if s != "tiny"]) >= 12
     args = bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--rounds", "1",

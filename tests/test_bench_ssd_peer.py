@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import bench_ssd_peer as bp
+from nano_hybrid.bench import bench_ssd_peer as bp
 
 
 def test_bad_arguments_stop_with_one_line(tmp_path, capsys):

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nano_hybrid.bench import compare_runs as cr
+
 REPO = Path(__file__).resolve().parent.parent
-import compare_runs as cr  # noqa: E402
 
 
 def _write_run(d: Path, losses, times, tokens_per_step=1000, backend="torch", extra=None, tail=""):

@@ -1,6 +1,6 @@
 """compare_runs.py compares validation loss when every run has it (val_loss records from train.eval_interval)."""
 
-import compare_runs as cr
+from nano_hybrid.bench import compare_runs as cr
 
 
 def records(losses, vals, every=5):

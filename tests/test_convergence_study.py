@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-import convergence_study  # noqa: E402  (scripts/ is on the tests' path)
 from nano_hybrid.config import compose
 from nano_hybrid.convergence_study import StudyConfigError, launch, make_plan
+from nano_hybrid.tools import convergence_study
 
 
 def _plan(tmp_path, **kw):

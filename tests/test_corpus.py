@@ -12,7 +12,6 @@ import pytest
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
-import prepare_corpus  # noqa: E402  (scripts/ is on the tests' path)
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 
 from nano_hybrid.data.corpus import (  # noqa: E402
@@ -23,6 +22,7 @@ from nano_hybrid.data.corpus import (  # noqa: E402
     read_table,
     scan,
 )
+from nano_hybrid.tools import prepare_corpus  # noqa: E402
 from nano_hybrid.data.tokenizer import TokenizerSpec  # noqa: E402
 
 BYTE = TokenizerSpec("byte")

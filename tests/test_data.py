@@ -1,6 +1,5 @@
 """Data: prepare_data round trip, megatron dataset sampling, DP sharding and the resume position."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -59,9 +58,8 @@ def test_prepare_round_trip(corpus):
 
 
 def test_prepare_data_script(tmp_path):
-    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from nano_hybrid.tools import prepare_data as mod
+
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.md").write_text("# title\n")
     (tmp_path / "in" / "skip.bin").write_bytes(b"\0\1")

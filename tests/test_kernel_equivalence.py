@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernel_equivalence as ke
+from nano_hybrid.bench import kernel_equivalence as ke
+from nano_hybrid.bench import kernel_equivalence_worker as kew
 
 REPO = Path(__file__).resolve().parents[1]
 # the test-only aten::mm.dtype shim of tests/conftest.py, for the tool's worker processes (interpret mode on CPU)
@@ -42,7 +44,7 @@ def test_compare_reports_bitwise_equality_and_max_diff():
 
 
 def test_inputs_have_a_document_shorter_than_the_conv_width():
-    _, _, seq = ke._inputs(ke.SHAPES["tiny"], 0, "cpu")
+    _, _, seq = kew._inputs(kew.SHAPES["tiny"], 0, "cpu")
     for row in seq:
         lengths = torch.unique_consecutive(row, return_counts=True)[1]
         assert lengths.min() == 2 and len(lengths) == 5 and bool((row[1:] >= row[:-1]).all())
@@ -62,8 +64,8 @@ def test_end_to_end_current_tree_against_itself_on_cpu(tmp_path):
     bitwise equal in both cases, every output and gradient is compared, and the report is written."""
     (tmp_path / "shim").mkdir()
     (tmp_path / "shim" / "sitecustomize.py").write_text(_SHIM)
-    env = {k: v for k, v in __import__("os").environ.items() if k != "HELION_INTERPRET"}
-    env["PYTHONPATH"] = str(tmp_path / "shim")
+    env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "shim"), str(REPO)])  # the shim, and this checkout's packages
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_equivalence.py"), "--reference-tree", str(REPO),
                         "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path / "out")],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

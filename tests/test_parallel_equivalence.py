@@ -186,14 +186,10 @@ def test_switch_reaches_megatron_config():
 
 def test_run_summary_mean_rtol_criterion(tmp_path):
     """--mean-rtol adds a mean-per-step criterion to the max and first-step ones (the parity stage of gpu_suite.sh uses all 3)."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "run_summary.py"
-    spec = importlib.util.spec_from_file_location("run_summary_for_test", path)
-    rs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rs)
+    from nano_hybrid.bench import run_summary as rs
+
     ref = [{"step": s, "loss": 10.0} for s in range(1, 5)]
     run = [{"step": s, "loss": 10.0 * (1 + d)} for s, d in zip(range(1, 5), (0.0, 0.01, 0.01, 0.01))]
     c = rs.compare_losses(run, ref, 4, rtol=0.02, rtol_first=1e-3)

@@ -144,7 +144,7 @@ def test_training_refuses_a_bad_memory_check_value(capsys):
 
 def test_plan_vs_measured_cases_plan_on_cpu(capsys):
     """The GPU script's cases compose and plan here; on CPU the script stops with one error line."""
-    import plan_vs_measured as pvm
+    from nano_hybrid.bench import plan_vs_measured as pvm
 
     planned = {n: make_plan(pvm.case_config(n, "mamba_ssm", []), 1) for n in pvm.CASES}
     layers = {len(p["pattern"]) for p in planned.values()}
@@ -164,7 +164,7 @@ def test_plan_vs_measured_runs_each_case_in_its_own_process(tmp_path):
     import subprocess
     import sys
 
-    import plan_vs_measured as pvm
+    from nano_hybrid.bench import plan_vs_measured as pvm
 
     a = pvm.parse_args(["--backend", "helion", "--steps", "3", "train.seq_length=4096"])
     cmd = pvm.child_command("slice13-mbs2-full", a, str(tmp_path / "x.json"))

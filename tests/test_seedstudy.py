@@ -10,7 +10,6 @@ import math
 import numpy as np
 import pytest
 
-import compare_seeds  # noqa: E402  (scripts/ is on the tests' path)
 from nano_hybrid.seedstudy import (
     StudyError,
     compare_arms,
@@ -19,6 +18,7 @@ from nano_hybrid.seedstudy import (
     t_quantile,
     welch_interval,
 )
+from nano_hybrid.tools import compare_seeds
 
 
 def _run(tmp_path, name, seed, final_val, *, steps=100, tokens_per_step=4096, eval_every=50):

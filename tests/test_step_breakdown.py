@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import ab_step_time as ab
-import step_breakdown as sb
+from nano_hybrid.bench import arms
+from nano_hybrid.bench import step_breakdown as sb
 
 REPO = Path(__file__).resolve().parent.parent
 MAIN, BWD = 1, 2  # thread ids
@@ -176,12 +176,12 @@ def test_module_categories_of_the_tiny_model(mp):
 
 
 def test_arm_specs():
-    arm = ab.parse_arm("helion:model.lm_head_loss=chunked:optim.fused=true")
+    arm = arms.parse_arm("helion:model.lm_head_loss=chunked:optim.fused=true")
     assert arm.backend == "helion" and dict(arm.overrides) == {"model.lm_head_loss": "chunked", "optim.fused": True}
-    assert arm.label == "helion+lm_head_loss-chunked+fused-true" and ab.parse_arm("torch").label == "torch"
+    assert arm.label == "helion+lm_head_loss-chunked+fused-true" and arms.parse_arm("torch").label == "torch"
     for bad in ("helion:model.hidden_size=8", "helion:optim.fused", ":optim.fused=true"):
         with pytest.raises(ValueError):
-            ab.parse_arm(bad)
+            arms.parse_arm(bad)
     with pytest.raises(SystemExit):
         sb.parse_args(["--backends", "torch:train.seq_length=8"])
 

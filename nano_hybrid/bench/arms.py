@@ -1,0 +1,108 @@
+"""Step-time A/B arms: an arm is a kernel backend plus settings that switch in place on the same model and
+optimizer (``SWITCHABLE``), written ``backend[:key=value...]``; ``apply_arm`` switches a run to one
+(``set_kernel_backend`` re-points every Mamba-2 mixer). The configs the step benchmarks start from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nano_hybrid.bench import training
+
+
+# a benchmark saves no checkpoint (and so needs no free space for one)
+NO_CHECKPOINTS = ["checkpoint.interval=0", "checkpoint.save_on_exit=false"]
+GPU_DEFAULTS = ["model=nano30b_slice", "data=mock", "train.micro_batch_size=2", "train.global_batch_size=2",
+                "train.seq_length=8192", *NO_CHECKPOINTS]
+CPU_DEFAULTS = ["model=nano30b_slice", "data=mock", *NO_CHECKPOINTS]
+
+
+def set_kernel_backend(model, backend) -> int:
+    """Point every Mamba-2 mixer in ``model`` (any wrapping: DDP, Float16Module) at ``backend``.
+
+    ``backend`` is a ``kernels.registry.KernelBackend`` or its name. For each ``BackendMambaMixer``:
+    ``kernel_backend`` (the fused split-conv1d-scan op) is replaced, and its gated-norm module is
+    rebuilt as the backend's ``RMSNormGated`` class (with megatron's sharded_state_dict, as the layer
+    spec builds it) around the SAME weight Parameter, so optimizer state, DDP grad buffers and hooks
+    and checkpoint keys are unchanged. Returns the number of mixers switched; raises if there are none.
+    """
+    from kernels.registry import get_backend
+    from nano_hybrid import mcore_compat
+    from nano_hybrid.model.mixer import BackendMambaMixer
+
+    if isinstance(backend, str):
+        backend = get_backend(backend)
+    norm_cls = mcore_compat.extended_rmsnorm_class(backend.RMSNormGated)
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, BackendMambaMixer):
+            continue
+        m.kernel_backend = backend
+        old = getattr(m, "norm", None)
+        if old is not None and type(old) is not norm_cls:
+            w = old.weight
+            new = norm_cls(w.numel(), eps=old.eps, group_size=old.group_size, norm_before_gate=old.norm_before_gate,
+                           device=w.device, dtype=w.dtype)
+            new.weight = w  # same Parameter object
+            new.train(old.training)
+            m.norm = new
+        n += 1
+    if n == 0:
+        raise ValueError("set_kernel_backend: the model has no Mamba-2 mixers (BackendMambaMixer)")
+    return n
+
+
+SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", "optim.fused")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One A/B arm: a kernel backend plus settings that switch in place (``SWITCHABLE`` keys)."""
+
+    backend: str
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """'helion' or 'helion+lm_head_loss-chunked+fused-true' (file-name safe)."""
+        return self.backend + "".join(f"+{k.rsplit('.', 1)[-1]}-{str(v).lower()}" for k, v in self.overrides)
+
+
+def parse_arm(spec: str) -> Arm:
+    """``backend[:key=value[:key=value...]]`` -> Arm; ``ValueError`` on a key that cannot switch in place."""
+    import yaml
+
+    backend, *items = [x.strip() for x in spec.split(":")]
+    if not backend:
+        raise ValueError(f"arm {spec!r} has no backend")
+    ov = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SWITCHABLE:
+            raise ValueError(f"arm {spec!r}: {item!r} is not key=value with a key from {', '.join(SWITCHABLE)}")
+        ov[key] = yaml.safe_load(value)
+    return Arm(backend, tuple(ov.items()))
+
+
+def apply_arm(ctx, arm: Arm, backends: dict) -> None:
+    """Switch ``ctx`` (a ``nano_hybrid.train.Trainer``) to ``arm`` in place: the kernel backend, the LM head + loss
+    (``LMLossMambaModel`` attributes) and the AdamW implementation; keys the arm does not set take the
+    composed config's values, so every arm is fully determined."""
+    from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
+    from nano_hybrid.optim import set_adam_fused
+
+    cfg = ctx.cfg
+    values = {"model.lm_head_loss": cfg.model.get("lm_head_loss", "plain"),
+              "model.lm_loss_chunk_tokens": cfg.model.get("lm_loss_chunk_tokens", 4096),
+              "optim.fused": cfg.optim.get("fused", False), **dict(arm.overrides)}
+    m = {"lm_head_loss": values["model.lm_head_loss"], "lm_loss_chunk_tokens": values["model.lm_loss_chunk_tokens"]}
+    choice, chunk = lm_head_settings(m)
+    check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))
+    if not isinstance(values["optim.fused"], bool):
+        raise ValueError(f"optim.fused={values['optim.fused']!r} must be true or false")
+    if ctx.optimizer is None and "optim.fused" in dict(arm.overrides):
+        raise ValueError(f"arm {arm.label}: optim.fused needs the optimizer step (not with --fwd-bwd-only)")
+    set_kernel_backend(ctx.model, backends[arm.backend])
+    model = training.unwrap_model(ctx.model)
+    model.lm_head_loss, model.lm_loss_chunk_tokens = choice, chunk
+    if ctx.optimizer is not None:
+        set_adam_fused(ctx.optimizer, values["optim.fused"])

@@ -1,0 +1,264 @@
+"""The Mamba-2 split-conv1d-scan op (forward + backward) on a grid of model shapes, helion against mamba_ssm.
+
+    python scripts/bench_shape_grid.py                         # every shape of GRID (one process, ~10 min on an H200)
+    python scripts/bench_shape_grid.py --quick                 # 4 shapes, fewer rounds
+    python scripts/bench_shape_grid.py --shapes nano_tp1,m2_2p7b_c256 --kernels-helion autotune=true
+
+Per shape, in one process: both backends on the same bf16 inputs (``mixer.make_params``; Megatron's init
+ranges), and the fp32 mamba-ssm op on the same values as the reference. Reported per shape:
+- speed per call: median wall time of one fwd+bwd call, CUDA events, ABBA rounds (``stats.time_calls``), and
+  the speedup median(mamba_ssm)/median(helion);
+- device time: the summed kernel time per call from torch.profiler (``profiling.profile_device_table``);
+- errors: relative L2 of the output and every gradient against fp32 mamba-ssm, for helion bf16 and, next to it,
+  mamba-ssm's own bf16 (the error a correct bf16 kernel has);
+- the kernels' config notices (nearest shape / default / tuned, from ``kernels.tuning.select_config``) and the
+  first-call time (compile + selection + any first-use tuning).
+A shape that raises is recorded with its error and the next shape still runs. Writes ``shape_grid.json`` and
+``.md`` to $OUT (default runs/bench/<gpu>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from nano_hybrid.bench import environment, profiling, reporting, stats
+from nano_hybrid.bench.mixer import MixerShape, make_params, rel_err
+
+
+_NANO = dict(headdim=64, d_state=128)
+# name -> shape. Nano (64 heads, 8 groups) per tensor-parallel rank and at other batch x length splits; packed
+# documents (seq_idx); Mamba2 layers (1 group, chunk 256; 2.7B: 80 heads of 64, 130M-like: 24 heads); Nemotron-H 8B
+# (128 heads, 8 groups).
+GRID: dict[str, tuple[MixerShape, int]] = {  # (shape, documents per sequence; 1: no seq_idx)
+    "nano_tp1": (MixerShape(batch=1, seqlen=8192, nheads=64, ngroups=8, **_NANO), 1),
+    "nano_tp2": (MixerShape(batch=1, seqlen=8192, nheads=32, ngroups=4, **_NANO), 1),
+    "nano_tp4": (MixerShape(batch=1, seqlen=8192, nheads=16, ngroups=2, **_NANO), 1),
+    "nano_tp8": (MixerShape(batch=1, seqlen=8192, nheads=8, ngroups=1, **_NANO), 1),
+    "nano_b8_l2048": (MixerShape(batch=8, seqlen=2048, nheads=64, ngroups=8, **_NANO), 1),
+    "nano_b4_l4096": (MixerShape(batch=4, seqlen=4096, nheads=64, ngroups=8, **_NANO), 1),
+    "nano_b2_l8192": (MixerShape(batch=2, seqlen=8192, nheads=64, ngroups=8, **_NANO), 1),
+    "nano_b2_l8192_docs8": (MixerShape(batch=2, seqlen=8192, nheads=64, ngroups=8, **_NANO), 8),
+    "nano_b2_l3000": (MixerShape(batch=2, seqlen=3000, nheads=64, ngroups=8, **_NANO), 1),
+    "m2_2p7b_c256": (MixerShape(batch=1, seqlen=8192, nheads=80, ngroups=1, chunk_size=256, **_NANO), 1),
+    "m2_2p7b_c128": (MixerShape(batch=1, seqlen=8192, nheads=80, ngroups=1, chunk_size=128, **_NANO), 1),
+    "m2_small_c256": (MixerShape(batch=8, seqlen=2048, nheads=24, ngroups=1, chunk_size=256, **_NANO), 1),
+    "nemh_8b": (MixerShape(batch=1, seqlen=8192, nheads=128, ngroups=8, **_NANO), 1),
+    "nemh_8b_docs4": (MixerShape(batch=1, seqlen=8192, nheads=128, ngroups=8, **_NANO), 4),
+    # model=nano_proxy as recipe convergence_seeds_h200 runs it (16 heads of Nano's dims, micro-batch 4 x 1024)
+    "nano_proxy": (MixerShape(batch=4, seqlen=1024, nheads=16, ngroups=8, **_NANO), 1),
+    # CPU smoke-test size only (torch backend)
+    "tiny": (MixerShape(batch=1, seqlen=200, nheads=4, headdim=16, ngroups=2, d_state=16, chunk_size=64), 2),
+}
+QUICK = ("nano_tp1", "nano_b8_l2048", "m2_2p7b_c256", "nemh_8b")
+GRADS = ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=None, help=f"comma list of {', '.join(GRID)} (default: all but tiny)")
+    p.add_argument("--quick", action="store_true", help=f"shapes {', '.join(QUICK)}, 3 rounds of 5 calls")
+    p.add_argument("--baseline", default="mamba_ssm", help="backend A (default mamba_ssm; torch for a CPU smoke test)")
+    p.add_argument("--candidate", default="helion", help="backend B (default helion)")
+    p.add_argument("--kernels-helion", default="", help="comma list of kernels.helion settings for B, e.g. autotune=true")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--profile-iters", type=int, default=3, help="iterations under torch.profiler (0: skip)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    names = list(QUICK) if a.quick and not a.shapes else (
+        [s.strip() for s in a.shapes.split(",") if s.strip()] if a.shapes else [s for s in GRID if s != "tiny"])
+    bad = [s for s in names if s not in GRID]
+    if bad:
+        p.error(f"unknown shapes {bad}; known: {', '.join(GRID)}")
+    a.shape_names = names
+    if a.quick:
+        a.rounds = min(a.rounds, 3)
+    if a.baseline == a.candidate:
+        p.error("--candidate must differ from --baseline")
+    a.helion_settings = _settings(a.kernels_helion, p)
+    return a
+
+
+def _settings(text: str, p) -> dict:
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        k, _, v = item.partition("=")
+        out[k] = {"true": True, "false": False}.get(v.lower(), float(v) if v.replace(".", "").isdigit() else v)
+    return out
+
+
+def _seq_idx(shape: MixerShape, docs: int, device):
+    import torch
+
+    if docs <= 1:
+        return None
+    bounds = torch.linspace(0, shape.seqlen, docs + 1)[1:-1].long()
+    ids = torch.zeros(shape.seqlen, dtype=torch.int32)
+    for i in bounds:
+        ids[i:] += 1
+    return ids.to(device).expand(shape.batch, -1).contiguous()
+
+
+def _op(backend, shape: MixerShape, p: dict, seq_idx):
+    import torch
+
+    def fwd():
+        return backend.mamba_split_conv1d_scan_combined(
+            p["zxbcdt"], p["conv_w"], p["conv_b"], p["dt_bias"].float(), -torch.exp(p["A_log"].float()), D=p["D"],
+            chunk_size=shape.chunk_size, seq_idx=seq_idx, activation="silu", headdim=shape.headdim,
+            ngroups=shape.ngroups, norm_before_gate=False)
+
+    def fwdbwd():
+        for k in GRADS:
+            p[k].grad = None
+        fwd().backward(p["dy"])
+
+    def outputs():
+        for k in GRADS:
+            p[k].grad = None
+        y = fwd()
+        y.backward(p["dy"])
+        out = {"y": y.detach().float()}
+        out.update({f"d_{k}": p[k].grad.detach().float().clone() for k in GRADS})
+        return out
+
+    return fwdbwd, outputs
+
+
+def _fp32_params(p: dict) -> dict:
+    q = {k: v.detach().float().clone() for k, v in p.items() if k in GRADS + ("dy_lbd",)}
+    q["dy"] = q["dy_lbd"].transpose(0, 1)
+    for k in GRADS:
+        q[k].requires_grad_(True)
+    return q
+
+
+def run_shape(name: str, args, backends: dict, device) -> dict:
+    import torch
+
+    shape, docs = GRID[name]
+    rec: dict = {"shape": {**shape.__dict__, "docs_per_sequence": docs}}
+    p = make_params(shape, device, torch.bfloat16, args.seed)
+    seq = _seq_idx(shape, docs, device)
+    A, B = args.baseline, args.candidate
+    ops = {lab: _op(backends[lab], shape, p, seq) for lab in (A, B)}
+    # first call of each arm: compile + config selection (+ first-use tuning for helion with autotune on)
+    for lab in (A, B):
+        stats.sync(device)
+        t0 = time.perf_counter()
+        ops[lab][0]()
+        stats.sync(device)
+        rec[f"first_call_s_{lab}"] = round(time.perf_counter() - t0, 2)
+    # errors against the fp32 baseline op on the same values, next to the baseline's own bf16 errors
+    q = _fp32_params(p)
+    ref = _op(backends[A], shape, q, seq)[1]()
+    del q
+    rec["rel_err_vs_fp32"] = {lab: {k: rel_err(v, ref[k]) for k, v in ops[lab][1]().items()} for lab in (A, B)}
+    errs = rec["rel_err_vs_fp32"]
+    rec["err_ratio_max"] = max(errs[B][k] / max(errs[A][k], 1e-6) for k in ref)
+    del ref
+    # per-call speed, ABBA rounds
+    times = {A: [], B: []}
+    labels = [A, B]
+    for order in stats.alternating_order(2, args.rounds):
+        for i in order:
+            times[labels[i]] += stats.time_calls(ops[labels[i]][0], args.iters, device)
+    rec["ms_per_call"] = {lab: stats.summarize(times[lab]) for lab in labels}
+    rec["speedup_per_call"] = stats.ratio_summary(times[A], times[B])
+    if args.profile_iters and device.type == "cuda":
+        dev = {lab: profiling.profile_device_table(ops[lab][0], args.profile_iters)["total_us_per_iter"] for lab in labels}
+        rec["device_us_per_call"] = dev
+        rec["speedup_device"] = dev[A] / dev[B] if dev[B] else None
+    return rec
+
+
+def run(args) -> dict:
+    import warnings
+
+    import torch
+
+    from kernels.registry import get_backend
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    backends = {args.baseline: get_backend(args.baseline),
+                args.candidate: get_backend(args.candidate, args.helion_settings if args.candidate == "helion"
+                                            else None)}
+    res = {"benchmark": "bench_shape_grid", "env": environment.env_info(), "args": {k: v for k, v in vars(args).items()},
+           "backend_settings": {k: v.settings_dict() for k, v in backends.items()}, "shapes": {}}
+    t_all = time.perf_counter()
+    for name in args.shape_names:
+        t0 = time.perf_counter()
+        print(f"== {name}", flush=True)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            try:
+                rec = run_shape(name, args, backends, device)
+            except Exception as e:  # noqa: BLE001 - recorded; the next shape still runs
+                rec = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+                print(rec["traceback"], file=sys.stderr, flush=True)
+        rec["notices"] = sorted({str(x.message) for x in w if "nano_hybrid kernels" in str(x.message)})
+        rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        res["shapes"][name] = rec
+        if args.out:  # what has run so far survives a time limit
+            import json
+
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "shape_grid.partial.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+        if "speedup_per_call" in rec:
+            print(f"   {rec['speedup_per_call']['speedup']:.2f}x per call, err ratio {rec['err_ratio_max']:.2f}, "
+                  f"{rec['elapsed_s']} s", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ok = [r for r in res["shapes"].values() if "speedup_per_call" in r]
+    res["summary"] = {
+        "shapes_run": len(ok), "shapes_failed": sorted(k for k, r in res["shapes"].items() if "error" in r),
+        "geomean_speedup_per_call": _geomean([r["speedup_per_call"]["speedup"] for r in ok]),
+        "min_speedup_per_call": min((r["speedup_per_call"]["speedup"] for r in ok), default=None),
+        "geomean_speedup_device": _geomean([r["speedup_device"] for r in ok if r.get("speedup_device")]),
+        "elapsed_s": round(time.perf_counter() - t_all, 1),
+    }
+    return res
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def markdown(res: dict) -> str:
+    A, B = res["args"]["baseline"], res["args"]["candidate"]
+    rows = []
+    for name, r in res["shapes"].items():
+        if "error" in r:
+            rows.append([name, "ERROR", r["error"][:80], "", "", "", ""])
+            continue
+        e = r["rel_err_vs_fp32"]
+        rows.append([name, f"{r['ms_per_call'][A]['median']:.3f}", f"{r['ms_per_call'][B]['median']:.3f}",
+                     f"{r['speedup_per_call']['speedup']:.2f}",
+                     f"{r['speedup_device']:.2f}" if r.get("speedup_device") else "-",
+                     f"{max(e[B].values()):.2e} / {max(e[A].values()):.2e}", f"{r['first_call_s_' + B]}"])
+    s = res["summary"]
+    head = (f"# Shape grid: {B} vs {A} (split-conv1d-scan fwd+bwd, bf16)\n\n"
+            f"{s['shapes_run']} shapes run, failed: {s['shapes_failed'] or 'none'}; geomean speedup per call "
+            f"{s['geomean_speedup_per_call']}, device {s['geomean_speedup_device']}, min {s['min_speedup_per_call']}"
+            f"\n\n")
+    return head + reporting.md_table([f"shape", f"{A} ms", f"{B} ms", "x/call", "x/device",
+                               f"max rel err vs fp32 {B} / {A}", f"{B} first call s"], rows) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    out = Path(args.out) if args.out else reporting.default_out_dir()
+    js, md = reporting.write_results(out, "shape_grid", res, markdown(res))
+    print(markdown(res))
+    print(f"wrote {js} and {md}")
+    return 0 if not res["summary"]["shapes_failed"] else 1

@@ -1,0 +1,65 @@
+"""The environment record of a benchmark result: package versions, GPU, host, git commit."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pkg_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_slug(name: str | None) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100', None -> 'cpu'."""
+    if not name:
+        return "cpu"
+    n = name.lower().replace("nvidia", "").strip()
+    m = re.search(r"\b([a-z]+\d+[a-z]*)\b", n)
+    return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", n).strip("-") or "gpu"
+
+
+def env_info() -> dict:
+    import torch
+
+    info = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _pkg_version("triton"),
+        "helion": _pkg_version("helion"),
+        "mamba_ssm": _pkg_version("mamba-ssm") or _pkg_version("mamba_ssm"),
+        "causal_conv1d": _pkg_version("causal-conv1d") or _pkg_version("causal_conv1d"),
+        "megatron_core": _pkg_version("megatron-core") or _pkg_version("megatron_core"),
+        "git_commit": _git_commit(),
+        "gpu": None,
+        "gpu_count": 0,
+        "sm_count": None,
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), sm_count=p.multi_processor_count,
+                    gpu_mem_gib=round(p.total_memory / 2**30, 1), capability=f"sm_{p.major}{p.minor}")
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        r = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+                           capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -1,0 +1,112 @@
+"""Host (CPU) cost of one Mamba-2 mixer op forward+backward per kernel backend, on a GPU.
+
+A kernel backend can lose wall time without losing device time: every kernel launch costs Python and
+driver time on the host, and any device-to-host synchronisation stalls the queue. This script shows
+where that time goes, per backend, for the op ``scripts/bench_kernels.py`` times:
+
+    python scripts/profile_host.py --backends mamba_ssm,helion --shape nano
+
+Per backend: ``enqueue_ms`` (host time to issue one op with the queue never drained: the launch cost),
+``wall_ms`` (synchronised time per op over the same calls: max(host, device) when nothing stalls),
+``device_ms`` (sum of kernel times from torch.profiler), the number of synchronising CUDA runtime
+calls per op (cudaStreamSynchronize, cudaDeviceSynchronize, cudaMemcpy*), and the top host functions
+by own time (cProfile). Writes ``host_profile_<shape>.json`` to $OUT (default runs/bench/<gpu>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+from nano_hybrid.bench import environment, mixer, reporting
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")
+
+
+def profile_backend(name: str, shape, params, iters: int, top: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels.registry import get_backend
+
+    op = mixer.MixerOp(get_backend(name), shape, params, torch.device("cuda"), torch.bfloat16)
+    for _ in range(3):
+        op.mixer_fwdbwd()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        op.mixer_fwdbwd()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    enqueue_ms = (t1 - t0) * 1e3 / iters
+    wall_ms = (t2 - t0) * 1e3 / iters
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            op.mixer_fwdbwd()
+        torch.cuda.synchronize()
+    device_us = 0.0
+    syncs: dict[str, float] = {}
+    launches = 0.0
+    for e in prof.key_averages():
+        dt = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+        if e.device_type is not None and str(e.device_type).endswith("CUDA"):
+            device_us += dt
+        if any(e.key.startswith(s) for s in SYNC_CALLS):
+            syncs[e.key] = e.count / iters
+        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
+            launches += e.count / iters
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(iters):
+        op.mixer_fwdbwd()
+    torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    rows = []
+    st = pstats.Stats(pr)
+    for (fname, line, func), (cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        rows.append({"function": f"{Path(fname).name}:{line}:{func}", "calls_per_op": nc / iters,
+                     "own_us_per_op": tt * 1e6 / iters, "cum_us_per_op": ct * 1e6 / iters})
+    del op
+    return {"enqueue_ms": enqueue_ms, "wall_ms": wall_ms, "device_ms": device_us / 1e3 / iters,
+            "kernel_launches_per_op": launches, "sync_calls_per_op": syncs, "top_own_time": rows,
+            "cprofile_text": buf.getvalue()[-6000:]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backends", default="mamba_ssm,helion")
+    ap.add_argument("--shape", default="nano", choices=sorted(mixer.SHAPES))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: scripts/profile_host.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shape = mixer.SHAPES[args.shape]
+    params = mixer.make_params(shape, torch.device("cuda"), torch.bfloat16, 0)
+    res = {"benchmark": "profile_host", "env": environment.env_info(), "args": vars(args), "shape": args.shape, "backends": {}}
+    for name in args.backends.split(","):
+        r = profile_backend(name, shape, params, args.iters, args.top)
+        res["backends"][name] = r
+        print(f"== {name}: enqueue {r['enqueue_ms']:.3f} ms/op, wall {r['wall_ms']:.3f} ms/op, device "
+              f"{r['device_ms']:.3f} ms/op, launches {r['kernel_launches_per_op']:.0f}/op, syncs {r['sync_calls_per_op']}")
+        print(r["cprofile_text"][-3500:])
+    out = Path(args.out) if args.out else reporting.default_out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"host_profile_{args.shape}.json"
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0

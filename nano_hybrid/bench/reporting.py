@@ -1,0 +1,111 @@
+"""Benchmark output: ``<stem>.json`` + ``<stem>.md`` under ``--out``, markdown tables, the benchmark
+``main`` (``bench_main``) and the argument helper for Hydra overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from nano_hybrid.bench.environment import REPO_ROOT, gpu_slug
+
+
+SCHEMA_VERSION = 1
+
+
+def parse_args_with_overrides(parser, argv=None):
+    """``parser``'s options, and every other argument as a Hydra override (``a.overrides``); an unknown
+    ``-option`` is an error (a typo must not become an override). ``a.arms``: ``--backends`` split at commas."""
+    a, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        parser.error(f"unknown option(s) {bad}; Hydra overrides look like key=value")
+    a.overrides = overrides
+    if isinstance(getattr(a, "backends", None), str):
+        a.arms = [b.strip() for b in a.backends.split(",") if b.strip()]
+    return a
+
+
+def default_out_dir() -> Path:
+    """$OUT if set, else runs/bench/<gpu> (h200 on an H200)."""
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"])
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return REPO_ROOT / "runs" / "bench" / gpu_slug(name)
+
+
+def write_results(out_dir: Path | str, stem: str, data: dict, markdown: str) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"schema_version": SCHEMA_VERSION, **data}
+    jp = out_dir / f"{stem}.json"
+    mp = out_dir / f"{stem}.md"
+    jp.write_text(json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
+    mp.write_text(markdown.rstrip() + "\n")
+    return jp, mp
+
+
+def bench_main(argv, parse_args: Callable, run: Callable, stem: Callable, markdown: Callable[[dict], str],
+               exit_code: Callable[[dict], int] = lambda res: 0) -> int:
+    """The benchmark scripts' ``main``: parse ``argv``, ``res = run(args)`` (a bad config, data path or
+    kernel backend is one line on stderr and exit code 2; ``None``, e.g. on a rank other than 0, writes
+    nothing), then write ``<stem(res, args)>.json`` / ``.md`` under ``--out`` (default
+    ``default_out_dir()``), print the markdown and return ``exit_code(res)``."""
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    from kernels.registry import BackendUnavailableError, UnknownBackendError
+    from nano_hybrid.config import ConfigError
+    from nano_hybrid.data import DataConfigError
+
+    a = parse_args(argv)
+    try:
+        res = run(a)
+    except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if res is None:
+        return 0
+    out = Path(a.out) if a.out else default_out_dir()
+    md = markdown(res)
+    jp, mp = write_results(out, stem(res, a), res, md)
+    print(md)
+    print(f"\nwrote {jp} and {mp}")
+    return exit_code(res)
+
+
+def arms_stem(prefix: str, res: dict, tag: str | None, *parts: str) -> str:
+    """``<prefix>_<model>_<arm>_vs_<arm>[_<parts>][_<N>gpu][_<tag>]``: the benchmark output file stem."""
+    s = "_".join([prefix, str(res["config"]["model"]), "_vs_".join(res["arms"]).replace("#", ""), *parts])
+    if res["world_size"] > 1:
+        s += f"_{res['world_size']}gpu"
+    return s + (f"_{tag}" if tag else "")
+
+
+def _json_default(o):
+    if isinstance(o, Path):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"not JSON-serializable: {type(o).__name__}")
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
+    def fmt(x):
+        if isinstance(x, float):
+            return f"{x:.3f}" if abs(x) < 100 else f"{x:.1f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def env_markdown(env: dict) -> str:
+    keys = ["gpu", "sm_count", "torch", "cuda", "triton", "helion", "mamba_ssm", "causal_conv1d",
+            "megatron_core", "git_commit", "date_utc"]
+    return ", ".join(f"{k} {env.get(k)}" for k in keys if env.get(k) is not None)
