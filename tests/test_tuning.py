@@ -698,3 +698,17 @@ def test_tuner_copies_arguments_with_their_strides_and_passes_broadcast_views():
     assert copy is not strided and copy.data_ptr() != strided.data_ptr()
     assert copy.stride() == strided.stride() and torch.equal(copy, strided)
     assert _copy_arg(3) == 3 and _copy_arg(None) is None
+
+
+def test_tune_kernels_missing_names_the_kernels_without_an_exact_config(monkeypatch):
+    """``tune_kernels.py --missing``: at the nano_proxy shape the committed sm90 files hold exact configs for every
+    kernel but the five SSD backward kernels listed; a user-cache root with nothing in it adds none."""
+    from nano_hybrid.bench.tune_kernels import missing_kernels
+
+    monkeypatch.setenv("HELION_INTERPRET", "1")  # the cases are built on the CPU
+    registry = tuner.discover_tunable_kernels()
+    shapes = {"proxy": dict(tuner.SHAPE_PRESETS["nano_proxy"])}
+    got = missing_kernels(registry, sorted(registry), shapes, None, device="cpu", arch="sm90")
+    assert got == ["ssd_bwd_db", "ssd_bwd_dc_dcb", "ssd_bwd_dt", "ssd_bwd_dx", "ssd_bwd_state_passing"]
+    assert missing_kernels(registry, ["conv1d_fwd", "ssd_bwd_dx"], shapes, Path("/nonexistent-root"), device="cpu",
+                           arch="sm90") == ["ssd_bwd_dx"]

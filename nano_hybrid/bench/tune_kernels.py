@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--list", action="store_true", help="list tunable kernels and exit")
     ap.add_argument("--from-scratch", action="store_true",
                     help="do not start from the committed config and its neighbours (tuner.neighbour_configs)")
+    ap.add_argument("--missing", action="store_true",
+                    help="tune only the kernels with a shape that has no exact config yet (in kernels/configs, nor "
+                    "under --out-root when given); a run's overrides with --missing tune what that run would tune "
+                    "on first use")
     ap.add_argument("--no-isolate", action="store_true",
                     help="search every (kernel, shape) pair in this process (default: one child process per pair "
                     "when there is more than one)")
@@ -95,10 +99,33 @@ def main(argv=None) -> int:
         print("unset HELION_INTERPRET to tune", file=sys.stderr)
         return 2
 
+    if args.missing:
+        names = missing_kernels(registry, names, shape_dims, args.out_root and Path(args.out_root))
+        if not names:
+            print("every kernel has an exact config at these shapes: nothing to tune", flush=True)
+            return 0
+        print(f"kernels without an exact config: {', '.join(names)}", flush=True)
     per_budget = args.budget_min * 60.0 / (len(names) * len(shape_dims))
     if not args.no_isolate and len(names) * len(shape_dims) > 1:
         return _run_isolated(args, names, shape_dims, per_budget)
     return search_all(args, registry, names, shape_dims, per_budget)
+
+
+def missing_kernels(registry: dict, names: list[str], shape_dims: dict[str, dict], root: Path | None,
+                    device: str = "cuda", arch: str | None = None) -> list[str]:
+    """The kernels of ``names`` with at least one shape of ``shape_dims`` that has no exact config for ``arch``
+    (default: this GPU's) in the committed configs, nor under ``root`` when given (a user cache); the kernel dims
+    come from each kernel's own case at that shape."""
+    device = torch.device(device)
+    keep = []
+    for name in names:
+        for dims in shape_dims.values():
+            case = registry[name][1](dict(dims), device)
+            roots = [None] if root is None else [None, root]
+            if all(tuning.lookup(name, case.dims, arch=arch, root=r)[0] != "exact" for r in roots):
+                keep.append(name)
+                break
+    return keep
 
 
 def search_all(args, registry: dict, names: list[str], shape_dims: dict[str, dict], per_budget: float) -> int:
