@@ -173,9 +173,7 @@ def fwd_bwd_step(ctx) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from nano_hybrid import train as T
-
-    reports = T.forward_backward(ctx)
+    reports = ctx.forward_backward()
     acc = torch.zeros(2, dtype=torch.float64, device=ctx.plan.device)
     for r in reports:
         acc += r["lm loss"].to(torch.float64)
@@ -283,14 +281,14 @@ def run(a) -> dict | None:
     import torch.distributed as dist
 
     from kernels.registry import get_backend
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig, trainer as T
 
     cfg = compose_cfg(a)
-    plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
+    plan = runconfig.validate(cfg)  # config, data, first backend, parallel sizes: fails early
     backends = {x.backend: get_backend(x.backend) for x in a.arm_specs}  # every arm must be usable
     labels = bl.arm_labels([x.label for x in a.arm_specs])
-    ctx = T.setup(cfg, plan, with_optimizer=not a.fwd_bwd_only)
-    step_fn = fwd_bwd_step if a.fwd_bwd_only else T.train_step
+    ctx = T.Trainer.build(cfg, plan, with_optimizer=not a.fwd_bwd_only)
+    step_fn = fwd_bwd_step if a.fwd_bwd_only else T.Trainer.train_step
     try:
         ctx.start_data()
         # the same global batches for every block of every arm
@@ -301,10 +299,10 @@ def run(a) -> dict | None:
         dev = plan.device
 
         def step_time() -> float:
-            T._sync(dev)
+            T.sync(dev)
             t0 = time.perf_counter()
             out = step_fn(ctx)
-            T._sync(dev)
+            T.sync(dev)
             dt = time.perf_counter() - t0
             if dist.is_initialized() and dist.get_world_size() > 1:
                 t = torch.tensor([dt], dtype=torch.float64, device=dev)

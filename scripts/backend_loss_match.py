@@ -222,14 +222,14 @@ def check_arm_settings(cfg, specs) -> None:
     arm, before any work."""
     from omegaconf import OmegaConf
 
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig
     from nano_hybrid.config import ConfigError
     from nano_hybrid.model.lm_loss import check_lm_head_parallel
 
     for spec in specs:
         arm = arm_config(cfg, spec)
         try:
-            T.validate_optim(arm.optim, int(arm.train.train_iters))
+            runconfig.validate_optim(arm.optim, int(arm.train.train_iters))
             check_lm_head_parallel(OmegaConf.to_container(arm.model, resolve=True),
                                    int(arm.parallel.tensor_model_parallel_size))
         except (ConfigError, ValueError) as e:
@@ -246,10 +246,10 @@ def _run(a, cfg) -> dict | None:
     import torch
 
     from kernels.registry import KernelSwitchError, configure_backend
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig, trainer as T
     from nano_hybrid.parallel import initialize_parallel
 
-    plan = T.validate(cfg)  # config, data, first backend, parallel sizes: fails early
+    plan = runconfig.validate(cfg)  # config, data, first backend, parallel sizes: fails early
     check_arm_settings(cfg, a.arm_specs)
     kcfg = cfg.kernels
     for name in dict.fromkeys(x.backend for x in a.arm_specs):  # every arm must be usable before any work
@@ -264,7 +264,7 @@ def _run(a, cfg) -> dict | None:
     labels = bl.arm_labels([x.label for x in a.arm_specs])
     say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
 
-    ctx = T.setup(cfg, plan)
+    ctx = T.Trainer.build(cfg, plan)
     try:
         ctx.start_data()
         n_micro = plan.num_microbatches * a.steps
@@ -281,7 +281,7 @@ def _run(a, cfg) -> dict | None:
             name = spec.backend
             arm_cfg = arm_config(cfg, spec)
             initialize_parallel(arm_cfg)  # re-seed (same seeds as at start-up) -> identical initial weights
-            model, optimizer, scheduler = T.build_model_and_optimizer(T.plan_for_backend(plan, arm_cfg), arm_cfg)
+            model, optimizer, scheduler = T.build_model_and_optimizer(plan.for_backend(arm_cfg), arm_cfg)
             init = weights_snapshot(model)
             if init_ref is None:
                 init_ref = init
@@ -300,10 +300,10 @@ def _run(a, cfg) -> dict | None:
             say(f"--- arm {label} (kernels.backend={name}"
                 + "".join(f", {k}={v}" for k, v in spec.overrides) + ") ---")
             for s in range(1, a.steps + 1):
-                T._sync(plan.device)
+                T.sync(plan.device)
                 t0 = time.perf_counter()
-                out = T.train_step(arm_ctx)
-                T._sync(plan.device)
+                out = arm_ctx.train_step()
+                T.sync(plan.device)
                 rec["step_time_s"].append(time.perf_counter() - t0)
                 for k in ("loss", "grad_norm", "lr", "skipped"):
                     rec[k].append(out[k])

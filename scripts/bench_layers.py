@@ -97,7 +97,7 @@ def run(a) -> dict:
     from omegaconf import open_dict
 
     from ab_step_time import set_kernel_backend
-    from nano_hybrid import train as T
+    from nano_hybrid import trainer as T
     from nano_hybrid.config import compose
     from nano_hybrid.model import build_model
     from nano_hybrid.parallel import destroy_parallel, initialize_parallel

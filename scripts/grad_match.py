@@ -144,14 +144,14 @@ def _run(a, cfg) -> dict:
     from omegaconf import open_dict
 
     from kernels.registry import configure_backend
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig, trainer as T
     from nano_hybrid.parallel import initialize_parallel
 
-    plan = T.validate(cfg)
+    plan = runconfig.validate(cfg)
     for name in dict.fromkeys([a.train_backend, *a.arms]):  # every backend must be usable before any work
         configure_backend(name)
     labels = bl.arm_labels(a.arms)
-    ctx = T.setup(cfg, plan)
+    ctx = T.Trainer.build(cfg, plan)
     ctx.start_data()
     n_train = plan.num_microbatches * a.train_steps
     batches = [next(ctx.data_iterator) for _ in range(n_train + plan.num_microbatches * a.batches)]
@@ -174,7 +174,7 @@ def _run(a, cfg) -> dict:
     model, optimizer, scheduler = ctx.model, ctx.optimizer, ctx.scheduler
     tctx = dataclasses.replace(ctx, data_iterator=iter(train_batches))
     for _ in range(a.train_steps):
-        res["train_loss"].append(T.train_step(tctx)["loss"])
+        res["train_loss"].append(tctx.train_step()["loss"])
     state = {k: v.detach().clone() for k, v in bl.unwrap_model(model).state_dict().items() if isinstance(v, torch.Tensor)}
     ctx.model = ctx.optimizer = ctx.scheduler = None
     del model, optimizer, scheduler, tctx
@@ -188,7 +188,7 @@ def _run(a, cfg) -> dict:
         with open_dict(cfg):
             cfg.kernels.backend = name
         initialize_parallel(cfg)
-        m, opt, sch = T.build_model_and_optimizer(T.plan_for_backend(plan, cfg), cfg)
+        m, opt, sch = T.build_model_and_optimizer(plan.for_backend(cfg), cfg)
         missing, unexpected = bl.unwrap_model(m).load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -197,7 +197,7 @@ def _run(a, cfg) -> dict:
         actx = dataclasses.replace(ctx, model=m, optimizer=opt, scheduler=sch, data_iterator=iter(probe_batches))
         total, losses = None, []
         for _ in range(a.batches):
-            reports = T.forward_backward(actx)
+            reports = actx.forward_backward()
             acc = sum(r["lm loss"].double() for r in reports)
             losses.append(float(acc[0] / acc[1]))
             g = grads(m)

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     a = bl.parse_args_with_overrides(ap, argv)
     import torch
 
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig, trainer as T
     from nano_hybrid.config import ConfigError, compose
 
     if a.steps < 1:
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     try:
         cfg = compose([*defaults, f"train.train_iters={a.steps}", *a.overrides])
         bl.detach_from_run_state(cfg)
-        plan = T.validate(cfg)
+        plan = runconfig.validate(cfg)
     except Exception as e:  # noqa: BLE001 - every validation failure is bad input: one line, exit 2
         if isinstance(e, (ConfigError, ValueError)) or type(e).__name__.endswith("Error"):
             print(f"error: {e}", file=sys.stderr)
@@ -78,9 +78,9 @@ def main(argv=None) -> int:
                  "export_dtype": export_dtype, "steps": a.steps, "seq_length": plan.seq_length}
     t_all = time.perf_counter()
     with bl.scratch_run_dir(cfg, "hf_check_"):
-        ctx = T.setup(cfg, plan)
+        ctx = T.Trainer.build(cfg, plan)
         ctx.start_data()
-        T.train_loop(ctx)
+        ctx.fit()
         res["train_losses"] = [json.loads(x)["loss"] for x in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
         batch = next(ctx.data_iterator)  # the next micro-batch of the stream: not trained on
         dev = plan.device

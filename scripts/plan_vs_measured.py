@@ -25,7 +25,6 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
@@ -81,7 +80,8 @@ def measure_case(name: str, a) -> dict:
     from megatron.core import parallel_state as ps
 
     from nano_hybrid.plan import make_plan
-    from nano_hybrid.train import build_model_and_optimizer, cpu_compat_mode, forward_backward, init_distributed, validate
+    from nano_hybrid.runconfig import validate
+    from nano_hybrid.trainer import Trainer, TrainState, build_model_and_optimizer, cpu_compat_mode, init_distributed
 
     cfg = case_config(name, a.backend, a.overrides)
     plan = make_plan(cfg, 1)
@@ -94,15 +94,16 @@ def measure_case(name: str, a) -> dict:
     model, optimizer, scheduler = build_model_and_optimizer(rp, cfg)
     build_s = time.perf_counter() - t_build
     mbs = int(cfg.train.micro_batch_size)
-    ctx = SimpleNamespace(plan=rp, cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, attention_mask=None,
-                          data_iterator=_batches(a.steps * rp.num_microbatches, mbs, rp.seq_length,
-                                                 int(cfg.model.vocab_size), rp.device))
+    ctx = Trainer(cfg=cfg, plan=rp, run_dir=None, model=model, optimizer=optimizer, scheduler=scheduler,
+                  dataset=None, state=TrainState(), logger=None, flops_per_token=0.0, attention_mask=None,
+                  data_iterator=_batches(a.steps * rp.num_microbatches, mbs, rp.seq_length,
+                                         int(cfg.model.vocab_size), rp.device))
     steps = []
     for _ in range(a.steps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        forward_backward(ctx)
+        ctx.forward_backward()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         fb_peak = torch.cuda.max_memory_allocated()

@@ -543,14 +543,14 @@ def run(a) -> dict | None:
 
     import ab_step_time as ab
     from kernels.registry import get_backend
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig, trainer as T
 
     cfg = compose_cfg(a)
     with bl.scratch_run_dir(cfg, "nano_hybrid_breakdown_"):
-        plan = T.validate(cfg)
+        plan = runconfig.validate(cfg)
         backends = {x.backend: get_backend(x.backend) for x in a.arm_specs}
         labels = bl.arm_labels([x.label for x in a.arm_specs])
-        ctx = T.setup(cfg, plan)
+        ctx = T.Trainer.build(cfg, plan)
         ranges = None
         try:
             ctx.start_data()
@@ -567,18 +567,18 @@ def run(a) -> dict | None:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 for _ in range(a.warmup):
-                    T.train_step(ctx)
+                    ctx.train_step()
                 times, losses = [], []
                 for _ in range(a.steps):
                     bl.sync(dev)
                     t0 = time.perf_counter()
-                    out = T.train_step(ctx)
+                    out = ctx.train_step()
                     bl.sync(dev)
                     times.append(time.perf_counter() - t0)
                     losses.append(out["loss"])
                 trace = None if a.trace_dir is None else Path(a.trace_dir) / f"step_breakdown_{lab}.json"
                 with grad_ranges(ctx), optimizer_ranges(ctx.optimizer):
-                    events = profile_steps(lambda: T.train_step(ctx), a.profile_steps, dev, trace)
+                    events = profile_steps(lambda: ctx.train_step(), a.profile_steps, dev, trace)
                 r = attribute(events, device=dev.type == "cuda")
                 per_arm[lab] = {
                     "arm": {"backend": spec.backend, **dict(spec.overrides)},
