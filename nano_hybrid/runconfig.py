@@ -30,6 +30,7 @@ from nano_hybrid.data import (
     padded_vocab_size,
 )
 from nano_hybrid.data.check import CorpusCheckError, check_corpus
+from nano_hybrid.layout import LaunchEnv, ParallelDims
 
 # The only places data.prepare_if_missing=stdlib builds the stdlib corpus: byte tokens (data=default) and the
 # 131k Tekken BPE (data=stdlib_bpe131k, the Nano default), each with the configured data.tokenizer.
@@ -40,12 +41,9 @@ DEFAULT_CORPORA = ("data/stdlib/stdlib", "data/stdlib_bpe131k/stdlib")
 class RunPlan:
     """Everything derived from the config during validation (before any process group or model exists)."""
 
-    world_size: int
-    rank: int
-    local_rank: int
+    dims: ParallelDims  # the parallel layout and this process's place in it
     device: torch.device
     dtype: torch.dtype
-    dp_size: int
     num_microbatches: int
     backend_name: str
     data: DataSpec
@@ -62,13 +60,6 @@ class RunPlan:
         from nano_hybrid.model.build import resolve_backend
 
         return dataclasses.replace(self, backend=resolve_backend(cfg), backend_name=str(cfg.kernels.backend))
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
 
 
 # Keys read as numbers: a value that is not one (``optim.lr=abc``) is one line naming the key before any work.
@@ -179,12 +170,12 @@ def _check_train(cfg: DictConfig) -> tuple[int, int, int, int]:
     return mbs, gbs, seq, iters
 
 
-def _check_layout(cfg: DictConfig, world_size: int, mbs: int, gbs: int, device: torch.device) -> int:
-    """The parallel layout against the model, the world size, the batch and this GPU; the data-parallel size."""
+def _check_layout(cfg: DictConfig, env: LaunchEnv, mbs: int, gbs: int, device: torch.device) -> ParallelDims:
+    """The parallel layout against the model, the world size, the batch and this GPU: the run's layout record."""
     from nano_hybrid.model.lm_loss import check_lm_head_parallel
-    from nano_hybrid.parallel import validate_parallel
 
-    dp = validate_parallel(cfg, world_size)["dp"]  # names the offending numbers
+    dims = ParallelDims.build(cfg, env)  # names the offending numbers
+    dp = dims.dp
     try:  # the chunked LM head + loss has no vocab-parallel form
         check_lm_head_parallel(OmegaConf.to_container(cfg.model, resolve=True),
                                int(cfg.parallel.tensor_model_parallel_size))
@@ -201,8 +192,8 @@ def _check_layout(cfg: DictConfig, world_size: int, mbs: int, gbs: int, device: 
     if memory_check and device.type == "cuda":
         from nano_hybrid.plan import check_memory
 
-        check_memory(cfg, world_size, torch.cuda.get_device_properties(device).total_memory)
-    return dp
+        check_memory(cfg, dims, torch.cuda.get_device_properties(device).total_memory)
+    return dims
 
 
 def _check_tokenizer(cfg: DictConfig):
@@ -292,28 +283,25 @@ def _check_run_io(cfg: DictConfig):
     return backend
 
 
-def validate(cfg: DictConfig) -> RunPlan:
-    """Check every setting that can be checked without doing work; raise one clear error."""
-    world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
+def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
+    """Check every setting that can be checked without doing work; raise one clear error. ``env``: the
+    launcher's world this process is in (default: ``LaunchEnv.read()``, this process's environment)."""
+    env = LaunchEnv.read() if env is None else env
     check_numbers(cfg)
     mbs, gbs, seq, iters = _check_train(cfg)
-    device = resolve_device(str(cfg.train.device), local_rank)
+    device = resolve_device(str(cfg.train.device), env.local_rank)
     dtype = resolve_dtype(str(cfg.train.precision), device)
     validate_optim(cfg.optim, iters)
-    dp = _check_layout(cfg, world_size, mbs, gbs, device)
+    dims = _check_layout(cfg, env, mbs, gbs, device)
     tok_spec, tokenizer = _check_tokenizer(cfg)
     eval_interval, eval_iters = _check_eval(cfg)
     spec = _check_data(cfg, tok_spec, eval_interval)
     backend = _check_run_io(cfg)
     return RunPlan(
-        world_size=world_size,
-        rank=rank,
-        local_rank=local_rank,
+        dims=dims,
         device=device,
         dtype=dtype,
-        dp_size=dp,
-        num_microbatches=gbs // (mbs * dp),
+        num_microbatches=gbs // (mbs * dims.dp),
         backend_name=backend.name,
         backend=backend,
         data=spec,

@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         with ExitRequest(cfg.train.exit_after_minutes, start_time=t_start) as stop:  # SIGTERM/SIGINT -> stop
             trainer.fit(stop)
             trainer.save_final()
-        if plan.rank == 0:
+        if plan.dims.is_main:
             trainer.logger.print(f"done: {trainer.state.step} steps, {trainer.state.consumed_tokens:,} tokens; "
                                  f"metrics in {trainer.run_dir}/metrics.jsonl")
     except (DataPreparationError, DataConfigError) as e:
-        report_error(str(e), collective=plan.world_size > 1)
+        report_error(str(e), collective=plan.dims.multi_process)
         return EXIT_BAD_INPUT
     except RunError as e:  # checkpoint, storage, run-dir lock, divergence: one line (once per job if collective)
         report_error(str(e), collective=e.collective)

@@ -64,7 +64,7 @@ def init_distributed(plan: RunPlan, cfg: DictConfig) -> None:
     """Process group (NCCL on GPU, gloo on CPU), megatron's model-parallel groups and RNG streams."""
     from nano_hybrid.parallel import initialize_parallel
 
-    initialize_parallel(cfg, backend="nccl" if plan.device.type == "cuda" else "gloo")
+    initialize_parallel(cfg, dims=plan.dims, backend="nccl" if plan.device.type == "cuda" else "gloo")
 
 
 def resolve_run_dir(cfg: DictConfig, plan: RunPlan) -> Path:
@@ -127,7 +127,7 @@ def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
         decided_on_rank0(build)
     missing = missing_paths(plan.data) if plan.data.kind == "indexed" else []
     if missing:  # e.g. rank 0 wrote to a node-local path this rank cannot see
-        raise DataPreparationError(f"data path(s) not visible on rank {plan.rank}: {missing}")
+        raise DataPreparationError(f"data path(s) not visible on rank {plan.dims.rank}: {missing}")
 
 
 def build_dataset(plan: RunPlan, cfg: DictConfig):
@@ -161,7 +161,7 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
         from nano_hybrid.hf import load_hf_weights
 
         info = load_hf_weights(model, init_from_hf, cfg)
-        if plan.rank == 0:
+        if plan.dims.is_main:
             print(f"init_from_hf: {info['tensors']} tensors from {init_from_hf} in {info['seconds']:.1f}s", flush=True)
     config = model.config
     if plan.dtype == torch.bfloat16:
@@ -335,9 +335,7 @@ class Trainer:
 
     @property
     def dp_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return ps.get_data_parallel_rank()
+        return self.plan.dims.dp_rank
 
     def start_data(self) -> None:
         """(Re)start the data stream at ``state.consumed_samples`` (call after a checkpoint load)."""
@@ -346,7 +344,7 @@ class Trainer:
             self.state.consumed_samples,
             int(self.cfg.train.micro_batch_size),
             self.dp_rank,
-            self.plan.dp_size,
+            self.plan.dims.dp,
             self.plan.data.num_workers,
         )
 
@@ -427,7 +425,7 @@ class Trainer:
         devices = [plan.device] if plan.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             iterator = build_data_iterator(self.valid_dataset, 0, int(cfg.train.micro_batch_size), self.dp_rank,
-                                           plan.dp_size, 0)
+                                           plan.dims.dp, 0)
             self.model.eval()
             reports = []
             try:
@@ -474,10 +472,10 @@ class Trainer:
             "step_time_s": dt,
             "tokens_per_step": tokens_per_step,
             "tokens_per_s": tps,
-            "tokens_per_s_per_gpu": tps / plan.world_size,
-            "tflops_per_gpu": self.flops_per_token * tps / plan.world_size / 1e12,
+            "tokens_per_s_per_gpu": tps / plan.dims.world_size,
+            "tflops_per_gpu": self.flops_per_token * tps / plan.dims.world_size / 1e12,
             "mem_gb": peak_memory_gb(),
-            "world_size": plan.world_size,
+            "world_size": plan.dims.world_size,
             **out,
         }
 
@@ -524,7 +522,7 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
     if checkpointer.locate() is not None and cfg.logger.wandb.id is None:
         with open_dict(cfg):
             cfg.logger.wandb.id = checkpointer.resume_wandb_run_id
-    say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
+    say = (lambda msg: print(msg, flush=True)) if plan.dims.is_main else (lambda msg: None)
     prepare_data(plan, cfg, say)
     dataset, valid_dataset = build_dataset(plan, cfg)
     # checkpoint.init_from_hf starts a fresh run only; a run that resumes loads its own checkpoint
@@ -540,7 +538,7 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
         checkpointer.resume(model, optimizer, scheduler, state, init_from_hf=init_hf)
     unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
     flops = training_flops_per_token(HybridArch.from_megatron(unwrapped), plan.seq_length)
-    if plan.rank == 0:
+    if plan.dims.is_main:
         report_data_epochs(dataset, int(cfg.train.train_iters) * int(cfg.train.global_batch_size), plan.seq_length,
                            state.consumed_samples, say)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -557,7 +555,7 @@ def _start_logger(cfg: DictConfig, plan: RunPlan, run_dir: Path, resume_step, un
 
     logger = MetricsLogger(
         run_dir,
-        rank=plan.rank,
+        rank=plan.dims.rank,
         train_iters=int(cfg.train.train_iters),
         backend=plan.backend_name,
         wandb_cfg=cfg.logger.wandb,
@@ -567,8 +565,8 @@ def _start_logger(cfg: DictConfig, plan: RunPlan, run_dir: Path, resume_step, un
     n_params = sum(p.numel() for p in unwrapped.parameters())
     logger.print(
         f"nano-hybrid: model={cfg.model.name} ({n_params / 1e6:.2f}M params on rank 0) backend={plan.backend_name} "
-        f"device={plan.device.type} dtype={str(plan.dtype).removeprefix('torch.')} world={plan.world_size} "
-        f"dp={plan.dp_size} mbs={cfg.train.micro_batch_size} gbs={cfg.train.global_batch_size} "
+        f"device={plan.device.type} dtype={str(plan.dtype).removeprefix('torch.')} world={plan.dims.world_size} "
+        f"dp={plan.dims.dp} mbs={cfg.train.micro_batch_size} gbs={cfg.train.global_batch_size} "
         f"seq={plan.seq_length} run_dir={run_dir}"
     )
     return logger

@@ -372,15 +372,15 @@ def run(a) -> dict | None:
             s = bl.summarize(times[lab])
             per_arm[lab] = {
                 "step_time_s": s,
-                "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.world_size,
-                "tflops_per_gpu": ctx.flops_per_token * tokens_per_step / s["median"] / plan.world_size / 1e12,
+                "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.dims.world_size,
+                "tflops_per_gpu": ctx.flops_per_token * tokens_per_step / s["median"] / plan.dims.world_size / 1e12,
                 "losses": losses[lab],
                 "peak_mem_gb": peak_gb[lab] if dev.type == "cuda" else None,
             }
         base = labels[0]
         ratios = {f"{lab}_vs_{base}": bl.ratio_summary(times[base], times[lab], n_boot=a.n_boot)
                   for lab in labels[1:]}
-        if plan.rank != 0:
+        if plan.dims.rank != 0:
             return None
         return {
             "benchmark": "ab_step_time",
@@ -395,7 +395,7 @@ def run(a) -> dict | None:
                 "seq_length": plan.seq_length, "data": str(cfg.data.kind),
                 "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
             },
-            "world_size": plan.world_size,
+            "world_size": plan.dims.world_size,
             "tokens_per_step": tokens_per_step,
             "flops_per_token": ctx.flops_per_token,
             "arms": labels,

@@ -262,7 +262,7 @@ def _run(a, cfg) -> dict | None:
     dtype_name = str(plan.dtype).removeprefix("torch.")
     tol = tolerances(a, dtype_name)
     labels = bl.arm_labels([x.label for x in a.arm_specs])
-    say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
+    say = (lambda msg: print(msg, flush=True)) if plan.dims.rank == 0 else (lambda msg: None)
 
     ctx = T.Trainer.build(cfg, plan)
     try:
@@ -336,7 +336,7 @@ def _run(a, cfg) -> dict | None:
             c["final_weights_max_abs_diff_tensor"] = per_arm[lab].pop("final_weights_max_abs_diff_tensor")
             c["pass"] = verdict(c, tol)
             comparisons[f"{lab}_vs_{ref}"] = c
-        if plan.rank != 0:
+        if plan.dims.rank != 0:
             return None
         m = cfg.model
         return {
@@ -365,7 +365,7 @@ def _run(a, cfg) -> dict | None:
                           "d_inner": int(m.mamba_num_heads) * int(m.mamba_head_dim)},
                 "hidden_size": int(m.hidden_size), "vocab_size": int(m.vocab_size),
             },
-            "world_size": plan.world_size,
+            "world_size": plan.dims.world_size,
             "steps": a.steps,
             "arms": labels,
             "reference": ref,

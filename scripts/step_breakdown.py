@@ -597,7 +597,7 @@ def run(a) -> dict | None:
             if ranges is not None:
                 ranges.remove()
             T.shutdown(ctx)
-    if plan.rank != 0:
+    if plan.dims.rank != 0:
         return None
     return {
         "benchmark": "step_breakdown",
@@ -608,7 +608,7 @@ def run(a) -> dict | None:
                    "global_batch_size": int(cfg.train.global_batch_size), "seq_length": plan.seq_length,
                    "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
                    "data": str(cfg.data.kind)},
-        "world_size": plan.world_size,
+        "world_size": plan.dims.world_size,
         "arms": labels,
         "categories": list(CATEGORIES),
         "descriptions": DESCRIPTIONS,
