@@ -8,7 +8,6 @@ command line after it win.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -72,6 +71,3 @@ def overrides_from_argv(argv: list[str]) -> list[str]:
         )
     return [a for a in argv if a != "--"]
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
