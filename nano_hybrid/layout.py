@@ -15,17 +15,16 @@ This module imports neither torch nor megatron (``nano_hybrid.errors`` reads the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Mapping
 
 from nano_hybrid.config import ConfigError
+from nano_hybrid.schema import ParallelSchema
 
-PARALLEL_KEYS = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-    "expert_tensor_parallel_size", "context_parallel_size", "sequence_parallel", "use_distributed_optimizer",
-)
-_SIZE_KEYS = PARALLEL_KEYS[:5]
+PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelSchema))
+_SIZE_KEYS = tuple(f.name for f in dataclasses.fields(ParallelSchema) if f.type == "int")
 
 
 @dataclass(frozen=True)

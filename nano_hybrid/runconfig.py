@@ -31,6 +31,7 @@ from nano_hybrid.data import (
 )
 from nano_hybrid.data.check import CorpusCheckError, check_corpus
 from nano_hybrid.layout import LaunchEnv, ParallelDims
+from nano_hybrid.schema import check_keys
 
 # The only places data.prepare_if_missing=stdlib builds the stdlib corpus: byte tokens (data=default) and the
 # 131k Tekken BPE (data=stdlib_bpe131k, the Nano default), each with the configured data.tokenizer.
@@ -287,6 +288,7 @@ def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
     """Check every setting that can be checked without doing work; raise one clear error. ``env``: the
     launcher's world this process is in (default: ``LaunchEnv.read()``, this process's environment)."""
     env = LaunchEnv.read() if env is None else env
+    check_keys(cfg)
     check_numbers(cfg)
     mbs, gbs, seq, iters = _check_train(cfg)
     device = resolve_device(str(cfg.train.device), env.local_rank)
