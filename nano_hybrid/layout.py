@@ -190,7 +190,7 @@ def _model_errors(cfg, d: ParallelDims) -> list[str]:
         div("num_query_groups", m.get("num_query_groups") or m.get("num_attention_heads"), d.tp, tp_name)
     if "M" in pattern:
         div("mamba_num_heads", m.get("mamba_num_heads"), d.tp, tp_name)
-        div("mamba_num_groups", m.get("mamba_num_groups", 8), d.tp, tp_name)
+        div("mamba_num_groups", m["mamba_num_groups"], d.tp, tp_name)
     if "-" in pattern:
         div("ffn_hidden_size", m.get("ffn_hidden_size"), d.tp, tp_name)
     if "E" in pattern:

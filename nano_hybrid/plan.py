@@ -341,7 +341,7 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
         arch=HybridArch.from_model_cfg(m, dims.tp),
         seq=int(cfg.train.seq_length), mbs=mbs, a=2 if precision == "bf16" else 4, dims=dims,
         num_microbatches=gbs // (mbs * dims.dp), backend=str(cfg.kernels.backend),
-        optimizer=optimizer, lm_head_loss=str(m.get("lm_head_loss", "plain")), lm_chunk=int(m.get("lm_loss_chunk_tokens", 4096)),
+        optimizer=optimizer, lm_head_loss=m["lm_head_loss"], lm_chunk=m["lm_loss_chunk_tokens"],
     ), dims.world_size
 
 

@@ -204,8 +204,10 @@ def _check_tokenizer(cfg: DictConfig):
         tokenizer = build_tokenizer(tok_spec)
     except TokenizerError as e:
         raise ConfigError(str(e)) from None
-    tp = int(cfg.parallel.get("tensor_model_parallel_size", 1))
-    divisible_by = int(cfg.model.get("make_vocab_size_divisible_by", 128))
+    from nano_hybrid.model.config import model_dict
+
+    tp = int(cfg.parallel.tensor_model_parallel_size)
+    divisible_by = int(model_dict(cfg.model)["make_vocab_size_divisible_by"])
     model_vocab = padded_vocab_size(int(cfg.model.vocab_size), divisible_by, tp)
     if tokenizer.vocab_size > model_vocab:
         raise ConfigError(

@@ -272,7 +272,9 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 
 def causal_mask_for(cfg: DictConfig, seq_length: int, device: torch.device):
     """None when core attention applies causal masking itself (sdpa); else megatron's bool mask (True = masked)."""
-    if str(cfg.model.get("attention_impl", "sdpa")) == "sdpa" or "*" not in str(cfg.model.hybrid_override_pattern):
+    from nano_hybrid.model.config import model_dict
+
+    if model_dict(cfg.model)["attention_impl"] == "sdpa" or "*" not in str(cfg.model.hybrid_override_pattern):
         return None
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 

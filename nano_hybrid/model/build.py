@@ -86,15 +86,15 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
     recompute, recompute_modules = recompute_settings(m)
     spec = hybrid_stack_spec(
         backend,
-        attention_impl=m.get("attention_impl", "sdpa"),
-        moe_experts_impl=m.get("moe_experts_impl", "grouped"),
+        attention_impl=m["attention_impl"],
+        moe_experts_impl=m["moe_experts_impl"],
         num_experts=m.get("num_moe_experts"),
-        mamba_chunk_size=int(m.get("mamba_chunk_size", 128)),
-        mamba_conv_width=int(m.get("mamba_conv_width", 4)),
+        mamba_chunk_size=int(m["mamba_chunk_size"]),
+        mamba_conv_width=int(m["mamba_conv_width"]),
         recompute=recompute,
         recompute_modules=recompute_modules,
     )
-    vocab = padded_vocab_size(int(m["vocab_size"]), int(m.get("make_vocab_size_divisible_by", 128)),
+    vocab = padded_vocab_size(int(m["vocab_size"]), int(m["make_vocab_size_divisible_by"]),
                               int(cfg.parallel.tensor_model_parallel_size))
     ctx = (
         contextlib.ExitStack() if device.type != "meta"
