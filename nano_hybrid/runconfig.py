@@ -31,7 +31,7 @@ from nano_hybrid.data import (
 )
 from nano_hybrid.data.check import CorpusCheckError, check_corpus
 from nano_hybrid.layout import LaunchEnv, ParallelDims
-from nano_hybrid.schema import check_keys
+from nano_hybrid.schema import RunConfig, check_keys
 
 # The only places data.prepare_if_missing=stdlib builds the stdlib corpus: byte tokens (data=default) and the
 # 131k Tekken BPE (data=stdlib_bpe131k, the Nano default), each with the configured data.tokenizer.
@@ -42,6 +42,7 @@ DEFAULT_CORPORA = ("data/stdlib/stdlib", "data/stdlib_bpe131k/stdlib")
 class RunPlan:
     """Everything derived from the config during validation (before any process group or model exists)."""
 
+    run: RunConfig  # the validated config, typed and frozen
     dims: ParallelDims  # the parallel layout and this process's place in it
     device: torch.device
     dtype: torch.dtype
@@ -302,6 +303,7 @@ def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
     spec = _check_data(cfg, tok_spec, eval_interval)
     backend = _check_run_io(cfg)
     return RunPlan(
+        run=RunConfig.from_cfg(cfg),
         dims=dims,
         device=device,
         dtype=dtype,

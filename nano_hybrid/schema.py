@@ -7,6 +7,7 @@ each YAML file of the group starts from it (``defaults: [schema, _self_]``), hol
 
     register()                  # before composing (nano_hybrid.config.compose does it)
     check_keys(cfg)             # a key the schema does not know: ConfigError with the closest known one
+    run = RunConfig.from_cfg(cfg)   # after validation: typed, frozen (run.train.micro_batch_size is an int)
 """
 
 from __future__ import annotations
@@ -125,6 +126,40 @@ GROUPS: dict[str, type] = {
     "train": TrainSchema, "optim": OptimSchema, "checkpoint": CheckpointSchema, "logger": LoggerSchema,
     "parallel": ParallelSchema, "kernels": KernelsSchema, "plan": PlanSchema,
 }
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The validated run config, typed and frozen: what the trainer reads. Not here: ``checkpoint`` (its ``dir``
+    follows ``run_dir``, resolved at start-up; ``nano_hybrid.checkpoint`` reads ``cfg``) and ``logger`` (a resumed
+    run continues the checkpoint's W&B id, set at start-up)."""
+
+    train: TrainSchema
+    optim: OptimSchema
+    parallel: ParallelSchema
+    kernels: KernelsSchema
+    plan: PlanSchema
+
+    @classmethod
+    def from_cfg(cls, cfg) -> "RunConfig":
+        """From a composed config that ``nano_hybrid.runconfig.validate`` has checked (values converted to the
+        schema's types; a number YAML read as a string, such as 3e-3, becomes a float)."""
+        from omegaconf import OmegaConf
+
+        return cls(**{f.name: _typed(GROUPS[f.name], OmegaConf.to_container(cfg[f.name], resolve=True))
+                      for f in dataclasses.fields(cls)})
+
+
+def _typed(schema: type, values: dict):
+    kwargs = {}
+    for f in dataclasses.fields(schema):
+        v, kind = values[f.name], str(f.type)
+        if dataclasses.is_dataclass(f.default_factory):
+            v = _typed(f.default_factory, v)
+        elif v is not None and kind.removeprefix("Optional[").removesuffix("]") in ("int", "float"):
+            v = int(v) if kind.endswith("int]") or kind == "int" else float(v)
+        kwargs[f.name] = v
+    return schema(**kwargs)
 
 
 def defaults(schema: type) -> dict[str, Any]:

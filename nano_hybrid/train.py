@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.start_data()
         trainer.checkpointer.restore_rng()  # after start_data: creating the DataLoader iterator draws from the RNG
         started = True
-        with ExitRequest(cfg.train.exit_after_minutes, start_time=t_start) as stop:  # SIGTERM/SIGINT -> stop
+        with ExitRequest(plan.run.train.exit_after_minutes, start_time=t_start) as stop:  # SIGTERM/SIGINT -> stop
             trainer.fit(stop)
             trainer.save_final()
         if plan.dims.is_main:

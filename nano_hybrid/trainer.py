@@ -134,8 +134,8 @@ def build_dataset(plan: RunPlan, cfg: DictConfig):
     """(train, valid) datasets, built on every rank at once: megatron's builder builds the index cache on rank 0
     first (its own barrier), then the others read it. ``valid`` holds ``eval_iters x global_batch_size`` samples
     (None without validation). A split too small for the run is the same DataConfigError on every rank."""
-    gbs = int(cfg.train.global_batch_size)
-    num_samples = int(cfg.train.train_iters) * gbs
+    gbs = plan.run.train.global_batch_size
+    num_samples = plan.run.train.train_iters * gbs
     return build_datasets(plan.data, plan.tokenizer, plan.seq_length, num_samples, int(cfg.seed), plan.eval_iters * gbs)
 
 
@@ -344,7 +344,7 @@ class Trainer:
         self.data_iterator = build_data_iterator(
             self.dataset,
             self.state.consumed_samples,
-            int(self.cfg.train.micro_batch_size),
+            self.plan.run.train.micro_batch_size,
             self.dp_rank,
             self.plan.dims.dp,
             self.plan.data.num_workers,
@@ -365,7 +365,7 @@ class Trainer:
             model=[self.model],
             num_microbatches=plan.num_microbatches,
             seq_length=plan.seq_length,
-            micro_batch_size=int(self.cfg.train.micro_batch_size),
+            micro_batch_size=plan.run.train.micro_batch_size,
             decoder_seq_length=plan.seq_length,
             forward_only=forward_only,
         )
@@ -422,11 +422,11 @@ class Trainer:
         state (DataLoader seeds) restored afterwards so training draws the same numbers with or without it."""
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
-        plan, cfg = self.plan, self.cfg
+        plan = self.plan
         t0 = time.perf_counter()
         devices = [plan.device] if plan.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            iterator = build_data_iterator(self.valid_dataset, 0, int(cfg.train.micro_batch_size), self.dp_rank,
+            iterator = build_data_iterator(self.valid_dataset, 0, plan.run.train.micro_batch_size, self.dp_rank,
                                            plan.dims.dp, 0)
             self.model.eval()
             reports = []
@@ -442,20 +442,20 @@ class Trainer:
         return {
             "val_loss": val_loss,
             "val_ppl": math.exp(min(val_loss, 700.0)),
-            "val_tokens": plan.eval_iters * int(cfg.train.global_batch_size) * plan.seq_length,
+            "val_tokens": plan.eval_iters * plan.run.train.global_batch_size * plan.seq_length,
             "eval_time_s": time.perf_counter() - t0,
         }
 
     def eval_due(self, step: int) -> bool:
         every = self.plan.eval_interval
-        return every > 0 and (step % every == 0 or step == int(self.cfg.train.train_iters))
+        return every > 0 and (step % every == 0 or step == self.plan.run.train.train_iters)
 
     def timed_step(self) -> dict[str, Any]:
         """One ``train_step`` between device syncs, the state advanced: the step's metrics record."""
         from nano_hybrid.metrics import peak_memory_gb
 
         plan, state = self.plan, self.state
-        gbs = int(self.cfg.train.global_batch_size)
+        gbs = plan.run.train.global_batch_size
         tokens_per_step = gbs * plan.seq_length
         self.sync()
         t0 = time.perf_counter()
@@ -485,9 +485,9 @@ class Trainer:
         """Train until ``train.train_iters``, or until ``stop`` (an ExitRequest) asks; returns the stop reason."""
         from nano_hybrid.stepguard import SkipCounter
 
-        cfg, state = self.cfg, self.state
-        iters, log_every = int(cfg.train.train_iters), int(cfg.train.log_interval)
-        skips = SkipCounter(cfg.train.get("max_skipped_steps"))
+        t, state = self.plan.run.train, self.state
+        iters, log_every = t.train_iters, t.log_interval
+        skips = SkipCounter(t.max_skipped_steps)
         while state.step < iters:
             rec = self.timed_step()
             if self.eval_due(state.step):  # validation keys join this step's record (and console line)
@@ -513,8 +513,9 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
     from nano_hybrid.arch import HybridArch
     from nano_hybrid.flops import training_flops_per_token
 
-    if cfg.train.torch_threads is not None:
-        torch.set_num_threads(int(cfg.train.torch_threads))
+    t = plan.run.train
+    if t.torch_threads is not None:
+        torch.set_num_threads(t.torch_threads)
     init_distributed(plan, cfg)
     run_dir = resolve_run_dir(cfg, plan)
     # Before any work: run_dir and checkpoint.dir take a write, and no other trainer uses run_dir.
@@ -534,14 +535,14 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
                                                             with_optimizer=with_optimizer)
     if (with_optimizer and bool(cfg.checkpoint.check_free_space)
             and (checkpointer.interval or checkpointer.save_on_exit)):
-        decided_on_rank0(checkpointer.check_free_space, model, optimizer, int(cfg.train.train_iters))
+        decided_on_rank0(checkpointer.check_free_space, model, optimizer, t.train_iters)
     state = TrainState()
     if resume:  # a checkpoint this model cannot load is refused here, before the run directory changes
         checkpointer.resume(model, optimizer, scheduler, state, init_from_hf=init_hf)
     unwrapped = model.module.module if plan.dtype == torch.bfloat16 else model.module
     flops = training_flops_per_token(HybridArch.from_megatron(unwrapped), plan.seq_length)
     if plan.dims.is_main:
-        report_data_epochs(dataset, int(cfg.train.train_iters) * int(cfg.train.global_batch_size), plan.seq_length,
+        report_data_epochs(dataset, t.train_iters * t.global_batch_size, plan.seq_length,
                            state.consumed_samples, say)
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
@@ -558,7 +559,7 @@ def _start_logger(cfg: DictConfig, plan: RunPlan, run_dir: Path, resume_step, un
     logger = MetricsLogger(
         run_dir,
         rank=plan.dims.rank,
-        train_iters=int(cfg.train.train_iters),
+        train_iters=plan.run.train.train_iters,
         backend=plan.backend_name,
         wandb_cfg=cfg.logger.wandb,
         run_config=OmegaConf.to_container(cfg, resolve=True),
@@ -568,7 +569,7 @@ def _start_logger(cfg: DictConfig, plan: RunPlan, run_dir: Path, resume_step, un
     logger.print(
         f"nano-hybrid: model={cfg.model.name} ({n_params / 1e6:.2f}M params on rank 0) backend={plan.backend_name} "
         f"device={plan.device.type} dtype={str(plan.dtype).removeprefix('torch.')} world={plan.dims.world_size} "
-        f"dp={plan.dims.dp} mbs={cfg.train.micro_batch_size} gbs={cfg.train.global_batch_size} "
+        f"dp={plan.dims.dp} mbs={plan.run.train.micro_batch_size} gbs={plan.run.train.global_batch_size} "
         f"seq={plan.seq_length} run_dir={run_dir}"
     )
     return logger
