@@ -67,19 +67,8 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
         raise RuntimeError("build_model needs megatron's parallel state: call nano_hybrid.parallel.initialize_parallel(cfg) first")
     mcore_compat.apply_mcore_compat()
 
-    device = default_device() if device is None else torch.device(device)
+    device = _build_device(device, backend)
     dtype = torch.float32 if dtype is None else dtype
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx != torch.cuda.current_device():
-            raise ValueError(f"build_model(device={device}) but the current CUDA device is {torch.cuda.current_device()}; "
-                             "call torch.cuda.set_device first")
-    elif device.type == "cpu" and torch.cuda.is_available():
-        raise ValueError("build_model(device='cpu') on a CUDA machine is not supported (megatron allocates on "
-                         "torch.cuda.current_device()); use device='meta' or the GPU")
-    if backend.name == "mamba_ssm" and device.type == "cpu":
-        raise ConfigError("kernels.backend=mamba_ssm needs a CUDA device; use kernels.backend=torch on CPU")
-
     m = model_dict(cfg.model)
     lm_head_loss, lm_loss_chunk_tokens = lm_head_settings(m)
     tcfg = make_transformer_config(cfg, device=device, dtype=dtype)
@@ -124,6 +113,22 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
         # argument; like Megatron-LM's get_model(), move the whole module to the current GPU.
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _build_device(device, backend) -> torch.device:
+    """The device build_model builds on: ``None`` -> the default one; refused where megatron cannot build."""
+    device = default_device() if device is None else torch.device(device)
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx != torch.cuda.current_device():
+            raise ValueError(f"build_model(device={device}) but the current CUDA device is {torch.cuda.current_device()}; "
+                             "call torch.cuda.set_device first")
+    elif device.type == "cpu" and torch.cuda.is_available():
+        raise ValueError("build_model(device='cpu') on a CUDA machine is not supported (megatron allocates on "
+                         "torch.cuda.current_device()); use device='meta' or the GPU")
+    if backend.name == "mamba_ssm" and device.type == "cpu":
+        raise ConfigError("kernels.backend=mamba_ssm needs a CUDA device; use kernels.backend=torch on CPU")
+    return device
 
 
 @contextlib.contextmanager
