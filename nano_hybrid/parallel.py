@@ -59,7 +59,7 @@ def initialize_parallel(cfg: DictConfig, *, dims: ParallelDims | None = None, ba
     if have != (dims.tp_rank, dims.dp_rank, dims.pp_rank):
         raise RuntimeError(f"megatron placed rank {dims.rank} at TP/DP/PP rank {have}, the layout record at "
                            f"{(dims.tp_rank, dims.dp_rank, dims.pp_rank)}")
-    seed = int(cfg.get("seed", 1234)) + 100 * dims.pp_rank
+    seed = int(cfg.seed) + 100 * dims.pp_rank
     random.seed(seed)
     torch.manual_seed(seed)
     try:

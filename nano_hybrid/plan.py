@@ -80,10 +80,11 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from nano_hybrid.arch import HybridArch
 from nano_hybrid.config import ConfigError
+from nano_hybrid.errors import EXIT_BAD_INPUT
 from nano_hybrid.layout import LaunchEnv, ParallelDims
 from nano_hybrid.model.config import RECOMPUTE_CHOICES, check_model_cfg, model_dict, recompute_settings
 
@@ -322,7 +323,7 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
             p = cfg.parallel
             tp, pp, cp = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size), int(p.context_parallel_size)
             ep, etp = int(p.expert_model_parallel_size), int(p.expert_tensor_parallel_size)
-            gpus = OmegaConf.select(cfg, "plan.gpus")
+            gpus = cfg.plan.gpus
             world_size = int(gpus) if gpus is not None else _lcm(tp * pp * cp, etp * ep * pp)
         dims = ParallelDims.build(cfg, LaunchEnv.planned(world_size))
     mbs, gbs = int(cfg.train.micro_batch_size), int(cfg.train.global_batch_size)
@@ -330,7 +331,7 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
         raise ConfigError(f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} "
                           f"x data-parallel size {dims.dp}")
     if optimizer is None:
-        optimizer = OmegaConf.select(cfg, "plan.optimizer", default=True)
+        optimizer = cfg.plan.optimizer
         if not isinstance(optimizer, bool):
             raise ConfigError(f"plan.optimizer={optimizer!r} must be true or false")
     precision = str(cfg.train.precision)
@@ -475,13 +476,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = compose(overrides_from_argv(sys.argv[1:] if argv is None else argv))
-        fmt = str(OmegaConf.select(cfg, "plan.format") or "text")
+        fmt = cfg.plan.format
         if fmt not in ("text", "json"):
             raise ConfigError(f"plan.format={fmt!r}; choose text or json")
         plan = make_plan(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(json.dumps(plan, indent=2) if fmt == "json" else format_text(plan))
     return 0
 

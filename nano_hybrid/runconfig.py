@@ -126,8 +126,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def validate_optim(o: DictConfig, train_iters: int) -> None:
     if str(o.optimizer) != "adam":
         raise ConfigError(f"optim.optimizer={o.optimizer!r}; supported: adam (AdamW, decoupled weight decay)")
-    if not isinstance(o.get("fused", False), bool):
-        raise ConfigError(f"optim.fused={o.get('fused')!r} must be true or false")
+    if not isinstance(o.fused, bool):
+        raise ConfigError(f"optim.fused={o.fused!r} must be true or false")
     for key in ("lr", "adam_beta1", "adam_beta2", "adam_eps"):
         if not float(o[key]) > 0:
             raise ConfigError(f"optim.{key}={o[key]} must be > 0")
@@ -163,12 +163,12 @@ def _check_train(cfg: DictConfig) -> tuple[int, int, int, int]:
         raise ConfigError(f"train.exit_after_minutes={t.exit_after_minutes} must be > 0 or null")
     if t.torch_threads is not None and int(t.torch_threads) <= 0:
         raise ConfigError(f"train.torch_threads={t.torch_threads} must be a positive integer or null")
-    mss = t.get("max_skipped_steps")
+    mss = t.max_skipped_steps
     if mss is not None and (not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0):
         raise ConfigError(f"train.max_skipped_steps={mss!r} must be a positive integer or null")
     for key in ("verify", "check_free_space"):
-        if not isinstance(cfg.checkpoint.get(key), bool):
-            raise ConfigError(f"checkpoint.{key}={cfg.checkpoint.get(key)!r} must be true or false")
+        if not isinstance(cfg.checkpoint[key], bool):
+            raise ConfigError(f"checkpoint.{key}={cfg.checkpoint[key]!r} must be true or false")
     return mbs, gbs, seq, iters
 
 
@@ -188,7 +188,7 @@ def _check_layout(cfg: DictConfig, env: LaunchEnv, mbs: int, gbs: int, device: t
             f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} x data-parallel size {dp}"
         )
     # The memory planner (nano_hybrid.plan) against this GPU: refuse a run that cannot fit.
-    memory_check = cfg.train.get("memory_check", True)
+    memory_check = cfg.train.memory_check
     if not isinstance(memory_check, bool):
         raise ConfigError(f"train.memory_check={memory_check!r} must be true or false")
     if memory_check and device.type == "cuda":
@@ -221,7 +221,7 @@ def _check_tokenizer(cfg: DictConfig):
 
 def _check_eval(cfg: DictConfig) -> tuple[int, int]:
     """(eval_interval, eval_iters); both 0 without validation."""
-    eval_interval = OmegaConf.select(cfg, "train.eval_interval", default=0)
+    eval_interval = cfg.train.eval_interval
     if not isinstance(eval_interval, int) or isinstance(eval_interval, bool) or eval_interval < 0:
         raise ConfigError(f"train.eval_interval={eval_interval!r} must be an integer >= 0 (0: no validation)")
     eval_iters = _positive_int(cfg, "train.eval_iters") if eval_interval else 0
@@ -276,7 +276,7 @@ def _check_run_io(cfg: DictConfig):
     backend = resolve_backend(cfg)
     if str(cfg.logger.wandb.mode) not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}; choose one of {', '.join(WANDB_MODES)}")
-    init_hf = OmegaConf.select(cfg, "checkpoint.init_from_hf")
+    init_hf = cfg.checkpoint.init_from_hf
     if init_hf not in (None, ""):  # the folder's config.json must describe this model (first mismatch named)
         from nano_hybrid.hf import HFBridgeError, MappingError, check_init_from_hf
 

@@ -212,7 +212,7 @@ def build_optimizer(plan: RunPlan, cfg: DictConfig, ddp):
     )
     with cpu_compat_mode(plan):
         optimizer = get_megatron_optimizer(opt_config, [ddp])
-    set_adam_fused(optimizer, bool(o.get("fused", False)))  # optim.fused: torch's fused AdamW kernel
+    set_adam_fused(optimizer, bool(o.fused))  # optim.fused: torch's fused AdamW kernel
     iters = int(cfg.train.train_iters)
     style = str(o.decay_style)
     scheduler = OptimizerParamScheduler(
@@ -529,7 +529,7 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
     prepare_data(plan, cfg, say)
     dataset, valid_dataset = build_dataset(plan, cfg)
     # checkpoint.init_from_hf starts a fresh run only; a run that resumes loads its own checkpoint
-    init_hf = OmegaConf.select(cfg, "checkpoint.init_from_hf") if checkpointer.load_path is None else None
+    init_hf = cfg.checkpoint.init_from_hf if checkpointer.load_path is None else None
     init_hf = str(init_hf) if init_hf else None
     model, optimizer, scheduler = build_model_and_optimizer(plan, cfg, init_from_hf=init_hf,
                                                             with_optimizer=with_optimizer)
