@@ -134,8 +134,8 @@ def build_dataset(plan: RunPlan, cfg: DictConfig):
     """(train, valid) datasets, built on every rank at once: megatron's builder builds the index cache on rank 0
     first (its own barrier), then the others read it. ``valid`` holds ``eval_iters x global_batch_size`` samples
     (None without validation). A split too small for the run is the same DataConfigError on every rank."""
-    gbs = plan.run.train.global_batch_size
-    num_samples = plan.run.train.train_iters * gbs
+    gbs = int(cfg.train.global_batch_size)
+    num_samples = int(cfg.train.train_iters) * gbs
     return build_datasets(plan.data, plan.tokenizer, plan.seq_length, num_samples, int(cfg.seed), plan.eval_iters * gbs)
 
 
