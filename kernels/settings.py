@@ -1,7 +1,7 @@
 """``HelionSettings``: every setting that changes what the helion backend computes or how fast.
 
 The frozen settings object travels with the ``KernelBackend`` (``kernels.registry``); training takes it from
-the typed keys under ``kernels.helion`` (``configs/kernels/helion.yaml``), which the run's ``config.yaml``
+the typed keys under ``kernels.helion`` (their defaults are this class's), which the run's ``config.yaml``
 records, and the benchmark scripts write ``as_dict()`` into their JSON. Nothing here reads the environment;
 the debugging knobs that do are in ``kernels.debug``.
 
@@ -57,7 +57,7 @@ class HelionSettings:
     zxbcdt_in_place: bool = True
     fast_launch: bool = True
     autotune: bool = False
-    autotune_budget_s: float = 120.0
+    autotune_budget_s: float = 120  # seconds (a float after __post_init__)
     cache_dir: str = ""
 
     def __post_init__(self) -> None:

@@ -8,7 +8,6 @@ command line after it win.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -52,6 +51,9 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from nano_hybrid.schema import register
+
+    register()  # the <group>/schema nodes the group files start from
     overrides = expand_recipe(list(overrides or []))
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -60,8 +62,38 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
             cfg = hydra_compose(config_name=config_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"bad config override: {msg}") from None
+        hint = _hint(msg, overrides, config_name)
+        raise ConfigError(f"bad config override: {msg.rstrip('.') if hint else msg}{hint}") from None
     return cfg
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group (its YAML files under ``configs/<group>/``)."""
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _hint(msg: str, overrides: list[str], config_name: str) -> str:
+    """What a Hydra error leaves out: the options of an unknown group choice, the closest key to an unknown one."""
+    import difflib
+    import re
+
+    found = re.match(r"In '[^']*': Could not find '([^'/]+)/([^']+)'", msg)
+    if found:
+        return f"; options: {', '.join(group_options(found.group(1))) or 'none'}"
+    found = re.match(r"Could not override '([^']+)'", msg)
+    if not found or "." not in found.group(1):
+        return ""
+    key = found.group(1)
+    parent, _, name = key.rpartition(".")
+    others = [ov for ov in overrides if not ov.lstrip("+~").startswith(key + "=")]
+    try:  # the same config without the failing override: its keys under the same parent
+        node = OmegaConf.select(compose(others, config_name), parent)
+    except ConfigError:
+        return ""
+    if not isinstance(node, DictConfig):
+        return ""
+    match = difflib.get_close_matches(name, [str(k) for k in node.keys()], n=1, cutoff=0.6)
+    return f": no such key; did you mean {parent}.{match[0]}?" if match else ": no such key"
 
 
 def overrides_from_argv(argv: list[str]) -> list[str]:
@@ -72,6 +104,3 @@ def overrides_from_argv(argv: list[str]) -> list[str]:
         )
     return [a for a in argv if a != "--"]
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

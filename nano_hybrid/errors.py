@@ -95,8 +95,14 @@ def _write_line(line: str) -> None:
 
 def report_error(message: str, *, rank: int | None = None, collective: bool = False) -> bool:
     """Print ``error: message`` (once per job for a collective error) and leave it for torchrun's summary; returns
-    whether this rank printed it."""
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    whether this rank printed it. ``rank``: default the launcher's (``nano_hybrid.layout.LaunchEnv``)."""
+    if rank is None:
+        from nano_hybrid.layout import LaunchEnv
+
+        try:
+            rank = LaunchEnv.read().rank
+        except ValueError:  # a RANK that is not an integer is itself the error being reported: print it
+            rank = 0
     line = f"error: {message}"
     printed = not collective or rank == 0
     if printed:

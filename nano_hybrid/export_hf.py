@@ -15,9 +15,9 @@ import argparse
 import sys
 import warnings
 
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
-EXIT_BAD_INPUT = 2
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -21,10 +21,11 @@ def inspect_model(overrides: list[str]) -> dict:
     from nano_hybrid.config import compose
     from nano_hybrid.model import build_model, count_params
     from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+    from nano_hybrid.schema import ParallelSchema, defaults
 
     cfg = compose(overrides)
     # count the unsharded model: one process, no model parallelism
-    cfg.parallel = OmegaConf.create(OmegaConf.to_container(OmegaConf.load(_single_parallel_path())))
+    cfg.parallel = OmegaConf.create(defaults(ParallelSchema))  # the schema's layout: parallel=single
     initialize_parallel(cfg, backend="gloo")
     try:
         model = build_model(cfg, device="meta")
@@ -41,15 +42,9 @@ def inspect_model(overrides: list[str]) -> dict:
     }
 
 
-def _single_parallel_path():
-    from nano_hybrid.config import CONFIG_DIR
-
-    return CONFIG_DIR / "parallel" / "single.yaml"
-
-
 def main(argv: list[str] | None = None) -> int:
     from nano_hybrid.config import ConfigError, overrides_from_argv
-    from nano_hybrid.errors import filter_startup_warnings
+    from nano_hybrid.errors import EXIT_BAD_INPUT, filter_startup_warnings
 
     warnings.filterwarnings("ignore")
     filter_startup_warnings()  # megatron's log records of the local specs (nano_hybrid/errors.py)
@@ -57,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         out = inspect_model(overrides_from_argv(sys.argv[1:] if argv is None else argv))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(json.dumps(out, indent=2))
     return 0
 

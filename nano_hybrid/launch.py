@@ -53,18 +53,10 @@ def _world_size(args) -> int | None:
 def validate_for(overrides: list[str], world_size: int | None) -> None:
     """The checks ``nano_hybrid.train`` runs on each rank, here once, for a job of ``world_size`` workers."""
     from nano_hybrid.config import compose, overrides_from_argv
-    from nano_hybrid.train import validate
+    from nano_hybrid.layout import LaunchEnv
+    from nano_hybrid.runconfig import validate
 
-    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    os.environ.update(WORLD_SIZE=str(world_size or 1), RANK="0", LOCAL_RANK="0")
-    try:
-        validate(compose(overrides_from_argv(overrides)))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    validate(compose(overrides_from_argv(overrides)), LaunchEnv.planned(world_size or 1))
 
 
 class _DropWorkerFailureLog(logging.Filter):

@@ -80,10 +80,12 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from nano_hybrid.arch import HybridArch
 from nano_hybrid.config import ConfigError
+from nano_hybrid.errors import EXIT_BAD_INPUT
+from nano_hybrid.layout import LaunchEnv, ParallelDims
 from nano_hybrid.model.config import RECOMPUTE_CHOICES, check_model_cfg, model_dict, recompute_settings
 
 GIB = 1024**3
@@ -103,19 +105,21 @@ class Shape:
     seq: int
     mbs: int
     a: int  # bytes per activation / weight element
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    dp: int
-    edp: int
-    sp: bool
-    dist_opt: bool
+    dims: ParallelDims  # the layout planned for (training's own record in its memory check)
     num_microbatches: int
     backend: str
     optimizer: bool = True  # plan.optimizer=false: forward+backward only (no optimizer states, no step)
     lm_head_loss: str = "plain"  # plain | chunked | chunked_compiled (model.lm_head_loss)
     lm_chunk: int = 4096  # model.lm_loss_chunk_tokens
+
+    tp = property(lambda self: self.dims.tp)
+    pp = property(lambda self: self.dims.pp)
+    ep = property(lambda self: self.dims.ep)
+    etp = property(lambda self: self.dims.etp)
+    dp = property(lambda self: self.dims.dp)
+    edp = property(lambda self: self.dims.edp)
+    sp = property(lambda self: self.dims.sp)
+    dist_opt = property(lambda self: self.dims.dist_opt)
 
 
 # ------------------------------------------------------------------------------------------ params
@@ -307,25 +311,27 @@ def plan_stage(s: Shape, stage: int, choice: str, modules: tuple[str, ...]) -> S
 
 
 # ------------------------------------------------------------------------------------------ config
-def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer: bool | None = None) -> tuple[Shape, int]:
-    """The planner's view of a composed config (validated like training's) and the world size it plans for."""
-    from nano_hybrid.parallel import validate_parallel
-
+def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer: bool | None = None,
+                   dims: ParallelDims | None = None) -> tuple[Shape, int]:
+    """The planner's view of a composed config (validated like training's) and the world size it plans for:
+    ``dims`` (a run's own layout record), else the layout of ``cfg.parallel`` on ``world_size`` GPUs (default
+    ``plan.gpus``, else the smallest world the layout fills)."""
     m = model_dict(cfg.model)
     check_model_cfg(m)
-    p = cfg.parallel
-    tp, pp, cp = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size), int(p.context_parallel_size)
-    ep, etp = int(p.expert_model_parallel_size), int(p.expert_tensor_parallel_size)
-    if world_size is None:
-        gpus = OmegaConf.select(cfg, "plan.gpus")
-        world_size = int(gpus) if gpus is not None else _lcm(tp * pp * cp, etp * ep * pp)
-    sizes = validate_parallel(cfg, world_size)
+    if dims is None:
+        if world_size is None:
+            p = cfg.parallel
+            tp, pp, cp = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size), int(p.context_parallel_size)
+            ep, etp = int(p.expert_model_parallel_size), int(p.expert_tensor_parallel_size)
+            gpus = cfg.plan.gpus
+            world_size = int(gpus) if gpus is not None else _lcm(tp * pp * cp, etp * ep * pp)
+        dims = ParallelDims.build(cfg, LaunchEnv.planned(world_size))
     mbs, gbs = int(cfg.train.micro_batch_size), int(cfg.train.global_batch_size)
-    if gbs % (mbs * sizes["dp"]):
+    if gbs % (mbs * dims.dp):
         raise ConfigError(f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} "
-                          f"x data-parallel size {sizes['dp']}")
+                          f"x data-parallel size {dims.dp}")
     if optimizer is None:
-        optimizer = OmegaConf.select(cfg, "plan.optimizer", default=True)
+        optimizer = cfg.plan.optimizer
         if not isinstance(optimizer, bool):
             raise ConfigError(f"plan.optimizer={optimizer!r} must be true or false")
     precision = str(cfg.train.precision)
@@ -333,23 +339,23 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
         device = str(cfg.train.device)
         precision = "fp32" if device == "cpu" else "bf16"
     return Shape(
-        arch=HybridArch.from_model_cfg(m, tp),
-        seq=int(cfg.train.seq_length), mbs=mbs, a=2 if precision == "bf16" else 4,
-        tp=tp, pp=pp, ep=ep, etp=etp, dp=sizes["dp"], edp=sizes["edp"], sp=bool(p.sequence_parallel),
-        dist_opt=bool(p.use_distributed_optimizer), num_microbatches=gbs // (mbs * sizes["dp"]),
-        backend=str(cfg.kernels.backend),
-        optimizer=optimizer, lm_head_loss=str(m.get("lm_head_loss", "plain")), lm_chunk=int(m.get("lm_loss_chunk_tokens", 4096)),
-    ), world_size
+        arch=HybridArch.from_model_cfg(m, dims.tp),
+        seq=int(cfg.train.seq_length), mbs=mbs, a=2 if precision == "bf16" else 4, dims=dims,
+        num_microbatches=gbs // (mbs * dims.dp), backend=str(cfg.kernels.backend),
+        optimizer=optimizer, lm_head_loss=m["lm_head_loss"], lm_chunk=m["lm_loss_chunk_tokens"],
+    ), dims.world_size
 
 
 def _lcm(x: int, y: int) -> int:
     return x * y // math.gcd(x, y)
 
 
-def make_plan(cfg: DictConfig, world_size: int | None = None, *, optimizer: bool | None = None) -> dict[str, Any]:
+def make_plan(cfg: DictConfig, world_size: int | None = None, *, optimizer: bool | None = None,
+              dims: ParallelDims | None = None) -> dict[str, Any]:
     """The full plan as a dict: per recompute choice the fullest stage's memory, the configured choice's
-    stages, checkpoint size, verdicts. ``optimizer``: None takes ``plan.optimizer`` (default true)."""
-    s, world = shape_from_cfg(cfg, world_size, optimizer=optimizer)
+    stages, checkpoint size, verdicts. ``optimizer``: None takes ``plan.optimizer`` (default true); ``dims`` and
+    ``world_size`` as for ``shape_from_cfg``."""
+    s, world = shape_from_cfg(cfg, world_size, optimizer=optimizer, dims=dims)
     m = model_dict(cfg.model)
     choice, modules = recompute_settings(m)
     selective_modules = modules or tuple(m.get("recompute_modules") or ("moe", "layernorm"))
@@ -405,9 +411,10 @@ def must_not_fit(plan: dict, capacity_bytes: float) -> bool:
     return SURE_FACTOR * plan["peak_gib"] * GIB > capacity_bytes
 
 
-def check_memory(cfg: DictConfig, world_size: int, capacity_bytes: float) -> None:
-    """Training's start-up check (``train.memory_check``): ``ConfigError`` when the run cannot fit."""
-    plan = make_plan(cfg, world_size, optimizer=True)
+def check_memory(cfg: DictConfig, dims: ParallelDims, capacity_bytes: float) -> None:
+    """Training's start-up check (``train.memory_check``) for the run's layout ``dims``: ``ConfigError`` when the
+    run cannot fit."""
+    plan = make_plan(cfg, optimizer=True, dims=dims)
     if must_not_fit(plan, capacity_bytes):
         st = plan["stages"][plan["peak_stage"]]
         raise ConfigError(
@@ -469,13 +476,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = compose(overrides_from_argv(sys.argv[1:] if argv is None else argv))
-        fmt = str(OmegaConf.select(cfg, "plan.format") or "text")
+        fmt = cfg.plan.format
         if fmt not in ("text", "json"):
             raise ConfigError(f"plan.format={fmt!r}; choose text or json")
         plan = make_plan(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(json.dumps(plan, indent=2) if fmt == "json" else format_text(plan))
     return 0
 

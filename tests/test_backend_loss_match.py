@@ -84,7 +84,7 @@ def corpus(tmp_path_factory):
 
 
 class BuildTracker:
-    """Wraps ``nano_hybrid.train.build_model_and_optimizer``: weak references to what each call returns (the
+    """Wraps ``nano_hybrid.trainer.build_model_and_optimizer``: weak references to what each call returns (the
     Megatron DDP model, the optimizer, the first grad buffer) and, at each call after a gc, which of the
     earlier calls' objects are still alive."""
 
@@ -107,7 +107,7 @@ class BuildTracker:
 def cpu_result(tmp_path_factory, corpus):
     """One process, three arms: torch (reference), helion (interpret mode), torch again (A-vs-A); every
     model built (setup()'s and each arm's) is tracked."""
-    from nano_hybrid import train as T
+    from nano_hybrid import trainer as T
 
     out = tmp_path_factory.mktemp("out")
     tracker = BuildTracker(T.build_model_and_optimizer)

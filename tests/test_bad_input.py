@@ -13,7 +13,8 @@ import pytest
 
 from nano_hybrid.data.check import CorpusCheckError, check_corpus
 from nano_hybrid.data.prepare import DataPreparationError, text_sources, write_indexed_dataset
-from nano_hybrid.train import EXIT_BAD_INPUT, main
+from nano_hybrid.errors import EXIT_BAD_INPUT
+from nano_hybrid.train import main
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["model=tiny", "kernels.backend=torch", "train.seq_length=64", "train.micro_batch_size=2",

@@ -56,7 +56,7 @@ def _model(vocab=32, hidden=8):
 
 
 @dataclass
-class State:  # the shape of nano_hybrid.train.TrainState
+class State:  # the shape of nano_hybrid.trainer.TrainState
     step: int = 0
     consumed_samples: int = 0
     consumed_tokens: int = 0

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nano_hybrid.train import EXIT_BAD_INPUT, main
+from nano_hybrid.errors import EXIT_BAD_INPUT
+from nano_hybrid.train import main
 
 REPO = Path(__file__).resolve().parent.parent
 

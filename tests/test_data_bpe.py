@@ -147,7 +147,7 @@ def test_vocab_check_and_split(tekken, jsonl, tmp_path):
     from omegaconf import OmegaConf
 
     from nano_hybrid.config import ConfigError, compose
-    from nano_hybrid.train import validate
+    from nano_hybrid.runconfig import validate
 
     spec, tok = tekken
     tok_over = [f"data.tokenizer.path={spec.path}", "data.paths=[/nonexistent/x]", "data.prepare_if_missing=null"]

@@ -351,7 +351,7 @@ def _layout_worker(rank, world, port, hf_folder, out_dir):
     from nano_hybrid.checkpoint import save_checkpoint
     from nano_hybrid.model import build_model
     from nano_hybrid.parallel import destroy_parallel, initialize_parallel
-    from nano_hybrid.train import TrainState
+    from nano_hybrid.trainer import TrainState
 
     for layout in ("tp2", "ep2"):
         cfg = compose([*TRAIN, f"parallel={layout}", f"run_dir={out_dir}/{layout}"])

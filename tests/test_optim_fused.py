@@ -51,14 +51,14 @@ def test_fused_adamw_update_matches_default(mp, monkeypatch):
     ``adam_ratio_bound`` in size, carries a relative error of a few dozen u (moment updates, bias corrections,
     sqrt, division, in either order): bound 64 u on the ratio. Comparing trajectories instead would compare
     gradients of slightly different weights, which near-zero gradients amplify without bound."""
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig, trainer as T
     from nano_hybrid.optim import inner_torch_optimizers, set_adam_fused
 
     calls = []
     real = torch._fused_adamw_
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = compose([*BASE, "optim.fused=false"])
-    plan = T.validate(cfg)
+    plan = runconfig.validate(cfg)
     torch.manual_seed(0)
     ddp, opt, sched = T.build_model_and_optimizer(plan, cfg)
     b1, b2 = float(cfg.optim.adam_beta1), float(cfg.optim.adam_beta2)
@@ -137,7 +137,7 @@ def test_fused_flag_survives_state_dict_reload(mp):
 
 
 def test_bad_fused_value_is_a_config_error():
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig
 
     with pytest.raises(ConfigError, match="optim.fused=1 must be true or false"):
-        T.validate(compose([*BASE, "optim.fused=1"]))
+        runconfig.validate(compose([*BASE, "optim.fused=1"]))

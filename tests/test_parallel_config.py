@@ -12,13 +12,18 @@ import torch
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
 from nano_hybrid.config import CONFIG_DIR, ConfigError, compose  # noqa: E402
-from nano_hybrid.parallel import ParallelInfo, destroy_parallel, initialize_parallel, validate_parallel  # noqa: E402
+from nano_hybrid.layout import LaunchEnv, ParallelDims  # noqa: E402
+from nano_hybrid.parallel import destroy_parallel, initialize_parallel  # noqa: E402
 
 PARALLEL_CONFIGS = sorted(p.stem for p in (CONFIG_DIR / "parallel").glob("*.yaml"))
 
 
 def _cfg(*overrides):
     return compose(["model=nano30b", *overrides])
+
+
+def _dims(cfg, world_size: int) -> ParallelDims:
+    return ParallelDims.build(cfg, LaunchEnv.planned(world_size))
 
 
 def test_parallel_configs_present():
@@ -31,17 +36,16 @@ def test_shipped_two_rank_layouts_are_valid(name, model):
     cfg = compose([f"model={model}", f"parallel={name}"])
     if name == "pp2" and len(cfg.model.hybrid_override_pattern) % 2:  # tiny (5 layers), nano30b_slice (13)
         with pytest.raises(ConfigError, match="not divisible by pipeline_model_parallel_size=2"):
-            validate_parallel(cfg, 2)
+            _dims(cfg, 2)
         return
-    out = validate_parallel(cfg, 2)
-    assert out["world_size"] == 2
-    tp, pp, cp = (out[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
-    assert out["dp"] * tp * pp * cp == 2
+    out = _dims(cfg, 2)
+    assert out.world_size == 2
+    assert out.dp * out.tp * out.pp * out.cp == 2
 
 
 def test_single_is_valid_and_derives_dp():
-    out = validate_parallel(_cfg("parallel=single"), 8)
-    assert out["dp"] == 8 and out["edp"] == 8
+    out = _dims(_cfg("parallel=single"), 8)
+    assert out.dp == 8 and out.edp == 8
 
 
 @pytest.mark.parametrize(
@@ -62,29 +66,29 @@ def test_single_is_valid_and_derives_dp():
 )
 def test_validation_errors_name_the_numbers(overrides, world, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        validate_parallel(_cfg(*overrides), world)
+        _dims(_cfg(*overrides), world)
 
 
 def test_several_errors_reported_together():
     with pytest.raises(ConfigError) as e:
-        validate_parallel(_cfg("parallel.tensor_model_parallel_size=3", "parallel.expert_model_parallel_size=5"), 15)
+        _dims(_cfg("parallel.tensor_model_parallel_size=3", "parallel.expert_model_parallel_size=5"), 15)
     msg = str(e.value)
     assert "num_attention_heads=32" in msg and "num_moe_experts=128" in msg
 
 
 def test_unknown_parallel_key_rejected():
     with pytest.raises(ConfigError, match="unknown key"):
-        validate_parallel(_cfg("+parallel.data_parallel_size=2"), 2)
+        _dims(_cfg("+parallel.data_parallel_size=2"), 2)
 
 
 def test_sequence_parallel_checks_the_runs_sequence_length():
     msg = r"train.seq_length=255 is not divisible by tensor_model_parallel_size=2 \(sequence parallel\)"
     with pytest.raises(ConfigError, match=msg):
-        validate_parallel(compose(["model=tiny", "parallel=tp2", "model.seq_length=255"]), 2)
+        _dims(compose(["model=tiny", "parallel=tp2", "model.seq_length=255"]), 2)
     with pytest.raises(ConfigError, match=msg):  # the model allows 256, the run splits 255 tokens
-        validate_parallel(compose(["model=tiny", "parallel=tp2", "model.seq_length=256", "train.seq_length=255"]), 2)
+        _dims(compose(["model=tiny", "parallel=tp2", "model.seq_length=256", "train.seq_length=255"]), 2)
     # the run's 254 tokens split evenly even though the model's maximum (255) would not
-    assert validate_parallel(compose(["model=tiny", "parallel=tp2", "model.seq_length=255", "train.seq_length=254"]), 2)["dp"] == 1
+    assert _dims(compose(["model=tiny", "parallel=tp2", "model.seq_length=255", "train.seq_length=254"]), 2).dp == 1
 
 
 def test_initialize_single_process():
@@ -94,9 +98,11 @@ def test_initialize_single_process():
     created = not ps.model_parallel_is_initialized()
     info = initialize_parallel(compose(["model=tiny", "parallel=single"]))
     try:
-        assert isinstance(info, ParallelInfo)
-        assert (info.world_size, info.rank, info.tp, info.dp) == (1, 0, 1, 1)
-        assert info.backend == ("nccl" if torch.cuda.is_available() else "gloo")
+        assert isinstance(info, ParallelDims)
+        assert (info.world_size, info.rank, info.tp, info.dp, info.dp_rank) == (1, 0, 1, 1, 0)
+        import torch.distributed as dist
+
+        assert dist.get_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
         states = tpr.get_cuda_rng_tracker().get_states()
         assert {tpr._DATA_PARALLEL_RNG_TRACKER_NAME, tpr._MODEL_PARALLEL_RNG_TRACKER_NAME,
                 tpr._EXPERT_PARALLEL_RNG_TRACKER_NAME} <= set(states)

@@ -46,13 +46,13 @@ def _worker(rank, world, port, out_dir, layout):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from types import SimpleNamespace
 
     from megatron.core import parallel_state as ps
 
     from nano_hybrid.config import compose
     from nano_hybrid.parallel import destroy_parallel
-    from nano_hybrid.train import build_model_and_optimizer, init_distributed, train_step, validate
+    from nano_hybrid.runconfig import validate
+    from nano_hybrid.trainer import Trainer, TrainState, build_model_and_optimizer, init_distributed
 
     cfg = compose([*OVERRIDES, f"parallel={layout}"])
     plan = validate(cfg)
@@ -76,9 +76,10 @@ def _worker(rank, world, port, out_dir, layout):
         local = {k: full[global_name(k)] for k, v in module.state_dict().items() if v is not None}
         module.load_state_dict(local, strict=False)
         assert all(torch.equal(v, local[k]) for k, v in module.state_dict().items() if v is not None)
-    ctx = SimpleNamespace(plan=plan, cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                          data_iterator=_batches(STEPS * plan.num_microbatches), attention_mask=None)
-    steps = [train_step(ctx) for _ in range(STEPS)]
+    ctx = Trainer(cfg=cfg, plan=plan, run_dir=None, model=model, optimizer=optimizer, scheduler=scheduler,
+                  dataset=None, state=TrainState(), logger=None, flops_per_token=0.0,
+                  data_iterator=_batches(STEPS * plan.num_microbatches), attention_mask=None)
+    steps = [ctx.train_step() for _ in range(STEPS)]
     weights = {global_name(k): v.detach().clone() for k, v in module.state_dict().items() if v is not None}
     torch.save(weights, os.path.join(out_dir, f"{layout}_weights_{rank}.pt"))
     if rank == 0:

@@ -128,12 +128,16 @@ def test_cli_text_json_and_errors(capsys):
 
 def test_training_memory_check():
     from nano_hybrid.config import ConfigError
+    from nano_hybrid.layout import LaunchEnv, ParallelDims
     from nano_hybrid.plan import check_memory
+
+    def check(cfg):
+        check_memory(cfg, ParallelDims.build(cfg, LaunchEnv.planned(1)), 141e9)
 
     with pytest.raises(ConfigError, match=r"^the memory planner puts this run at 6\d\d\.\d GiB per GPU .* "
                                           r"above this GPU's 131\.3 GiB; .* train\.memory_check=false"):
-        check_memory(compose(["model=nano30b", *GPU, "train.micro_batch_size=1"]), 1, 141e9)
-    check_memory(compose(["model=nano30b_slice", *GPU, "train.micro_batch_size=1"]), 1, 141e9)  # fits: no error
+        check(compose(["model=nano30b", *GPU, "train.micro_batch_size=1"]))
+    check(compose(["model=nano30b_slice", *GPU, "train.micro_batch_size=1"]))  # fits: no error
 
 def test_training_refuses_a_bad_memory_check_value(capsys):
     from nano_hybrid.train import main

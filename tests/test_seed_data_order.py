@@ -69,7 +69,7 @@ def test_valid_seed_fixes_the_validation_samples_across_seeds(corpus_dir, tmp_pa
 
 
 def test_trainer_passes_the_run_seed_to_the_data(corpus_dir, tmp_path):
-    from nano_hybrid.train import build_dataset
+    from nano_hybrid.trainer import build_dataset
 
     def first(seed):
         cfg = compose(["model=tiny", "data=corpus", f"data.corpus_dir={corpus_dir}", "data.tokenizer.type=byte",

@@ -95,19 +95,19 @@ def test_torchrun_data_parallel_two_ranks(corpus, tmp_path):
 
 BIAS_SCRIPT = """
 import sys
-from nano_hybrid import train as T
+from nano_hybrid import runconfig, trainer as T
 from nano_hybrid.config import compose
 
 def main():
     cfg = compose(sys.argv[1:])
-    plan = T.validate(cfg)
-    ctx = T.setup(cfg, plan)
+    plan = runconfig.validate(cfg)
+    ctx = T.Trainer.build(cfg, plan)
     ctx.start_data()
     def biases():
         return [m.expert_bias.clone() for m in ctx.model.modules() if getattr(m, "expert_bias", None) is not None]
     before = biases()
     for _ in range(2):
-        T.train_step(ctx)
+        ctx.train_step()
     print("BIAS", len(before), max(float((a - b).abs().max()) for a, b in zip(before, biases())))
     T.shutdown(ctx)
 
@@ -132,15 +132,15 @@ def test_a_plan_for_another_backend_is_refused_and_replanned():
     build silently with the validated backend."""
     from omegaconf import open_dict
 
-    from nano_hybrid import train as T
+    from nano_hybrid import runconfig, trainer as T
     from nano_hybrid.config import compose
 
     cfg = compose(["model=tiny", "kernels.backend=torch", "train.device=cpu", "data=mock"])
-    plan = T.validate(cfg)
+    plan = runconfig.validate(cfg)
     assert plan.backend.name == "torch"
     with open_dict(cfg):
         cfg.kernels.backend = "helion"
-    with pytest.raises(ValueError, match="plan_for_backend"):
+    with pytest.raises(ValueError, match=r"plan\.for_backend\(cfg\)"):
         T.build_model_and_optimizer(plan, cfg)
-    replanned = T.plan_for_backend(plan, cfg)
+    replanned = plan.for_backend(cfg)
     assert replanned.backend.name == "helion" and replanned.backend_name == "helion"

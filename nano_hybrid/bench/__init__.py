@@ -13,7 +13,7 @@ Modules:
 - ``profiling``: torch.profiler traces -> per-kernel tables, device busy time and gaps, nvidia-smi sampling;
 - ``environment``: the environment record (versions, GPU, git commit);
 - ``reporting``: JSON + markdown output, the benchmark ``main`` (``bench_main``), argument helpers;
-- ``training``: the one module that uses ``nano_hybrid.train`` (set up, step, tear down a training run);
+- ``training``: the one module that uses the training API (``nano_hybrid.runconfig``, ``nano_hybrid.trainer``: validate, build a Trainer, step, tear down);
 - ``mixer``: the Mamba-2 mixer shapes, parameters and fused op under test; ``arms``: step-time A/B arms;
 - one module per command line in ``scripts/`` (same name), holding its arguments, run and report.
 

@@ -11,7 +11,7 @@ train.micro_batch_size=2 train.global_batch_size=2 train.seq_length=8192 on GPU)
 
 Method:
 - Builds the model, Megatron DDP, optimizer and data exactly as ``nano_hybrid.train`` does
-  (``validate`` -> ``setup``) and times ``nano_hybrid.train.train_step`` (a full optimizer step); with
+  (``runconfig.validate`` -> ``Trainer.build``) and times ``Trainer.train_step`` (a full optimizer step); with
   ``--fwd-bwd-only`` no optimizer is built and forward+backward is timed (models whose Adam states do not fit).
 - The kernel backend of every Mamba-2 mixer is switched in place with ``set_kernel_backend(model, name)``
   (the mixer's fused op and its gated-norm module; parameters, optimizer state and DDP hooks are kept).
@@ -238,7 +238,7 @@ def run(a) -> dict | None:
 
         times, losses, peak_gb = measure_arms(a, use, step_time, labels, plan.device)
         profile = profile_arms(a, use, step_time, step_fn, ctx, plan, labels, backends, times)
-        if plan.rank != 0:
+        if plan.dims.rank != 0:
             return None
         return result(a, cfg, plan, ctx.flops_per_token, labels, times, losses, peak_gb, profile)
     finally:
@@ -254,8 +254,8 @@ def result(a, cfg, plan, flops_per_token: float, labels, times, losses, peak_gb,
         s = stats.summarize(times[lab])
         per_arm[lab] = {
             "step_time_s": s,
-            "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.world_size,
-            "tflops_per_gpu": flops_per_token * tokens_per_step / s["median"] / plan.world_size / 1e12,
+            "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.dims.world_size,
+            "tflops_per_gpu": flops_per_token * tokens_per_step / s["median"] / plan.dims.world_size / 1e12,
             "losses": losses[lab],
             "peak_mem_gb": peak_gb[lab] if cuda else None,
         }
@@ -274,7 +274,7 @@ def result(a, cfg, plan, flops_per_token: float, labels, times, losses, peak_gb,
             "seq_length": plan.seq_length, "data": str(cfg.data.kind),
             "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
         },
-        "world_size": plan.world_size,
+        "world_size": plan.dims.world_size,
         "tokens_per_step": tokens_per_step,
         "flops_per_token": flops_per_token,
         "arms": labels,

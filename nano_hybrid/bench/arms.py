@@ -84,16 +84,18 @@ def parse_arm(spec: str) -> Arm:
 
 
 def apply_arm(ctx, arm: Arm, backends: dict) -> None:
-    """Switch ``ctx`` (a ``nano_hybrid.train.Trainer``) to ``arm`` in place: the kernel backend, the LM head + loss
+    """Switch ``ctx`` (a ``nano_hybrid.trainer.Trainer``) to ``arm`` in place: the kernel backend, the LM head + loss
     (``LMLossMambaModel`` attributes) and the AdamW implementation; keys the arm does not set take the
     composed config's values, so every arm is fully determined."""
     from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
     from nano_hybrid.optim import set_adam_fused
 
+    from nano_hybrid.model.config import model_dict
+
     cfg = ctx.cfg
-    values = {"model.lm_head_loss": cfg.model.get("lm_head_loss", "plain"),
-              "model.lm_loss_chunk_tokens": cfg.model.get("lm_loss_chunk_tokens", 4096),
-              "optim.fused": cfg.optim.get("fused", False), **dict(arm.overrides)}
+    mcfg = model_dict(cfg.model)  # the model keys' defaults filled in (model/config.py MODEL_DEFAULTS)
+    values = {"model.lm_head_loss": mcfg["lm_head_loss"], "model.lm_loss_chunk_tokens": mcfg["lm_loss_chunk_tokens"],
+              "optim.fused": cfg.optim.fused, **dict(arm.overrides)}
     m = {"lm_head_loss": values["model.lm_head_loss"], "lm_loss_chunk_tokens": values["model.lm_loss_chunk_tokens"]}
     choice, chunk = lm_head_settings(m)
     check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))

@@ -18,15 +18,15 @@ workable). train.train_iters defaults to --steps (the LR schedule then spans the
 optim.warmup_iters to min(its config value, train_iters // 5).
 
 Method:
-- The config is validated and set up exactly as ``nano_hybrid.train`` does (``validate`` -> ``setup``);
+- The config is validated and set up exactly as ``nano_hybrid.train`` does (``runconfig.validate`` -> ``Trainer.build``);
   then ``--steps x num_microbatches`` micro-batches are drawn once from the data iterator and replayed,
   in the same order, to every arm.
 - Each arm (backend) trains its OWN model: megatron's seeds are re-applied
   (``nano_hybrid.parallel.initialize_parallel``, idempotent, re-seeds python/numpy/torch and megatron's
   model-parallel RNG streams) and model + Megatron DDP + optimizer + LR schedule are built with
-  ``nano_hybrid.train.build_model_and_optimizer`` with ``kernels.backend=<arm>``. Its initial weights are
+  ``nano_hybrid.trainer.build_model_and_optimizer`` with ``kernels.backend=<arm>``. Its initial weights are
   checked to be bitwise equal to the first arm's (else the run stops). The seeds are applied again
-  before the first step, then ``nano_hybrid.train.train_step`` runs ``--steps`` full optimizer steps.
+  before the first step, then ``Trainer.train_step`` runs ``--steps`` full optimizer steps.
 - Per step: loss (global-batch mean), grad norm, lr. Per arm vs the first arm (the reference): max/mean
   absolute and relative loss difference over the steps, the step of the largest one, whether the loss
   curves are bitwise equal, and the largest absolute difference of the final weights.
@@ -211,7 +211,7 @@ def arm_config(cfg, spec):
 
 
 def check_arm_settings(cfg, specs) -> None:
-    """Each arm's settings checked as ``nano_hybrid.train.validate`` checks the composed config's (optim.fused a
+    """Each arm's settings checked as ``nano_hybrid.runconfig.validate`` checks the composed config's (optim.fused a
     bool, a known LM head + loss with a positive chunk size and no TP for the chunked ones): ConfigError naming the
     arm, before any work."""
     from omegaconf import OmegaConf
@@ -317,7 +317,7 @@ def _run(a, cfg) -> dict | None:
     dtype_name = str(plan.dtype).removeprefix("torch.")
     tol = tolerances(a, dtype_name)
     labels = stats.arm_labels([x.label for x in a.arm_specs])
-    say = (lambda msg: print(msg, flush=True)) if plan.rank == 0 else (lambda msg: None)
+    say = (lambda msg: print(msg, flush=True)) if plan.dims.rank == 0 else (lambda msg: None)
 
     ctx = training.setup(cfg, plan)
     try:
@@ -332,7 +332,7 @@ def _run(a, cfg) -> dict | None:
             if plan.device.type == "cuda":
                 torch.cuda.empty_cache()
         comps = comparisons(per_arm, labels, tol)
-        if plan.rank != 0:
+        if plan.dims.rank != 0:
             return None
         return result(a, cfg, plan, ref["n_params"], sample, labels, tol, per_arm, comps)
     finally:
@@ -368,7 +368,7 @@ def result(a, cfg, plan, n_params: int, sample, labels, tol, per_arm, comps) -> 
                       "d_inner": int(m.mamba_num_heads) * int(m.mamba_head_dim)},
             "hidden_size": int(m.hidden_size), "vocab_size": int(m.vocab_size),
         },
-        "world_size": plan.world_size,
+        "world_size": plan.dims.world_size,
         "steps": a.steps,
         "arms": labels,
         "reference": labels[0],

@@ -3,7 +3,7 @@
     python scripts/hf_check.py                                   # one H200: model=nano30b_slice, bf16, 5 steps
     python scripts/hf_check.py model=tiny train.device=cpu       # CPU smoke run (fp32)
 
-Trains ``--steps`` optimizer steps exactly as ``python -m nano_hybrid.train`` (``validate`` -> ``setup`` ->
+Trains ``--steps`` optimizer steps exactly as ``python -m nano_hybrid.train`` (``runconfig.validate`` -> ``Trainer.build`` ->
 ``train_loop``; mock data, no W&B, no checkpoint), exports the model in memory with the same mapping as
 ``python -m nano_hybrid.export_hf`` (``nano_hybrid.hf.export_model``, --dtype, default bf16 on GPU), frees
 the training state, loads the folder with transformers' ``NemotronHForCausalLM`` (bf16 on GPU; mamba-ssm

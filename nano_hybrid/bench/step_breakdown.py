@@ -8,10 +8,10 @@ Everything after the --flags is a Hydra override, as for training (defaults prep
 ``ab_step_time.py``: model=nano30b_slice data=mock, and on GPU mbs 2 x 8192).
 
 Method:
-- The model, Megatron DDP, optimizer and data are built by ``nano_hybrid.train`` (``validate`` -> ``setup``);
+- The model, Megatron DDP, optimizer and data are built by the training API (``runconfig.validate`` -> ``Trainer.build``);
   one model serves every arm. An arm is ``backend[:key=value...]`` and is switched in place with
   ``arms.apply_arm`` (kernel backend, ``model.lm_head_loss``, ``optim.fused``).
-- Per arm: --warmup steps, then --steps steps of ``nano_hybrid.train.train_step`` timed with a synchronized
+- Per arm: --warmup steps, then --steps steps of ``Trainer.train_step`` timed with a synchronized
   host clock (the measured step), then --profile-steps steps under torch.profiler.
 - Ranges: forward pre/post hooks open a ``record_function("nhb::<category>")`` around the model's modules
   (embedding, Mamba in/out projections, the Mamba mixer, attention projections and core, MoE router,
@@ -604,7 +604,7 @@ def run(a) -> dict | None:
             if ranges is not None:
                 ranges.remove()
             training.shutdown(ctx)
-    if plan.rank != 0:
+    if plan.dims.rank != 0:
         return None
     return {
         "benchmark": "step_breakdown",
@@ -615,7 +615,7 @@ def run(a) -> dict | None:
                    "global_batch_size": int(cfg.train.global_batch_size), "seq_length": plan.seq_length,
                    "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
                    "data": str(cfg.data.kind)},
-        "world_size": plan.world_size,
+        "world_size": plan.dims.world_size,
         "arms": labels,
         "categories": list(CATEGORIES),
         "descriptions": DESCRIPTIONS,

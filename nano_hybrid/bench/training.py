@@ -1,11 +1,11 @@
-"""The benchmarks' one use of ``nano_hybrid.train``: validate a config into a run plan, set up a run (model,
-Megatron DDP, optimizer, data), draw and replay its batches, build a model per arm, take one step (timed or
-not), tear it down. Every other module of the package reaches training through these functions.
+"""The benchmarks' one use of the training API (``nano_hybrid.runconfig``, ``nano_hybrid.trainer``): validate a
+config into a run plan, build a Trainer (model, Megatron DDP, optimizer, data), draw and replay its batches, build a
+model per arm, take one step (timed or not), tear it down. Every other module of the package reaches training through
+these functions.
 
-The run context (``nano_hybrid.train.Trainer``) and the run plan (``RunPlan``) they return are read
-elsewhere by attribute: ``ctx.cfg``, ``ctx.model``, ``ctx.optimizer``, ``ctx.attention_mask``,
-``ctx.flops_per_token``; ``plan.device``, ``plan.dtype``, ``plan.rank``, ``plan.world_size``,
-``plan.num_microbatches``, ``plan.seq_length``, ``plan.backend_name``.
+The Trainer and the run plan (``RunPlan``) they return are read elsewhere by attribute: ``ctx.cfg``, ``ctx.model``,
+``ctx.optimizer``, ``ctx.attention_mask``, ``ctx.flops_per_token``; ``plan.device``, ``plan.dtype``,
+``plan.dims`` (rank, world size), ``plan.num_microbatches``, ``plan.seq_length``, ``plan.backend_name``.
 """
 
 from __future__ import annotations
@@ -16,66 +16,68 @@ import itertools
 import shutil
 import tempfile
 import time
-from types import SimpleNamespace
 
 from nano_hybrid.bench import stats
 
 
-def _train():
-    """``nano_hybrid.train``, imported on first use (megatron and the model are heavy imports)."""
-    from nano_hybrid import train
+def _trainer():
+    """``nano_hybrid.trainer``, imported on first use (megatron and the model are heavy imports)."""
+    from nano_hybrid import trainer
 
-    return train
+    return trainer
 
 
 # --------------------------------------------------------------------------------------- config and run
 def validate(cfg):
     """The run plan of ``cfg`` (config, data, first backend, parallel sizes checked): fails early."""
-    return _train().validate(cfg)
+    from nano_hybrid import runconfig
+
+    return runconfig.validate(cfg)
 
 
 def validate_optim(optim_cfg, train_iters: int) -> None:
     """``optim`` checked as ``validate`` checks the composed config's."""
-    _train().validate_optim(optim_cfg, train_iters)
+    from nano_hybrid import runconfig
+
+    runconfig.validate_optim(optim_cfg, train_iters)
 
 
 def init_distributed(plan, cfg) -> None:
-    _train().init_distributed(plan, cfg)
+    _trainer().init_distributed(plan, cfg)
 
 
 def setup(cfg, plan, *, with_optimizer: bool = True):
-    """The run context: model, Megatron DDP, optimizer (unless ``with_optimizer=False``), data."""
-    return _train().setup(cfg, plan, with_optimizer=with_optimizer)
+    """The Trainer: model, Megatron DDP, optimizer (unless ``with_optimizer=False``), data."""
+    return _trainer().Trainer.build(cfg, plan, with_optimizer=with_optimizer)
 
 
 def shutdown(ctx) -> None:
-    _train().shutdown(ctx)
+    _trainer().shutdown(ctx)
 
 
 def train_loop(ctx) -> None:
     """``cfg.train.train_iters`` steps of the training loop (metrics.jsonl in ``cfg.run_dir``)."""
-    _train().train_loop(ctx)
+    ctx.fit()
 
 
 def build_model_and_optimizer(plan, cfg):
     """(model, optimizer, scheduler) for ``cfg`` exactly as training builds them."""
-    return _train().build_model_and_optimizer(plan, cfg)
+    return _trainer().build_model_and_optimizer(plan, cfg)
 
 
 def build_arm(plan, cfg):
     """(model, optimizer, scheduler) for an arm's ``cfg`` (its own ``kernels.backend``) under ``plan``."""
-    T = _train()
-    return T.build_model_and_optimizer(T.plan_for_backend(plan, cfg), cfg)
+    return _trainer().build_model_and_optimizer(plan.for_backend(cfg), cfg)
 
 
 def causal_mask_for(cfg, seq_length: int, device):
     """The attention mask training passes to the model (None where the attention builds its own)."""
-    return _train().causal_mask_for(cfg, seq_length, device)
+    return _trainer().causal_mask_for(cfg, seq_length, device)
 
 
 def cpu_compat_mode(plan):
     """The context training runs the optimizer step in (a no-op on CUDA)."""
-    return _train().cpu_compat_mode(plan)
+    return _trainer().cpu_compat_mode(plan)
 
 
 # ------------------------------------------------------------------------------------------- batches
@@ -117,10 +119,12 @@ def drop_model(ctx) -> None:
 
 
 def bare_context(plan, cfg, model, optimizer, scheduler, data_iterator):
-    """The fields of a run context that ``forward_backward`` reads, around a model built outside ``setup`` (no data
-    loader, no attention mask)."""
-    return SimpleNamespace(plan=plan, cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler,
-                           attention_mask=None, data_iterator=data_iterator)
+    """A Trainer around a model built outside ``Trainer.build`` (no data loader, no run directory, no attention
+    mask): what ``forward_backward`` needs."""
+    T = _trainer()
+    return T.Trainer(cfg=cfg, plan=plan, run_dir=None, model=model, optimizer=optimizer, scheduler=scheduler,
+                     dataset=None, state=T.TrainState(), logger=None, flops_per_token=0.0, attention_mask=None,
+                     data_iterator=data_iterator)
 
 
 def with_parts(ctx, batches: list, **parts):
@@ -131,12 +135,12 @@ def with_parts(ctx, batches: list, **parts):
 # --------------------------------------------------------------------------------------------- steps
 def train_step(ctx) -> dict[str, float]:
     """One full optimizer step over one global batch: loss, grad_norm, lr, skipped."""
-    return _train().train_step(ctx)
+    return ctx.train_step()
 
 
 def forward_backward(ctx) -> list:
     """Forward and backward over one global batch (no optimizer step): the per-micro-batch loss reports."""
-    return _train().forward_backward(ctx)
+    return ctx.forward_backward()
 
 
 def fwd_bwd_step(ctx) -> dict[str, float]:

@@ -352,12 +352,7 @@ def build_corpus(settings: CorpusSettings, out_dir: str | Path, tokenizer: Token
     try:
         builders = {s: IndexedDatasetBuilder(str(tmp / f"{s}.bin"), dtype=dtype) for s in SPLITS}
         tasks = [(os.path.join(os.path.abspath(settings.roots[r.root]), r.path), r.sha256) for r in found.rows]
-        if workers == 1:
-            _init_worker(tokenizer, settings.append_eod)
-            results = map(_tokenize_file, tasks)
-        else:
-            pool = _pool_context().Pool(workers, initializer=_init_worker, initargs=(tokenizer, settings.append_eod))
-            results = pool.imap(_tokenize_file, tasks, chunksize=16)
+        results, pool = _tokenized(tasks, tokenizer, settings.append_eod, workers)
         for row, (ids, err) in zip(found.rows, results):
             if err is not None:
                 raise CorpusError(err)
@@ -371,13 +366,7 @@ def build_corpus(settings: CorpusSettings, out_dir: str | Path, tokenizer: Token
             if totals[s]["tokens"] == 0:
                 raise CorpusError(f"the {s} split holds no tokens")
         outputs = _output_hashes(tmp)
-        table = "\t".join(TABLE_COLUMNS) + "\n" + "".join(
-            f"{r.source_fields()}\t{r.tokens}\n" for r in found.rows)
-        (tmp / "files.tsv").write_text(table, encoding="utf-8")
-        for s in SPLITS:  # read by the trainer's tokenizer check (nano_hybrid.data.prepare.corpus_tokenizer_type)
-            (tmp / f"{s}.json").write_text(json.dumps(
-                {"prefix": s, "tokenizer_type": tokenizer.type, "tokenizer": main_tok.describe(),
-                 "documents": totals[s]["files"], "tokens": totals[s]["tokens"]}, indent=1) + "\n")
+        table = _write_tables(tmp, found.rows, totals, tokenizer, main_tok)
         seconds = time.perf_counter() - t0
         manifest = {
             "format": FORMAT,
@@ -410,6 +399,27 @@ def build_corpus(settings: CorpusSettings, out_dir: str | Path, tokenizer: Token
             pool.join()
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
+
+
+def _tokenized(tasks: list, tokenizer: TokenizerSpec, append_eod: bool, workers: int):
+    """(results, pool): each task's (ids, error), in order, from this process (workers=1, pool None) or a pool of
+    ``workers`` processes (the caller terminates it)."""
+    if workers == 1:
+        _init_worker(tokenizer, append_eod)
+        return map(_tokenize_file, tasks), None
+    pool = _pool_context().Pool(workers, initializer=_init_worker, initargs=(tokenizer, append_eod))
+    return pool.imap(_tokenize_file, tasks, chunksize=16), pool
+
+
+def _write_tables(tmp: Path, rows: list[FileRow], totals: dict, tokenizer: TokenizerSpec, main_tok) -> str:
+    """``files.tsv`` (returned) and each split's ``<split>.json`` in the folder being built."""
+    table = "\t".join(TABLE_COLUMNS) + "\n" + "".join(f"{r.source_fields()}\t{r.tokens}\n" for r in rows)
+    (tmp / "files.tsv").write_text(table, encoding="utf-8")
+    for s in SPLITS:  # read by the trainer's tokenizer check (nano_hybrid.data.prepare.corpus_tokenizer_type)
+        (tmp / f"{s}.json").write_text(json.dumps(
+            {"prefix": s, "tokenizer_type": tokenizer.type, "tokenizer": main_tok.describe(),
+             "documents": totals[s]["files"], "tokens": totals[s]["tokens"]}, indent=1) + "\n")
+    return table
 
 
 def _split_totals(rows: list[FileRow]) -> dict:

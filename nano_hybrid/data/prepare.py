@@ -233,16 +233,7 @@ def write_indexed_dataset(
     pool = None
     try:
         builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
-        if workers == 1:
-            _set_json_key(spec, json_key)
-            results = map(_encode, _tasks(files))
-        else:
-            # fork is cheapest; a process that already holds a CUDA context (the trainer) spawns its workers
-            torch = sys.modules.get("torch")
-            cuda_up = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
-            ctx = multiprocessing.get_context("fork" if sys.platform == "linux" and not cuda_up else "spawn")
-            pool = ctx.Pool(workers, initializer=_set_json_key, initargs=(spec, json_key))
-            results = pool.imap(_encode, _tasks(files), chunksize=32)
+        results, pool = _encoded(files, spec, json_key, workers)
         with _Progress(total_bytes, progress) as bar:
             for ids, nbytes, err in results:
                 if err is not None:
@@ -280,13 +271,30 @@ def write_indexed_dataset(
         "append_eod": append_eod,
         "workers": workers,
         "python": sys.version.split()[0],
-        "seconds": round(seconds, 2),
-        "docs_per_s": round(n_docs / max(seconds, 1e-9), 1),
-        "tokens_per_s": round(n_tokens / max(seconds, 1e-9), 1),
+        **_rates(seconds, n_docs, n_tokens),
         "fingerprint": fingerprint(prefix),  # checked by nano_hybrid.data.check before a run reads the corpus
     }
     Path(f"{prefix}.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _rates(seconds: float, n_docs: int, n_tokens: int) -> dict:
+    return {"seconds": round(seconds, 2), "docs_per_s": round(n_docs / max(seconds, 1e-9), 1),
+            "tokens_per_s": round(n_tokens / max(seconds, 1e-9), 1)}
+
+
+def _encoded(files: list[Path], spec, json_key: str, workers: int):
+    """(results, pool): the files' encoded documents, in order, from this process (workers=1, pool None) or a
+    pool of ``workers`` processes (the caller terminates it)."""
+    if workers == 1:
+        _set_json_key(spec, json_key)
+        return map(_encode, _tasks(files)), None
+    # fork is cheapest; a process that already holds a CUDA context (the trainer) spawns its workers
+    torch = sys.modules.get("torch")
+    cuda_up = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" and not cuda_up else "spawn")
+    pool = ctx.Pool(workers, initializer=_set_json_key, initargs=(spec, json_key))
+    return pool.imap(_encode, _tasks(files), chunksize=32), pool
 
 
 def corpus_tokenizer_type(prefix: str | Path) -> str | None:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from nano_hybrid.arch import HybridArch
 from nano_hybrid.errors import RunError
@@ -46,8 +46,9 @@ class HFBridgeError(RunError):
 
 
 def _model_dict(cfg) -> dict:
-    m = cfg.model if "model" in cfg else cfg
-    return OmegaConf.to_container(m, resolve=True) if isinstance(m, DictConfig) else dict(m)
+    from nano_hybrid.model.config import model_dict
+
+    return model_dict(cfg.model if "model" in cfg else cfg)
 
 
 def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -208,7 +209,7 @@ def check_init_from_hf(cfg, folder: str | Path) -> None:
     from nano_hybrid.model.config import padded_vocab_size
 
     m = _model_dict(cfg)
-    vocab = padded_vocab_size(int(m["vocab_size"]), int(m.get("make_vocab_size_divisible_by", 128)),
+    vocab = padded_vocab_size(int(m["vocab_size"]), int(m["make_vocab_size_divisible_by"]),
                               int(cfg.parallel.tensor_model_parallel_size))
     try:
         ours = hf_config(m, vocab)

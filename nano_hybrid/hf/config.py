@@ -57,13 +57,16 @@ TRANSFORMERS_VERSION = "5.17.0"
 def hf_config(m: dict, vocab_size: int, *, dtype: str = "bfloat16", token_ids: dict | None = None) -> dict:
     """The ``config.json`` dict for model config ``m`` (a plain dict of ``cfg.model``) with the
     (padded) embedding size ``vocab_size``. ``token_ids``: bos/eos/pad ids of the run's tokenizer."""
+    from nano_hybrid.model.config import model_dict
+
+    m = model_dict(m)
     _check_supported(m)
     pat = str(m["hybrid_override_pattern"])
     heads = int(m.get("num_attention_heads") or 1)
     ffn = m.get("ffn_hidden_size")
     ffn = int(ffn) if ffn is not None else 4 * int(m["hidden_size"])
     experts = int(m.get("num_moe_experts") or 0)
-    eps = float(m.get("norm_epsilon", 1e-5))
+    eps = float(m["norm_epsilon"])
     c = {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
@@ -78,9 +81,9 @@ def hf_config(m: dict, vocab_size: int, *, dtype: str = "bfloat16", token_ids: d
         "mamba_num_heads": int(m.get("mamba_num_heads") or 0),
         "mamba_head_dim": int(m.get("mamba_head_dim") or 0),
         "ssm_state_size": int(m.get("mamba_state_dim") or 0),
-        "n_groups": int(m.get("mamba_num_groups") or 0),
-        "conv_kernel": int(m.get("mamba_conv_width", 4)),
-        "chunk_size": int(m.get("mamba_chunk_size", 128)),
+        "n_groups": int(m["mamba_num_groups"]),
+        "conv_kernel": int(m["mamba_conv_width"]),
+        "chunk_size": int(m["mamba_chunk_size"]),
         "use_conv_bias": True,
         "mamba_hidden_act": "silu",
         "mamba_proj_bias": False,

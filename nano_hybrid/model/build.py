@@ -67,34 +67,23 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
         raise RuntimeError("build_model needs megatron's parallel state: call nano_hybrid.parallel.initialize_parallel(cfg) first")
     mcore_compat.apply_mcore_compat()
 
-    device = default_device() if device is None else torch.device(device)
+    device = _build_device(device, backend)
     dtype = torch.float32 if dtype is None else dtype
-    if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx != torch.cuda.current_device():
-            raise ValueError(f"build_model(device={device}) but the current CUDA device is {torch.cuda.current_device()}; "
-                             "call torch.cuda.set_device first")
-    elif device.type == "cpu" and torch.cuda.is_available():
-        raise ValueError("build_model(device='cpu') on a CUDA machine is not supported (megatron allocates on "
-                         "torch.cuda.current_device()); use device='meta' or the GPU")
-    if backend.name == "mamba_ssm" and device.type == "cpu":
-        raise ConfigError("kernels.backend=mamba_ssm needs a CUDA device; use kernels.backend=torch on CPU")
-
     m = model_dict(cfg.model)
     lm_head_loss, lm_loss_chunk_tokens = lm_head_settings(m)
     tcfg = make_transformer_config(cfg, device=device, dtype=dtype)
     recompute, recompute_modules = recompute_settings(m)
     spec = hybrid_stack_spec(
         backend,
-        attention_impl=m.get("attention_impl", "sdpa"),
-        moe_experts_impl=m.get("moe_experts_impl", "grouped"),
+        attention_impl=m["attention_impl"],
+        moe_experts_impl=m["moe_experts_impl"],
         num_experts=m.get("num_moe_experts"),
-        mamba_chunk_size=int(m.get("mamba_chunk_size", 128)),
-        mamba_conv_width=int(m.get("mamba_conv_width", 4)),
+        mamba_chunk_size=int(m["mamba_chunk_size"]),
+        mamba_conv_width=int(m["mamba_conv_width"]),
         recompute=recompute,
         recompute_modules=recompute_modules,
     )
-    vocab = padded_vocab_size(int(m["vocab_size"]), int(m.get("make_vocab_size_divisible_by", 128)),
+    vocab = padded_vocab_size(int(m["vocab_size"]), int(m["make_vocab_size_divisible_by"]),
                               int(cfg.parallel.tensor_model_parallel_size))
     ctx = (
         contextlib.ExitStack() if device.type != "meta"
@@ -124,6 +113,22 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
         # argument; like Megatron-LM's get_model(), move the whole module to the current GPU.
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _build_device(device, backend) -> torch.device:
+    """The device build_model builds on: ``None`` -> the default one; refused where megatron cannot build."""
+    device = default_device() if device is None else torch.device(device)
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx != torch.cuda.current_device():
+            raise ValueError(f"build_model(device={device}) but the current CUDA device is {torch.cuda.current_device()}; "
+                             "call torch.cuda.set_device first")
+    elif device.type == "cpu" and torch.cuda.is_available():
+        raise ValueError("build_model(device='cpu') on a CUDA machine is not supported (megatron allocates on "
+                         "torch.cuda.current_device()); use device='meta' or the GPU")
+    if backend.name == "mamba_ssm" and device.type == "cpu":
+        raise ConfigError("kernels.backend=mamba_ssm needs a CUDA device; use kernels.backend=torch on CPU")
+    return device
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nano_hybrid import mcore_compat
 from nano_hybrid.config import ConfigError
-from nano_hybrid.model.lm_loss import lm_head_settings
+from nano_hybrid.model.lm_loss import DEFAULT_CHUNK_TOKENS, DEFAULT_LM_HEAD_LOSS, lm_head_settings
 
 ATTENTION_IMPLS = ("sdpa", "unfused")
 MOE_EXPERTS_IMPLS = ("grouped", "sequential")
@@ -96,12 +96,28 @@ _MODEL_ONLY = (
     "use_cpu_initialization", "recompute", "recompute_modules", "lm_head_loss", "lm_loss_chunk_tokens",
 )
 REQUIRED = ("name", "hybrid_override_pattern", "hidden_size", "vocab_size", "seq_length")
+# The defaults of the optional model keys every reader needs a value of: the one place they live (a key that is
+# absent or null takes it). mamba_num_groups is megatron's TransformerConfig default.
+MODEL_DEFAULTS = {
+    "make_vocab_size_divisible_by": 128,
+    "mamba_num_groups": 8,
+    "mamba_chunk_size": 128,
+    "mamba_conv_width": 4,
+    "norm_epsilon": 1e-5,
+    "attention_impl": "sdpa",
+    "moe_experts_impl": "grouped",
+    "lm_head_loss": DEFAULT_LM_HEAD_LOSS,
+    "lm_loss_chunk_tokens": DEFAULT_CHUNK_TOKENS,
+}
 
 
 def model_dict(model_cfg: Any) -> dict:
-    if isinstance(model_cfg, DictConfig):
-        return OmegaConf.to_container(model_cfg, resolve=True)  # type: ignore[return-value]
-    return dict(model_cfg)
+    """``cfg.model`` (a DictConfig or a mapping) as a plain dict, with MODEL_DEFAULTS for absent or null keys."""
+    m = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    for key, value in MODEL_DEFAULTS.items():
+        if m.get(key) is None:
+            m[key] = value
+    return m  # type: ignore[return-value]
 
 
 def check_model_cfg(m: dict) -> None:
@@ -116,9 +132,9 @@ def check_model_cfg(m: dict) -> None:
     bad = sorted(set(pat) - LAYER_SYMBOLS)
     if not pat or bad:
         raise ConfigError(f"model.hybrid_override_pattern={pat!r}: symbols must be from M E * - (bad: {bad})")
-    if m.get("attention_impl", "sdpa") not in ATTENTION_IMPLS:
+    if m.get("attention_impl", MODEL_DEFAULTS["attention_impl"]) not in ATTENTION_IMPLS:
         raise ConfigError(f"model.attention_impl={m.get('attention_impl')!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
-    if m.get("moe_experts_impl", "grouped") not in MOE_EXPERTS_IMPLS:
+    if m.get("moe_experts_impl", MODEL_DEFAULTS["moe_experts_impl"]) not in MOE_EXPERTS_IMPLS:
         raise ConfigError(
             f"model.moe_experts_impl={m.get('moe_experts_impl')!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
     if not isinstance(m.get("use_cpu_initialization", False), bool):
@@ -166,7 +182,7 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
     kw.update(
         num_layers=len(m["hybrid_override_pattern"]),
         normalization="RMSNorm",
-        layernorm_epsilon=float(m.get("norm_epsilon", 1e-5)),
+        layernorm_epsilon=float(m["norm_epsilon"]),
         add_bias_linear=False,
         gated_linear_unit=False,
         # megatron's squared_relu is torch.compile'd (jit_fuser): a long first-call compile on CPU
@@ -219,7 +235,7 @@ def mixer_dims(cfg: DictConfig) -> dict[str, int]:
     par = cfg.parallel
     tp = int(par.tensor_model_parallel_size)
     cp = int(par.get("context_parallel_size", 1) or 1)
-    h, g = int(m.get("mamba_num_heads") or 0), int(m.get("mamba_num_groups") or 1)
+    h, g = int(m.get("mamba_num_heads") or 0), int(m["mamba_num_groups"])
     if not h:
         raise ConfigError(f"model {m.get('name')!r} has no Mamba mixer (model.mamba_num_heads is not set)")
     for key, v in (("model.mamba_num_heads", h), ("model.mamba_num_groups", g)):
@@ -229,4 +245,4 @@ def mixer_dims(cfg: DictConfig) -> dict[str, int]:
     if seq % cp:
         raise ConfigError(f"train.seq_length={seq} is not divisible by parallel.context_parallel_size={cp}")
     return dict(b=int(cfg.train.micro_batch_size), l=seq // cp, h=h // tp, p=int(m["mamba_head_dim"]), g=g // tp,
-                n=int(m["mamba_state_dim"]), c=int(m.get("mamba_chunk_size", 128)), w=int(m.get("mamba_conv_width", 4)))
+                n=int(m["mamba_state_dim"]), c=int(m["mamba_chunk_size"]), w=int(m["mamba_conv_width"]))

@@ -24,13 +24,14 @@ import torch
 from megatron.core.models.mamba import MambaModel
 
 LM_HEAD_LOSSES = ("plain", "chunked", "chunked_compiled")
+DEFAULT_LM_HEAD_LOSS = "plain"
 DEFAULT_CHUNK_TOKENS = 4096
 PROFILE_RANGE = "nano_hybrid::lm_head_loss"  # record_function name around the chunked head (step breakdown)
 
 
 def lm_head_settings(m: dict) -> tuple[str, int]:
     """(``model.lm_head_loss``, ``model.lm_loss_chunk_tokens``) from a model dict; ``ValueError`` naming the key."""
-    choice = m.get("lm_head_loss", "plain")
+    choice = m.get("lm_head_loss", DEFAULT_LM_HEAD_LOSS)
     if choice not in LM_HEAD_LOSSES:
         raise ValueError(f"model.lm_head_loss={choice!r}; choose one of {', '.join(LM_HEAD_LOSSES)}")
     chunk = m.get("lm_loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
@@ -159,7 +160,7 @@ class LMLossMambaModel(MambaModel):
     embedding's when they are tied). Parameters and checkpoint keys are those of ``MambaModel``.
     """
 
-    def __init__(self, *args, lm_head_loss: str = "plain", lm_loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    def __init__(self, *args, lm_head_loss: str = DEFAULT_LM_HEAD_LOSS, lm_loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.lm_head_loss, self.lm_loss_chunk_tokens = lm_head_settings(

@@ -1,0 +1,318 @@
+"""Run-config validation: every check that needs no work, before any process group, model or file exists.
+
+    plan = validate(cfg)          # RunPlan, or one ConfigError / DataConfigError naming the key
+
+Checks, in order: numeric keys, the train loop's sizes, device and precision, the optimizer, the parallel layout
+against the model and the world size, the LM head's parallel form, the memory planner (on a GPU), tokenizer
+against the model's embedding, validation and data paths (with their recorded tokenizer and fingerprint), the
+kernel backend, the W&B mode and ``checkpoint.init_from_hf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from nano_hybrid.checkpoint import check_settings as check_checkpoint_settings
+from nano_hybrid.config import ConfigError
+from nano_hybrid.data import (
+    DataConfigError,
+    DataSpec,
+    TokenizerError,
+    TokenizerSpec,
+    build_tokenizer,
+    corpus_tokenizer_type,
+    missing_paths,
+    padded_vocab_size,
+)
+from nano_hybrid.data.check import CorpusCheckError, check_corpus
+from nano_hybrid.layout import LaunchEnv, ParallelDims
+from nano_hybrid.schema import RunConfig, check_keys
+
+# The only places data.prepare_if_missing=stdlib builds the stdlib corpus: byte tokens (data=default) and the
+# 131k Tekken BPE (data=stdlib_bpe131k, the Nano default), each with the configured data.tokenizer.
+DEFAULT_CORPORA = ("data/stdlib/stdlib", "data/stdlib_bpe131k/stdlib")
+
+
+@dataclass
+class RunPlan:
+    """Everything derived from the config during validation (before any process group or model exists)."""
+
+    run: RunConfig  # the validated config, typed and frozen
+    dims: ParallelDims  # the parallel layout and this process's place in it
+    device: torch.device
+    dtype: torch.dtype
+    num_microbatches: int
+    backend_name: str
+    data: DataSpec
+    seq_length: int
+    tokenizer: Any
+    tokenizer_spec: Any = None  # nano_hybrid.data.TokenizerSpec (workers of a corpus build rebuild it)
+    eval_interval: int = 0  # validation every N steps (0: none)
+    eval_iters: int = 0  # global batches per validation
+    backend: Any = None  # the kernels.registry.KernelBackend validation resolved (build_model reuses it)
+
+    def for_backend(self, cfg: DictConfig) -> "RunPlan":
+        """This plan with the kernel backend of ``cfg.kernels`` (for tools that run several backends in one process
+        after changing ``cfg.kernels.backend``): validation resolves the backend once, this resolves the new one."""
+        from nano_hybrid.model.build import resolve_backend
+
+        return dataclasses.replace(self, backend=resolve_backend(cfg), backend_name=str(cfg.kernels.backend))
+
+
+# Keys read as numbers: a value that is not one (``optim.lr=abc``) is one line naming the key before any work.
+# (key, kind, nullable); kind "int" takes whole numbers only.
+NUMERIC_KEYS = (
+    ("seed", "int", False), ("model.seq_length", "int", False), ("model.vocab_size", "int", False),
+    ("optim.lr", "float", False), ("optim.min_lr", "float", False), ("optim.init_lr", "float", False),
+    ("optim.weight_decay", "float", False), ("optim.clip_grad", "float", False), ("optim.adam_beta1", "float", False),
+    ("optim.adam_beta2", "float", False), ("optim.adam_eps", "float", False), ("optim.warmup_iters", "int", False),
+    ("optim.wsd_decay_fraction", "float", True), ("train.exit_after_minutes", "float", True),
+    ("train.torch_threads", "int", True),
+    ("data.num_workers", "int", True), ("data.prepare_workers", "int", True),
+    ("data.tokenizer.vocab_size", "int", True), ("data.tokenizer.num_special_tokens", "int", True),
+)
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """ConfigError naming the first key of NUMERIC_KEYS whose value is not a number of its kind."""
+    for key, kind, nullable in NUMERIC_KEYS:
+        v = OmegaConf.select(cfg, key, default=None)
+        if v is None and nullable:
+            continue
+        ok = not isinstance(v, bool) and (isinstance(v, int) if kind == "int" else isinstance(v, (int, float)))
+        if not ok and isinstance(v, str) and kind == "float":  # YAML reads 3e-3 (no dot) as a string
+            try:
+                float(v)
+                ok = True
+            except ValueError:
+                pass
+        if not ok:
+            what = "a whole number" if kind == "int" else "a number"
+            raise ConfigError(f"{key}={v!r} must be {what}" + (" or null" if nullable else ""))
+
+
+def _positive_int(cfg: DictConfig, key: str) -> int:
+    v = OmegaConf.select(cfg, key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"{key}={v!r} must be a positive integer")
+    return v
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device={name!r}; choose auto, cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but torch sees no CUDA GPU (use train.device=cpu or auto)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name, local_rank) if name == "cuda" else torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.precision={name!r}; choose auto, bf16 or fp32")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bf16" and device.type != "cuda":
+        raise ConfigError("train.precision=bf16 needs a CUDA device; CPU training runs in fp32")
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def validate_optim(o: DictConfig, train_iters: int) -> None:
+    if str(o.optimizer) != "adam":
+        raise ConfigError(f"optim.optimizer={o.optimizer!r}; supported: adam (AdamW, decoupled weight decay)")
+    if not isinstance(o.fused, bool):
+        raise ConfigError(f"optim.fused={o.fused!r} must be true or false")
+    for key in ("lr", "adam_beta1", "adam_beta2", "adam_eps"):
+        if not float(o[key]) > 0:
+            raise ConfigError(f"optim.{key}={o[key]} must be > 0")
+    if not 0 <= float(o.min_lr) <= float(o.lr):
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+    if not 0 <= float(o.init_lr) <= float(o.lr):
+        raise ConfigError(f"optim.init_lr={o.init_lr} must be in [0, optim.lr={o.lr}]")
+    if float(o.weight_decay) < 0 or float(o.clip_grad) < 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay} and optim.clip_grad={o.clip_grad} must be >= 0")
+    if not 0 <= int(o.warmup_iters) < train_iters:
+        raise ConfigError(f"optim.warmup_iters={o.warmup_iters} must be in [0, train.train_iters={train_iters})")
+    style = str(o.decay_style)
+    if style not in ("WSD", "cosine", "linear", "constant"):
+        raise ConfigError(f"optim.decay_style={style!r}; choose WSD, cosine, linear or constant")
+    if style == "WSD":
+        frac = o.wsd_decay_fraction
+        if frac is None or not 0 < float(frac) <= 1:
+            raise ConfigError(f"optim.wsd_decay_fraction={frac} must be in (0, 1] for decay_style=WSD")
+        if str(o.wsd_decay_style) not in ("linear", "cosine", "exponential", "minus_sqrt"):
+            raise ConfigError(f"optim.wsd_decay_style={o.wsd_decay_style!r}; choose linear, cosine, exponential or minus_sqrt")
+
+
+def _check_train(cfg: DictConfig) -> tuple[int, int, int, int]:
+    """The loop's sizes and switches: (micro_batch_size, global_batch_size, seq_length, train_iters)."""
+    t = cfg.train
+    mbs, gbs = _positive_int(cfg, "train.micro_batch_size"), _positive_int(cfg, "train.global_batch_size")
+    seq = _positive_int(cfg, "train.seq_length")
+    iters = _positive_int(cfg, "train.train_iters")
+    _positive_int(cfg, "train.log_interval")
+    if seq > int(cfg.model.seq_length):
+        raise ConfigError(f"train.seq_length={seq} exceeds model.seq_length={cfg.model.seq_length}")
+    if t.exit_after_minutes is not None and not float(t.exit_after_minutes) > 0:
+        raise ConfigError(f"train.exit_after_minutes={t.exit_after_minutes} must be > 0 or null")
+    if t.torch_threads is not None and int(t.torch_threads) <= 0:
+        raise ConfigError(f"train.torch_threads={t.torch_threads} must be a positive integer or null")
+    mss = t.max_skipped_steps
+    if mss is not None and (not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0):
+        raise ConfigError(f"train.max_skipped_steps={mss!r} must be a positive integer or null")
+    check_checkpoint_settings(cfg.checkpoint)
+    return mbs, gbs, seq, iters
+
+
+def _check_layout(cfg: DictConfig, env: LaunchEnv, mbs: int, gbs: int, device: torch.device) -> ParallelDims:
+    """The parallel layout against the model, the world size, the batch and this GPU: the run's layout record."""
+    from nano_hybrid.model.lm_loss import check_lm_head_parallel
+
+    dims = ParallelDims.build(cfg, env)  # names the offending numbers
+    dp = dims.dp
+    try:  # the chunked LM head + loss has no vocab-parallel form
+        check_lm_head_parallel(OmegaConf.to_container(cfg.model, resolve=True),
+                               int(cfg.parallel.tensor_model_parallel_size))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if gbs % (mbs * dp):
+        raise ConfigError(
+            f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} x data-parallel size {dp}"
+        )
+    # The memory planner (nano_hybrid.plan) against this GPU: refuse a run that cannot fit.
+    memory_check = cfg.train.memory_check
+    if not isinstance(memory_check, bool):
+        raise ConfigError(f"train.memory_check={memory_check!r} must be true or false")
+    if memory_check and device.type == "cuda":
+        from nano_hybrid.plan import check_memory
+
+        check_memory(cfg, dims, torch.cuda.get_device_properties(device).total_memory)
+    return dims
+
+
+def _check_tokenizer(cfg: DictConfig):
+    """(TokenizerSpec, tokenizer): the tokenizer's ids must fit the model's embedding, padded as Megatron pads it."""
+    try:
+        tok_spec = TokenizerSpec.from_cfg(cfg.data.tokenizer)
+        tokenizer = build_tokenizer(tok_spec)
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from None
+    from nano_hybrid.model.config import model_dict
+
+    tp = int(cfg.parallel.tensor_model_parallel_size)
+    divisible_by = int(model_dict(cfg.model)["make_vocab_size_divisible_by"])
+    model_vocab = padded_vocab_size(int(cfg.model.vocab_size), divisible_by, tp)
+    if tokenizer.vocab_size > model_vocab:
+        raise ConfigError(
+            f"the {tok_spec.type} tokenizer has {tokenizer.vocab_size:,} ids but the model's embedding has {model_vocab:,} "
+            f"(model.vocab_size={cfg.model.vocab_size} padded to a multiple of make_vocab_size_divisible_by={divisible_by} "
+            f"x TP={tp}); raise model.vocab_size or pick a smaller tokenizer"
+        )
+    return tok_spec, tokenizer
+
+
+def _check_eval(cfg: DictConfig) -> tuple[int, int]:
+    """(eval_interval, eval_iters); both 0 without validation."""
+    eval_interval = cfg.train.eval_interval
+    if not isinstance(eval_interval, int) or isinstance(eval_interval, bool) or eval_interval < 0:
+        raise ConfigError(f"train.eval_interval={eval_interval!r} must be an integer >= 0 (0: no validation)")
+    eval_iters = _positive_int(cfg, "train.eval_iters") if eval_interval else 0
+    return eval_interval, eval_iters
+
+
+def _check_data(cfg: DictConfig, tok_spec: TokenizerSpec, eval_interval: int) -> DataSpec:
+    """The data paths: present (or buildable by data.prepare_if_missing), intact, written with this tokenizer."""
+    spec = DataSpec.from_cfg(cfg.data)
+    missing = missing_paths(spec) if spec.kind == "indexed" else []
+    prepare = cfg.data.get("prepare_if_missing")
+    if missing and (prepare is None or len(spec.paths) != 1):
+        raise DataConfigError(
+            f"data path not found: {', '.join(m + '.bin/.idx' for m in missing)}"
+            + ("" if prepare is None else " (data.prepare_if_missing builds a single-path corpus only)")
+        )
+    if missing and str(prepare) != "stdlib":
+        raise DataConfigError(f"data.prepare_if_missing={prepare!r}; supported: stdlib or null")
+    if eval_interval and spec.kind == "mock":
+        raise DataConfigError("data=mock has no validation data (synthetic tokens); set train.eval_interval=0")
+    if eval_interval and spec.kind == "indexed" and not spec.valid_paths and not spec.split_has_valid:
+        raise DataConfigError(
+            f"train.eval_interval={eval_interval} but data.split={spec.split!r} leaves no validation documents "
+            "(e.g. data.split=\"969,30,1\", or set data.valid_paths)"
+        )
+    if missing and os.path.abspath(spec.paths[0]) not in {os.path.abspath(p) for p in DEFAULT_CORPORA}:
+        raise DataConfigError(
+            f"data path not found: {spec.paths[0]}.bin/.idx (data.prepare_if_missing=stdlib builds the default "
+            f"corpus only at its default locations {', '.join(DEFAULT_CORPORA)}; build other corpora with "
+            "scripts/prepare_data.py)"
+        )
+    for p in spec.paths + spec.valid_paths:
+        if p not in missing:  # .idx and .bin agree (sizes) and match the fingerprint preparation recorded
+            try:
+                check_corpus(p)
+            except CorpusCheckError as e:
+                raise DataConfigError(str(e)) from None
+        written_with = corpus_tokenizer_type(p)  # a corpus written by prepare_data records its tokenizer
+        if written_with is not None and written_with != tok_spec.type:
+            raise DataConfigError(
+                f"{p} was tokenized with the {written_with} tokenizer but data.tokenizer.type={tok_spec.type}"
+            )
+    return spec
+
+
+def _check_run_io(cfg: DictConfig):
+    """The kernel backend (resolved and returned), the W&B mode and the ``checkpoint.init_from_hf`` folder."""
+    from nano_hybrid.metrics import WANDB_MODES
+    from nano_hybrid.model.build import resolve_backend
+
+    # unknown / unavailable backends raise their own one-line errors, bad switches / settings a ConfigError
+    backend = resolve_backend(cfg)
+    if str(cfg.logger.wandb.mode) not in WANDB_MODES:
+        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}; choose one of {', '.join(WANDB_MODES)}")
+    init_hf = cfg.checkpoint.init_from_hf
+    if init_hf not in (None, ""):  # the folder's config.json must describe this model (first mismatch named)
+        from nano_hybrid.hf import HFBridgeError, MappingError, check_init_from_hf
+
+        try:
+            check_init_from_hf(cfg, str(init_hf))
+        except (HFBridgeError, MappingError) as e:
+            raise ConfigError(str(e)) from None
+    return backend
+
+
+def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
+    """Check every setting that can be checked without doing work; raise one clear error. ``env``: the
+    launcher's world this process is in (default: ``LaunchEnv.read()``, this process's environment)."""
+    env = LaunchEnv.read() if env is None else env
+    check_keys(cfg)
+    check_numbers(cfg)
+    mbs, gbs, seq, iters = _check_train(cfg)
+    device = resolve_device(str(cfg.train.device), env.local_rank)
+    dtype = resolve_dtype(str(cfg.train.precision), device)
+    validate_optim(cfg.optim, iters)
+    dims = _check_layout(cfg, env, mbs, gbs, device)
+    tok_spec, tokenizer = _check_tokenizer(cfg)
+    eval_interval, eval_iters = _check_eval(cfg)
+    spec = _check_data(cfg, tok_spec, eval_interval)
+    backend = _check_run_io(cfg)
+    return RunPlan(
+        run=RunConfig.from_cfg(cfg),
+        dims=dims,
+        device=device,
+        dtype=dtype,
+        num_microbatches=gbs // (mbs * dims.dp),
+        backend_name=backend.name,
+        backend=backend,
+        data=spec,
+        seq_length=seq,
+        tokenizer=tokenizer,
+        tokenizer_spec=tok_spec,
+        eval_interval=eval_interval,
+        eval_iters=eval_iters,
+    )
