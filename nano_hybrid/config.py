@@ -12,13 +12,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from nano_hybrid.errors import ConfigError  # noqa: F401 (the config's one error type, raised here)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 RECIPES_DIR = REPO_ROOT / "recipes"
-
-
-class ConfigError(ValueError):
-    """A bad configuration, reported before any work starts."""
 
 
 def list_recipes() -> list[str]:

@@ -17,6 +17,11 @@ import sys
 import time
 import warnings
 
+
+class ConfigError(ValueError):
+    """A bad configuration, reported before any work starts (``nano_hybrid.config`` raises it; one line)."""
+
+
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
@@ -93,16 +98,9 @@ def _write_line(line: str) -> None:
     os.write(fd, data)
 
 
-def report_error(message: str, *, rank: int | None = None, collective: bool = False) -> bool:
-    """Print ``error: message`` (once per job for a collective error) and leave it for torchrun's summary; returns
-    whether this rank printed it. ``rank``: default the launcher's (``nano_hybrid.layout.LaunchEnv``)."""
-    if rank is None:
-        from nano_hybrid.layout import LaunchEnv
-
-        try:
-            rank = LaunchEnv.read().rank
-        except ValueError:  # a RANK that is not an integer is itself the error being reported: print it
-            rank = 0
+def report_error(message: str, *, rank: int, collective: bool = False) -> bool:
+    """Print ``error: message`` (once per job for a collective error: rank 0 prints it) and leave it for torchrun's
+    summary; returns whether this rank printed it."""
     line = f"error: {message}"
     printed = not collective or rank == 0
     if printed:

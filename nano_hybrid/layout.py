@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from nano_hybrid.config import ConfigError
+from nano_hybrid.errors import ConfigError
 from nano_hybrid.schema import ParallelSchema
 
 PARALLEL_KEYS = tuple(f.name for f in dataclasses.fields(ParallelSchema))
@@ -94,6 +94,11 @@ class ParallelDims:
         if errors:
             raise ConfigError("invalid parallel layout: " + "; ".join(errors))
         return dims
+
+    @classmethod
+    def single(cls) -> "ParallelDims":
+        """One process, no model parallelism: rank 0 of 1."""
+        return cls(tp=1, pp=1, cp=1, ep=1, etp=1, sp=False, dist_opt=False, world_size=1)
 
     def _grid_errors(self) -> list[str]:
         tp, pp, cp, ep, etp, world = self.tp, self.pp, self.cp, self.ep, self.etp, self.world_size

@@ -59,6 +59,8 @@ def initialize_parallel(cfg: DictConfig, *, dims: ParallelDims | None = None, ba
     if have != (dims.tp_rank, dims.dp_rank, dims.pp_rank):
         raise RuntimeError(f"megatron placed rank {dims.rank} at TP/DP/PP rank {have}, the layout record at "
                            f"{(dims.tp_rank, dims.dp_rank, dims.pp_rank)}")
+    global _ACTIVE
+    _ACTIVE = dims
     seed = int(cfg.seed) + 100 * dims.pp_rank
     random.seed(seed)
     torch.manual_seed(seed)
@@ -97,10 +99,31 @@ def _init_process_group(dims: ParallelDims, backend: str | None) -> None:
                            f"expected {dims.world_size}")
 
 
+# The record megatron's parallel state was initialised from (initialize_parallel), None before and after a run.
+_ACTIVE: ParallelDims | None = None
+
+
+def active_dims() -> ParallelDims:
+    """The layout record of the running job: the one ``initialize_parallel`` set up; a single process (rank 0 of 1)
+    when no process group exists. A process group of more than one rank that ``initialize_parallel`` did not set
+    up is an error (its layout is unknown here)."""
+    import torch.distributed as dist
+
+    if _ACTIVE is not None:
+        return _ACTIVE
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(f"a process group of {dist.get_world_size()} ranks without a layout record: set up "
+                           "multi-process runs with nano_hybrid.parallel.initialize_parallel")
+    return ParallelDims.single()
+
+
 def destroy_parallel() -> None:
     """Tear down megatron's parallel state and the torch.distributed process group (if any)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+
+    global _ACTIVE
+    _ACTIVE = None
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

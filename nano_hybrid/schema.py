@@ -183,7 +183,7 @@ def register() -> None:
 def check_keys(cfg) -> None:
     """ConfigError naming the first key of a schema group that the schema does not know (one added with
     ``+group.key=...``), with the closest known key."""
-    from nano_hybrid.config import ConfigError
+    from nano_hybrid.errors import ConfigError
 
     def walk(node, schema: type, prefix: str) -> None:
         fields = {f.name: f for f in dataclasses.fields(schema)}

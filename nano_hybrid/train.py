@@ -21,9 +21,18 @@ filter_startup_warnings()  # known harmless megatron-core start-up warnings (no 
 
 from nano_hybrid.config import ConfigError, compose, overrides_from_argv  # noqa: E402
 from nano_hybrid.data import DataConfigError, DataPreparationError  # noqa: E402
+from nano_hybrid.layout import LaunchEnv  # noqa: E402
 from nano_hybrid.runconfig import validate  # noqa: E402
 from nano_hybrid.signals import ExitRequest  # noqa: E402
 from nano_hybrid.trainer import Trainer, release_refused_start, release_run_dir, shutdown  # noqa: E402
+
+def _launch_rank() -> int:
+    """This process's rank from the launcher (0 when RANK is unset, or is itself the error being reported)."""
+    try:
+        return LaunchEnv.read().rank
+    except ValueError:
+        return 0
+
 
 def main(argv: list[str] | None = None) -> int:
     from kernels.registry import BackendUnavailableError, UnknownBackendError
@@ -36,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
         # every rank validates the same config and finds the same error: rank 0 prints it, once per job; the
         # others give it a moment to, as torchrun stops the job at the first rank that exits
-        if not report_error(str(e), collective=True):
+        if not report_error(str(e), rank=_launch_rank(), collective=True):
             time.sleep(5.0)
         return EXIT_BAD_INPUT
     trainer = None
@@ -53,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.logger.print(f"done: {trainer.state.step} steps, {trainer.state.consumed_tokens:,} tokens; "
                                  f"metrics in {trainer.run_dir}/metrics.jsonl")
     except (DataPreparationError, DataConfigError) as e:
-        report_error(str(e), collective=plan.dims.multi_process)
+        report_error(str(e), rank=plan.dims.rank, collective=plan.dims.multi_process)
         return EXIT_BAD_INPUT
     except RunError as e:  # checkpoint, storage, run-dir lock, divergence: one line (once per job if collective)
-        report_error(str(e), collective=e.collective)
+        report_error(str(e), rank=plan.dims.rank, collective=e.collective)
         return e.exit_code
     finally:
         if not started:

@@ -73,3 +73,19 @@ def test_run_config_is_typed_and_frozen():
 
 def test_both_ways_to_pick_a_backend_compose_the_same_config():
     assert compose(["kernels=helion"]) == compose(["kernels.backend=helion"])
+
+
+def test_checkpoint_package_reads_the_jobs_layout_record(monkeypatch):
+    """The checkpoint manifest's ``parallel`` record and the save/load ranks come from the one layout record that
+    megatron was set up from; without one (no process group) a single process, rank 0 of 1."""
+    from nano_hybrid import parallel
+    from nano_hybrid.checkpoint import run_layout
+    from nano_hybrid.layout import ParallelDims
+
+    dims = ParallelDims(tp=2, pp=1, cp=1, ep=2, etp=1, sp=False, dist_opt=True, world_size=4, rank=3, local_rank=3,
+                        launched=True)
+    monkeypatch.setattr(parallel, "_ACTIVE", dims)
+    assert run_layout() is dims
+    assert run_layout().as_dict() == {"world_size": 4, "tp": 2, "pp": 1, "cp": 1, "ep": 2, "etp": 1, "dp": 2}
+    monkeypatch.setattr(parallel, "_ACTIVE", None)
+    assert run_layout() == ParallelDims.single() and run_layout().rank == 0 and run_layout().world_size == 1

@@ -61,7 +61,7 @@ from nano_hybrid.checkpoint.manager import (
     save_checkpoint,
 )
 from nano_hybrid.checkpoint.mcore_io import get_rng_state, model_signature, set_rng_state
-from nano_hybrid.checkpoint.ranks import RunLayout, run_layout
+from nano_hybrid.checkpoint.ranks import run_layout
 
 __all__ = [
     "META_FILE",
@@ -71,7 +71,6 @@ __all__ = [
     "CheckpointSaveError",
     "Checkpointer",
     "LoadedCheckpoint",
-    "RunLayout",
     "check_compatible",
     "check_settings",
     "get_rng_state",

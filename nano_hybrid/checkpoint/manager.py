@@ -160,7 +160,7 @@ def check_compatible(meta: dict, model, optimizer, path: Path) -> None:
                 f"this run uses {not s_dist}; resume with the same setting"
             )
         if s_dist:
-            s_lay, c_lay = meta["parallel"], run_layout().parallel()
+            s_lay, c_lay = meta["parallel"], run_layout().as_dict()
             fixed = ("tp", "pp", "cp", "ep", "etp")
             diff = [f"{k} {s_lay[k]}->{c_lay[k]}" for k in fixed if s_lay.get(k) != c_lay[k]]
             if diff:
@@ -203,7 +203,7 @@ def _manifest(train_state, optimizer, *, wandb_run_id, model_name, signature) ->
         "wandb_run_id": wandb_run_id,
         "model_name": model_name,
         "model_signature": signature,
-        "parallel": run_layout().parallel(),
+        "parallel": run_layout().as_dict(),
         "has_optimizer": optimizer is not None,
         "distributed_optimizer": dist_opt,
         "distrib_optim_sharding_type": DISTRIB_OPTIM_SHARDING if dist_opt else None,

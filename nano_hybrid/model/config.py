@@ -36,7 +36,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from nano_hybrid import mcore_compat
-from nano_hybrid.config import ConfigError
+from nano_hybrid.errors import ConfigError
 from nano_hybrid.model.lm_loss import DEFAULT_CHUNK_TOKENS, DEFAULT_LM_HEAD_LOSS, lm_head_settings
 
 ATTENTION_IMPLS = ("sdpa", "unfused")
