@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats, training
-from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, SWITCHABLE, apply_arm, parse_arm
+from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, SWITCHABLE, apply_arm, compose_over_defaults, parse_arm
 from nano_hybrid.bench.mixer import MixerOp, MixerShape, make_params
 
 
@@ -93,14 +93,9 @@ def total_steps(a) -> int:
 
 def compose_cfg(a):
     """Compose the config: defaults, then the user's overrides; train_iters covers every step we run."""
-    import torch
     from omegaconf import open_dict
 
-    from nano_hybrid.config import compose
-
-    defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
-    cfg = compose(defaults + a.overrides)
-    user_keys = {o.split("=", 1)[0].lstrip("+~") for o in a.overrides}
+    cfg, user_keys = compose_over_defaults(GPU_DEFAULTS, CPU_DEFAULTS, a.overrides)
     with open_dict(cfg):
         if "train.train_iters" not in user_keys:
             cfg.train.train_iters = max(total_steps(a), int(cfg.optim.warmup_iters) + 1)

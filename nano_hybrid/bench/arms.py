@@ -54,6 +54,17 @@ def set_kernel_backend(model, backend) -> int:
 SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", "optim.fused")
 
 
+def compose_over_defaults(gpu_defaults: list[str], cpu_defaults: list[str], overrides: list[str]):
+    """``(cfg, user_keys)``: the config composed from this host's defaults (``gpu_defaults`` with CUDA, else
+    ``cpu_defaults``) then the user's ``overrides``, and the keys those overrides set."""
+    import torch
+
+    from nano_hybrid.config import compose
+
+    cfg = compose((gpu_defaults if torch.cuda.is_available() else cpu_defaults) + list(overrides))
+    return cfg, {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
 @dataclass(frozen=True)
 class Arm:
     """One A/B arm: a kernel backend plus settings that switch in place (``SWITCHABLE`` keys)."""

@@ -106,14 +106,11 @@ def parse_args(argv=None):
 
 def compose_cfg(a):
     """Defaults, then the user's overrides; train_iters = --steps unless given; no checkpoints, no W&B."""
-    import torch
     from omegaconf import open_dict
 
-    from nano_hybrid.config import compose
+    from nano_hybrid.bench.arms import compose_over_defaults
 
-    defaults = DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
-    cfg = compose(defaults + a.overrides)
-    user_keys = {o.split("=", 1)[0].lstrip("+~") for o in a.overrides}
+    cfg, user_keys = compose_over_defaults(DEFAULTS, CPU_DEFAULTS, a.overrides)
     with open_dict(cfg):
         if "train.train_iters" not in user_keys:
             cfg.train.train_iters = a.steps
