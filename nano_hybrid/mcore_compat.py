@@ -43,7 +43,7 @@ def cuda_available() -> bool:
 
 
 def apply_mcore_compat() -> None:
-    """Apply the process-level workarounds once (idempotent, safe to call from every entry point)."""
+    """Apply the process-level megatron adaptations once (idempotent, safe to call from every entry point)."""
     global _APPLIED
     with _LOCK:
         if _APPLIED:
