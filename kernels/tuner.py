@@ -1,4 +1,7 @@
-"""The offline config search: what ``scripts/tune_kernels.py`` and first-use tuning (``kernels.helion.autotune``) run.
+"""The config search: what ``scripts/tune_kernels.py`` and first-use tuning (``kernels.helion.autotune``) run.
+
+It sits above ``kernels.tuning`` (whose ``compiled`` it times) and below ``kernels.first_use`` (which runs it at a
+call), and imports neither of the two upwards.
 
 Helion's own autotuner returned ``NoConfigFound`` on the H200 host (see kernels/README.md), so the search is driven
 here: every candidate is compiled as a fixed config (``kernels.tuning.compiled``), run once, its outputs compared with
@@ -12,7 +15,7 @@ returns a ``TuneCase`` (kernel, args, kernel dims, seed configs, tolerances). ``
 every ``kernels.*`` module and collects them.
 
 Nothing in a training step calls this module unless ``kernels.helion.autotune`` is on (``tune_call``, from
-``kernels.tuning.select_config``).
+``kernels.first_use.tune_first_use``, in a child process on a GPU).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """The runtime every training step calls: config store and lookup, the fit check, the launch cache, the fast launcher.
 
+The bottom layer of config handling: ``kernels.tuner`` (the search) is above it and ``kernels.first_use`` (what
+kernel wrappers call: ``tuned_call``, ``select_config`` with the first-use search) above both; this module imports
+neither.
+
 Files
 -----
 Committed: ``kernels/configs/<arch>/<kernel_name>.json`` (arch = ``current_arch()``, e.g. ``sm90`` for H100/H200,
@@ -11,13 +15,14 @@ Committed: ``kernels/configs/<arch>/<kernel_name>.json`` (arch = ``current_arch(
                                  "time_ms": 0.123, "date": "2026-11-29T...", "gpu": "NVIDIA H200",
                                  "meta": {...}}}}
 
-Choosing a config (``select_config``), at the first call of a kernel with a given argument signature
-------------------------------------------------------------------------------------------------------
+Choosing a config (``kernels.first_use.select_config``), at the first call of a kernel with a given argument signature
+-----------------------------------------------------------------------------------------------------------------------
 1. a kernel in Helion's eager reference mode (``HELION_INTERPRET=1``) or arch ``cpu``: the kernel's default;
 2. the exact committed entry for ``shape_key(**dims)``, else the exact user-cache entry;
-3. with ``kernels.helion.autotune`` on: a search at this call (``kernels.tuner.tune_call``, within
-   ``kernels.helion.autotune_budget_s``), stored in the user cache under a file lock (the first rank to take the
-   lock tunes, the others then read its entry);
+3. with ``kernels.helion.autotune`` on: a search at this call (``kernels.first_use.tune_first_use``; on a GPU in a
+   child process killed at ``kernels.helion.autotune_budget_s`` plus a margin), stored in the user cache under a
+   file lock (the first rank to take the lock tunes, the others then read its entry); a search that gives no config
+   is one warning, and steps 4-5 give the config;
 4. the nearest tuned shapes (committed and user cache; log-space L1 distance over the integer dims, same
    non-integer dims; ties broken by the sorted shape key), in distance order;
 5. the kernel's generic default, and last the bound kernel's spec default (``config_spec.default_config()``),
@@ -28,6 +33,8 @@ normalization (``ConfigSpec.normalized_config``, which raises ``helion.exc.Inval
 another kernel shape, e.g. a ``static_ranges`` entry this binding lacks). A candidate that does not fit is
 skipped with one warning per (kernel, shape) naming the tuned shape it came from; using a nearest shape or a
 default says so once per kernel; an arch without committed configs says so once, with the command that tunes it.
+This module holds the chain without step 3: ``Choice`` (``choice_for``: ``exact`` is step 2, ``fallback`` steps 4-5)
+and ``stored_config``.
 
 Calling a kernel with a chosen config
 -------------------------------------
