@@ -76,7 +76,7 @@ import helion  # noqa: E402
 import helion.language as hl  # noqa: E402
 from helion.autotuner import PowerOfTwoFragment  # noqa: E402
 
-from kernels import tuning  # noqa: E402
+from kernels import first_use, tuning  # noqa: E402
 from kernels import tuner  # noqa: E402
 
 
@@ -366,7 +366,7 @@ def causal_conv1d_fwd_helion(x, weight, bias=None, seq_idx=None, activation=None
     in x's dtype, channel-last (``out.stride(1) == 1``), like causal-conv1d's channel-last path."""
     x, w4, bias, seq, silu, dims, l = _conv_prep(x, weight, bias, seq_idx, activation)
     args = (x.transpose(1, 2), w4, bias, seq, silu)
-    out = tuning.tuned_call("conv1d_fwd", causal_conv1d_fwd_kernel, args, dims, CONV_FWD_DEFAULT)
+    out = first_use.tuned_call("conv1d_fwd", causal_conv1d_fwd_kernel, args, dims, CONV_FWD_DEFAULT)
     out = out.transpose(1, 2)
     return out if out.shape[2] == l else out[..., :l]
 
@@ -388,8 +388,8 @@ def causal_conv1d_bwd_helion(x, weight, bias, dout, seq_idx=None, activation=Non
     if dx is None or padded:
         dx = torch.empty(x.shape[0], x.shape[2], x.shape[1], dtype=x.dtype, device=x.device).transpose(1, 2)
     args = (x.transpose(1, 2), w4, bias, dout.transpose(1, 2), seq, dx.transpose(1, 2), silu)
-    dw_part, db_part = tuning.tuned_call("conv1d_bwd", causal_conv1d_bwd_kernel, args, dims, CONV_BWD_DEFAULT,
-                                         finalize=conv_bwd_final, prepare=conv_bwd_poison)
+    dw_part, db_part = first_use.tuned_call("conv1d_bwd", causal_conv1d_bwd_kernel, args, dims, CONV_BWD_DEFAULT,
+                                            finalize=conv_bwd_final, prepare=conv_bwd_poison)
     if padded:
         dx = dx[..., :l]
         if given is not None:

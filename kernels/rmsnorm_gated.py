@@ -97,7 +97,7 @@ import helion  # noqa: E402
 import helion.language as hl  # noqa: E402
 from helion.autotuner import PowerOfTwoFragment  # noqa: E402
 
-from kernels import tuning  # noqa: E402
+from kernels import first_use, tuning  # noqa: E402
 from kernels import tuner  # noqa: E402
 
 
@@ -228,7 +228,7 @@ def _view3(t, shape3):
 
 def _fwd(x3, w2, z3, eps, nbg, p: _Plan):
     args = (x3, w2, x3 if z3 is None else z3, eps, z3 is not None, nbg)
-    return tuning.tuned_call("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, args, p.dims, RMSNORM_FWD_DEFAULT)
+    return first_use.tuned_call("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, args, p.dims, RMSNORM_FWD_DEFAULT)
 
 
 def rmsnorm_dweight_sum(dw_partial: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -242,8 +242,8 @@ def _bwd(dy, x3, w2, z3, rstd, nbg, p: _Plan):
     dy3 = _view3(dy, p.shape3)
     has_z = z3 is not None
     args = (dy3, x3, w2, z3 if has_z else p.zdummy, rstd, has_z, nbg)
-    dx, dz, dw_partial = tuning.tuned_call("rmsnorm_bwd", rmsnorm_gated_bwd_kernel, args, p.dims, RMSNORM_BWD_DEFAULT,
-                                           finalize=rmsnorm_bwd_final)
+    dx, dz, dw_partial = first_use.tuned_call("rmsnorm_bwd", rmsnorm_gated_bwd_kernel, args, p.dims,
+                                              RMSNORM_BWD_DEFAULT, finalize=rmsnorm_bwd_final)
     return dx, (dz if has_z else None), rmsnorm_dweight_sum(dw_partial, w2)
 
 

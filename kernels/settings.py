@@ -26,10 +26,13 @@ fast_launch         true       after a compiled kernel's first launch, later lau
                                directly (``kernels.tuning.FastLauncher``), skipping Triton's per-call argument
                                binding; bitwise the same results, less host time per launch.
 autotune            false      a kernel call at a shape with no exact committed or user-cache config is tuned
-                               at its first call (``kernels.tuner.tune_call``) and the winner stored in the
-                               user cache, which later runs and the other ranks read; off: the nearest tuned
-                               shape's config that fits (said once), else a default
-autotune_budget_s   120        wall-clock seconds of one first-use search (one kernel at one shape)
+                               at its first call (``kernels.first_use.tune_first_use``: on a GPU in a child
+                               process killed at autotune_budget_s + 75 s) and the winner stored in the user
+                               cache, which later runs and the other ranks read; a search that gives no config
+                               is one warning, and the nearest tuned shape's config that fits runs; off: that
+                               config (said once), else a default
+autotune_budget_s   120        wall-clock seconds of one first-use search (one kernel at one shape); its child
+                               process is killed 75 s (start-up, compiles) after that
 cache_dir           ""         the per-user config cache (``<cache_dir>/<arch>/<kernel>.json``); "" is
                                ``~/.cache/nano_hybrid/helion`` (``$XDG_CACHE_HOME/nano_hybrid/helion``)
 ==================  =========  ===============================================================================

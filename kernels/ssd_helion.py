@@ -27,7 +27,7 @@ Sequence lengths that are not a multiple of the chunk size are padded internally
 (padded positions get dt = 0, so they change no state; padded output rows are dropped).
 ``chunk_size`` must be a power of two (Megatron uses 128).
 
-Configs come from ``kernels.tuning.select_config`` (through ``tuning.tuned_call``); the defaults below are
+Configs come from ``kernels.first_use.select_config`` (through ``first_use.tuned_call``); the defaults below are
 conservative (power-of-two blocks, 4 warps, 2-3 stages) and compile on Triton 3.6 / sm90.
 Each (kernel, config) pair is one ``helion.kernel`` with a fixed config: no autotuning at call time.
 """
@@ -42,7 +42,7 @@ import torch
 import helion
 import helion.language as hl
 
-from kernels import tuning
+from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
 from kernels.ssd import _pad_len
 from kernels.ssd import _pad_seq_idx as _pad_seq_idx_ref
@@ -368,8 +368,8 @@ def get_kernel(name: str) -> Any:
 def _run(name: str, dims: dict[str, int], limits: list[int], args: tuple, config: Any = None) -> Any:
     kernel = get_kernel(name)
     if config is None:
-        return tuning.tuned_call(name, kernel, args, dims, DEFAULT_CONFIGS[name], seeds=_SEEDS.get(name, ()),
-                                 atol=2e-2, rtol=2e-2, adjust=lambda cfg: _clip_blocks(name, cfg, limits))
+        return first_use.tuned_call(name, kernel, args, dims, DEFAULT_CONFIGS[name], seeds=_SEEDS.get(name, ()),
+                                    atol=2e-2, rtol=2e-2, adjust=lambda cfg: _clip_blocks(name, cfg, limits))
     cfg = _clip_blocks(name, _config_dict(config), limits)
     return tuning.run_with_config(kernel, args, cfg)
 

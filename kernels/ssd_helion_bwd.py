@@ -39,7 +39,7 @@ import torch
 import helion
 import helion.language as hl
 
-from kernels import tuning
+from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
 from kernels.ssd import _pad_len, _pad_seq_idx
 
@@ -361,8 +361,8 @@ def _block_seeds(name: str) -> list[list[int]]:
 
 
 def _call(name: str, args: tuple, dims: dict):
-    return tuning.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name],
-                             seeds=[{"block_sizes": bs} for bs in _block_seeds(name)] if _has_blocks(name) else [])
+    return first_use.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name],
+                                seeds=[{"block_sizes": bs} for bs in _block_seeds(name)] if _has_blocks(name) else [])
 
 
 def _has_blocks(name: str) -> bool:

@@ -1,4 +1,7 @@
-"""The offline config search: what ``scripts/tune_kernels.py`` and first-use tuning (``kernels.helion.autotune``) run.
+"""The config search: what ``scripts/tune_kernels.py`` and first-use tuning (``kernels.helion.autotune``) run.
+
+It sits above ``kernels.tuning`` (whose ``compiled`` it times) and below ``kernels.first_use`` (which runs it at a
+call), and imports neither of the two upwards.
 
 Helion's own autotuner returned ``NoConfigFound`` on the H200 host (see kernels/README.md), so the search is driven
 here: every candidate is compiled as a fixed config (``kernels.tuning.compiled``), run once, its outputs compared with
@@ -12,7 +15,7 @@ returns a ``TuneCase`` (kernel, args, kernel dims, seed configs, tolerances). ``
 every ``kernels.*`` module and collects them.
 
 Nothing in a training step calls this module unless ``kernels.helion.autotune`` is on (``tune_call``, from
-``kernels.tuning.select_config``).
+``kernels.first_use.tune_first_use``, in a child process on a GPU).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 import helion
 
 from kernels import debug
-from kernels.tuning import _as_config, compiled, config_to_dict
+from kernels.tuning import _as_config, compiled, config_to_dict, full_config
 
 # Model-level shape presets (Nemotron-3 Nano mixer dims per rank). Kernel TuneCase builders derive their own kernel
 # dims from these. "nano" is the benchmark shape; nano_b1 (recipe nano30b_slice_h200), nano_b4_l4096
@@ -365,7 +368,7 @@ def search(
     return best[1], results
 
 
-_NOT_KERNEL_MODULES = ("tuning", "tuner", "registry", "settings", "debug", "shapes")
+_NOT_KERNEL_MODULES = ("tuning", "tuner", "first_use", "registry", "settings", "debug", "shapes")
 
 
 def discover_tunable_kernels() -> dict[str, tuple[str, Callable]]:
@@ -382,6 +385,17 @@ def discover_tunable_kernels() -> dict[str, tuple[str, Callable]]:
                 raise ValueError(f"tunable kernel {name!r} defined in both {found[name][0]} and kernels.{mod.name}")
             found[name] = (f"kernels.{mod.name}", builder)
     return found
+
+
+def registry_kernel(name: str, device: torch.device | str) -> Any:
+    """The helion kernel of tunable kernel ``name`` (``discover_tunable_kernels``): the kernel of its case built at the
+    smallest shape preset on ``device`` (the case's arguments are dropped). What a first-use search in a child
+    process runs, the registry name being what reaches it (a helion kernel does not pickle)."""
+    registry = discover_tunable_kernels()
+    if name not in registry:
+        raise KeyError(f"{name!r} is no tunable kernel (known: {', '.join(sorted(registry))})")
+    smallest = min(SHAPE_PRESETS.values(), key=lambda d: d["b"] * d["l"] * d["h"] * d["p"])
+    return registry[name][1](dict(smallest), torch.device(device)).kernel
 
 
 def format_exc() -> str:
@@ -419,8 +433,6 @@ def tune_call(
     this call, e.g. the nearest tuned shape's, tried first), the seeds and random configs of the bound kernel's space,
     on copies of the call's arguments. Returns ``(winner, time_ms, meta)``; the winner is a full config
     (``kernels.tuning.full_config``)."""
-    from kernels.tuning import full_config
-
     t0 = time.monotonic()
     work = tuple(_copy_arg(a) for a in args)
     cands = [*map(_as_config, start), *candidate_configs(kernel, work, seeds=seeds, n_random=16)]

@@ -1,5 +1,9 @@
 """The runtime every training step calls: config store and lookup, the fit check, the launch cache, the fast launcher.
 
+The bottom layer of config handling: ``kernels.tuner`` (the search) is above it and ``kernels.first_use`` (what
+kernel wrappers call: ``tuned_call``, ``select_config`` with the first-use search) above both; this module imports
+neither.
+
 Files
 -----
 Committed: ``kernels/configs/<arch>/<kernel_name>.json`` (arch = ``current_arch()``, e.g. ``sm90`` for H100/H200,
@@ -11,13 +15,14 @@ Committed: ``kernels/configs/<arch>/<kernel_name>.json`` (arch = ``current_arch(
                                  "time_ms": 0.123, "date": "2026-11-29T...", "gpu": "NVIDIA H200",
                                  "meta": {...}}}}
 
-Choosing a config (``select_config``), at the first call of a kernel with a given argument signature
-------------------------------------------------------------------------------------------------------
+Choosing a config (``kernels.first_use.select_config``), at the first call of a kernel with a given argument signature
+-----------------------------------------------------------------------------------------------------------------------
 1. a kernel in Helion's eager reference mode (``HELION_INTERPRET=1``) or arch ``cpu``: the kernel's default;
 2. the exact committed entry for ``shape_key(**dims)``, else the exact user-cache entry;
-3. with ``kernels.helion.autotune`` on: a search at this call (``kernels.tuner.tune_call``, within
-   ``kernels.helion.autotune_budget_s``), stored in the user cache under a file lock (the first rank to take the
-   lock tunes, the others then read its entry);
+3. with ``kernels.helion.autotune`` on: a search at this call (``kernels.first_use.tune_first_use``; on a GPU in a
+   child process killed at ``kernels.helion.autotune_budget_s`` plus a margin), stored in the user cache under a
+   file lock (the first rank to take the lock tunes, the others then read its entry); a search that gives no config
+   is one warning, and steps 4-5 give the config;
 4. the nearest tuned shapes (committed and user cache; log-space L1 distance over the integer dims, same
    non-integer dims; ties broken by the sorted shape key), in distance order;
 5. the kernel's generic default, and last the bound kernel's spec default (``config_spec.default_config()``),
@@ -28,6 +33,8 @@ normalization (``ConfigSpec.normalized_config``, which raises ``helion.exc.Inval
 another kernel shape, e.g. a ``static_ranges`` entry this binding lacks). A candidate that does not fit is
 skipped with one warning per (kernel, shape) naming the tuned shape it came from; using a nearest shape or a
 default says so once per kernel; an arch without committed configs says so once, with the command that tunes it.
+This module holds the chain without step 3: ``Choice`` (``choice_for``: ``exact`` is step 2, ``fallback`` steps 4-5)
+and ``stored_config``.
 
 Calling a kernel with a chosen config
 -------------------------------------
@@ -56,7 +63,6 @@ import functools
 import json
 import math
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -293,7 +299,7 @@ def arch_has_configs(arch: str, root: Path | None = None) -> bool:
     return d.is_dir() and any(d.glob("*.json"))
 
 
-def _warn_once(kernel_name: str, what: str, msg: str) -> None:
+def warn_once(kernel_name: str, what: str, msg: str) -> None:
     """One warning per (kernel, what) and process."""
     if (kernel_name, what) in _WARNED:
         return
@@ -307,7 +313,7 @@ TUNE_COMMAND = "python scripts/tune_kernels.py <the run's overrides, e.g. model=
 def _notice_arch_without_configs(arch: str, root: Path | None) -> None:
     if arch_has_configs(arch, root):
         return
-    _warn_once("*", f"arch:{arch}",
+    warn_once("*", f"arch:{arch}",
                f"nano_hybrid kernels: no committed Helion configs for {arch} ({Path(root or CONFIG_ROOT) / arch} has "
                f"none): kernels run with their default configs (or user-cache entries); tune this GPU with "
                f"`{TUNE_COMMAND}` (writes kernels/configs/{arch}/, to commit) or set kernels.helion.autotune=true")
@@ -402,7 +408,101 @@ def fit_config(bound, cfg: helion.Config | Mapping[str, Any],
         raise ConfigMisfit(f"{type(e).__name__}: {e}") from None
 
 
-def select_config(
+@dataclasses.dataclass
+class Choice:
+    """Choosing the config of one kernel call from the stored files: the module doc's chain without its search step
+    (``kernels.first_use.select_config`` runs the whole chain). Made by ``choice_for``; ``bound`` is the kernel bound
+    at the call's arguments."""
+
+    kernel_name: str
+    bound: Any
+    dims: Mapping[str, Any]
+    default: helion.Config | Mapping[str, Any]
+    arch: str
+    root: Path | None  # the committed configs (None: kernels/configs)
+    rt: Runtime
+    adjust: Callable[[dict], dict] | None = None
+
+    @property
+    def key(self) -> str:
+        return shape_key(**self.dims)
+
+    @property
+    def cache_path(self) -> Path:
+        """The user-cache file of this kernel (``record`` writes it, first-use tuning stores its winners there)."""
+        return config_path(self.kernel_name, self.arch, self.rt.cache_root)
+
+    def fit(self, cfg: helion.Config | Mapping[str, Any]) -> helion.Config:
+        """``fit_config`` for this call; raises ``ConfigMisfit``."""
+        return fit_config(self.bound, cfg, self.adjust)
+
+    def fits(self, cfg, source: str, source_key: str | None) -> helion.Config | None:
+        """``cfg`` fitted to this call, or None with one warning per (kernel, shape, source) naming where it came
+        from."""
+        try:
+            return self.fit(cfg)
+        except ConfigMisfit as e:
+            warn_once(self.kernel_name, f"misfit:{self.key}:{source}:{source_key}",
+                       f"nano_hybrid kernels: the {source} config of {self.kernel_name} tuned at {source_key} does not "
+                       f"fit the kernel at this call's shape {self.key} ({e}); skipped")
+            return None
+
+    def cache_entry(self, reread: bool = False) -> dict | None:
+        """The user cache's exact entry for this call's shape (``reread``: from the file as it is now)."""
+        if reread:
+            _FILE_CACHE.pop(self.cache_path, None)
+        return _entries(self.kernel_name, self.arch, self.rt.cache_root).get(self.key)
+
+    def exact(self) -> tuple[helion.Config, str] | None:
+        """``(config, "exact")`` from the committed file, else ``(config, "cache")`` from the user cache, for this
+        exact shape and fitting this call; None when neither has one."""
+        committed = _entries(self.kernel_name, self.arch, self.root)
+        if self.key in committed and (cfg := self.fits(committed[self.key]["config"], "committed", self.key)) is not None:
+            return cfg, "exact"
+        entry = self.cache_entry()
+        if entry is not None and (cfg := self.fits(entry["config"], "user-cache", self.key)) is not None:
+            return cfg, "cache"
+        return None
+
+    def nearest(self) -> list[tuple[str, str, dict]]:
+        """``[(source, key, entry)]`` of the other tuned shapes of the committed file and the user cache, nearest
+        first (``nearest_entries``' distance; committed before user-cache at equal distance)."""
+        near = [("committed", k, e) for k, e in nearest_entries(_entries(self.kernel_name, self.arch, self.root),
+                                                                 self.dims)]
+        near += [("user-cache", k, e) for k, e in nearest_entries(_entries(self.kernel_name, self.arch,
+                                                                           self.rt.cache_root), self.dims)]
+        near.sort(key=lambda t: _distance(self.dims, t[2]["dims"]))
+        return near
+
+    def fallback(self, notice: bool = True) -> tuple[helion.Config, str, str]:
+        """``(config, how, what)`` when no exact config applies: the nearest tuned shape's config that fits (how
+        "nearest"), else the generic default (how "default"), else the bound kernel's spec default ("spec-default",
+        valid for every shape). ``what`` names the choice in words; ``notice``: say it once per kernel (a caller
+        that says it in its own message passes False)."""
+        for source, k, e in self.nearest():
+            cfg = self.fits(e["config"], source, k)
+            if cfg is not None:
+                path = config_path(self.kernel_name, self.arch, self.root if source == "committed" else self.rt.cache_root)
+                what = f"the nearest tuned shape {k} from the {source} file {path}"
+                if notice:
+                    warn_once(self.kernel_name, "nearest",
+                               f"nano_hybrid kernels: no tuned {self.arch} config for {self.kernel_name} at {self.key}; "
+                               f"using {what} (said once per kernel)")
+                return cfg, "nearest", what
+        cfg = self.fits(self.default, "generic default", "any shape")
+        how = "default"
+        if cfg is None:
+            cfg, how = fit_config(self.bound, self.bound.config_spec.default_config()), "spec-default"
+        what = f"the kernel's {'generic' if how == 'default' else 'Helion spec'} default config {config_to_dict(cfg)}"
+        if notice:
+            warn_once(self.kernel_name, "default",
+                       f"nano_hybrid kernels: no tuned {self.arch} config for {self.kernel_name} at {self.key} that "
+                       f"fits (none in {config_path(self.kernel_name, self.arch, self.root)}); using {what} "
+                       f"(said once per kernel)")
+        return cfg, how, what
+
+
+def choice_for(
     kernel_name: str,
     kernel,
     args: Sequence[object],
@@ -413,105 +513,35 @@ def select_config(
     root: Path | None = None,
     rt: Runtime | None = None,
     adjust: Callable[[dict], dict] | None = None,
-    seeds: Sequence[helion.Config | Mapping[str, Any]] = (),
-    atol: float = 1e-2,
-    rtol: float = 1e-2,
-    finalize: Callable[[Any, tuple], Any] | None = None,
-    prepare: Callable[[tuple], None] | None = None,
     bound=None,
-) -> tuple[helion.Config, str]:
-    """The config ``kernel`` runs with at this call, and where it came from ("exact", "cache", "tuned", "nearest",
-    "default", "spec-default"; see the module doc for the chain). ``bound``: the kernel bound at ``args`` if the
-    caller has it."""
-    rt = rt or runtime()
+) -> Choice | None:
+    """The ``Choice`` of this call, or None where no stored config applies: a kernel in Helion's eager reference mode
+    or arch ``cpu`` runs its default. ``bound``: the kernel bound at ``args`` if the caller has it. Says once per
+    arch when the arch has no committed configs."""
     arch = arch or current_arch()
     if kernel_in_ref_mode(kernel) or arch == "cpu":
-        return _as_config(default), "default"
-    key = shape_key(**dims)
-    bound = bound if bound is not None else kernel.bind(tuple(args))
-    _notice_arch_without_configs(arch, root)
-
-    def fits(cfg, source: str, source_key: str | None):
-        try:
-            return fit_config(bound, cfg, adjust)
-        except ConfigMisfit as e:
-            _warn_once(kernel_name, f"misfit:{key}:{source}:{source_key}",
-                       f"nano_hybrid kernels: the {source} config of {kernel_name} tuned at {source_key} does not fit "
-                       f"the kernel at this call's shape {key} ({e}); skipped")
-            return None
-
-    committed = _entries(kernel_name, arch, root)
-    cache_path = config_path(kernel_name, arch, rt.cache_root)
-    cached = _entries(kernel_name, arch, rt.cache_root)
-    if key in committed and (cfg := fits(committed[key]["config"], "committed", key)) is not None:
-        return cfg, "exact"
-    if key in cached and (cfg := fits(cached[key]["config"], "user-cache", key)) is not None:
-        return cfg, "cache"
-    near = [("committed", k, e) for k, e in nearest_entries(committed, dims)]
-    near += [("user-cache", k, e) for k, e in nearest_entries(cached, dims)]
-    near.sort(key=lambda t: _distance(dims, t[2]["dims"]))
-    if rt.settings.autotune:
-        cfg = _tune_first_use(kernel_name, kernel, args, dims, bound, rt, arch, cache_path, adjust, seeds, atol, rtol,
-                              finalize, prepare, [e["config"] for _, _, e in near[:1]])
-        if cfg is not None:
-            return cfg, "tuned"
-    for source, k, e in near:
-        cfg = fits(e["config"], source, k)
-        if cfg is not None:
-            _warn_once(kernel_name, "nearest",
-                       f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key}; using the nearest "
-                       f"tuned shape {k} from the {source} file "
-                       f"{config_path(kernel_name, arch, root if source == 'committed' else rt.cache_root)} "
-                       f"(said once per kernel)")
-            return cfg, "nearest"
-    cfg = fits(default, "generic default", "any shape")
-    how = "default"
-    if cfg is None:
-        cfg, how = fit_config(bound, bound.config_spec.default_config()), "spec-default"
-    _warn_once(kernel_name, "default",
-               f"nano_hybrid kernels: no tuned {arch} config for {kernel_name} at {key} that fits (none in "
-               f"{config_path(kernel_name, arch, root)}); using the kernel's "
-               f"{'generic' if how == 'default' else 'Helion spec'} default config {config_to_dict(cfg)} "
-               f"(said once per kernel)")
-    return cfg, how
-
-
-def _tune_first_use(kernel_name, kernel, args, dims, bound, rt, arch, cache_path, adjust, seeds, atol, rtol, finalize,
-                    prepare, start) -> helion.Config | None:
-    """``kernels.helion.autotune``: tune this call once under the cache file's lock, or read what another rank (or
-    an earlier run) stored meanwhile."""
-    from kernels import tuner
-
-    key = shape_key(**dims)
-    with file_lock(cache_path.with_name(f"{cache_path.stem}.{key}")):
-        _FILE_CACHE.pop(cache_path, None)
-        entry = _entries(kernel_name, arch, rt.cache_root).get(key)
-        if entry is not None:
-            _warn_once(kernel_name, f"cache-read:{key}",
-                       f"nano_hybrid kernels: {kernel_name} at {key}: using the config tuned by another process "
-                       f"({cache_path})")
-            try:
-                return fit_config(bound, entry["config"], adjust)
-            except ConfigMisfit:
-                return None
-        fitting = []
-        for c in start:
-            try:
-                fitting.append(fit_config(bound, c, adjust))
-            except ConfigMisfit:
-                pass
-        t0 = time.monotonic()
-        cfg, ms, meta = tuner.tune_call(kernel_name, kernel, args, start=fitting, seeds=seeds,
-                                        budget_s=rt.settings.autotune_budget_s, atol=atol, rtol=rtol,
-                                        finalize=finalize, prepare=prepare)
-        record(kernel_name, dims, cfg, ms, meta, arch=arch, root=rt.cache_root)
-        _warn_once(kernel_name, f"tuned:{key}",
-                   f"nano_hybrid kernels: tuned {kernel_name} at {key} in {time.monotonic() - t0:.0f} s "
-                   f"({ms * 1000:.1f} us); stored in {cache_path}")
-    try:
-        return fit_config(bound, cfg, adjust)
-    except ConfigMisfit:
         return None
+    _notice_arch_without_configs(arch, root)
+    return Choice(kernel_name, bound if bound is not None else kernel.bind(tuple(args)), dict(dims), default, arch,
+                  root, rt or runtime(), adjust)
+
+
+def stored_config(
+    kernel_name: str,
+    kernel,
+    args: Sequence[object],
+    dims: Mapping[str, Any],
+    default: helion.Config | Mapping[str, Any],
+    **where: Any,
+) -> tuple[helion.Config, str]:
+    """The config ``kernel`` runs with at this call from the stored files alone (no search, whatever the runtime's
+    ``autotune``), and where it came from ("exact", "cache", "nearest", "default", "spec-default"). ``where``: the
+    keywords of ``choice_for``."""
+    c = choice_for(kernel_name, kernel, args, dims, default, **where)
+    if c is None:
+        return _as_config(default), "default"
+    got = c.exact()
+    return got if got is not None else c.fallback()[:2]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -606,7 +636,7 @@ def _launch_hooks() -> tuple:
     return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
 
 
-def _launches_on_cuda(args: Sequence[object]) -> bool:
+def launches_on_cuda(args: Sequence[object]) -> bool:
     """FastLauncher drives Triton's CUDA launcher: only kernels whose tensors are on a CUDA device use it."""
     return any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args)
 
@@ -627,50 +657,13 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
         bound = bound if bound is not None else kernel.bind(tuple(args))
         cfg = fit_block_sizes(bound, fit_access_lists(bound, cfg))
         fn = bound.compile_config(cfg, allow_print=False)
-        if rt.settings.fast_launch and _launches_on_cuda(args):
+        if rt.settings.fast_launch and launches_on_cuda(args):
             fn = functools.partial(fn, _launcher=FastLauncher())
         rt.compiled[key] = fn
         dump = debug.dump_dir()
         if dump is not None:
             _dump_code(dump, kernel, bound, cfg, args)
     return fn
-
-
-def tuned_call(
-    kernel_name: str,
-    kernel,
-    args: Sequence[object],
-    dims: Mapping[str, Any],
-    default: helion.Config | Mapping[str, Any],
-    *,
-    seeds: Sequence[helion.Config | Mapping[str, Any]] = (),
-    atol: float = 1e-2,
-    rtol: float = 1e-2,
-    finalize: Callable[[Any, tuple], Any] | None = None,
-    prepare: Callable[[tuple], None] | None = None,
-    adjust: Callable[[dict], dict] | None = None,
-):
-    """What kernel wrappers call: the config ``select_config`` chooses, compiled once per argument signature.
-    ``seeds`` / ``finalize`` / ``prepare``: for first-use tuning (see ``kernels.tuner.search``); ``adjust``: the
-    wrapper's own clamps, applied before the fit check.
-
-    After the first call with a given argument signature (dtypes, shapes, strides, devices, scalar
-    values) the compiled kernel is looked up by that signature alone: the host cost per call is one
-    signature tuple and one dict lookup on top of the launcher."""
-    rt = runtime()
-    fkey = (kernel_name, id(kernel), _arg_signature(args))
-    fn = rt.fast.get(fkey)
-    if fn is not None:
-        return fn(*args)
-    if kernel_in_ref_mode(kernel):
-        cfg = _as_config(default) if adjust is None else _as_config(adjust(dict(_as_config(default).config)))
-        return run_interpret(kernel, args, cfg)
-    bound = kernel.bind(tuple(args))
-    cfg, _ = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, seeds=seeds, atol=atol,
-                           rtol=rtol, finalize=finalize, prepare=prepare, bound=bound)
-    fn = compiled(kernel, args, cfg, rt=rt, bound=bound)
-    rt.fast[fkey] = fn
-    return fn(*args)
 
 
 _ACCESS_LISTS = ("indexing", "load_eviction_policies", "atomic_indexing")
@@ -699,7 +692,7 @@ def fit_block_sizes(bound, cfg: helion.Config) -> helion.Config:
     if fit == bs:
         return cfg
     name = getattr(getattr(bound, "kernel", None), "name", None) or "kernel"
-    _warn_once(name, f"block-sizes:{bs}->{fit}",
+    warn_once(name, f"block-sizes:{bs}->{fit}",
                f"nano_hybrid kernels: block sizes {bs} of the config exceed this shape's dimensions in {name}; "
                f"using {fit}")
     return helion.Config(**dict(cfg.config, block_sizes=fit))
@@ -736,7 +729,7 @@ def fit_access_lists(bound, cfg: helion.Config) -> helion.Config:
     if not changed:
         return cfg
     name = getattr(getattr(bound, "kernel", None), "name", None) or "kernel"
-    _warn_once(name, "access-lists:" + ",".join(changed),
+    warn_once(name, "access-lists:" + ",".join(changed),
                f"nano_hybrid kernels: the config's {', '.join(changed)} list(s) do not fit this specialisation of "
                f"{name} (another argument set than the tuned one, e.g. with seq_idx); using the kernel's defaults there")
     return helion.Config(**d)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import helion
-from kernels import tuner, tuning
+from kernels import first_use, tuner, tuning
 
 # (name, model dims per tensor-parallel rank, seq_idx)
 _NANO = dict(p=64, n=128, c=128, w=4)
@@ -77,8 +77,8 @@ def test_every_kernel_gets_a_fitting_config_on_the_shape_grid(monkeypatch):
                 args = _with_seq_idx(name, case.args, md) if seq and name in _SEQ_ARGS else case.args
                 kernel = _compiled_mode_kernel(name, case.kernel, monkeypatch)
                 bound = kernel.bind(tuple(args))
-                cfg, how = tuning.select_config(name, kernel, args, case.dims, case.default, arch="sm90", rt=rt,
-                                                bound=bound)
+                cfg, how = first_use.select_config(name, kernel, args, case.dims, case.default, arch="sm90", rt=rt,
+                                                   bound=bound)
                 bound.config_spec.normalized_config(cfg)  # raises InvalidConfig if the choice does not fit
                 checked += 1
                 hows.setdefault(how, []).append(f"{label}:{name}")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import helion
-from kernels import tuning
+from kernels import first_use, tuning
 from kernels import tuner
 from kernels import rmsnorm_gated as R
 from kernels.rmsnorm_gated import (
@@ -187,7 +187,7 @@ def test_bwd_wrapper_dweight_is_the_finalised_partials(has_z, monkeypatch):
     w = (1 + 0.3 * torch.randn(n, generator=gen)).bfloat16()
     dy = torch.randn(m, n, generator=gen)
     seen = []
-    real = tuning.tuned_call
+    real = first_use.tuned_call
 
     def spy(name, kernel, args, *a, **kw):
         out = real(name, kernel, args, *a, **kw)
@@ -195,7 +195,7 @@ def test_bwd_wrapper_dweight_is_the_finalised_partials(has_z, monkeypatch):
             seen.append((args, out))
         return out
 
-    monkeypatch.setattr(tuning, "tuned_call", spy)
+    monkeypatch.setattr(first_use, "tuned_call", spy)
     _, rstd = R.rmsnorm_gated_fwd_helion(x, w, z, 1e-5, gs, False)
     dx, dz, dw = R.rmsnorm_gated_bwd_helion(dy, x, w, rstd, z, gs, False)
     (args, (_, dz_raw, dw_partial)), = seen
@@ -246,13 +246,13 @@ def test_row_strided_input_is_not_copied(monkeypatch):
     w = (1 + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).requires_grad_()
     dy = torch.randn(m, n, generator=gen, dtype=torch.float64)
     ptrs = []
-    real = tuning.tuned_call
+    real = first_use.tuned_call
 
     def spy(name, kernel, args, *a, **kw):
         ptrs.append((name, args[1 if name == "rmsnorm_bwd" else 0].data_ptr()))
         return real(name, kernel, args, *a, **kw)
 
-    monkeypatch.setattr(tuning, "tuned_call", spy)
+    monkeypatch.setattr(first_use, "tuned_call", spy)
     got = _grads(lambda a, b, c: rmsnorm_fn_helion(a, b, eps=1e-5, group_size=gs, norm_before_gate=False), x, w, None, dy)
     assert [p for _, p in ptrs] == [x.data_ptr(), x.data_ptr()] and not x.is_contiguous()
     ref = _grads(lambda a, b, c: rmsnorm_gated_ref(a, b, eps=1e-5, group_size=gs, norm_before_gate=False), x, w, None, dy)

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("HELION_INTERPRET", "1")
 
-from kernels import mamba_split_helion as msh, tuning  # noqa: E402
+from kernels import first_use, mamba_split_helion as msh  # noqa: E402
 from kernels.mamba_split import mamba_split_conv1d_scan_combined_ref  # noqa: E402
 from kernels.shapes import UnsupportedShapeError, check_supported  # noqa: E402
 
@@ -72,7 +72,7 @@ def test_unsupported_dims_are_refused_by_name(dims, match):
 
 
 def test_the_fused_op_refuses_before_any_kernel_runs(monkeypatch):
-    monkeypatch.setattr(tuning, "tuned_call", lambda *a, **k: pytest.fail("a kernel ran"))
+    monkeypatch.setattr(first_use, "tuned_call", lambda *a, **k: pytest.fail("a kernel ran"))
     t = _inputs(1, 16, 4, 12, 2, 16)  # headdim 12
     with pytest.raises(UnsupportedShapeError, match="mamba_split_conv1d_scan_combined_helion: headdim=12"):
         msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=64, headdim=12, ngroups=2)

@@ -13,7 +13,7 @@ import helion
 import helion.language as hl
 from pathlib import Path
 
-from kernels import tuner, tuning
+from kernels import first_use, tuner, tuning
 from kernels.settings import HelionSettings, HelionSettingsError
 
 
@@ -43,7 +43,7 @@ def _select(name, dims, default, root, arch="sm90", **kw):
     """select_config for a small compiled-mode kernel (bound on CPU; the chosen config must fit its spec)."""
     k = helion.kernel(_scale_rows_fn, static_shapes=True)
     rt = kw.pop("rt", None) or tuning.Runtime(HelionSettings(cache_dir=str(root / "cache")))
-    return tuning.select_config(name, k, (torch.randn(64, 32),), dims, default, arch=arch, root=root, rt=rt, **kw)
+    return first_use.select_config(name, k, (torch.randn(64, 32),), dims, default, arch=arch, root=root, rt=rt, **kw)
 
 
 def test_shape_key_canonical():
@@ -128,7 +128,7 @@ def test_cpu_and_interpret_use_default(tmp_path, monkeypatch):
         assert _select("k", dict(m=4), DEFAULT, tmp_path, arch="cpu") == (DEFAULT, "default")
         monkeypatch.setenv("HELION_INTERPRET", "1")
         k = helion.kernel(_scale_rows_fn, static_shapes=True)  # ref mode is fixed at decoration
-        got = tuning.select_config("k", k, (torch.randn(4, 4),), dict(m=4), DEFAULT, arch="sm90", root=tmp_path)
+        got = first_use.select_config("k", k, (torch.randn(4, 4),), dict(m=4), DEFAULT, arch="sm90", root=tmp_path)
         assert got == (DEFAULT, "default")
 
 
@@ -371,19 +371,19 @@ class _FakeKernel:
 def test_tuned_call_fast_path_skips_config_lookup(monkeypatch):
     k = _FakeKernel()
     calls = []
-    real = tuning.select_config
-    monkeypatch.setattr(tuning, "select_config", lambda *a, **kw: calls.append(a[0]) or real(*a, arch="cpu", **kw))
+    real = first_use.select_config
+    monkeypatch.setattr(first_use, "select_config", lambda *a, **kw: calls.append(a[0]) or real(*a, arch="cpu", **kw))
     x = torch.zeros(4, 8)
     for _ in range(3):
-        assert tuning.tuned_call("fake", k, (x, 3), {"m": 4}, DEFAULT) == ("ran", (4, 8))
+        assert first_use.tuned_call("fake", k, (x, 3), {"m": 4}, DEFAULT) == ("ran", (4, 8))
     assert calls == ["fake"] and len(k.log) == 1  # one lookup, one compile, three launches
     # a new signature (shape, stride or scalar) looks up and compiles again
-    tuning.tuned_call("fake", k, (torch.zeros(4, 8).t(), 3), {"m": 4}, DEFAULT)
-    tuning.tuned_call("fake", k, (x, 4), {"m": 4}, DEFAULT)
+    first_use.tuned_call("fake", k, (torch.zeros(4, 8).t(), 3), {"m": 4}, DEFAULT)
+    first_use.tuned_call("fake", k, (x, 4), {"m": 4}, DEFAULT)
     assert len(calls) == 3
     # clear_caches (and recording a new config) forget the fast path
     tuning.clear_caches()
-    tuning.tuned_call("fake", k, (x, 3), {"m": 4}, DEFAULT)
+    first_use.tuned_call("fake", k, (x, 3), {"m": 4}, DEFAULT)
     assert len(calls) == 4
 
 
@@ -596,8 +596,8 @@ def test_fast_launch_switch_wraps_compiled_kernels(monkeypatch):
             return FakeBound()
 
     tuning.clear_caches()
-    assert not tuning._launches_on_cuda((torch.zeros(2), 3))  # CPU tensors never take Triton's CUDA launcher
-    monkeypatch.setattr(tuning, "_launches_on_cuda", lambda args: True)
+    assert not tuning.launches_on_cuda((torch.zeros(2), 3))  # CPU tensors never take Triton's CUDA launcher
+    monkeypatch.setattr(tuning, "launches_on_cuda", lambda args: True)
     slow, fast = tuning.runtime_for(HelionSettings(fast_launch=False)), tuning.runtime_for(HelionSettings())
     tuning.compiled(FakeKernel(), (torch.zeros(2),), helion.Config(num_warps=4), rt=slow)()
     with tuning.use(HelionSettings()):  # the active runtime's setting applies

@@ -11,7 +11,7 @@ ranges), and the fp32 mamba-ssm op on the same values as the reference. Reported
 - device time: the summed kernel time per call from torch.profiler (``profiling.profile_device_table``);
 - errors: relative L2 of the output and every gradient against fp32 mamba-ssm, for helion bf16 and, next to it,
   mamba-ssm's own bf16 (the error a correct bf16 kernel has);
-- the kernels' config notices (nearest shape / default / tuned, from ``kernels.tuning.select_config``) and the
+- the kernels' config notices (nearest shape / default / tuned, from ``kernels.first_use.select_config``) and the
   first-call time (compile + selection + any first-use tuning).
 A shape that raises is recorded with its error and the next shape still runs. Writes ``shape_grid.json`` and
 ``.md`` to $OUT (default runs/bench/<gpu>).

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import tuner, tuning
+from kernels import first_use, tuner, tuning
 from nano_hybrid.bench.environment import REPO_ROOT
 
 
@@ -275,13 +275,13 @@ def child_commands(args, names: list[str], shape_dims: dict[str, dict], per_budg
 
 def _run_isolated(args, names: list[str], shapes: dict[str, dict], per_budget: float) -> int:
     """Each pair in its own process (fresh CUDA context); each child writes its own JSON log and config file.
-    A child is stopped after its share of the budget plus 75 s (start-up, the reference compile, one candidate's
-    time limit)."""
+    A child is stopped after its share of the budget plus ``kernels.first_use.SEARCH_MARGIN_S`` (75 s: start-up, the
+    reference compile, one candidate's time limit), the margin of first-use tuning's child."""
     failed = []
     for cmd in child_commands(args, names, shapes, per_budget):
         pair = f"{cmd[cmd.index('--kernels') + 1]} @ {next(iter(json.loads(cmd[cmd.index('--model-dims') + 1])))}"
         try:
-            rc = subprocess.run(cmd, timeout=per_budget + 75.0).returncode
+            rc = subprocess.run(cmd, timeout=per_budget + first_use.SEARCH_MARGIN_S).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         if rc != 0:
