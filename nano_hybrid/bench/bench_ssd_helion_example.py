@@ -1,0 +1,266 @@
+"""The SSD op forward + backward beside the Helion project's own Mamba-2 SSD example.
+
+The peer is ``examples/linear/example_mamba2_ssd.py`` of pytorch/helion: a chunked linear-attention engine whose
+``MAMBA2_SSD`` variant computes ``o_t = q_t^T S_t``, ``S_t = exp(g_t) S_{t-1} + k_t v_t^T`` on head-first inputs, with
+its pretuned sm90 configs (``_helion_aot_linear_attention_engine_cuda_sm90.py``, read through Helion's
+``AOTAutotuneCache``). It is not part of this repository: pass the folder that holds the example's ``linear``
+package with ``--example-dir`` (e.g. a checkout's ``examples/``).
+
+Two contracts, each with mamba-ssm beside it, all on the same values (chunk ``--chunk``):
+
+- Megatron's (what the Mamba-2 layer calls): ``y = SSD(x, softplus(dt + dt_bias), A, B, C) + D x``, gated by z;
+  ``mamba_ssm`` is ``mamba_chunk_scan_combined`` (autograd), ``helion`` is this project's SSD forward and backward
+  kernels (``kernels.ssd_helion`` / ``kernels.ssd_helion_bwd``, the backward recomputing its chunk pieces as the
+  fused op does), gradients for x, dt, B, C, z, D, dt_bias;
+- the example's: ``y = SSD(x, dt, A, B, C)`` with ``dt`` already positive, no D, no z; ``mamba_ssm_plain`` is
+  ``mamba_chunk_scan_combined`` on it (gradients for x, dt, B, C), ``helion_example`` the example with ``q = C``,
+  ``k = B`` expanded to every head, ``v = x * dt``, ``g = A * dt`` (head-first, built once outside the timed region),
+  gradients for q, k, v: it does not see the group sharing of B/C nor the dt chain rule;
+- ``mamba_ssm#2``: the A-vs-A control of ``mamba_ssm``.
+
+Per shape: median fwd+bwd wall time per call over alternating rounds (CUDA events), the speedup against mamba_ssm
+with a 95% bootstrap interval, device time per call (torch.profiler), and the largest relative error of the output
+against the fp32 reference.
+
+    python scripts/bench_ssd_helion_example.py --example-dir .peer/helion_examples/examples [--shapes nano]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from nano_hybrid.bench import environment, profiling, reporting, stats
+
+SHAPES = {
+    # Nemotron-3 Nano's mixer at mbs 2 x 8192 (TP1): 64 heads x 64, 8 groups, d_state 128
+    "nano": dict(b=2, l=8192, h=64, p=64, g=8, n=128),
+    "nano_b1": dict(b=1, l=8192, h=64, p=64, g=8, n=128),
+    # the example's own benchmark shape family: 32 heads, one group per head, d_state 128
+    "ex_h32_l4096": dict(b=1, l=4096, h=32, p=128, g=32, n=128),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--example-dir", required=True, help="folder holding the Helion example's `linear` package")
+    p.add_argument("--shapes", default="nano", help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--chunk", type=int, default=128, help="chunk size of every arm")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in args.shapes if s not in SHAPES]
+    if bad:
+        p.error(f"--shapes: unknown {bad}; known {sorted(SHAPES)}")
+    if not (Path(args.example_dir) / "linear" / "linear_attention_engine.py").is_file():
+        p.error(f"--example-dir {args.example_dir}: no linear/linear_attention_engine.py there")
+    return args
+
+
+def load_example(example_dir: str | Path):
+    """The example's engine module, with every Helion kernel in it reading the pretuned configs."""
+    import helion
+
+    sys.path.insert(0, str(Path(example_dir).resolve()))
+    import linear.linear_attention_engine as eng  # noqa: E402  (the peer's package)
+
+    n = 0
+    for obj in vars(eng).values():
+        if isinstance(obj, helion.Kernel):
+            obj.settings.autotune_cache = "AOTAutotuneCache"
+            n += 1
+    return eng, n
+
+
+def inputs(shape: dict, device="cuda", dtype=torch.bfloat16, seed=0) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    b, l, h, p, ng, n = (shape[k] for k in ("b", "l", "h", "p", "g", "n"))
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    dt_raw = r(b, l, h, scale=0.5) - 1.0
+    return dict(
+        x=r(b, l, h, p).to(device, dtype), z=r(b, l, h, p).to(device, dtype), dt_raw=dt_raw.to(device, dtype),
+        dt=torch.nn.functional.softplus(dt_raw).to(device, dtype), dt_bias=r(h, scale=0.5).to(device),
+        A=(-torch.rand(h, generator=g) - 0.5).to(device), D=r(h).to(device),
+        B=r(b, l, ng, n, scale=0.3).to(device, dtype), C=r(b, l, ng, n, scale=0.3).to(device, dtype),
+        dy=r(b, l, h, p).to(device, dtype),
+    )
+
+
+def example_inputs(t: dict) -> dict:
+    """The example's head-first arguments for the plain SSD: q = C, k = B per head, v = x * dt, g = A * dt."""
+    h = t["x"].shape[2]
+    rep = h // t["B"].shape[2]
+    per_head = lambda m: m.repeat_interleave(rep, dim=2).transpose(1, 2).contiguous()  # noqa: E731
+    dt = t["dt"].float()
+    return dict(
+        q=per_head(t["C"]), k=per_head(t["B"]),
+        v=(t["x"].float() * dt[..., None]).to(t["x"].dtype).transpose(1, 2).contiguous(),
+        g=(t["A"][None, None, :] * dt).transpose(1, 2).contiguous(),
+        dy=t["dy"].transpose(1, 2).contiguous(),
+    )
+
+
+def _leaves(t: dict, keys, backward: bool) -> dict:
+    return {k: t[k].detach().requires_grad_(backward) for k in keys}
+
+
+def arms(eng, chunk: int) -> dict:
+    """name -> fn(t, backward=True) returning the output (b, l, h, p); ``contract`` of each in ``CONTRACT``."""
+    if "selective_scan_cuda" not in sys.modules:
+        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    from kernels import tuning
+    from kernels.registry import get_backend
+    from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
+    from kernels.ssd_helion_bwd import ssd_backward_helion
+
+    settings = get_backend("helion").settings
+    ex_fwd = eng.get_helion_fwd_kernel(eng.LinearAttentionVariant.MAMBA2_SSD)
+
+    def mamba(t, backward=True):
+        v = _leaves(t, ("x", "dt_raw", "B", "C", "z", "D", "dt_bias"), backward)
+        y = mamba_chunk_scan_combined(v["x"], v["dt_raw"], t["A"], v["B"], v["C"], chunk, D=v["D"], z=v["z"],
+                                      dt_bias=v["dt_bias"], dt_softplus=True)
+        if backward:
+            y.backward(t["dy"])
+        return y
+
+    def helion(t, backward=True):
+        with tuning.use(settings):
+            out, out_x, dt_out, dA_cumsum, _, _ = ssd_forward_helion(
+                t["x"], t["dt_raw"], t["A"], t["B"], t["C"], chunk, D=t["D"], z=t["z"], dt_bias=t["dt_bias"],
+                dt_softplus=True)
+            if backward:
+                dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
+                    t["B"], t["x"], t["C"], t["dt_raw"], t["A"], chunk, dt_bias=t["dt_bias"], dt_softplus=True,
+                    state_dtype=t["x"].dtype, cumsum=(dA_cumsum, dt_out))
+                ssd_backward_helion(t["dy"], t["x"], t["z"], out_x, t["dt_raw"], t["A"], t["B"], t["C"], t["D"],
+                                    t["dt_bias"], dt_out, dA_cumsum, states_in, CB, chunk, dt_softplus=True)
+        return out
+
+    def mamba_plain(t, backward=True):
+        v = _leaves(t, ("x", "dt", "B", "C"), backward)
+        y = mamba_chunk_scan_combined(v["x"], v["dt"], t["A"], v["B"], v["C"], chunk, D=None, dt_softplus=False)
+        if backward:
+            y.backward(t["dy"])
+        return y
+
+    def example(t, backward=True):
+        e = t["example"]
+        v = _leaves(e, ("q", "k", "v"), backward)
+        y = ex_fwd(v["q"], v["k"], v["v"], e["g"], C=chunk, scale=1.0)
+        if backward:
+            y.backward(e["dy"])
+        return y.transpose(1, 2)
+
+    return {"mamba_ssm": mamba, "helion": helion, "mamba_ssm_plain": mamba_plain, "helion_example": example,
+            "mamba_ssm#2": mamba}
+
+
+CONTRACT = {"mamba_ssm": "megatron", "helion": "megatron", "mamba_ssm_plain": "plain", "helion_example": "plain",
+            "mamba_ssm#2": "megatron"}
+
+
+def references(t: dict, chunk: int) -> dict:
+    from kernels.ssd import mamba_chunk_scan_combined_ref
+
+    f = {k: v.float() for k, v in t.items() if isinstance(v, torch.Tensor)}
+    return {
+        "megatron": mamba_chunk_scan_combined_ref(f["x"], f["dt_raw"], f["A"], f["B"], f["C"], chunk, D=f["D"],
+                                                  z=f["z"], dt_bias=f["dt_bias"], dt_softplus=True),
+        "plain": mamba_chunk_scan_combined_ref(f["x"], f["dt"], f["A"], f["B"], f["C"], chunk, D=None,
+                                               dt_softplus=False),
+    }
+
+
+def run(args) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("error: bench_ssd_helion_example.py needs a CUDA GPU")
+    eng, n_kernels = load_example(args.example_dir)
+    fns = arms(eng, args.chunk)
+    res = {"env": environment.env_info(), "args": vars(args), "arms": list(fns), "example_kernels": n_kernels,
+           "shapes": {}}
+    for sname in args.shapes:
+        t = inputs(SHAPES[sname])
+        t["example"] = example_inputs(t)
+        failed, errs = {}, {}
+        refs = references(t, args.chunk)
+        for a in list(fns)[:-1]:
+            try:
+                with torch.no_grad():
+                    out = fns[a](t, backward=False)
+                fns[a](t)  # compile the backward too
+            except Exception as e:  # an arm that cannot run this shape is reported, not timed
+                failed[a] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+                print(f"[{sname}] {a} failed: {failed[a]}", flush=True)
+                continue
+            ref = refs[CONTRACT[a]]
+            errs[a] = float((out.float() - ref).norm() / ref.norm())
+            del out
+        del refs
+        torch.cuda.empty_cache()
+        names = [a for a in fns if a not in failed and (a != "mamba_ssm#2" or "mamba_ssm" not in failed)]
+        for a in names:
+            for _ in range(args.warmup):
+                fns[a](t)
+        times = {a: [] for a in names}
+        for order in stats.alternating_order(len(names), args.rounds):
+            for i in order:
+                times[names[i]] += stats.time_calls(lambda: fns[names[i]](t), args.iters, "cuda")
+        device_us = {}
+        for a in names[:-1]:
+            table = profiling.profile_device_table(lambda: fns[a](t), max(2, args.iters // 2))
+            device_us[a] = table.get("total_us_per_iter")
+        base = {"megatron": times.get("mamba_ssm"), "plain": times.get("mamba_ssm_plain")}
+        res["shapes"][sname] = {
+            "shape": SHAPES[sname], "chunk": args.chunk, "contract": {a: CONTRACT[a] for a in names},
+            "times_ms": {a: stats.summarize(v) for a, v in times.items()},
+            # each arm against mamba-ssm on its own contract
+            "speedup_vs_mamba_ssm": {a: stats.ratio_summary(base[CONTRACT[a]], times[a]) for a in names
+                                     if a not in ("mamba_ssm", "mamba_ssm_plain") and base[CONTRACT[a]]},
+            "device_us_per_call": device_us, "rel_l2_err_vs_fp32_ref": errs, "arms": names, "failed": failed,
+        }
+        print(f"[{sname}] " + ", ".join(f"{a} {stats.median(times[a]):.3f} ms" for a in names), flush=True)
+    return res
+
+
+def markdown(res: dict) -> str:
+    lines = ["# SSD op fwd+bwd: mamba-ssm, helion and the Helion project's Mamba-2 SSD example", "",
+             reporting.env_markdown(res["env"]), ""]
+    for sname, r in res["shapes"].items():
+        s = r["shape"]
+        lines += [f"## {sname}: batch {s['b']}, seqlen {s['l']}, heads {s['h']} x {s['p']}, groups {s['g']}, "
+                  f"d_state {s['n']}, chunk {r['chunk']}", ""]
+        rows = []
+        for a in r["arms"]:  # noqa: B007
+            t = r["times_ms"][a]
+            sp = r["speedup_vs_mamba_ssm"].get(a)
+            rows.append([a, r["contract"][a], f"{t['median']:.3f}", f"{t['p10']:.3f}-{t['p90']:.3f}",
+                         f"{r['device_us_per_call'][a]:.1f}" if r["device_us_per_call"].get(a) else "-",
+                         f"{sp['speedup']:.3f}x [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]" if sp else "1",
+                         f"{r['rel_l2_err_vs_fp32_ref'][a]:.2e}" if a in r["rel_l2_err_vs_fp32_ref"] else "-"])
+        lines += [reporting.md_table(["arm", "contract", "median ms fwd+bwd", "p10-p90", "device us", "vs mamba_ssm, same contract [95% CI]",
+                                      "output rel L2 err (fp32 ref)"], rows), ""]
+        lines += [f"- {a} does not run here: {why}" for a, why in r.get("failed", {}).items()] + [""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    out = Path(args.out) if args.out else reporting.default_out_dir()
+    j, m = reporting.write_results(out, "ssd_helion_example_" + "_".join(args.shapes), res, markdown(res))
+    print(markdown(res))
+    print(f"wrote {j} and {m}")
+    return 0
