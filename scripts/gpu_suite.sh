@@ -67,7 +67,9 @@ export PYTHONPATH="${PYTHONPATH:-$REPO}" PYTHONUNBUFFERED=1
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$REPO/.triton_cache}"
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv \
     > "$OUT/logs/nvidia_smi.csv" 2>&1
-NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+# GPUs as torch counts them; where python3 cannot import torch, as nvidia-smi lists them
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null) || NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+NGPU=${NGPU:-0}
 
 need_gpus() {  # need_gpus N STAGE
     if [ "$NGPU" -lt "$1" ]; then echo "$2 needs $1 GPUs, this host has $NGPU"; return 1; fi

@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from nano_hybrid.bench import bench_kernels as bk
 from nano_hybrid.bench import bench_layers as blay
 from nano_hybrid.bench import mixer as mx
 from nano_hybrid.bench import run_summary as rs
+from side_by_side import side_by_side
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -772,11 +774,16 @@ def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_pa
     first loss of a full-step run (same weights, same batch); an optim.fused arm is refused."""
     common = ["--warmup", "0", "--blocks", "2", "--block-steps", "2", "--profile-steps", "0", "--n-boot", "200",
               "model=tiny", "train.micro_batch_size=1", "train.global_batch_size=1", "train.seq_length=32"]
+    run = partial(subprocess.run, capture_output=True, text=True, timeout=300, cwd=REPO)
+    # the three runs side by side: forward+backward only, full steps, and the refused optim.fused arm
+    r_fb, r_full, r_bad = side_by_side(*[
+        partial(run, [sys.executable, str(SCRIPTS / "ab_step_time.py"), "--backends", backends, *extra,
+                      "--out", str(tmp_path / name), *common, f"run_dir={tmp_path / name / 'run'}"])
+        for name, backends, extra in (("fb", "torch,torch", ["--fwd-bwd-only", "--tag", "fb"]),
+                                      ("full", "torch,torch", []),
+                                      ("bad", "torch,torch:optim.fused=true", ["--fwd-bwd-only"]))])
     outs = {}
-    for name, extra in (("fb", ["--fwd-bwd-only", "--tag", "fb"]), ("full", [])):
-        r = subprocess.run([sys.executable, str(SCRIPTS / "ab_step_time.py"), "--backends", "torch,torch", *extra,
-                            "--out", str(tmp_path / name), *common, f"run_dir={tmp_path / name / 'run'}"],
-                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    for name, r in (("fb", r_fb), ("full", r_full)):
         assert r.returncode == 0, r.stderr[-3000:]
         (f,) = (tmp_path / name).glob("ab_step_time_*.json")
         outs[name] = json.loads(f.read_text())
@@ -788,10 +795,7 @@ def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_pa
     assert max(first_batch) - min(first_batch) < 0.01
     full = outs["full"]["per_arm"]["torch"]["losses"]
     assert full[0] == losses[0]
-    r = subprocess.run([sys.executable, str(SCRIPTS / "ab_step_time.py"), "--backends", "torch,torch:optim.fused=true",
-                        "--fwd-bwd-only", "--out", str(tmp_path / "bad"), *common, f"run_dir={tmp_path / 'bad' / 'run'}"],
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert r.returncode != 0 and "optim.fused needs the optimizer step" in r.stderr
+    assert r_bad.returncode != 0 and "optim.fused needs the optimizer step" in r_bad.stderr
 
 
 def test_bench_shape_grid_smoke_on_cpu(tmp_path):

@@ -19,10 +19,12 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from side_by_side import side_by_side
 
 REPO = Path(__file__).resolve().parent.parent
 N = 3  # steps before the interruption; uninterrupted runs do 2N
@@ -116,8 +118,6 @@ def runs(tmp_path_factory):
     then resumed (from step N) to 2N. B runs with W&B offline."""
     root = tmp_path_factory.mktemp("resume")
     a, b = root / "A", root / "B"
-    pa = train(a, f"train.train_iters={2 * N}", "checkpoint.interval=0")
-    _assert_ok(pa)
     wb = ["logger.wandb.mode=offline", "logger.wandb.project=nano-hybrid-test"]
     helpers: list[str] = []
 
@@ -129,8 +129,11 @@ def runs(tmp_path_factory):
                 return
             time.sleep(0.2)
 
-    pb1 = train(b, f"train.train_iters={2 * N}", f"checkpoint.interval={N}", *wb, hooked=True,
-                env=_env(NANO_HYBRID_TEST_KILL_DURING_SAVE=str(2 * N)), after_exit=helpers_left)
+    pa, pb1 = side_by_side(
+        lambda: train(a, f"train.train_iters={2 * N}", "checkpoint.interval=0"),
+        lambda: train(b, f"train.train_iters={2 * N}", f"checkpoint.interval={N}", *wb, hooked=True,
+                      env=_env(NANO_HYBRID_TEST_KILL_DURING_SAVE=str(2 * N)), after_exit=helpers_left))
+    _assert_ok(pa)
     b_after_kill = {
         "helpers_left": list(helpers),
         "steps_logged": [r["step"] for r in records(b)],
@@ -232,12 +235,14 @@ def test_sigterm_saves_and_exits_zero_then_resume_continues(tmp_path):
 
 def test_refuses_incompatible_and_missing(runs, tmp_path):
     ck = runs["A"] / "checkpoints" / f"iter_{2 * N:07d}"
-    p = train(tmp_path / "D", "train.train_iters=2", "model.vocab_size=640", f"checkpoint.load={ck}")
+    p, p_missing = side_by_side(
+        lambda: train(tmp_path / "D", "train.train_iters=2", "model.vocab_size=640", f"checkpoint.load={ck}"),
+        lambda: train(tmp_path / "E", "train.train_iters=2", f"checkpoint.load={tmp_path / 'nowhere'}"))
     assert p.returncode == 2, p.stderr[-2000:]
     err = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "vocab size differs" in err[0] and "[512, 256]" in err[0] and "[640, 256]" in err[0], p.stderr[-2000:]
     assert not (tmp_path / "D" / "metrics.jsonl").exists() or not records(tmp_path / "D")
-    p = train(tmp_path / "E", "train.train_iters=2", f"checkpoint.load={tmp_path / 'nowhere'}")
+    p = p_missing
     assert p.returncode == 2 and "no such checkpoint" in p.stderr and "refusing to start from scratch" in p.stderr
 
 
@@ -311,11 +316,16 @@ def test_damaged_files_are_one_line_naming_them(runs, tmp_path):
         "nano_hybrid_checkpoint.json": lambda d: (d / "nano_hybrid_checkpoint.json").write_text('{"format": "nano-hy'),
     }
     expect = {"common.pt": "truncated", "rng/rank_00000.pt": "missing", "nano_hybrid_checkpoint.json": "unreadable"}
+    damaged = {}
     for name, damage in cases.items():
         d = tmp_path / name.replace("/", "_") / src.name
         shutil.copytree(src, d)
         damage(d)
-        p = train(tmp_path / "H", "train.train_iters=2", f"checkpoint.load={d}")
+        damaged[name] = d
+    # one refused run per damaged checkpoint, side by side (each in its own run directory)
+    procs = side_by_side(*[partial(train, tmp_path / f"H{i}", "train.train_iters=2", f"checkpoint.load={d}")
+                           for i, d in enumerate(damaged.values())])
+    for (name, d), p in zip(damaged.items(), procs):
         err = [x for x in p.stderr.splitlines() if x.startswith("error:")]
         assert p.returncode == 2 and len(err) == 1, (name, p.stderr[-2000:])
         assert str(d / name) in err[0] and expect[name] in err[0], err

@@ -5,9 +5,11 @@ config does not fit (what raised InvalidConfig at the first step before the fit 
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 
-import pytest
 import torch
 
 import helion
@@ -30,27 +32,25 @@ GRID = [
 _SEQ_ARGS = {"ssd_chunk_state": (4, None), "ssd_chunk_state_passing": (5, 6)}
 
 
-def _empty_factories(monkeypatch):
+def _empty_factories():
     """torch.randn / torch.rand make uninitialized CPU tensors (the builders' shapes, no random data): binding needs
-    shapes, dtypes and strides only. (Meta tensors bind too, but Inductor's lowering of some kernels refuses them.)"""
+    shapes, dtypes and strides only. (Meta tensors bind too, but Inductor's lowering of some kernels refuses them.)
+    Patched in the worker process only, which ends after its checks."""
     for name in ("randn", "rand"):
         def make(*size, generator=None, device=None, dtype=None, **kw):
             return torch.empty(*size, dtype=dtype, **kw)
 
-        monkeypatch.setattr(torch, name, make)
+        setattr(torch, name, make)
 
 
-_COMPILED_MODE: dict[str, object] = {}
-
-
-def _compiled_mode_kernel(name, kernel, monkeypatch):
-    """The kernel as it runs on a GPU (not in interpret mode, which this test process uses for every other test)."""
-    if name not in _COMPILED_MODE:
-        with monkeypatch.context() as m:
-            m.delenv("HELION_INTERPRET", raising=False)
-            _COMPILED_MODE[name] = helion.kernel(kernel.fn, static_shapes=True,
-                                                 ignore_warnings=list(kernel.settings.ignore_warnings))
-    return _COMPILED_MODE[name]
+def _compiled_mode_kernel(kernel):
+    """The kernel as it runs on a GPU (not in interpret mode, which the test processes use for every other test)."""
+    interpret = os.environ.pop("HELION_INTERPRET", None)
+    try:
+        return helion.kernel(kernel.fn, static_shapes=True, ignore_warnings=list(kernel.settings.ignore_warnings))
+    finally:
+        if interpret is not None:
+            os.environ["HELION_INTERPRET"] = interpret
 
 
 def _with_seq_idx(name, args, md):
@@ -63,19 +63,24 @@ def _with_seq_idx(name, args, md):
     return tuple(a)
 
 
-def test_every_kernel_gets_a_fitting_config_on_the_shape_grid(monkeypatch):
+def _check_kernels(names: list[str]) -> dict:
+    """The checks for the kernels ``names`` at every grid shape (run in a spawned worker process): how each config
+    was chosen, the committed configs that do not fit, the number of checks and the misfit warnings."""
     registry = tuner.discover_tunable_kernels()
-    _empty_factories(monkeypatch)
+    _empty_factories()
     tuning.clear_caches()
     rt = tuning.Runtime(tuning.HelionSettings(cache_dir="/nonexistent/nano_hybrid_test_cache"))
+    compiled: dict[str, object] = {}
     hows, old_misfits, checked = {}, [], 0
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for label, md, seq in GRID:
-            for name, (_, build) in sorted(registry.items()):
-                case = build(dict(md), "cpu")
+            for name in names:
+                case = registry[name][1](dict(md), "cpu")
                 args = _with_seq_idx(name, case.args, md) if seq and name in _SEQ_ARGS else case.args
-                kernel = _compiled_mode_kernel(name, case.kernel, monkeypatch)
+                if name not in compiled:
+                    compiled[name] = _compiled_mode_kernel(case.kernel)
+                kernel = compiled[name]
                 bound = kernel.bind(tuple(args))
                 cfg, how = first_use.select_config(name, kernel, args, case.dims, case.default, arch="sm90", rt=rt,
                                                    bound=bound)
@@ -93,9 +98,23 @@ def test_every_kernel_gets_a_fitting_config_on_the_shape_grid(monkeypatch):
                         bound.config_spec.normalized_config(old)
                     except helion.exc.InvalidConfig:
                         old_misfits.append(f"{label}:{name} (config of {key})")
-    assert checked == len(GRID) * len(registry)
+    return {"hows": hows, "old_misfits": old_misfits, "checked": checked, "warnings": [str(x.message) for x in w]}
+
+
+def test_every_kernel_gets_a_fitting_config_on_the_shape_grid():
+    names = sorted(tuner.discover_tunable_kernels())
+    # the kernels in two spawned worker processes (alternate kernels each), side by side
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(_check_kernels, [names[0::2], names[1::2]]))
+    hows: dict[str, list[str]] = {}
+    for part in parts:
+        for how, where in part["hows"].items():
+            hows.setdefault(how, []).extend(where)
+    old_misfits = [m for part in parts for m in part["old_misfits"]]
+    checked = sum(part["checked"] for part in parts)
+    assert checked == len(GRID) * len(names)
     assert old_misfits, "no grid shape needs a fallback: the grid no longer tests the fit check"
-    misfit_msgs = [str(x.message) for x in w if "does not fit the kernel at this call's shape" in str(x.message)]
+    misfit_msgs = [m for part in parts for m in part["warnings"] if "does not fit the kernel at this call's shape" in m]
     assert misfit_msgs and all("tuned at" in m for m in misfit_msgs)
     # one warning per (kernel, shape, source): no duplicates
     assert len(misfit_msgs) == len(set(misfit_msgs))

@@ -20,9 +20,11 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 
+from side_by_side import side_by_side
 from test_checkpoint_resume import COMMON, REPO, _env, ckpt_tensors, records, train
 
 
@@ -60,15 +62,16 @@ def test_unwritable_dirs_and_too_little_space_refused_before_work(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     cmd = [sys.executable, "-m", "nano_hybrid.train", *COMMON, f"run_dir={blocker / 'run'}", "train.train_iters=2"]
-    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    _one_error(p, 2, f"run_dir {blocker / 'run'} is not writable", "[ENOTDIR]")
-    p = train(tmp_path / "r2", "train.train_iters=2", f"checkpoint.dir={blocker / 'ck'}")
-    _one_error(p, 2, f"checkpoint.dir {blocker / 'ck'} is not writable")
+    # the three refused runs side by side; 1 MB free: a tiny-model checkpoint is ~45 MB, keep_last=2 needs room for 3
+    p_run_dir, p_ck_dir, p_space = side_by_side(
+        partial(subprocess.run, cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300),
+        partial(train, tmp_path / "r2", "train.train_iters=2", f"checkpoint.dir={blocker / 'ck'}"),
+        partial(train, tmp_path / "r3", "train.train_iters=4", "checkpoint.interval=1", hooked=True,
+                env=_env(NANO_HYBRID_TEST_FREE_BYTES=str(10**6))))
+    _one_error(p_run_dir, 2, f"run_dir {blocker / 'run'} is not writable", "[ENOTDIR]")
+    _one_error(p_ck_dir, 2, f"checkpoint.dir {blocker / 'ck'} is not writable")
     assert not (tmp_path / "r2" / "metrics.jsonl").exists()
-    # 1 MB free: a tiny-model checkpoint is ~45 MB, keep_last=2 needs room for 3
-    p = train(tmp_path / "r3", "train.train_iters=4", "checkpoint.interval=1", hooked=True,
-              env=_env(NANO_HYBRID_TEST_FREE_BYTES=str(10**6)))
-    _one_error(p, 2, "0.0 GB free, this run needs about 0.1 GB", "3 more checkpoint(s)", "checkpoint.keep_last=2")
+    _one_error(p_space, 2, "0.0 GB free, this run needs about 0.1 GB", "3 more checkpoint(s)", "checkpoint.keep_last=2")
     assert not (tmp_path / "r3" / "metrics.jsonl").exists()
 
 
@@ -149,13 +152,7 @@ def test_launcher_reports_one_line_before_and_after_the_workers_start(tmp_path):
     """python -m nano_hybrid.launch: a config error never starts a worker; a worker's error is its one line, without
     torchrun's failure summary; the exit code is the worker's."""
     base = [sys.executable, "-m", "nano_hybrid.launch", "--standalone", "--nproc-per-node", "2"]
-    p = subprocess.run([*base, "parallel=dp2", "data=mock", "model=tiny", "kernels.backend=torch",
-                        f"run_dir={tmp_path / 'r'}"], cwd=REPO, env=_env(OMP_NUM_THREADS="1"), capture_output=True,
-                       text=True, timeout=300)
-    line = "error: train.global_batch_size=8 must be a multiple of train.micro_batch_size=8 x data-parallel size 2"
-    assert p.returncode == 2 and p.stderr.strip().splitlines() == [line], p.stderr[-3000:]
-    assert not (tmp_path / "r").exists()
-    # a data error found by the workers (3 documents leave the validation split empty): one line, exit 2
+    # the corpus for the second run: 3 documents leave the validation split empty
     from nano_hybrid.data.prepare import text_sources, write_indexed_dataset
 
     docs = tmp_path / "docs"
@@ -163,10 +160,18 @@ def test_launcher_reports_one_line_before_and_after_the_workers_start(tmp_path):
     for i in range(3):
         (docs / f"d{i}.txt").write_text(f"document {i} " * 50)
     write_indexed_dataset(text_sources([docs]), tmp_path / "c" / "c", "byte")
-    p = subprocess.run([*base, "parallel=dp2", "model=tiny", "kernels.backend=torch", "train.micro_batch_size=4",
-                        f"data.paths=[{tmp_path / 'c' / 'c'}]", "data.prepare_if_missing=null", "train.eval_interval=2",
-                        f"run_dir={tmp_path / 'r2'}"], cwd=REPO, env=_env(OMP_NUM_THREADS="1"), capture_output=True,
-                       text=True, timeout=300)
+    run = partial(subprocess.run, cwd=REPO, env=_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    p, p_data = side_by_side(
+        partial(run, [*base, "parallel=dp2", "data=mock", "model=tiny", "kernels.backend=torch",
+                      f"run_dir={tmp_path / 'r'}"]),
+        partial(run, [*base, "parallel=dp2", "model=tiny", "kernels.backend=torch", "train.micro_batch_size=4",
+                      f"data.paths=[{tmp_path / 'c' / 'c'}]", "data.prepare_if_missing=null", "train.eval_interval=2",
+                      f"run_dir={tmp_path / 'r2'}"]))
+    line = "error: train.global_batch_size=8 must be a multiple of train.micro_batch_size=8 x data-parallel size 2"
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [line], p.stderr[-3000:]
+    assert not (tmp_path / "r").exists()
+    # a data error found by the workers: one line, exit 2
+    p = p_data
     ours = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert p.returncode == 2 and len(ours) == 1 and "validation split" in ours[0], p.stderr[-3000:]
     assert "ChildFailedError" not in p.stderr and "Traceback" not in p.stderr and "Root Cause" not in p.stderr
