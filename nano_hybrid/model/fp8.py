@@ -126,7 +126,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tens
         return _fp8_mm_eager(x, weight, recipe)
     fn = _COMPILED.get(recipe)
     if fn is None:
-        fn = _COMPILED[recipe] = torch.compile(functools.partial(_fp8_mm_eager, recipe=recipe))
+        # one compiled graph per (recipe, shape) of the one code object: static shapes (fp8 GEMMs want their
+        # alignment known), and room for every linear shape of a model x both recipes before dynamo's
+        # recompile limit (default 8) would send calls to eager
+        import torch._dynamo.config as dcfg
+
+        name = "recompile_limit" if hasattr(dcfg, "recompile_limit") else "cache_size_limit"
+        setattr(dcfg, name, max(getattr(dcfg, name), 64))
+        fn = _COMPILED[recipe] = torch.compile(functools.partial(_fp8_mm_eager, recipe=recipe), dynamic=False)
     return fn(x, weight)
 
 
