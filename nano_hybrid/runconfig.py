@@ -32,6 +32,7 @@ from nano_hybrid.data import (
 )
 from nano_hybrid.data.check import CorpusCheckError, check_corpus
 from nano_hybrid.layout import LaunchEnv, ParallelDims
+from nano_hybrid.model.fp8 import check_settings as check_fp8_settings
 from nano_hybrid.schema import RunConfig, check_keys
 
 # The only places data.prepare_if_missing=stdlib builds the stdlib corpus: byte tokens (data=default) and the
@@ -295,6 +296,7 @@ def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
     mbs, gbs, seq, iters = _check_train(cfg)
     device = resolve_device(str(cfg.train.device), env.local_rank)
     dtype = resolve_dtype(str(cfg.train.precision), device)
+    check_fp8_settings(cfg, device)
     validate_optim(cfg.optim, iters)
     dims = _check_layout(cfg, env, mbs, gbs, device)
     tok_spec, tokenizer = _check_tokenizer(cfg)

@@ -42,6 +42,12 @@ class TrainSchema:
     torch_threads: Optional[int] = doc("CPU intra-op threads (null: torch default)", None)
     exit_after_minutes: Optional[float] = doc("save and stop after this many minutes from start-up (null: never)", None)
     max_skipped_steps: Optional[int] = doc("non-finite steps in a row that stop the run as diverged (null: never)", 10)
+    # FP8 training (nano_hybrid/model/fp8.py)
+    fp8: str = doc("none | tensorwise | rowwise: torchao float8 matmuls (dynamic scaling) for fp8_modules; "
+                   "parameters and checkpoints stay bf16/fp32", "none")
+    fp8_modules: list = doc("module kinds in fp8: mamba_proj, attention, mlp, shared_expert, experts (the LM head "
+                            "and the router always stay bf16)",
+                            factory=lambda: ["mamba_proj", "attention", "mlp", "shared_expert"])
 
 
 @dataclass(frozen=True)

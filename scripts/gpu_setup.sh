@@ -11,6 +11,9 @@
 # Wheels go into ./site (git-ignored) with --no-deps; PYTHONPATH is set to ./site:. for this shell.
 # mamba-ssm built without CUDA lacks the Mamba-1 `selective_scan_cuda` module: kernels/registry.py
 # (import_mamba_ssm) registers a placeholder for it before importing mamba_ssm, nothing else does.
+# train.fp8 needs torchao: put torchao-0.17.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl (the
+# release paired with torch 2.11) into the wheelhouse folder; it installs with the others (a wheel that SHA256SUMS
+# does not list is installed unchecked). Without it train.fp8=none runs and train.fp8=... fails at validation.
 # wandb is not in the wheelhouse: keep logger.wandb.mode=disabled (or install wandb yourself).
 # Run as a script instead of sourcing it to only install and check; then export PYTHONPATH yourself.
 
@@ -56,6 +59,11 @@ import megatron.core, hydra, omegaconf, helion  # noqa: F401
 from kernels.registry import available_backends
 print(f"gpu_setup: torch {torch.__version__}, cuda available {torch.cuda.is_available()}, "
       f"megatron-core {megatron.core.__version__}")
+try:
+    import torchao
+    print(f"gpu_setup: torchao {torchao.__version__} (train.fp8)")
+except ImportError:
+    print("gpu_setup: torchao not installed (train.fp8 needs it)")
 for name, why in available_backends().items():
     print(f"gpu_setup: kernel backend {name}: {'ok' if why is None else why}")
 PY

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 scripts/ab_step_time.py parallel=dp2 train.global_batch_size=4
     python scripts/ab_step_time.py --backends torch,torch model=tiny          # CPU A-vs-A smoke run
     python scripts/ab_step_time.py --backends mamba_ssm,helion:model.lm_head_loss=chunked:optim.fused=true,mamba_ssm
+    python scripts/ab_step_time.py --backends mamba_ssm,mamba_ssm:train.fp8=rowwise,mamba_ssm   # bf16 vs fp8
 
 Everything after the --flags is a Hydra override (defaults prepended: model=nano30b_slice data=mock
 train.micro_batch_size=2 train.global_batch_size=2 train.seq_length=8192 on GPU).
@@ -16,7 +17,7 @@ Method:
 - The kernel backend of every Mamba-2 mixer is switched in place with ``set_kernel_backend(model, name)``
   (the mixer's fused op and its gated-norm module; parameters, optimizer state and DDP hooks are kept).
 - An arm is ``backend[:key=value...]``: keys that switch in place on the same model and optimizer
-  (``SWITCHABLE``: model.lm_head_loss, model.lm_loss_chunk_tokens, optim.fused) may differ between arms;
+  (``SWITCHABLE``: model.lm_head_loss, model.lm_loss_chunk_tokens, optim.fused, train.fp8) may differ between arms;
   an arm without a key runs the composed config's value (``apply_arm``).
 - Warm-up: --warmup steps per arm (compilation, autotuning, allocator). Then --blocks rounds; in each,
   every arm runs --block-steps steps, arm order alternating (ABBA...), so drift and thermal state hit

@@ -51,7 +51,7 @@ def set_kernel_backend(model, backend) -> int:
     return n
 
 
-SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", "optim.fused")
+SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", "optim.fused", "train.fp8")
 
 
 def compose_over_defaults(gpu_defaults: list[str], cpu_defaults: list[str], overrides: list[str]):
@@ -96,7 +96,7 @@ def parse_arm(spec: str) -> Arm:
 
 def apply_arm(ctx, arm: Arm, backends: dict) -> None:
     """Switch ``ctx`` (a ``nano_hybrid.trainer.Trainer``) to ``arm`` in place: the kernel backend, the LM head + loss
-    (``LMLossMambaModel`` attributes) and the AdamW implementation; keys the arm does not set take the
+    (``LMLossMambaModel`` attributes), the AdamW implementation and the fp8 matmuls (``train.fp8``); keys the arm does not set take the
     composed config's values, so every arm is fully determined."""
     from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
     from nano_hybrid.optim import set_adam_fused
@@ -106,7 +106,7 @@ def apply_arm(ctx, arm: Arm, backends: dict) -> None:
     cfg = ctx.cfg
     mcfg = model_dict(cfg.model)  # the model keys' defaults filled in (model/config.py MODEL_DEFAULTS)
     values = {"model.lm_head_loss": mcfg["lm_head_loss"], "model.lm_loss_chunk_tokens": mcfg["lm_loss_chunk_tokens"],
-              "optim.fused": cfg.optim.fused, **dict(arm.overrides)}
+              "optim.fused": cfg.optim.fused, "train.fp8": cfg.train.fp8, **dict(arm.overrides)}
     m = {"lm_head_loss": values["model.lm_head_loss"], "lm_loss_chunk_tokens": values["model.lm_loss_chunk_tokens"]}
     choice, chunk = lm_head_settings(m)
     check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))
@@ -114,8 +114,14 @@ def apply_arm(ctx, arm: Arm, backends: dict) -> None:
         raise ValueError(f"optim.fused={values['optim.fused']!r} must be true or false")
     if ctx.optimizer is None and "optim.fused" in dict(arm.overrides):
         raise ValueError(f"arm {arm.label}: optim.fused needs the optimizer step (not with --fwd-bwd-only)")
+    from nano_hybrid.model.fp8 import FP8_RECIPES, apply_fp8
+
+    if str(values["train.fp8"]) not in FP8_RECIPES:
+        raise ValueError(f"arm {arm.label}: train.fp8={values['train.fp8']!r}; choose one of {', '.join(FP8_RECIPES)}")
     set_kernel_backend(ctx.model, backends[arm.backend])
     model = training.unwrap_model(ctx.model)
+    # train.fp8: the chosen linears' matmul class is switched in place on the same Parameters (model/fp8.py)
+    apply_fp8(model, str(values["train.fp8"]), tuple(str(k) for k in cfg.train.fp8_modules))
     model.lm_head_loss, model.lm_loss_chunk_tokens = choice, chunk
     if ctx.optimizer is not None:
         set_adam_fused(ctx.optimizer, values["optim.fused"])

@@ -108,6 +108,11 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
     from nano_hybrid.model.experts import mark_expert_params
 
     mark_expert_params(model)
+    from nano_hybrid.model.fp8 import apply_fp8, fp8_settings, transformer_engine_available
+
+    fp8, fp8_kinds = fp8_settings(cfg)
+    if fp8 != "none" and not transformer_engine_available():  # with TE: TransformerConfig.fp8 (model/config.py)
+        apply_fp8(model, fp8, fp8_kinds)
     if device.type == "cuda":
         # Some megatron-core local modules (e.g. the torch-norm wrappers) allocate without a device
         # argument; like Megatron-LM's get_model(), move the whole module to the current GPU.

@@ -215,6 +215,10 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
         pipeline_dtype=dtype,
     )
     kw.update(megatron_recompute_kwargs(*recompute_settings(m)))
+    from nano_hybrid.model.fp8 import fp8_settings, te_fp8_kwargs, transformer_engine_available
+
+    if transformer_engine_available():  # megatron's TE fp8 path (config mapping; torchao swap otherwise)
+        kw.update(te_fp8_kwargs(fp8_settings(cfg)[0]))
     if m.get("num_moe_experts"):
         kw.setdefault("moe_token_dispatcher_type", "allgather")
         # the grouped-experts module is our own (nano_hybrid.model.experts); megatron's legacy

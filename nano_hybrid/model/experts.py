@@ -212,10 +212,14 @@ class GroupedGemmExperts(MegatronModule):
             zero = (self.weight1.sum() + self.weight2.sum()) * 0.0
             return x.new_zeros(0, self.config.hidden_size) + zero.to(x.dtype), None
         offs = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0).to(torch.int32)
-        h = grouped_mm(x, self.weight1, offs)
+        h = self._mm(x, self.weight1, offs)
         h = act_scale(h, probs, self.activation_func)
-        out = grouped_mm(h, self.weight2, offs)
+        out = self._mm(h, self.weight2, offs)
         return out, None
+
+    def _mm(self, x, w, offs):
+        """One expert GEMM (``model/fp8.py`` swaps it for torchao's fp8 grouped GEMM)."""
+        return grouped_mm(x, w, offs)
 
     def backward_dw(self):
         """Nothing deferred: weight gradients are computed in the normal backward."""
