@@ -121,7 +121,7 @@ class HybridArch:
             moe_shared_expert_intermediate_size=i("moe_shared_expert_intermediate_size"),
             ffn_hidden_size=i("ffn_hidden_size"),
             gated_linear_unit=False,  # make_transformer_config builds non-gated MLPs/experts
-            share_embeddings_and_output_weights=not bool(m.get("untie_embeddings_and_output_weights", True)),
+            share_embeddings_and_output_weights=not bool(m["untie_embeddings_and_output_weights"]),
         )
 
     @classmethod

@@ -86,7 +86,7 @@ from nano_hybrid.arch import HybridArch
 from nano_hybrid.config import ConfigError
 from nano_hybrid.errors import EXIT_BAD_INPUT
 from nano_hybrid.layout import LaunchEnv, ParallelDims
-from nano_hybrid.model.config import RECOMPUTE_CHOICES, check_model_cfg, model_dict, recompute_settings
+from nano_hybrid.model.config import MODEL_DEFAULTS, RECOMPUTE_CHOICES, check_model_cfg, model_dict, recompute_settings
 
 GIB = 1024**3
 # GPUs of the verdict: name -> memory torch reports as total_memory (GiB)
@@ -358,7 +358,7 @@ def make_plan(cfg: DictConfig, world_size: int | None = None, *, optimizer: bool
     s, world = shape_from_cfg(cfg, world_size, optimizer=optimizer, dims=dims)
     m = model_dict(cfg.model)
     choice, modules = recompute_settings(m)
-    selective_modules = modules or tuple(m.get("recompute_modules") or ("moe", "layernorm"))
+    selective_modules = modules or tuple(m["recompute_modules"] or MODEL_DEFAULTS["recompute_modules"])
     choices = {"none": ("none", ()), "selective": ("selective", selective_modules), "full": ("full", ())}
     by_choice = {}
     for name in RECOMPUTE_CHOICES:

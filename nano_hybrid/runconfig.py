@@ -232,7 +232,7 @@ def _check_data(cfg: DictConfig, tok_spec: TokenizerSpec, eval_interval: int) ->
     """The data paths: present (or buildable by data.prepare_if_missing), intact, written with this tokenizer."""
     spec = DataSpec.from_cfg(cfg.data)
     missing = missing_paths(spec) if spec.kind == "indexed" else []
-    prepare = cfg.data.get("prepare_if_missing")
+    prepare = cfg.data.prepare_if_missing
     if missing and (prepare is None or len(spec.paths) != 1):
         raise DataConfigError(
             f"data path not found: {', '.join(m + '.bin/.idx' for m in missing)}"

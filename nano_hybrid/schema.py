@@ -1,12 +1,13 @@
-"""The run-config schema: every key of the ``train``, ``optim``, ``checkpoint``, ``logger``, ``parallel``, ``kernels``
-and ``plan`` groups with its type, default and a one-line doc. This is the one place these defaults live.
+"""The run-config schema: every key of the ``model``, ``data``, ``train``, ``optim``, ``checkpoint``, ``logger``,
+``parallel``, ``kernels`` and ``plan`` groups with its type, default and a one-line doc. This is the one place these defaults live.
 
 Each group's schema is registered in Hydra's ConfigStore as ``<group>/schema`` (a plain node: the values are
 checked by ``nano_hybrid.runconfig`` with one-line errors naming the key, not by OmegaConf's type conversion), and
 each YAML file of the group starts from it (``defaults: [schema, _self_]``), holding only what differs.
 
     register()                  # before composing (nano_hybrid.config.compose does it)
-    check_keys(cfg)             # a key the schema does not know: ConfigError with the closest known one
+    check_keys(cfg)             # a key the schema does not know: ConfigError with the closest known one;
+                                # a required key (REQUIRED, ``???``) left unset: ConfigError naming it
     run = RunConfig.from_cfg(cfg)   # after validation: typed, frozen (run.train.micro_batch_size is an int)
 """
 
@@ -25,6 +26,89 @@ def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = datacla
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata={"doc": text})
     return field(default=default, metadata={"doc": text})
+
+REQUIRED = "???"  # a key every config of its group must state (OmegaConf's missing value)
+
+
+@dataclass(frozen=True)
+class ModelSchema:
+    """Keys are megatron-core TransformerConfig / MambaModel names where one exists (nano_hybrid/model/config.py)."""
+
+    name: str = doc("the model's name (run directory, checkpoints)", REQUIRED)
+    hybrid_override_pattern: str = doc("one symbol per layer: M Mamba-2, E MoE, * attention, - dense MLP", REQUIRED)
+    hidden_size: int = doc("model width", REQUIRED)
+    ffn_hidden_size: Optional[int] = doc("dense '-' layers' MLP width (and the experts' when moe_ffn_hidden_size "
+                                         "is null)", None)
+    vocab_size: int = doc("vocabulary entries (padded as megatron pads it)", REQUIRED)
+    make_vocab_size_divisible_by: int = doc("pad the vocabulary to a multiple of this x TP", 128)
+    seq_length: int = doc("longest sequence the model is built for (>= train.seq_length)", REQUIRED)
+    untie_embeddings_and_output_weights: bool = doc("separate input embedding and LM head", True)
+    position_embedding_type: str = doc("none | rope | learned_absolute", "none")
+    norm_epsilon: float = doc("RMSNorm epsilon", 1.0e-5)
+    init_method_std: float = doc("std of the normal weight init", 0.02)
+    hidden_dropout: float = doc("dropout after each layer", 0.0)
+    attention_dropout: float = doc("dropout of the attention probabilities", 0.0)
+    mamba_num_heads: Optional[int] = doc("Mamba-2 heads (null: 2 x hidden_size / mamba_head_dim)", None)
+    mamba_head_dim: int = doc("Mamba-2 head dim", 64)
+    mamba_state_dim: int = doc("Mamba-2 SSM state size", 128)
+    mamba_num_groups: int = doc("Mamba-2 B/C groups", 8)
+    mamba_chunk_size: int = doc("Mamba-2 SSD chunk length", 128)
+    mamba_conv_width: int = doc("Mamba-2 causal conv1d width", 4)
+    num_attention_heads: int = doc("attention query heads", REQUIRED)
+    num_query_groups: Optional[int] = doc("GQA KV heads (null: num_attention_heads)", None)
+    kv_channels: Optional[int] = doc("attention head dim (null: hidden_size / num_attention_heads)", None)
+    num_moe_experts: Optional[int] = doc("routed experts of each E layer (null: no MoE)", None)
+    moe_router_topk: int = doc("experts per token", 2)
+    moe_ffn_hidden_size: Optional[int] = doc("routed expert width (null: ffn_hidden_size)", None)
+    moe_shared_expert_intermediate_size: Optional[int] = doc("shared expert width (null: none)", None)
+    squared_relu: bool = doc("squared-ReLU MLPs/experts (false: GELU)", False)
+    moe_router_score_function: str = doc("softmax | sigmoid", "softmax")
+    moe_router_enable_expert_bias: bool = doc("aux-loss-free balancing bias", False)
+    moe_router_bias_update_rate: float = doc("update rate of the expert bias", 1.0e-3)
+    moe_router_topk_scaling_factor: Optional[float] = doc("scale of the top-k routing weights (null: none)", None)
+    moe_router_dtype: Optional[str] = doc("router compute dtype: fp32 | fp64 (null: the model's)", None)
+    moe_router_load_balancing_type: str = doc("aux_loss | seq_aux_loss | sinkhorn | none", "aux_loss")
+    moe_aux_loss_coeff: float = doc("load-balancing loss coefficient", 0.0)
+    moe_token_dispatcher_type: str = doc("allgather | alltoall (alltoall builds a CUDA stream: GPU only)", "allgather")
+    attention_impl: str = doc("sdpa (torch scaled_dot_product_attention) | unfused (megatron DotProductAttention)",
+                              "sdpa")
+    moe_experts_impl: str = doc("grouped (torch._grouped_mm) | sequential (megatron SequentialMLP)", "grouped")
+    use_cpu_initialization: bool = doc("draw every weight on the host from the seed alone (layout-invariant init)",
+                                       False)
+    recompute: str = doc("activation recompute: none | selective | full", "none")
+    recompute_modules: list = doc("selective: core_attn, layernorm, moe, shared_experts, mlp, ssd",
+                                  factory=lambda: ["moe", "layernorm"])
+    lm_head_loss: str = doc("LM head + loss: plain | chunked | chunked_compiled (nano_hybrid/model/lm_loss.py)",
+                            "plain")
+    lm_loss_chunk_tokens: int = doc("tokens per chunk of the chunked LM head + loss", 4096)
+
+
+@dataclass(frozen=True)
+class TokenizerSchema:
+    type: str = doc("byte (256 bytes + eod + pad) | tiktoken (Megatron TikTokenizer JSON) | hf (HF tokenizer)", "byte")
+    path: Optional[str] = doc("tiktoken: the .json file; hf: a tokenizer folder or tokenizer.json", None)
+    vocab_size: Optional[int] = doc("tiktoken: ids in all, special ones included (Megatron --vocab-size)", None)
+    num_special_tokens: int = doc("tiktoken: leading special ids (Megatron --tiktoken-num-special-tokens)", 1000)
+    pattern: str = doc("tiktoken: split regex v1 | v2 (Megatron --tiktoken-pattern)", "v2")
+
+
+@dataclass(frozen=True)
+class DataSchema:
+    kind: str = doc("indexed: Megatron .bin/.idx prefixes | mock: megatron MockGPTDataset", "indexed")
+    paths: list = doc("indexed-dataset prefixes (no .bin/.idx), relative to the working directory",
+                      factory=lambda: ["data/stdlib/stdlib"])
+    weights: Optional[list] = doc("blend weights, one per path (null: proportional to size)", None)
+    split: Optional[str] = doc("Megatron's train,valid,test split of each prefix's documents", "969,30,1")
+    valid_paths: Optional[list] = doc("separate validation prefixes (megatron blend_per_split); null: data.split",
+                                      None)
+    valid_seed: Optional[int] = doc("shuffle seed of the validation samples (null: the run's seed)", None)
+    tokenizer: TokenizerSchema = doc("the tokenizer", factory=TokenizerSchema)
+    prepare_if_missing: Optional[str] = doc("a missing path: stdlib = build the stdlib corpus there; null = fail",
+                                            "stdlib")
+    prepare_workers: int = doc("tokenizer processes when building a missing corpus", 1)
+    cache_dir: Optional[str] = doc("GPTDataset index cache (null: <dir of first path>/cache)", None)
+    num_workers: int = doc("DataLoader workers per rank", 0)
+    corpus_dir: Optional[str] = doc("data=corpus: the scripts/prepare_corpus.py folder its paths point into", None)
 
 
 @dataclass(frozen=True)
@@ -129,7 +213,7 @@ class PlanSchema:
 
 
 GROUPS: dict[str, type] = {
-    "train": TrainSchema, "optim": OptimSchema, "checkpoint": CheckpointSchema, "logger": LoggerSchema,
+    "model": ModelSchema, "data": DataSchema, "train": TrainSchema, "optim": OptimSchema, "checkpoint": CheckpointSchema, "logger": LoggerSchema,
     "parallel": ParallelSchema, "kernels": KernelsSchema, "plan": PlanSchema,
 }
 
@@ -140,6 +224,8 @@ class RunConfig:
     follows ``run_dir``, resolved at start-up; ``nano_hybrid.checkpoint`` reads ``cfg``) and ``logger`` (a resumed
     run continues the checkpoint's W&B id, set at start-up)."""
 
+    model: ModelSchema
+    data: DataSchema
     train: TrainSchema
     optim: OptimSchema
     parallel: ParallelSchema
@@ -186,14 +272,28 @@ def register() -> None:
         cs.store(group=group, name="schema", node=defaults(schema))
 
 
+def required(schema: type) -> tuple[str, ...]:
+    """The keys of ``schema`` every config must state (default ``???``)."""
+    return tuple(f.name for f in dataclasses.fields(schema) if f.default == REQUIRED)
+
+
+def optional_defaults(schema: type) -> dict[str, Any]:
+    """The schema's defaults of the keys that have one (what a reader of a plain mapping fills in)."""
+    return {k: v for k, v in defaults(schema).items() if k not in required(schema)}
+
+
 def check_keys(cfg) -> None:
     """ConfigError naming the first key of a schema group that the schema does not know (one added with
-    ``+group.key=...``), with the closest known key."""
+    ``+group.key=...``), with the closest known key; then the first required key left unset."""
+    from omegaconf import OmegaConf
+
     from nano_hybrid.errors import ConfigError
 
     def walk(node, schema: type, prefix: str) -> None:
         fields = {f.name: f for f in dataclasses.fields(schema)}
         for k in node.keys():
+            if OmegaConf.is_missing(node, k):
+                continue
             f = fields.get(str(k))
             if f is None:
                 match = difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6)
@@ -205,3 +305,8 @@ def check_keys(cfg) -> None:
     for group, schema in GROUPS.items():
         if group in cfg:
             walk(cfg[group], schema, group)
+    for group, schema in GROUPS.items():
+        for key in required(schema) if group in cfg else ():
+            if key not in cfg[group] or OmegaConf.is_missing(cfg[group], key):
+                raise ConfigError(f"{group}.{key} is required: set it in configs/{group}/<name>.yaml or with "
+                                  f"{group}.{key}=...")

@@ -118,8 +118,8 @@ def prepare_data(plan: RunPlan, cfg: DictConfig, log) -> None:
     """Build a missing default corpus on rank 0 (others wait); fail loudly if that is impossible."""
     def build() -> None:
         try:
-            ensure_corpus(plan.data.paths[0], cfg.data.get("prepare_if_missing"), log=log,
-                          tokenizer=plan.tokenizer_spec, workers=int(cfg.data.get("prepare_workers") or 1))
+            ensure_corpus(plan.data.paths[0], cfg.data.prepare_if_missing, log=log,
+                          tokenizer=plan.tokenizer_spec, workers=int(cfg.data.prepare_workers))
         except DataPreparationError as e:  # shared with the waiting ranks, printed once
             raise RunError(str(e)) from None
 

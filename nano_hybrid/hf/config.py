@@ -36,17 +36,17 @@ ARCH_FIELDS = (
 
 
 def _check_supported(m: dict) -> None:
-    if str(m.get("position_embedding_type", "none")) != "none":
+    if str(m["position_embedding_type"]) != "none":
         raise MappingError(f"model.position_embedding_type={m['position_embedding_type']!r}: Nemotron-H has no "
                            "position embedding (use none)")
     pat = str(m["hybrid_override_pattern"])
     if "E" in pat:
-        if str(m.get("moe_router_score_function", "softmax")) != "sigmoid":
+        if str(m["moe_router_score_function"]) != "sigmoid":
             raise MappingError(f"model.moe_router_score_function={m.get('moe_router_score_function')!r}: "
                                "Nemotron-H routes with sigmoid scores")
         if not m.get("moe_shared_expert_intermediate_size"):
             raise MappingError("model.moe_shared_expert_intermediate_size is not set: Nemotron-H MoE layers have a shared expert")
-        if int(m.get("moe_router_topk", 2)) < 2:
+        if int(m["moe_router_topk"]) < 2:
             raise MappingError("model.moe_router_topk=1: megatron does not normalise a single sigmoid score, "
                                "Nemotron-H does (norm_topk_prob)")
 
@@ -75,7 +75,7 @@ def hf_config(m: dict, vocab_size: int, *, dtype: str = "bfloat16", token_ids: d
         "num_hidden_layers": len(pat),
         "hidden_size": int(m["hidden_size"]),
         "vocab_size": int(vocab_size),
-        "tie_word_embeddings": not bool(m.get("untie_embeddings_and_output_weights", True)),
+        "tie_word_embeddings": not bool(m["untie_embeddings_and_output_weights"]),
         "max_position_embeddings": int(m["seq_length"]),
         # Mamba-2
         "mamba_num_heads": int(m.get("mamba_num_heads") or 0),
@@ -97,14 +97,14 @@ def hf_config(m: dict, vocab_size: int, *, dtype: str = "bfloat16", token_ids: d
         "num_key_value_heads": int(m.get("num_query_groups") or heads),
         "head_dim": int(m.get("kv_channels") or int(m["hidden_size"]) // heads),
         "attention_bias": False,
-        "attention_dropout": float(m.get("attention_dropout", 0.0)),
+        "attention_dropout": float(m["attention_dropout"]),
         # MLP / MoE
         "intermediate_size": ffn,
-        "mlp_hidden_act": "relu2" if m.get("squared_relu", False) else "gelu",
+        "mlp_hidden_act": "relu2" if m["squared_relu"] else "gelu",
         "mlp_bias": False,
         "use_bias": False,
         "n_routed_experts": experts,
-        "num_experts_per_tok": int(m.get("moe_router_topk", 2)) if experts else 0,
+        "num_experts_per_tok": int(m["moe_router_topk"]) if experts else 0,
         "moe_intermediate_size": int(m.get("moe_ffn_hidden_size") or ffn) if experts else 0,
         "moe_shared_expert_intermediate_size": int(m.get("moe_shared_expert_intermediate_size") or 0),
         "n_shared_experts": 1 if m.get("moe_shared_expert_intermediate_size") else 0,
@@ -115,8 +115,8 @@ def hf_config(m: dict, vocab_size: int, *, dtype: str = "bfloat16", token_ids: d
         # norms, init, misc
         "layer_norm_epsilon": eps,
         "norm_eps": eps,
-        "hidden_dropout": float(m.get("hidden_dropout", 0.0)),
-        "initializer_range": float(m.get("init_method_std", 0.02)),
+        "hidden_dropout": float(m["hidden_dropout"]),
+        "initializer_range": float(m["init_method_std"]),
         "residual_in_fp32": False,
         "rescale_prenorm_residual": True,
         "use_cache": True,

@@ -28,7 +28,7 @@ def resolve_backend(cfg: DictConfig):
     name = str(kcfg.backend)
     try:
         helion = HelionSettings.from_mapping(kcfg.get("helion") or {})
-        return configure_backend(name, deterministic=bool(kcfg.get("deterministic", False)),
+        return configure_backend(name, deterministic=bool(kcfg.deterministic),
                                  helion=helion if name == "helion" else None)
     except (KernelSwitchError, HelionSettingsError) as e:
         raise ConfigError(str(e)) from None
@@ -77,7 +77,7 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
         backend,
         attention_impl=m["attention_impl"],
         moe_experts_impl=m["moe_experts_impl"],
-        num_experts=m.get("num_moe_experts"),
+        num_experts=m["num_moe_experts"],
         mamba_chunk_size=int(m["mamba_chunk_size"]),
         mamba_conv_width=int(m["mamba_conv_width"]),
         recompute=recompute,
@@ -98,8 +98,8 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
             hybrid_override_pattern=m["hybrid_override_pattern"],
             pre_process=parallel_state.is_pipeline_first_stage(),
             post_process=parallel_state.is_pipeline_last_stage(),
-            share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
-            position_embedding_type=m.get("position_embedding_type", "none"),
+            share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
+            position_embedding_type=m["position_embedding_type"],
             lm_head_loss=lm_head_loss,
             lm_loss_chunk_tokens=lm_loss_chunk_tokens,
         )

@@ -37,7 +37,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from nano_hybrid import mcore_compat
 from nano_hybrid.errors import ConfigError
-from nano_hybrid.model.lm_loss import DEFAULT_CHUNK_TOKENS, DEFAULT_LM_HEAD_LOSS, lm_head_settings
+from nano_hybrid.model.lm_loss import lm_head_settings
+from nano_hybrid.schema import ModelSchema, optional_defaults, required
 
 ATTENTION_IMPLS = ("sdpa", "unfused")
 MOE_EXPERTS_IMPLS = ("grouped", "sequential")
@@ -55,10 +56,10 @@ def recompute_settings(m: dict) -> tuple[str, tuple[str, ...]]:
 
     Raises ``ValueError`` naming the key on a bad value (``check_model_cfg`` turns it into a ConfigError).
     """
-    choice = m.get("recompute", "none")
+    choice = m["recompute"]
     if choice not in RECOMPUTE_CHOICES:
         raise ValueError(f"model.recompute={choice!r}; choose one of {', '.join(RECOMPUTE_CHOICES)}")
-    modules = m.get("recompute_modules", [])
+    modules = m["recompute_modules"]
     if modules is None:
         modules = []
     if isinstance(modules, str) or not all(isinstance(x, str) for x in modules):
@@ -95,20 +96,10 @@ _MODEL_ONLY = (
     "mamba_conv_width", "squared_relu", "norm_epsilon", "attention_impl", "moe_experts_impl",
     "use_cpu_initialization", "recompute", "recompute_modules", "lm_head_loss", "lm_loss_chunk_tokens",
 )
-REQUIRED = ("name", "hybrid_override_pattern", "hidden_size", "vocab_size", "seq_length")
-# The defaults of the optional model keys every reader needs a value of: the one place they live (a key that is
-# absent or null takes it). mamba_num_groups is megatron's TransformerConfig default.
-MODEL_DEFAULTS = {
-    "make_vocab_size_divisible_by": 128,
-    "mamba_num_groups": 8,
-    "mamba_chunk_size": 128,
-    "mamba_conv_width": 4,
-    "norm_epsilon": 1e-5,
-    "attention_impl": "sdpa",
-    "moe_experts_impl": "grouped",
-    "lm_head_loss": DEFAULT_LM_HEAD_LOSS,
-    "lm_loss_chunk_tokens": DEFAULT_CHUNK_TOKENS,
-}
+# The model keys every config states and the defaults of the others: nano_hybrid/schema.py (ModelSchema), the one
+# place they live. A plain mapping read here (not a composed config) takes MODEL_DEFAULTS for absent or null keys.
+REQUIRED = required(ModelSchema)
+MODEL_DEFAULTS = optional_defaults(ModelSchema)
 
 
 def model_dict(model_cfg: Any) -> dict:
@@ -116,7 +107,7 @@ def model_dict(model_cfg: Any) -> dict:
     m = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
     for key, value in MODEL_DEFAULTS.items():
         if m.get(key) is None:
-            m[key] = value
+            m[key] = list(value) if isinstance(value, list) else value
     return m  # type: ignore[return-value]
 
 
@@ -132,12 +123,12 @@ def check_model_cfg(m: dict) -> None:
     bad = sorted(set(pat) - LAYER_SYMBOLS)
     if not pat or bad:
         raise ConfigError(f"model.hybrid_override_pattern={pat!r}: symbols must be from M E * - (bad: {bad})")
-    if m.get("attention_impl", MODEL_DEFAULTS["attention_impl"]) not in ATTENTION_IMPLS:
-        raise ConfigError(f"model.attention_impl={m.get('attention_impl')!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
-    if m.get("moe_experts_impl", MODEL_DEFAULTS["moe_experts_impl"]) not in MOE_EXPERTS_IMPLS:
+    if m["attention_impl"] not in ATTENTION_IMPLS:
+        raise ConfigError(f"model.attention_impl={m['attention_impl']!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
+    if m["moe_experts_impl"] not in MOE_EXPERTS_IMPLS:
         raise ConfigError(
             f"model.moe_experts_impl={m.get('moe_experts_impl')!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
-    if not isinstance(m.get("use_cpu_initialization", False), bool):
+    if not isinstance(m["use_cpu_initialization"], bool):
         raise ConfigError(f"model.use_cpu_initialization={m.get('use_cpu_initialization')!r} must be true or false")
     try:
         recompute_settings(m)
@@ -151,7 +142,7 @@ def check_model_cfg(m: dict) -> None:
         raise ConfigError(f"model.hybrid_override_pattern has MoE layers (E) but model.num_moe_experts={m.get('num_moe_experts')}")
     if "*" in pat and not m.get("num_attention_heads"):
         raise ConfigError("model.hybrid_override_pattern has attention layers (*) but model.num_attention_heads is not set")
-    if m.get("position_embedding_type", "none") not in ("none", "rope", "learned_absolute"):
+    if m["position_embedding_type"] not in ("none", "rope", "learned_absolute"):
         raise ConfigError(f"model.position_embedding_type={m.get('position_embedding_type')!r}; use none, rope or learned_absolute")
     for k in ("hidden_size", "vocab_size", "seq_length"):
         if not isinstance(m[k], int) or m[k] <= 0:
@@ -159,7 +150,7 @@ def check_model_cfg(m: dict) -> None:
     if m.get("mamba_num_heads") and m.get("mamba_num_groups") and m["mamba_num_heads"] % m["mamba_num_groups"]:
         raise ConfigError(
             f"model.mamba_num_heads={m['mamba_num_heads']} must be divisible by model.mamba_num_groups={m['mamba_num_groups']}")
-    if m.get("num_moe_experts") and m.get("moe_router_topk", 2) > m["num_moe_experts"]:
+    if m.get("num_moe_experts") and m["moe_router_topk"] > m["num_moe_experts"]:
         raise ConfigError(f"model.moe_router_topk={m['moe_router_topk']} > model.num_moe_experts={m['num_moe_experts']}")
 
 
@@ -188,7 +179,7 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
         # megatron's squared_relu is torch.compile'd (jit_fuser): a long first-call compile on CPU
         activation_func=(
             (squared_relu if on_cuda else mcore_compat.uncompiled(squared_relu))
-            if m.get("squared_relu", False) else torch.nn.functional.gelu
+            if m["squared_relu"] else torch.nn.functional.gelu
         ),
         use_mamba_mem_eff_path=True,
         params_dtype=dtype,
@@ -197,7 +188,7 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
         # CPU (and meta) builds initialise on the host; GPU builds directly on the device (per-rank
         # RNG streams: fast, but the weights depend on the TP/EP layout) unless
         # model.use_cpu_initialization=true (layout-invariant host init, see the module docstring).
-        use_cpu_initialization=not on_cuda or bool(m.get("use_cpu_initialization", False)),
+        use_cpu_initialization=not on_cuda or bool(m["use_cpu_initialization"]),
         perform_initialization=device.type != "meta",
         # bias_dropout_fusion uses torch.compile (megatron/core/jit.py): 16 s first step on CPU.
         bias_dropout_fusion=on_cuda,
@@ -220,7 +211,6 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
     if transformer_engine_available():  # megatron's TE fp8 path (config mapping; torchao swap otherwise)
         kw.update(te_fp8_kwargs(fp8_settings(cfg)[0]))
     if m.get("num_moe_experts"):
-        kw.setdefault("moe_token_dispatcher_type", "allgather")
         # the grouped-experts module is our own (nano_hybrid.model.experts); megatron's legacy
         # GroupedMLP needs the CUDA-only grouped_gemm package, so megatron's flag stays off.
         kw["moe_grouped_gemm"] = False
@@ -238,7 +228,7 @@ def mixer_dims(cfg: DictConfig) -> dict[str, int]:
     check_model_cfg(m)
     par = cfg.parallel
     tp = int(par.tensor_model_parallel_size)
-    cp = int(par.get("context_parallel_size", 1) or 1)
+    cp = int(par.context_parallel_size)
     h, g = int(m.get("mamba_num_heads") or 0), int(m["mamba_num_groups"])
     if not h:
         raise ConfigError(f"model {m.get('name')!r} has no Mamba mixer (model.mamba_num_heads is not set)")

@@ -23,18 +23,22 @@ from __future__ import annotations
 import torch
 from megatron.core.models.mamba import MambaModel
 
+from nano_hybrid.schema import ModelSchema, optional_defaults
+
 LM_HEAD_LOSSES = ("plain", "chunked", "chunked_compiled")
-DEFAULT_LM_HEAD_LOSS = "plain"
-DEFAULT_CHUNK_TOKENS = 4096
+# the schema's defaults (nano_hybrid/schema.py ModelSchema), for callers outside a config
+DEFAULT_LM_HEAD_LOSS = optional_defaults(ModelSchema)["lm_head_loss"]
+DEFAULT_CHUNK_TOKENS = optional_defaults(ModelSchema)["lm_loss_chunk_tokens"]
 PROFILE_RANGE = "nano_hybrid::lm_head_loss"  # record_function name around the chunked head (step breakdown)
 
 
 def lm_head_settings(m: dict) -> tuple[str, int]:
-    """(``model.lm_head_loss``, ``model.lm_loss_chunk_tokens``) from a model dict; ``ValueError`` naming the key."""
-    choice = m.get("lm_head_loss", DEFAULT_LM_HEAD_LOSS)
+    """(``model.lm_head_loss``, ``model.lm_loss_chunk_tokens``) from a model dict (``model_dict``: every key
+    present); ``ValueError`` naming the key."""
+    choice = m["lm_head_loss"]
     if choice not in LM_HEAD_LOSSES:
         raise ValueError(f"model.lm_head_loss={choice!r}; choose one of {', '.join(LM_HEAD_LOSSES)}")
-    chunk = m.get("lm_loss_chunk_tokens", DEFAULT_CHUNK_TOKENS)
+    chunk = m["lm_loss_chunk_tokens"]
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
         raise ValueError(f"model.lm_loss_chunk_tokens={chunk!r} must be a positive integer")
     return choice, chunk
@@ -42,7 +46,9 @@ def lm_head_settings(m: dict) -> tuple[str, int]:
 
 def check_lm_head_parallel(m: dict, tensor_model_parallel_size: int) -> None:
     """The chunked head computes the full vocabulary on each rank: refuse tensor parallelism."""
-    choice, _ = lm_head_settings(m)
+    choice = m["lm_head_loss"]
+    if choice not in LM_HEAD_LOSSES:
+        raise ValueError(f"model.lm_head_loss={choice!r}; choose one of {', '.join(LM_HEAD_LOSSES)}")
     if choice != "plain" and tensor_model_parallel_size > 1:
         raise ValueError(
             f"model.lm_head_loss={choice} needs parallel.tensor_model_parallel_size=1 (got {tensor_model_parallel_size}): "
