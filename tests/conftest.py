@@ -50,3 +50,13 @@ def _fresh_moe_aux_loss_scale():
         return
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped on a machine without CUDA (pytest -m gpu runs them on a GPU host)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

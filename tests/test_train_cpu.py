@@ -61,7 +61,8 @@ def test_tiny_cpu_training_loss_decreases(corpus, tmp_path):
     assert "seq_load_balancing_loss" in recs[0]
     assert recs[0]["lr"] < recs[3]["lr"] and recs[-1]["lr"] == pytest.approx(1e-5)  # optim.min_lr of adamw_wsd
     # tflops_per_gpu uses the documented formula with the shape read from the built model
-    m = yaml.safe_load((REPO / "configs/model/tiny.yaml").read_text())
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())  # the resolved config the run wrote
+    m = cfg["model"]
     arch = HybridArch(
         hybrid_override_pattern=m["hybrid_override_pattern"], hidden_size=m["hidden_size"], padded_vocab_size=512,
         mamba_num_heads=m["mamba_num_heads"], mamba_head_dim=m["mamba_head_dim"], mamba_state_dim=m["mamba_state_dim"],
@@ -74,7 +75,6 @@ def test_tiny_cpu_training_loss_decreases(corpus, tmp_path):
     r = recs[-1]
     assert r["tflops_per_gpu"] == pytest.approx(training_flops_per_token(arch, 64) * r["tokens_per_s"] / 1e12, rel=1e-9)
     # resolved config; console lines with loss
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["model"]["name"] == "tiny" and cfg["train"]["seq_length"] == 64 and cfg["run_dir"] == str(run_dir)
     assert "step 24/24" in p.stdout and "loss" in p.stdout
 

@@ -211,17 +211,17 @@ def check_arm_settings(cfg, specs) -> None:
     """Each arm's settings checked as ``nano_hybrid.runconfig.validate`` checks the composed config's (optim.fused a
     bool, a known LM head + loss with a positive chunk size and no TP for the chunked ones): ConfigError naming the
     arm, before any work."""
-    from omegaconf import OmegaConf
-
     from nano_hybrid.config import ConfigError
+    from nano_hybrid.model.config import check_model_cfg, model_dict
     from nano_hybrid.model.lm_loss import check_lm_head_parallel
 
     for spec in specs:
         arm = arm_config(cfg, spec)
         try:
             training.validate_optim(arm.optim, int(arm.train.train_iters))
-            check_lm_head_parallel(OmegaConf.to_container(arm.model, resolve=True),
-                                   int(arm.parallel.tensor_model_parallel_size))
+            m = model_dict(arm.model)
+            check_model_cfg(m)
+            check_lm_head_parallel(m, int(arm.parallel.tensor_model_parallel_size))
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"arm {spec.label}: {e}") from None
 
