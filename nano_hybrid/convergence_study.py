@@ -37,6 +37,9 @@ ARMS = {
     # the helion backward with mamba-ssm's fp32 recomputed states and state gradients
     "helion_fp32": ["kernels.backend=helion", "kernels.helion.bwd_states_dtype=fp32",
                     "kernels.helion.bwd_dstates_dtype=fp32"],
+    # the linears in float8 (train.fp8=tensorwise, the default train.fp8_modules), either backend
+    "mamba_ssm_fp8": ["kernels.backend=mamba_ssm", "train.fp8=tensorwise"],
+    "helion_fp8": ["kernels.backend=helion", "train.fp8=tensorwise"],
 }
 RECIPE = "convergence_seeds_h200"
 # The long run: one micro-batch of the seed runs' shape per step (4,096 tokens; the same tuned kernel shape), the

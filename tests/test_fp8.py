@@ -87,7 +87,8 @@ def test_defaults():
 
 
 # ------------------------------------------------------------------------------------------- the swap
-TINY_COUNTS = {"mamba_proj": 4, "attention": 2, "mlp": 0, "shared_expert": 4}  # MEM*E: 2 mixers, 1 attn, 2 MoE
+# MEM*E: 2 mixers, 1 attn, 2 MoE; the mixers' in_proj (648 x 256) stays bf16 (648 is not a multiple of 16)
+TINY_COUNTS = {"mamba_proj": 2, "attention": 2, "mlp": 0, "shared_expert": 4}
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,49 @@ def test_checkpoints_load_across_fp8_and_bf16(mp):
     assert all(torch.equal(a.state_dict()[k], v) for k, v in c.state_dict().items() if torch.is_tensor(v))
 
 
+def test_linears_off_the_fp8_alignment_stay_bf16_with_one_warning(tiny):
+    with pytest.warns(UserWarning) as rec:
+        counts = F.apply_fp8(tiny, "tensorwise", ("mamba_proj",))
+    try:
+        msgs = [str(w.message) for w in rec if "stay bf16" in str(w.message)]
+        assert msgs == ["train.fp8=tensorwise: 2 linear(s) stay bf16, a weight dim not being a multiple of 16 "
+                        "(float8 GEMM alignment): 2 x mamba_proj in_proj 648x256"], msgs
+        assert counts["mamba_proj"] == 2
+        assert all("out_proj" in n for n in F.fp8_modules(tiny))
+    finally:
+        F.apply_fp8(tiny, "none", ())
+
+
+@pytest.mark.parametrize("sizes", [[61, 0, 99, 32], [16, 32], [0, 0, 5], [1]])
+def test_pad_groups_aligns_each_group_and_round_trips(sizes):
+    """fp8_grouped_mm's padding: every group starts on a multiple of 16, the padding rows are zero, and a grouped
+    GEMM over the padded rows gathered back equals the unpadded grouped GEMM, forward and backward."""
+    from nano_hybrid.model.experts import grouped_mm
+
+    offs = torch.cumsum(torch.tensor(sizes), 0).to(torch.int32)
+    m, k, n = int(offs[-1]), 32, 48
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g, requires_grad=True)
+    w = torch.randn(len(sizes), n, k, generator=g, requires_grad=True)
+    xp, pends, dest = F.pad_groups(x, offs, 16)
+    assert xp.shape == (m + 15 * len(sizes), k) and pends.dtype == torch.int32
+    padded = [(s + 15) // 16 * 16 for s in sizes]
+    assert pends.tolist() == torch.cumsum(torch.tensor(padded), 0).tolist()
+    starts = [p - q for p, q in zip(pends.tolist(), padded)]
+    assert dest.tolist() == [st + i for st, s in zip(starts, sizes) for i in range(s)]
+    mask = torch.ones(xp.shape[0], dtype=torch.bool)
+    mask[dest] = False
+    assert torch.equal(xp[dest], x) and not xp[mask].any()
+    dy = torch.randn(m, n, generator=g)
+    ref = grouped_mm(x, w, offs)
+    gx, gw = torch.autograd.grad(ref, (x, w), dy)
+    out = grouped_mm(xp, w, pends).index_select(0, dest)
+    px, pw = torch.autograd.grad(out, (x, w), dy)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(px, gx)
+    torch.testing.assert_close(pw, gw)
+
+
 def test_unknown_recipe_or_kind_in_apply_raises(tiny):
     with pytest.raises(ValueError, match="train.fp8='e5m2'"):
         F.apply_fp8(tiny, "e5m2", ())
@@ -154,7 +198,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_swapped_linear_matches_fp32_within_e4m3_error(tiny, recipe):
-    lin = tiny.decoder.layers[0].mixer.in_proj
+    lin = tiny.decoder.layers[0].mixer.out_proj
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 2, lin.input_size, generator=g)
 
@@ -169,7 +213,7 @@ def test_swapped_linear_matches_fp32_within_e4m3_error(tiny, recipe):
     ref = run()  # the model is fp32 on CPU: megatron's matmul is the fp32 reference
     F.apply_fp8(tiny, recipe, ("mamba_proj",))
     try:
-        assert type(lin).__name__ == "Fp8ColumnParallelLinear"
+        assert type(lin).__name__ == "Fp8RowParallelLinear"
         out = run()
     finally:
         F.apply_fp8(tiny, "none", ())

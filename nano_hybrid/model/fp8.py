@@ -28,6 +28,7 @@ import torch
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 FP8_MODULE_KINDS = ("mamba_proj", "attention", "mlp", "shared_expert", "experts")
+FP8_ALIGN = 16  # torch._scaled_mm and the scaled grouped GEMM: both dims of every (local) weight, group row counts
 INSTALL_HINT = "pip install torchao==0.17.0 --no-deps (torch 2.11; 0.18.0 for torch 2.12/2.13)"
 
 
@@ -137,12 +138,33 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tens
     return fn(x, weight)
 
 
+def pad_groups(x: torch.Tensor, offs: torch.Tensor, align: int = 16):
+    """Rows of ``x`` [M, K] grouped by the int32 end offsets ``offs`` [G], placed so that every group starts at a
+    multiple of ``align``: ``(x_padded [M + (align - 1) G, K], padded end offsets, dest)`` with
+    ``x_padded[dest] == x`` and zeros elsewhere. No host sync (the padded length is the static upper bound);
+    differentiable (``index_copy`` / ``index_select``)."""
+    m, g = x.shape[0], offs.shape[0]
+    ends = offs.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (sizes + align - 1) // align * align
+    pends = torch.cumsum(padded, 0)
+    rows = torch.arange(m, device=x.device)
+    grp = torch.searchsorted(ends, rows, right=True)
+    dest = rows - (ends - sizes)[grp] + (pends - padded)[grp]
+    xp = x.new_zeros(m + (align - 1) * g, x.shape[1]).index_copy(0, dest, x)
+    return xp, pends.to(torch.int32), dest
+
+
 def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``grouped_mm`` (out rows of group g = x rows @ w[g].T, w [G, N, K], int32 end offsets) through torchao's
-    rowwise fp8 grouped GEMM (CUDA)."""
+    rowwise fp8 grouped GEMM (CUDA). Groups of any size: they are padded to multiples of 16 here (``pad_groups``),
+    torchao's own padding being off."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
-    return _to_fp8_rowwise_then_scaled_grouped_mm(x.contiguous(), w.transpose(-2, -1), offs, out_dtype=x.dtype)
+    xp, pends, dest = pad_groups(x.contiguous(), offs, FP8_ALIGN)
+    y = _to_fp8_rowwise_then_scaled_grouped_mm(xp, w.transpose(-2, -1), pends, out_dtype=x.dtype,
+                                               pad_token_groups_for_grouped_mm=False)
+    return y.index_select(0, dest)
 
 
 # ------------------------------------------------------------------------------------------- modules
@@ -221,7 +243,8 @@ def module_kind(name: str, module) -> str | None:
 
 def apply_fp8(model: torch.nn.Module, recipe: str, modules) -> dict[str, int]:
     """Switch ``model`` (any wrapping) in place to ``recipe`` for the module kinds ``modules``; every other
-    linear (and every one for ``recipe="none"``) runs megatron's bf16 matmul. Parameters are untouched.
+    linear (and every one for ``recipe="none"``) runs megatron's bf16 matmul; so does a chosen one whose weight
+    does not fit the float8 GEMM (``fp8_fits``: one warning lists them). Parameters are untouched.
     Returns how many modules of each kind run fp8."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"train.fp8={recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
@@ -229,12 +252,17 @@ def apply_fp8(model: torch.nn.Module, recipe: str, modules) -> dict[str, int]:
     if unknown:
         raise ValueError(f"train.fp8_modules has {unknown[0]!r}; choose from {', '.join(FP8_MODULE_KINDS)}")
     counts = {k: 0 for k in FP8_MODULE_KINDS}
+    unfit: dict[tuple, int] = {}
     for name, m in model.named_modules():
         kind = module_kind(name, m)
         if kind is None:
             continue
         base = _base_class(m)
-        if recipe != "none" and kind in modules:
+        fits = fp8_fits(m)
+        if recipe != "none" and kind in modules and not fits:
+            key = (kind, name.split(".")[-1], _weight_shapes(m))
+            unfit[key] = unfit.get(key, 0) + 1
+        if recipe != "none" and kind in modules and fits:
             if kind == "experts" and _fp8_class(base).__mro__[1] is _Fp8GroupedExperts and recipe != "rowwise":
                 raise ValueError(f"train.fp8={recipe}: the grouped experts' fp8 GEMM is rowwise only")
             m.__class__ = _fp8_class(base)
@@ -243,7 +271,26 @@ def apply_fp8(model: torch.nn.Module, recipe: str, modules) -> dict[str, int]:
         else:
             m.__class__ = base
             m.__dict__.pop("fp8_recipe", None)
+    if unfit:
+        import warnings
+
+        what = "; ".join(f"{n} x {kind} {leaf} {'/'.join('x'.join(map(str, s)) for s in shapes)}"
+                         for (kind, leaf, shapes), n in unfit.items())
+        warnings.warn(f"train.fp8={recipe}: {sum(unfit.values())} linear(s) stay bf16, a weight dim not being a "
+                      f"multiple of {FP8_ALIGN} (float8 GEMM alignment): {what}", stacklevel=2)
     return counts
+
+
+def _weight_shapes(m) -> tuple[tuple[int, ...], ...]:
+    ws = [m.weight1, m.weight2] if hasattr(m, "weight1") else [m.weight]
+    return tuple(tuple(int(d) for d in w.shape) for w in ws)
+
+
+def fp8_fits(m) -> bool:
+    """Whether module ``m``'s local weights (after any tensor-parallel split) meet the float8 GEMM's alignment:
+    the last two dims of each a multiple of 16. Modules that do not fit stay bf16 (as torchao's own
+    ``convert_to_float8_training`` filter does), with one warning listing them."""
+    return all(s[-1] % FP8_ALIGN == 0 and s[-2] % FP8_ALIGN == 0 for s in _weight_shapes(m))
 
 
 def fp8_modules(model: torch.nn.Module) -> dict[str, str]:
