@@ -140,7 +140,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tens
 
 def pad_groups(x: torch.Tensor, offs: torch.Tensor, align: int = 16):
     """Rows of ``x`` [M, K] grouped by the int32 end offsets ``offs`` [G], placed so that every group starts at a
-    multiple of ``align``: ``(x_padded [M + (align - 1) G, K], padded end offsets, dest)`` with
+    multiple of ``align``: ``(x_padded [M + (align - 1) G rounded up to align, K], padded end offsets, dest)`` with
     ``x_padded[dest] == x`` and zeros elsewhere. No host sync (the padded length is the static upper bound);
     differentiable (``index_copy`` / ``index_select``)."""
     m, g = x.shape[0], offs.shape[0]
@@ -151,7 +151,8 @@ def pad_groups(x: torch.Tensor, offs: torch.Tensor, align: int = 16):
     rows = torch.arange(m, device=x.device)
     grp = torch.searchsorted(ends, rows, right=True)
     dest = rows - (ends - sizes)[grp] + (pends - padded)[grp]
-    xp = x.new_zeros(m + (align - 1) * g, x.shape[1]).index_copy(0, dest, x)
+    rows_padded = (m + (align - 1) * g + align - 1) // align * align  # a multiple of align: 16-byte fp8 strides
+    xp = x.new_zeros(rows_padded, x.shape[1]).index_copy(0, dest, x)
     return xp, pends.to(torch.int32), dest
 
 
