@@ -243,3 +243,46 @@ def test_te_mapping():
     assert F.te_fp8_kwargs("tensorwise") == {"fp8": "hybrid", "fp8_recipe": "tensorwise"}
     with pytest.raises(ConfigError, match="train.fp8=rowwise has no transformer-engine recipe"):
         F.te_fp8_kwargs("rowwise")
+
+
+# ------------------------------------------------------------------------------------------- runs (CPU)
+def test_fp8_run_resumes_bitwise_and_its_checkpoint_serves_bf16_and_the_hf_export(tmp_path):
+    """train.fp8=tensorwise (attention linears) through ``nano_hybrid.train``: 2N steps uninterrupted == N steps, SIGKILL while saving
+    step 2N, resume from N (losses and final model + optimizer state bitwise); a bf16 run continues from the fp8
+    run's checkpoint; the HF export reads it."""
+    from side_by_side import side_by_side
+
+    from nano_hybrid import export_hf
+    from tests.test_checkpoint_resume import N, _assert_ok, _env, ckpt_tensors, losses, train
+
+    fp8 = ["train.fp8=tensorwise", "train.fp8_modules=[attention]"]  # torch's CPU float8 matmul is slow: 2 linears
+    a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
+    pa, pb1 = side_by_side(
+        lambda: train(a, *fp8, f"train.train_iters={2 * N}", "checkpoint.interval=0"),
+        lambda: train(b, *fp8, f"train.train_iters={2 * N}", f"checkpoint.interval={N}", hooked=True,
+                      env=_env(NANO_HYBRID_TEST_KILL_DURING_SAVE=str(2 * N))))
+    _assert_ok(pa)
+    assert pb1.returncode != 0
+    _assert_ok(train(b, *fp8, f"train.train_iters={2 * N}", f"checkpoint.interval={N}"))
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == list(range(1, 2 * N + 1)) and la == lb
+    ta = ckpt_tensors(a / "checkpoints" / f"iter_{2 * N:07d}", tmp_path)
+    tb = ckpt_tensors(b / "checkpoints" / f"iter_{2 * N:07d}", tmp_path)
+    keys = sorted(k for k, v in ta.items() if isinstance(v, torch.Tensor))
+    assert any("optimizer" in k for k in keys) and keys == sorted(k for k, v in tb.items() if torch.is_tensor(v))
+    assert all(torch.equal(ta[k], tb[k]) for k in keys)
+    # a bf16 (train.fp8=none) run resumes from the fp8 run's step-N checkpoint: same step N+1 batch and weights,
+    # so its first loss is the fp8 run's within e4m3's effect on the loss
+    pc = train(c, f"train.train_iters={2 * N}", "checkpoint.interval=0",
+               f"checkpoint.load={b / 'checkpoints' / f'iter_{N:07d}'}")
+    _assert_ok(pc)
+    lc = losses(c)
+    assert sorted(lc) == list(range(N + 1, 2 * N + 1))
+    assert lc[N + 1] != la[N + 1] and abs(lc[N + 1] - la[N + 1]) < 0.02 * la[N + 1], (lc, la)
+    assert export_hf.main([str(b / "checkpoints" / f"iter_{2 * N:07d}"), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    from safetensors.torch import load_file
+
+    hf = {}
+    for f in sorted((tmp_path / "hf").glob("model-*.safetensors")):
+        hf.update(load_file(f))
+    assert hf and all(torch.isfinite(v).all() for v in hf.values())
