@@ -28,6 +28,7 @@ against the fp32 reference.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import types
 from pathlib import Path
@@ -211,13 +212,8 @@ def run(args) -> dict:
         del refs
         torch.cuda.empty_cache()
         names = [a for a in fns if a not in failed and (a != "mamba_ssm#2" or "mamba_ssm" not in failed)]
-        for a in names:
-            for _ in range(args.warmup):
-                fns[a](t)
-        times = {a: [] for a in names}
-        for order in stats.alternating_order(len(names), args.rounds):
-            for i in order:
-                times[names[i]] += stats.time_calls(lambda: fns[names[i]](t), args.iters, "cuda")
+        times = stats.time_arms({a: functools.partial(fns[a], t) for a in names}, warmup=args.warmup,
+                                rounds=args.rounds, iters=args.iters, device="cuda")
         device_us = {}
         for a in names[:-1]:
             table = profiling.profile_device_table(lambda: fns[a](t), max(2, args.iters // 2))
@@ -243,12 +239,8 @@ def markdown(res: dict) -> str:
         lines += [f"## {sname}: batch {s['b']}, seqlen {s['l']}, heads {s['h']} x {s['p']}, groups {s['g']}, "
                   f"d_state {s['n']}, chunk {r['chunk']}", ""]
         rows = []
-        for a in r["arms"]:  # noqa: B007
-            t = r["times_ms"][a]
-            sp = r["speedup_vs_mamba_ssm"].get(a)
-            rows.append([a, r["contract"][a], f"{t['median']:.3f}", f"{t['p10']:.3f}-{t['p90']:.3f}",
-                         f"{r['device_us_per_call'][a]:.1f}" if r["device_us_per_call"].get(a) else "-",
-                         f"{sp['speedup']:.3f}x [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]" if sp else "1",
+        for a in r["arms"]:
+            rows.append([a, r["contract"][a], *reporting.timing_cells(r, a),
                          f"{r['rel_l2_err_vs_fp32_ref'][a]:.2e}" if a in r["rel_l2_err_vs_fp32_ref"] else "-"])
         lines += [reporting.md_table(["arm", "contract", "median ms fwd+bwd", "p10-p90", "device us", "vs mamba_ssm, same contract [95% CI]",
                                       "output rel L2 err (fp32 ref)"], rows), ""]
@@ -257,10 +249,4 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    res = run(args)
-    out = Path(args.out) if args.out else reporting.default_out_dir()
-    j, m = reporting.write_results(out, "ssd_helion_example_" + "_".join(args.shapes), res, markdown(res))
-    print(markdown(res))
-    print(f"wrote {j} and {m}")
-    return 0
+    return reporting.bench_main(argv, parse_args, run, lambda res, a: "ssd_helion_example_" + "_".join(a.shapes), markdown)

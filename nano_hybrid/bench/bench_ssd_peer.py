@@ -19,6 +19,7 @@ Writes ``ssd_peer_<shapes>.json`` and ``.md`` to --out (default runs/bench/<gpu>
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import sys
 import types
@@ -143,13 +144,8 @@ def run(args) -> dict:
             del ref
             torch.cuda.empty_cache()
             names = [a for a in fns if a not in failed]
-            for a in names:
-                for _ in range(args.warmup):
-                    fns[a](t)
-            times = {a: [] for a in names}
-            for order in stats.alternating_order(len(names), args.rounds):
-                for i in order:
-                    times[names[i]] += stats.time_calls(lambda: fns[names[i]](t), args.iters, "cuda")
+            times = stats.time_arms({a: functools.partial(fns[a], t) for a in names}, warmup=args.warmup,
+                                    rounds=args.rounds, iters=args.iters, device="cuda")
             device_us = {}
             for a in names[:-1]:
                 table = profiling.profile_device_table(lambda: fns[a](t), args.iters)
@@ -177,11 +173,7 @@ def markdown(res: dict) -> str:
                   f"d_state {s['n']}", ""]
         rows = []
         for a in r["arms"]:
-            t = r["times_ms"][a]
-            sp = r["speedup_vs_mamba_ssm"].get(a)
-            rows.append([a, f"{t['median']:.3f}", f"{t['p10']:.3f}-{t['p90']:.3f}",
-                         f"{r['device_us_per_call'][a]:.1f}" if r["device_us_per_call"].get(a) else "-",
-                         f"{sp['speedup']:.3f}x [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]" if sp else "1",
+            rows.append([a, *reporting.timing_cells(r, a),
                          f"{r['max_err_vs_fp32_ref'][a]:.2e}" if a in r["max_err_vs_fp32_ref"] else "-"])
         lines += [reporting.md_table(["arm", "median ms", "p10-p90", "device us", "vs mamba_ssm [95% CI]",
                                "max err / max ref (fp32 ref)"], rows), ""]
@@ -190,10 +182,4 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    res = run(args)
-    out = Path(args.out) if args.out else reporting.default_out_dir()
-    j, m = reporting.write_results(out, f"ssd_peer_{args.dtype}_" + "_".join(args.shapes), res, markdown(res))
-    print(markdown(res))
-    print(f"wrote {j} and {m}")
-    return 0
+    return reporting.bench_main(argv, parse_args, run, lambda res, a: f"ssd_peer_{a.dtype}_" + "_".join(a.shapes), markdown)

@@ -109,3 +109,13 @@ def env_markdown(env: dict) -> str:
     keys = ["gpu", "sm_count", "torch", "cuda", "triton", "helion", "mamba_ssm", "causal_conv1d",
             "megatron_core", "git_commit", "date_utc"]
     return ", ".join(f"{k} {env.get(k)}" for k in keys if env.get(k) is not None)
+
+
+def timing_cells(r: dict, arm: str) -> list[str]:
+    """The timing cells of one arm of a per-shape result ``r`` (``times_ms``, ``device_us_per_call``,
+    ``speedup_vs_mamba_ssm``): median ms, p10-p90, device us per call, speedup with its 95% interval."""
+    t = r["times_ms"][arm]
+    sp = r["speedup_vs_mamba_ssm"].get(arm)
+    dev = r["device_us_per_call"].get(arm)
+    return [f"{t['median']:.3f}", f"{t['p10']:.3f}-{t['p90']:.3f}", f"{dev:.1f}" if dev else "-",
+            f"{sp['speedup']:.3f}x [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]" if sp else "1"]

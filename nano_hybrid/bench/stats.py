@@ -140,3 +140,18 @@ def time_calls(fn: Callable[[], object], iters: int, device) -> list[float]:
             fn()
             out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def time_arms(fns: dict[str, Callable[[], object]], *, warmup: int, rounds: int, iters: int,
+              device) -> dict[str, list[float]]:
+    """Per-call times (ms) of each arm of ``fns`` (name -> zero-argument call): ``warmup`` untimed calls each, then
+    ``rounds`` alternating rounds (``alternating_order``) of ``iters`` timed calls per arm."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for order in alternating_order(len(names), rounds):
+        for i in order:
+            times[names[i]] += time_calls(fns[names[i]], iters, device)
+    return times
