@@ -194,6 +194,15 @@ class _Progress:
             self.bar.__exit__(*exc)
 
 
+def _tokenizer_or_error(spec: TokenizerSpec, check_only: bool = False):
+    """``spec``'s files checked (``check_only``) or its tokenizer built; a TokenizerError becomes the one-line
+    DataPreparationError."""
+    try:
+        return spec.check_files() if check_only else build_tokenizer(spec)
+    except TokenizerError as e:
+        raise DataPreparationError(str(e)) from None
+
+
 def write_indexed_dataset(
     files: list[Path],
     prefix: str | Path,
@@ -214,16 +223,10 @@ def write_indexed_dataset(
     spec = tokenizer if isinstance(tokenizer, TokenizerSpec) else TokenizerSpec.from_cfg(tokenizer)
     if workers < 1:
         raise DataPreparationError(f"workers must be >= 1, got {workers}")
-    try:
-        spec.check_files()
-    except TokenizerError as e:
-        raise DataPreparationError(str(e)) from None
+    _tokenizer_or_error(spec, check_only=True)
     files = [Path(f) for f in files]
     total_bytes = check_inputs(files, json_key)
-    try:
-        main_tok = build_tokenizer(spec)
-    except TokenizerError as e:
-        raise DataPreparationError(str(e)) from None
+    main_tok = _tokenizer_or_error(spec)
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = prefix.with_name(f".{prefix.name}.tmp{os.getpid()}")

@@ -103,13 +103,17 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
             lm_head_loss=lm_head_loss,
             lm_loss_chunk_tokens=lm_loss_chunk_tokens,
         )
+    return _finish_model(model, cfg, device)
+
+
+def _finish_model(model, cfg: DictConfig, device: torch.device):
+    """After megatron built ``model``: expert-parameter marks, the fp8 swap (``train.fp8``), the move to the GPU."""
     # megatron's SequentialMLP expert linears: reduce their grads over the expert-DP group whenever the
     # expert grid is not the dense one (e.g. TP2 with ETP1; see experts.experts_allreduce_with_dense)
     from nano_hybrid.model.experts import mark_expert_params
-
-    mark_expert_params(model)
     from nano_hybrid.model.fp8 import apply_fp8, fp8_settings, transformer_engine_available
 
+    mark_expert_params(model)
     fp8, fp8_kinds = fp8_settings(cfg)
     if fp8 != "none" and not transformer_engine_available():  # with TE: TransformerConfig.fp8 (model/config.py)
         apply_fp8(model, fp8, fp8_kinds)
