@@ -240,7 +240,7 @@ def check_backends(cfg, specs) -> None:
 
     for name in dict.fromkeys(x.backend for x in specs):
         try:
-            configure_backend(name, deterministic=bool(cfg.kernels.get("deterministic", False)))
+            configure_backend(name, deterministic=bool(cfg.kernels.deterministic))
         except KernelSwitchError as e:  # a switch that does not apply to this arm
             raise ConfigError(f"arm {name}: {e}") from None
 
@@ -355,7 +355,7 @@ def result(a, cfg, plan, n_params: int, sample, labels, tol, per_arm, comps) -> 
             "train_iters": int(cfg.train.train_iters),
             "optim": {k: cfg.optim[k] for k in ("lr", "min_lr", "warmup_iters", "decay_style", "clip_grad",
                                                  "weight_decay")},
-            "kernels": {"deterministic": bool(cfg.kernels.get("deterministic", False))},
+            "kernels": {"deterministic": bool(cfg.kernels.deterministic)},
         },
         "shapes": {
             "tokens_per_microbatch": list(sample.shape),
