@@ -64,7 +64,6 @@ def cpu_scaled_mm_error() -> str | None:
 def check_settings(cfg, device: torch.device) -> None:
     """One-line ConfigError naming the key for an unusable ``train.fp8`` / ``train.fp8_modules``."""
     from nano_hybrid.errors import ConfigError
-    from nano_hybrid.model.config import model_dict
 
     t = cfg.train
     recipe = str(t.get("fp8", "none"))
@@ -86,8 +85,7 @@ def check_settings(cfg, device: torch.device) -> None:
                           f"({cpu_scaled_mm_error()}); use train.fp8=none on CPU")
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"train.fp8={recipe} runs on cuda or cpu, not {device.type}")
-    m = model_dict(cfg.model)
-    if "experts" in [str(k) for k in mods] and m.get("moe_experts_impl") == "grouped":
+    if "experts" in [str(k) for k in mods] and cfg.model.moe_experts_impl == "grouped":
         if recipe != "rowwise":
             raise ConfigError(f"train.fp8={recipe} with train.fp8_modules containing experts and "
                               "model.moe_experts_impl=grouped: torchao's fp8 grouped GEMM scales rowwise only; "
