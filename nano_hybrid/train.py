@@ -17,17 +17,11 @@ import time
 
 from nano_hybrid.errors import EXIT_BAD_INPUT, RunError, filter_startup_warnings, report_error
 
-filter_startup_warnings()  # known harmless megatron-core start-up warnings (no TE/Apex): nano_hybrid/errors.py
-
-from nano_hybrid.config import ConfigError, compose, overrides_from_argv  # noqa: E402
-from nano_hybrid.data import DataConfigError, DataPreparationError  # noqa: E402
-from nano_hybrid.layout import LaunchEnv  # noqa: E402
-from nano_hybrid.runconfig import validate  # noqa: E402
-from nano_hybrid.signals import ExitRequest  # noqa: E402
-from nano_hybrid.trainer import Trainer, release_refused_start, release_run_dir, shutdown  # noqa: E402
 
 def _launch_rank() -> int:
     """This process's rank from the launcher (0 when RANK is unset, or is itself the error being reported)."""
+    from nano_hybrid.layout import LaunchEnv
+
     try:
         return LaunchEnv.read().rank
     except ValueError:
@@ -35,7 +29,15 @@ def _launch_rank() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # imported here, not at module level: the checkpoint writer's spawned helper re-imports this module as its
+    # __main__, and must not pay for megatron, the kernels and the trainer again
+    filter_startup_warnings()  # known harmless megatron-core start-up warnings (no TE/Apex): nano_hybrid/errors.py
     from kernels.registry import BackendUnavailableError, UnknownBackendError
+    from nano_hybrid.config import ConfigError, compose, overrides_from_argv
+    from nano_hybrid.data import DataConfigError, DataPreparationError
+    from nano_hybrid.runconfig import validate
+    from nano_hybrid.signals import ExitRequest
+    from nano_hybrid.trainer import Trainer, release_refused_start, release_run_dir, shutdown
 
     t_start = time.monotonic()  # train.exit_after_minutes counts from here (start-up included)
     argv = sys.argv[1:] if argv is None else argv
