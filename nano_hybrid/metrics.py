@@ -24,6 +24,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from nano_hybrid.schema import WandbSchema, defaults
+
 WANDB_MODES = ("disabled", "online", "offline")
 
 
@@ -163,7 +165,8 @@ class MetricsLogger:
                 print_fn(f"metrics.jsonl: dropped {dropped} record(s) after step {start_step} "
                          "(they are re-run from the checkpoint)", flush=True)
         self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        mode = "disabled" if wandb_cfg is None else str(wandb_cfg.get("mode", "disabled"))
+        default_mode = defaults(WandbSchema)["mode"]
+        mode = default_mode if wandb_cfg is None else str(wandb_cfg.get("mode", default_mode))
         if mode not in WANDB_MODES:
             raise ValueError(f"logger.wandb.mode must be one of {WANDB_MODES}, got {mode!r}")
         if mode != "disabled":

@@ -13,10 +13,15 @@ from typing import Iterator
 
 import torch
 
+from nano_hybrid.schema import DataSchema, optional_defaults
 
 
 class DataConfigError(ValueError):
     """Bad ``data.*`` settings or a missing dataset; raised before any work."""
+
+
+# the schema's defaults, for the keys a plain mapping (tests, tools) may leave out
+_DATA_DEFAULTS = optional_defaults(DataSchema)
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class DataSpec:
                 raise DataConfigError(
                     f"data.split={split!r} must be Megatron's train,valid,test weights, e.g. \"969,30,1\" (train > 0)"
                 )
-        num_workers = int(data_cfg.get("num_workers", 0))
+        num_workers = int(data_cfg.get("num_workers", _DATA_DEFAULTS["num_workers"]))
         if num_workers < 0:
             raise DataConfigError(f"data.num_workers must be >= 0, got {num_workers}")
         valid_seed = data_cfg.get("valid_seed")
