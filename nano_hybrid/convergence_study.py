@@ -118,12 +118,14 @@ def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise StudyConfigError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
-    if len(set(arms)) != len(arms) or len(arms) < 2:
-        raise StudyConfigError(f"give at least two different arms, got {arms}")
-    if len(seeds) < 2 or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
-        raise StudyConfigError(f"give at least two different seeds >= 0, got {seeds}")
     if long_iters is not None and long_iters < 1:
         raise StudyConfigError(f"--long-iters must be >= 1, got {long_iters}")
+    if not arms and long_iters is None:
+        raise StudyConfigError("no arms and no long run: give at least two arms, or --long-iters for the long run alone")
+    if arms and (len(set(arms)) != len(arms) or len(arms) < 2):
+        raise StudyConfigError(f"give at least two different arms (or none: the long run alone), got {arms}")
+    if arms and (len(seeds) < 2 or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds)):
+        raise StudyConfigError(f"give at least two different seeds >= 0, got {seeds}")
     if wandb not in ("offline", "disabled"):
         raise StudyConfigError(f"--wandb {wandb!r}: offline or disabled (the GPU host has no network)")
     for ov in extra + long_extra:

@@ -51,9 +51,18 @@ def test_plan_runs_seeds_per_arm_and_a_long_run(tmp_path):
     assert all(r.arm != "long" for r in fp32.runs)
 
 
+def test_plan_of_the_long_run_alone(tmp_path):
+    """--arms none: only the long helion run (the GPU to itself), seeds unused."""
+    plan = _plan(tmp_path, arms=[], seeds=[])
+    assert [r.name for r in plan.runs] == ["long_helion"] and plan.arms() == {}
+    cfg = compose(plan.runs[0].overrides)
+    assert cfg.kernels.backend == "helion" and cfg.train.train_iters == 20000 and cfg.train.global_batch_size == 4
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"arms": ["mamba_ssm", "triton"]}, "unknown arm"),
     ({"arms": ["helion"]}, "two different arms"),
+    ({"arms": [], "long_iters": None}, "no arms and no long run"),
     ({"seeds": [1]}, "two different seeds"),
     ({"seeds": [1, 1]}, "two different seeds"),
     ({"extra": ["seed=4"]}, "set by the launcher"),
@@ -79,6 +88,11 @@ def test_dry_run_prints_every_command_and_bad_arguments_exit_2(tmp_path, capsys)
     assert len(runs) == 7 and all(" -m nano_hybrid.train recipe=convergence_seeds_h200 " in c for c in runs)
     assert sum("train.train_iters=300" in c for c in runs) == 7  # the long run's own train_iters comes after it
     assert runs[-1].endswith("train.train_iters=20000")
+    assert convergence_study.main(["--dry-run", "--arms", "none", "--out", str(tmp_path / "s"), "--corpus",
+                                   str(tmp_path / "c"), "--corpus-root", str(tmp_path), "--tokenizer",
+                                   f"tiktoken:{tok}", f"data.tokenizer.path={tok}"]) == 0
+    alone = capsys.readouterr().out.strip().splitlines()[1:]
+    assert len(alone) == 1 and "logger.wandb.name=long_helion" in alone[0]
     for argv in (["--seeds", "1,x"], ["--minutes", "0.1"], ["train.no_such_key=1"], ["--corpus-root", str(tmp_path / "no")]):
         assert convergence_study.main(["--dry-run", "--out", str(tmp_path / "s"), "--corpus", str(tmp_path / "c"),
                                        "--tokenizer", f"tiktoken:{tok}", f"data.tokenizer.path={tok}"] + argv) == 2

@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides (KEY=VALUE) for every run")
     ap.add_argument("--out", default="runs/convergence_seeds", help="folder of the run directories and the report")
     ap.add_argument("--minutes", type=float, default=8.0, help="wall time of this invocation, corpus build included")
-    ap.add_argument("--arms", default="mamba_ssm,helion", help=f"comma-separated, first = baseline ({', '.join(ARMS)})")
+    ap.add_argument("--arms", default="mamba_ssm,helion",
+                    help=f"comma-separated, first = baseline ({', '.join(ARMS)}); none: the long run alone")
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds, the same for every arm")
     ap.add_argument("--long-iters", type=int, default=20000, help="steps of the long helion run (0: no long run)")
     ap.add_argument("--long-override", action="append", default=[], help="an override for the long run only")
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             seeds = [int(s) for s in args.seeds.split(",") if s]
         except ValueError:
             raise StudyConfigError(f"--seeds {args.seeds!r}: comma-separated integers") from None
-        plan = make_plan(out=args.out, arms=[a for a in args.arms.split(",") if a], seeds=seeds, corpus=args.corpus,
+        plan = make_plan(out=args.out, arms=[a for a in args.arms.split(",") if a and args.arms != "none"], seeds=seeds, corpus=args.corpus,
                          corpus_roots=args.corpus_root or None,
                          long_iters=args.long_iters or None, extra=list(args.overrides),
                          long_extra=list(args.long_override), wandb=args.wandb)
@@ -132,6 +133,11 @@ def compare(plan, reference: float, say) -> None:
     out.mkdir(parents=True, exist_ok=True)
     long = [r for r in plan.runs if r.arm == "long"]
     summary = {"long_run": long_run_summary(long[0].run_dir)} if long else {}
+    if not plan.arms():  # the long run alone: its summary is the report
+        (out / "long_run.json").write_text(json.dumps(summary, indent=1) + "\n")
+        print(json.dumps(summary["long_run"]), flush=True)
+        say(f"long run: {out / 'long_run.json'}")
+        return
     try:
         arms = {a: [load_run(r.run_dir) for r in runs] for a, runs in plan.arms().items()}
         result = compare_arms(arms, next(iter(arms)), smooth=50, reference_rel=reference)
