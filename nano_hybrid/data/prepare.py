@@ -18,6 +18,7 @@ sorted path order, so the same interpreter and tokenizer always yield the same t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -194,11 +195,11 @@ class _Progress:
             self.bar.__exit__(*exc)
 
 
-def _tokenizer_or_error(spec: TokenizerSpec, check_only: bool = False):
-    """``spec``'s files checked (``check_only``) or its tokenizer built; a TokenizerError becomes the one-line
-    DataPreparationError."""
+@contextlib.contextmanager
+def _as_preparation_error():
+    """A TokenizerError inside becomes the one-line DataPreparationError."""
     try:
-        return spec.check_files() if check_only else build_tokenizer(spec)
+        yield
     except TokenizerError as e:
         raise DataPreparationError(str(e)) from None
 
@@ -223,10 +224,12 @@ def write_indexed_dataset(
     spec = tokenizer if isinstance(tokenizer, TokenizerSpec) else TokenizerSpec.from_cfg(tokenizer)
     if workers < 1:
         raise DataPreparationError(f"workers must be >= 1, got {workers}")
-    _tokenizer_or_error(spec, check_only=True)
+    with _as_preparation_error():
+        spec.check_files()
     files = [Path(f) for f in files]
     total_bytes = check_inputs(files, json_key)
-    main_tok = _tokenizer_or_error(spec)
+    with _as_preparation_error():
+        main_tok = build_tokenizer(spec)
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = prefix.with_name(f".{prefix.name}.tmp{os.getpid()}")
