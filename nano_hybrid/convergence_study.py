@@ -7,8 +7,14 @@ Runs (each its own process and run directory under ``out``):
   weights and training-data order; the validation samples are the same for every seed: ``data.valid_seed``),
   W&B group = the arm;
 - ``long_helion``: the helion backend, seed 1, ``train.train_iters=<long_iters>`` plus ``long_overrides``
-  (W&B group ``long``).
-A run whose checkpoint tracker already reaches its ``train.train_iters`` is complete and not started again.
+  (W&B group ``long``);
+- with ``resume_check=K``, ``long_helion_ref``: the long run's configuration once more, unbroken (no checkpoint, no
+  W&B), stopped at step ``K + resume_window``; in the invocation where the long run starts from step 0 the launcher
+  stops it with SIGTERM at step K and starts it again at once, so the resumed curve can be compared step by step
+  with the unbroken one (``resume_continuity``).
+A run whose checkpoint tracker already reaches its ``train.train_iters`` is complete and not started again (the
+reference: once its log reaches its stop step). Each start appends ``{"segment", "from_step"}`` to
+``out/logs/<run>.segments.jsonl``: the resume points of the curves.
 
 Time: the invocation ends within ``minutes`` (plus ``grace_s`` for the last saves): the corpus build counts;
 each trainer gets ``train.exit_after_minutes`` = the time left minus ``save_margin_s``, so it stops after a step
@@ -62,6 +68,8 @@ class RunSpec:
     run_dir: Path
     overrides: list[str]
     train_iters: int
+    stop_at: int | None = None  # the launcher sends SIGTERM once the run has logged this step
+    restart_after_stop: bool = False  # ... and starts it again at once (only when it started from step 0)
 
     def command(self, python: str) -> list[str]:
         return [python, "-m", "nano_hybrid.train", *self.overrides]
@@ -77,7 +85,7 @@ class StudyPlan:
     def arms(self) -> dict[str, list[RunSpec]]:
         groups: dict[str, list[RunSpec]] = {}
         for r in self.runs:
-            if r.arm != "long":
+            if r.arm not in ("long", "long_ref"):
                 groups.setdefault(r.arm, []).append(r)
         return groups
 
@@ -114,7 +122,8 @@ def recipe_train_iters(recipe: str) -> int:
 
 def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str | Path,
               corpus_roots: list[str] | None, long_iters: int | None, extra: list[str], long_extra: list[str],
-              wandb: str, recipe: str = RECIPE, recipe_iters: int | None = None) -> StudyPlan:
+              wandb: str, recipe: str = RECIPE, recipe_iters: int | None = None, resume_check: int | None = None,
+              resume_window: int = 400) -> StudyPlan:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise StudyConfigError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
@@ -126,6 +135,9 @@ def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str
         raise StudyConfigError(f"give at least two different arms (or none: the long run alone), got {arms}")
     if arms and (len(seeds) < 2 or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds)):
         raise StudyConfigError(f"give at least two different seeds >= 0, got {seeds}")
+    if resume_check is not None and (long_iters is None or not 1 <= resume_check < long_iters or resume_window < 1):
+        raise StudyConfigError(f"--resume-check {resume_check}: give a step between 1 and the long run's steps "
+                               f"({long_iters}), with a long run")
     if wandb not in ("offline", "disabled"):
         raise StudyConfigError(f"--wandb {wandb!r}: offline or disabled (the GPU host has no network)")
     for ov in extra + long_extra:
@@ -137,10 +149,10 @@ def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str
     iters = recipe_train_iters(recipe) if recipe_iters is None else recipe_iters
     plan = StudyPlan(out, corpus, list(corpus_roots) if corpus_roots else default_corpus_roots())
 
-    def spec(name, arm, seed, arm_ovs, more):
+    def spec(name, arm, seed, arm_ovs, more, mode=wandb):
         run_dir = out / name
         ovs = [f"recipe={recipe}", *arm_ovs, f"seed={seed}", f"run_dir={run_dir}", f"data.corpus_dir={corpus}",
-               f"data.cache_dir={run_dir / 'data_cache'}", f"logger.wandb.mode={wandb}",
+               f"data.cache_dir={run_dir / 'data_cache'}", f"logger.wandb.mode={mode}",
                f"logger.wandb.group={arm}", f"logger.wandb.name={name}", *extra, *more]
         return RunSpec(name, arm, seed, run_dir, ovs, train_iters_of(ovs, iters))
 
@@ -148,8 +160,14 @@ def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str
         for seed in seeds:
             plan.runs.append(spec(f"{arm}_s{seed}", arm, seed, ARMS[arm], []))
     if long_iters is not None:
-        plan.runs.append(spec("long_helion", "long", 1, ARMS["helion"],
-                              [*LONG_OVERRIDES, f"train.train_iters={long_iters}", *long_extra]))
+        long_ovs = [*LONG_OVERRIDES, f"train.train_iters={long_iters}", *long_extra]
+        plan.runs.append(spec("long_helion", "long", 1, ARMS["helion"], long_ovs))
+        if resume_check is not None:
+            plan.runs[-1].stop_at, plan.runs[-1].restart_after_stop = resume_check, True
+            ref = spec("long_helion_ref", "long_ref", 1, ARMS["helion"], [*long_ovs, "checkpoint.save_on_exit=false"],
+                       mode="disabled")
+            ref.stop_at = resume_check + resume_window
+            plan.runs.append(ref)
     return plan
 
 
@@ -207,6 +225,8 @@ class Proc:
     spec: RunSpec
     popen: subprocess.Popen
     log: Path
+    stop_at: int | None = None  # SIGTERM once this step is logged
+    restart: bool = False  # start the same command again after that stop
 
 
 def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.0, save_margin_s: float = 45.0,
@@ -219,30 +239,55 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
     results: dict[str, int | None] = {}
     procs: list[Proc] = []
     (plan.out / "logs").mkdir(parents=True, exist_ok=True)
-    for r in plan.runs:
-        done = checkpointed_step(r.run_dir)
-        if done >= r.train_iters:
-            log(f"{r.name}: complete ({done} steps)")
-            results[r.name] = None
-            continue
+
+    def start(r: RunSpec, done: int) -> Proc:
         left_min = (deadline - time.monotonic() - save_margin_s) / 60.0
         if left_min <= min_run_minutes:
             raise StudyConfigError(f"only {left_min * 60:.0f} s left before the deadline: raise --minutes")
         segment = len(list((plan.out / "logs").glob(f"{r.name}.part*.log"))) + 1
         logf = plan.out / "logs" / f"{r.name}.part{segment}.log"
         cmd = r.command(python) + [f"train.exit_after_minutes={left_min:.2f}"]
+        with open(plan.out / "logs" / f"{r.name}.segments.jsonl", "a") as fh:
+            fh.write(json.dumps({"segment": segment, "from_step": done}) + "\n")
         with open(logf, "w") as fh:
             fh.write(shlex.join(cmd) + "\n")
             fh.flush()
             p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        procs.append(Proc(r, p, logf))
         log(f"{r.name}: started (pid {p.pid}, from step {done}, log {logf})")
+        # the stop-and-restart of a resume check happens in the segment that starts from step 0
+        stop_at = r.stop_at if (done == 0 or not r.restart_after_stop) else None
+        return Proc(r, p, logf, stop_at=stop_at, restart=r.restart_after_stop and stop_at is not None)
+
+    for r in plan.runs:
+        done = checkpointed_step(r.run_dir)
+        if done >= r.train_iters or (r.stop_at and not r.restart_after_stop and last_logged_step(r.run_dir) >= r.stop_at):
+            log(f"{r.name}: complete ({max(done, last_logged_step(r.run_dir))} steps)")
+            results[r.name] = None
+            continue
+        procs.append(start(r, done))
     last_report = time.monotonic()
     stage = "run"
-    while any(p.popen.poll() is None for p in procs):
+
+    def pending_restart(p: Proc) -> bool:
+        return p.restart and p.stop_at is None and p.popen.poll() is not None
+
+    while any(p.popen.poll() is None or pending_restart(p) for p in procs):
         now = time.monotonic()
+        for i, p in enumerate(procs):
+            if stage != "run":
+                break
+            if p.stop_at is not None and p.popen.poll() is None and last_logged_step(p.spec.run_dir) >= p.stop_at:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+                log(f"{p.spec.name}: SIGTERM at its stop step {p.stop_at}")
+                p.stop_at = None
+            elif pending_restart(p):
+                p.restart = False
+                if p.popen.returncode == 0:  # saved on SIGTERM: the same command resumes it
+                    procs[i] = start(p.spec, checkpointed_step(p.spec.run_dir))
+                    procs[i].stop_at, procs[i].restart = None, False
         if stage == "run" and now >= deadline:
             for p in procs:
+                p.restart = False
                 if p.popen.poll() is None:
                     os.killpg(p.popen.pid, signal.SIGTERM)
             log(f"deadline: SIGTERM to {sum(p.popen.poll() is None for p in procs)} run(s)")
@@ -267,8 +312,8 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
     return results
 
 
-def long_run_summary(run_dir: Path) -> dict:
-    """Steps, validation points, skipped and non-finite steps and gaps of the long run's metrics.jsonl."""
+def _metrics_by_step(run_dir: Path) -> dict[int, dict]:
+    """A run's metrics.jsonl by step (the last record of a step wins; unreadable lines are skipped)."""
     by_step: dict[int, dict] = {}
     f = run_dir / "metrics.jsonl"
     if f.is_file():
@@ -278,6 +323,115 @@ def long_run_summary(run_dir: Path) -> dict:
                 by_step[int(rec["step"])] = rec
             except (ValueError, KeyError, TypeError):
                 continue
+    return by_step
+
+
+def resume_steps(run_dir: Path) -> list[int]:
+    """The checkpoint steps that later segments of the run resumed from (``logs/<run>.segments.jsonl``)."""
+    f = run_dir.parent / "logs" / f"{run_dir.name}.segments.jsonl"
+    steps = []
+    if f.is_file():
+        for line in f.read_text().splitlines():
+            try:
+                s = int(json.loads(line)["from_step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if s > 0 and s not in steps:
+                steps.append(s)
+    return steps
+
+
+def resume_continuity(run_dir: Path, reference_dir: Path, window: int = 400) -> dict:
+    """The resumed run against the unbroken reference of the same configuration, step by step, around the first
+    resume that the reference covers: the first step whose training loss differs (none: bitwise equal throughout),
+    and the mean |relative loss difference| over the steps before the resume and over ``window`` steps after it.
+    On a backend whose steps are bitwise repeatable an exact resume keeps the two equal after the resume; where
+    runs of one configuration already drift apart (non-deterministic reductions), the difference after the resume
+    is to be read against the difference of two unbroken runs over the same steps."""
+    run, ref = _metrics_by_step(run_dir), _metrics_by_step(reference_dir)
+    common = sorted(set(run) & set(ref))
+    if not common:
+        raise ValueError(f"{run_dir} and {reference_dir} share no logged step")
+    covered = [k for k in resume_steps(run_dir) if k < common[-1]]
+    if not covered:
+        raise ValueError(f"no resume of {run_dir} inside the reference's steps 1..{common[-1]}")
+    k = covered[0]
+    first_diff = next((s for s in common if run[s]["loss"] != ref[s]["loss"]), None)
+
+    def mean_abs_rel(lo: int, hi: int) -> float | None:
+        xs = [abs(run[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in common if lo <= s <= hi]
+        return float(sum(xs) / len(xs)) if xs else None
+
+    after_hi = min(common[-1], k + window)
+    return {"resume_step": k, "reference_last_step": common[-1], "first_differing_step": first_diff,
+            "bitwise_equal_after_resume": all(run[s]["loss"] == ref[s]["loss"] and run[s].get("grad_norm") ==
+                                              ref[s].get("grad_norm") for s in common if k < s <= after_hi),
+            "before": {"steps": [1, k], "mean_abs_rel_loss_diff": mean_abs_rel(1, k)},
+            "after": {"steps": [k + 1, after_hi], "mean_abs_rel_loss_diff": mean_abs_rel(k + 1, after_hi)}}
+
+
+def plot_long_run(run_dir: Path, out_dir: Path, reference_dir: Path | None = None, smooth: int = 50) -> Path:
+    """Training loss (trailing mean of ``smooth`` steps over the raw curve), validation loss and gradient norm of
+    the long run, the resume steps as dashed lines; with a reference, its curve and the relative loss difference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    def curves(d: Path):
+        by = _metrics_by_step(d)
+        st = np.array(sorted(by), dtype=np.int64)
+        loss = np.array([float(by[s]["loss"]) for s in st])
+        gn = np.array([float(by[s].get("grad_norm", np.nan)) for s in st])
+        vs = np.array([s for s in st if "val_loss" in by[s]], dtype=np.int64)
+        return st, loss, gn, vs, np.array([float(by[s]["val_loss"]) for s in vs])
+
+    def trailing(x):
+        c, i = np.cumsum(np.insert(x, 0, 0.0)), np.arange(1, len(x) + 1)
+        lo = np.maximum(i - smooth, 0)
+        return (c[i] - c[lo]) / (i - lo)
+
+    st, loss, gn, vs, vl = curves(run_dir)
+    panels = 4 if reference_dir is not None else 3
+    fig, axes = plt.subplots(panels, 1, figsize=(11, 2.6 * panels), sharex=True, constrained_layout=True)
+    axes[0].plot(st, loss, lw=0.3, alpha=0.35, color="tab:blue")
+    axes[0].plot(st, trailing(loss), lw=1.2, color="tab:blue", label=f"{run_dir.name} (trailing mean of {smooth})")
+    axes[1].plot(vs, vl, "o-", ms=3, color="tab:blue", label=run_dir.name)
+    axes[2].plot(st, trailing(gn), lw=1.0, color="tab:blue", label=run_dir.name)
+    if reference_dir is not None:
+        rs, rl, rg, rvs, rvl = curves(reference_dir)
+        axes[0].plot(rs, trailing(rl), lw=1.0, color="tab:orange", label=f"{reference_dir.name} (unbroken)")
+        axes[1].plot(rvs, rvl, "s", ms=4, color="tab:orange", label=reference_dir.name)
+        axes[2].plot(rs, trailing(rg), lw=0.8, color="tab:orange", label=reference_dir.name)
+        ref = dict(zip(rs.tolist(), rl.tolist()))
+        both = np.array([s for s in st if s in ref], dtype=np.int64)
+        own = dict(zip(st.tolist(), loss.tolist()))
+        rel = np.array([100 * (own[s] - ref[s]) / ref[s] for s in both])
+        axes[3].plot(both, rel, lw=0.3, alpha=0.35, color="tab:green")
+        axes[3].plot(both, trailing(rel), lw=1.2, color="tab:green", label=f"trailing mean of {smooth}")
+        axes[3].axhline(0.0, color="k", lw=0.6)
+        axes[3].set_ylabel("(run - ref) / ref, %")
+        axes[3].set_title("training loss difference to the unbroken reference")
+    for ax, title in zip(axes[:3], ("training loss", "validation loss (held-out packages)",
+                                    f"gradient norm (trailing mean of {smooth})")):
+        ax.set_title(title)
+    for ax in axes:
+        for k in resume_steps(run_dir):
+            ax.axvline(k, color="k", lw=0.7, ls="--")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[-1].set_xlabel("step (dashed: resumed after SIGTERM)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "long_run.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def long_run_summary(run_dir: Path) -> dict:
+    """Steps, validation points, skipped and non-finite steps, gaps and resume steps of the long run's metrics.jsonl."""
+    by_step = _metrics_by_step(run_dir)
     steps = sorted(by_step)
     bad = [s for s in steps if not all(math.isfinite(float(by_step[s].get(k, 0.0))) for k in ("loss", "grad_norm"))]
     gaps = [s for s in range(1, (steps[-1] if steps else 0) + 1) if s not in by_step]
@@ -285,5 +439,5 @@ def long_run_summary(run_dir: Path) -> dict:
     return {"run": str(run_dir), "steps": len(steps), "last_step": steps[-1] if steps else 0,
             "val_points": sum("val_loss" in by_step[s] for s in steps),
             "skipped_steps": sum(int(by_step[s].get("skipped", 0)) for s in steps), "non_finite_steps": bad[:10],
-            "missing_steps": gaps[:10], "segments": segments,
+            "missing_steps": gaps[:10], "segments": segments, "resumed_from": resume_steps(run_dir),
             "last_val_loss": next((by_step[s]["val_loss"] for s in reversed(steps) if "val_loss" in by_step[s]), None)}

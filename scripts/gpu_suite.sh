@@ -21,6 +21,10 @@
 #   seeds        the seed study on one GPU (scripts/convergence_study.py): corpus from the installed packages (built
 #                if missing), 3 seeds of mamba_ssm and helion and a 20,000-step helion run side by side, stopped
 #                after $MINUTES (default 8) and resumed by the next call; report in $OUT/convergence_seeds/compare
+#   long         the 20,000-step helion run alone on one GPU (scripts/convergence_study.py --arms none): stopped at
+#                step 1000 and resumed at once beside an unbroken reference to step 1400 (--resume-check), then
+#                stopped after $MINUTES (default 9) and resumed by the next call, on the seeds stage's corpus; no
+#                kernel tuning (committed configs); report in $OUT/convergence_seeds/compare (long_run.json, .png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
@@ -42,11 +46,11 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
-KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence seeds parity"
+KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity"
 for stage in "$@"; do
     case " $KNOWN " in
         *" $stage "*) ;;
@@ -126,6 +130,12 @@ st_seeds() {  # one GPU; the same call resumes every run (same run dirs under $O
     # shellcheck disable=SC2086
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --minutes "${MINUTES:-8}" ${SEEDS_ARGS:-} \
         kernels.helion.cache_dir="$OUT/helion_configs"
+}
+st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/convergence_seeds)
+    local wandb=offline
+    python3 -c "import wandb" 2>/dev/null || { wandb=disabled; echo "long: wandb is not installed, W&B is off"; }
+    python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
+        --resume-check 1000 --minutes "${MINUTES:-9}" --grace 40 --wandb "$wandb" kernels.helion.autotune=false
 }
 
 # parity: nano30b_slice widths, pattern MEM*E, seq 4096, global batch 4, identical initial weights in every layout

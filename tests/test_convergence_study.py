@@ -136,3 +136,96 @@ def test_launch_stops_every_run_at_the_deadline_and_skips_complete_ones(tmp_path
     steps = [json.loads(x)["step"] for x in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and (plan.out / "logs" / f"{r.name}.part2.log").is_file()
     assert not os.path.exists(plan.runs[0].run_dir / "metrics.jsonl")
+
+
+RESUMING_TRAINER = """#!/usr/bin/env bash
+# a stand-in trainer that resumes: continues from its checkpoint tracker, logs a deterministic loss per step until
+# SIGTERM, then writes the tracker (unless checkpoint.save_on_exit=false) and exits 0
+save=1
+for a in "$@"; do case "$a" in run_dir=*) d="${a#run_dir=}";; checkpoint.save_on_exit=false) save=0;; esac; done
+mkdir -p "$d/checkpoints"
+step=$(cat "$d/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
+trap '[ $save = 1 ] && echo "$step" > "$d/checkpoints/latest_checkpointed_iteration.txt"; exit 0' TERM
+while true; do step=$((step + 1)); echo "{\\"step\\": $step, \\"loss\\": $((100000 / step)), \\"grad_norm\\": 1.5}" \\
+  >> "$d/metrics.jsonl"; sleep 0.02; done
+"""
+
+
+def test_resume_check_plans_an_unbroken_reference_and_refuses_bad_steps(tmp_path):
+    plan = _plan(tmp_path, arms=[], long_iters=20000, resume_check=1000)
+    long, ref = plan.runs
+    assert (long.name, long.stop_at, long.restart_after_stop) == ("long_helion", 1000, True)
+    assert (ref.name, ref.arm, ref.stop_at, ref.restart_after_stop) == ("long_helion_ref", "long_ref", 1400, False)
+    assert plan.arms() == {}
+    c_long, c_ref = compose(long.overrides), compose(ref.overrides)
+    assert c_ref.checkpoint.save_on_exit is False and c_ref.logger.wandb.mode == "disabled"
+    assert c_long.checkpoint.save_on_exit is True and c_long.logger.wandb.mode == "offline"
+    # the same run otherwise: model, data, schedule, seed
+    for key in ("model", "optim", "data.paths", "data.valid_paths", "train.train_iters", "train.global_batch_size",
+                "seed", "kernels.backend"):
+        a, b = c_long, c_ref
+        for part in key.split("."):
+            a, b = a[part], b[part]
+        assert a == b, key
+    for bad in (0, 20000, -5):
+        with pytest.raises(StudyConfigError, match="resume-check"):
+            _plan(tmp_path, arms=[], long_iters=20000, resume_check=bad)
+    with pytest.raises(StudyConfigError, match="resume-check"):
+        _plan(tmp_path, long_iters=None, resume_check=100)
+
+
+def test_launch_stops_and_resumes_the_long_run_beside_its_reference(tmp_path):
+    from nano_hybrid.convergence_study import long_run_summary, resume_continuity, resume_steps
+
+    fake = tmp_path / "fake_python"
+    fake.write_text(RESUMING_TRAINER)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    plan = make_plan(out=tmp_path / "study", arms=[], seeds=[1], corpus=tmp_path / "corpus",
+                     corpus_roots=[str(tmp_path)], long_iters=100000, extra=[], long_extra=[], wandb="offline",
+                     recipe_iters=2000, resume_check=20, resume_window=100)
+    long, ref = plan.runs
+    res = launch(plan, minutes=0.2, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
+                 log=lambda m: None)
+    assert res == {"long_helion": 0, "long_helion_ref": 0}
+    k = resume_steps(long.run_dir)
+    assert len(k) == 1 and k[0] >= 20  # stopped at (about) step 20, resumed from its checkpoint
+    assert [json.loads(x)["from_step"] for x in (plan.out / "logs" / "long_helion.segments.jsonl").read_text().splitlines()] \
+        == [0, k[0]]
+    summary = long_run_summary(long.run_dir)
+    assert summary["missing_steps"] == [] and summary["resumed_from"] == k and summary["segments"] == 2
+    assert summary["last_step"] > k[0]
+    assert not (ref.run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()  # never saved
+    cont = resume_continuity(long.run_dir, ref.run_dir, window=10)
+    assert cont["resume_step"] == k[0] and cont["first_differing_step"] is None and cont["bitwise_equal_after_resume"]
+    # the next invocation neither restarts the reference (it reached its stop step) nor stops the long run again
+    res = launch(plan, minutes=0.05, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
+                 log=lambda m: None)
+    assert res == {"long_helion_ref": None, "long_helion": 0} and len(resume_steps(long.run_dir)) == 2
+
+
+def test_resume_continuity_finds_the_first_difference_and_plots(tmp_path):
+    from nano_hybrid.convergence_study import plot_long_run, resume_continuity
+
+    def write(d, losses, resumed_from=()):
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "loss": v, "grad_norm": 1.0, **({"val_loss": v} if s % 10 == 0 else {})}) + "\n"
+            for s, v in enumerate(losses, 1)))
+        (d.parent / "logs").mkdir(exist_ok=True)
+        (d.parent / "logs" / f"{d.name}.segments.jsonl").write_text(
+            "".join(json.dumps({"segment": i + 1, "from_step": f}) + "\n" for i, f in enumerate((0, *resumed_from))))
+
+    ref = [4.0 - 0.01 * s for s in range(60)]
+    run = list(ref)
+    run[35] *= 1.01  # step 36, after the resume at step 30
+    write(tmp_path / "runs" / "long", run, resumed_from=(30,))
+    write(tmp_path / "runs" / "ref", ref)
+    c = resume_continuity(tmp_path / "runs" / "long", tmp_path / "runs" / "ref", window=20)
+    assert c["first_differing_step"] == 36 and not c["bitwise_equal_after_resume"]
+    assert c["before"]["mean_abs_rel_loss_diff"] == 0.0 and c["after"]["steps"] == [31, 50]
+    assert c["after"]["mean_abs_rel_loss_diff"] == pytest.approx(0.01 / 20, rel=1e-9)
+    with pytest.raises(ValueError, match="no resume"):
+        resume_continuity(tmp_path / "runs" / "ref", tmp_path / "runs" / "long")
+    pytest.importorskip("matplotlib")
+    png = plot_long_run(tmp_path / "runs" / "long", tmp_path / "out", tmp_path / "runs" / "ref", smooth=5)
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

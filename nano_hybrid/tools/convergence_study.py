@@ -8,7 +8,10 @@ stopped before --minutes, resumed by the same command, then the grouped comparis
 Runs: OUT/<arm>_s<seed> (recipe convergence_seeds_h200, seed = initial weights and data order) and OUT/long_helion
 (--long-iters steps; 0: none). Trailing KEY=VALUE arguments are Hydra overrides for every run (--long-override for
 the long run only). After the runs stop: OUT/compare/report.{md,json} and seed_bands.png (scripts/compare_seeds.py's
-method, at the last validation step all seed runs reached), with the long run's summary in report.json.
+method, at the last validation step all seed runs reached), with the long run's summary in report.json, and
+long_run.png (its training loss, validation loss and gradient norm, resume steps marked). With --resume-check K the
+long run is stopped at step K and resumed at once beside an unbroken reference run (OUT/long_helion_ref), and the
+summary compares the two step by step (resume_check: first differing step, loss differences before/after the resume).
 Exit code: 0 when every started run exited 0, 1 when one failed, 2 on bad arguments (one `error: ...` line).
 """
 
@@ -39,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds, the same for every arm")
     ap.add_argument("--long-iters", type=int, default=20000, help="steps of the long helion run (0: no long run)")
     ap.add_argument("--long-override", action="append", default=[], help="an override for the long run only")
+    ap.add_argument("--resume-check", type=int, default=0, metavar="K",
+                    help="stop the long run at step K and resume it at once, beside an unbroken reference run to "
+                         "step K + 400 (OUT/long_helion_ref), compared step by step in the report (0: none)")
     ap.add_argument("--corpus", default="data/corpus/site", help="the corpus folder (built when missing)")
     ap.add_argument("--corpus-root", action="append", default=[],
                     help="source folder of a missing corpus (repeat; default: this Python's stdlib and packages, ./site)")
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = make_plan(out=args.out, arms=[a for a in args.arms.split(",") if a and args.arms != "none"], seeds=seeds, corpus=args.corpus,
                          corpus_roots=args.corpus_root or None,
                          long_iters=args.long_iters or None, extra=list(args.overrides),
-                         long_extra=list(args.long_override), wandb=args.wandb)
+                         long_extra=list(args.long_override), wandb=args.wandb,
+                         resume_check=args.resume_check or None)
         for r in args.corpus_root:
             if not Path(r).is_dir():
                 raise StudyConfigError(f"--corpus-root {r}: not a folder")
@@ -126,16 +133,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(plan, reference: float, say) -> None:
-    from nano_hybrid.convergence_study import long_run_summary
+    from nano_hybrid.convergence_study import long_run_summary, plot_long_run, resume_continuity
     from nano_hybrid.seedstudy import StudyError, compare_arms, format_markdown, load_run, plot_study
 
     out = plan.out / "compare"
     out.mkdir(parents=True, exist_ok=True)
     long = [r for r in plan.runs if r.arm == "long"]
     summary = {"long_run": long_run_summary(long[0].run_dir)} if long else {}
+    if long and (long[0].run_dir / "metrics.jsonl").is_file():
+        ref = [r.run_dir for r in plan.runs if r.arm == "long_ref" and (r.run_dir / "metrics.jsonl").is_file()]
+        if ref:
+            try:
+                summary["resume_check"] = resume_continuity(long[0].run_dir, ref[0])
+            except ValueError as e:
+                say(f"resume check: not yet possible ({e})")
+        if importlib.util.find_spec("matplotlib") is not None:
+            say(f"long run plot: {plot_long_run(long[0].run_dir, out, ref[0] if ref else None)}")
     if not plan.arms():  # the long run alone: its summary is the report
         (out / "long_run.json").write_text(json.dumps(summary, indent=1) + "\n")
-        print(json.dumps(summary["long_run"]), flush=True)
+        print(json.dumps(summary), flush=True)
         say(f"long run: {out / 'long_run.json'}")
         return
     try:
