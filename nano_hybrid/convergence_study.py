@@ -8,12 +8,13 @@ Runs (each its own process and run directory under ``out``):
   W&B group = the arm;
 - ``long_helion``: the helion backend, seed 1, ``train.train_iters=<long_iters>`` plus ``long_overrides``
   (W&B group ``long``);
-- with ``resume_check=K``, ``long_helion_ref``: the long run's configuration once more, unbroken (no checkpoint, no
-  W&B), stopped at step ``K + resume_window``; in the invocation where the long run starts from step 0 the launcher
-  stops it with SIGTERM at step K and starts it again at once, so the resumed curve can be compared step by step
-  with the unbroken one (``resume_continuity``).
-A run whose checkpoint tracker already reaches its ``train.train_iters`` is complete and not started again (the
-reference: once its log reaches its stop step). Each start appends ``{"segment", "from_step"}`` to
+- with ``resume_check=K``, a bitwise check of resuming at the long run's settings, with ``train.deterministic`` and
+  ``kernels.deterministic`` on (bitwise-repeatable steps), no W&B: ``long_helion_rc``, stopped with SIGTERM at step
+  K, started again at once by the same command (it resumes from its checkpoint) and stopped at step
+  ``K + resume_window``; and ``long_helion_ref``, the same run unbroken to step ``K + resume_window`` (no
+  checkpoint). ``resume_continuity`` compares the two step by step.
+A run whose checkpoint tracker already reaches its ``train.train_iters`` is complete and not started again, a run
+with stop steps once its log reaches the last of them. Each start appends ``{"segment", "from_step"}`` to
 ``out/logs/<run>.segments.jsonl``: the resume points of the curves.
 
 Time: the invocation ends within ``minutes`` (plus ``grace_s`` for the last saves): the corpus build counts;
@@ -68,8 +69,7 @@ class RunSpec:
     run_dir: Path
     overrides: list[str]
     train_iters: int
-    stop_at: int | None = None  # the launcher sends SIGTERM once the run has logged this step
-    restart_after_stop: bool = False  # ... and starts it again at once (only when it started from step 0)
+    stops: tuple[int, ...] = ()  # SIGTERM once the run has logged each step; after all but the last, start it again
 
     def command(self, python: str) -> list[str]:
         return [python, "-m", "nano_hybrid.train", *self.overrides]
@@ -85,7 +85,7 @@ class StudyPlan:
     def arms(self) -> dict[str, list[RunSpec]]:
         groups: dict[str, list[RunSpec]] = {}
         for r in self.runs:
-            if r.arm not in ("long", "long_ref"):
+            if r.arm not in ("long", "long_rc", "long_ref"):
                 groups.setdefault(r.arm, []).append(r)
         return groups
 
@@ -163,11 +163,12 @@ def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str
         long_ovs = [*LONG_OVERRIDES, f"train.train_iters={long_iters}", *long_extra]
         plan.runs.append(spec("long_helion", "long", 1, ARMS["helion"], long_ovs))
         if resume_check is not None:
-            plan.runs[-1].stop_at, plan.runs[-1].restart_after_stop = resume_check, True
-            ref = spec("long_helion_ref", "long_ref", 1, ARMS["helion"], [*long_ovs, "checkpoint.save_on_exit=false"],
+            det = [*long_ovs, "train.deterministic=true", "kernels.deterministic=true"]
+            rc = spec("long_helion_rc", "long_rc", 1, ARMS["helion"], det, mode="disabled")
+            ref = spec("long_helion_ref", "long_ref", 1, ARMS["helion"], [*det, "checkpoint.save_on_exit=false"],
                        mode="disabled")
-            ref.stop_at = resume_check + resume_window
-            plan.runs.append(ref)
+            rc.stops, ref.stops = (resume_check, resume_check + resume_window), (resume_check + resume_window,)
+            plan.runs += [rc, ref]
     return plan
 
 
@@ -225,8 +226,8 @@ class Proc:
     spec: RunSpec
     popen: subprocess.Popen
     log: Path
-    stop_at: int | None = None  # SIGTERM once this step is logged
-    restart: bool = False  # start the same command again after that stop
+    stops: list[int] = field(default_factory=list)  # SIGTERM once each step is logged (the spec's, still ahead)
+    restart: bool = False  # start the same command again once it has exited after a stop
 
 
 def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.0, save_margin_s: float = 45.0,
@@ -254,13 +255,11 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
             fh.flush()
             p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         log(f"{r.name}: started (pid {p.pid}, from step {done}, log {logf})")
-        # the stop-and-restart of a resume check happens in the segment that starts from step 0
-        stop_at = r.stop_at if (done == 0 or not r.restart_after_stop) else None
-        return Proc(r, p, logf, stop_at=stop_at, restart=r.restart_after_stop and stop_at is not None)
+        return Proc(r, p, logf, stops=[k for k in r.stops if k > done])
 
     for r in plan.runs:
         done = checkpointed_step(r.run_dir)
-        if done >= r.train_iters or (r.stop_at and not r.restart_after_stop and last_logged_step(r.run_dir) >= r.stop_at):
+        if done >= r.train_iters or (r.stops and last_logged_step(r.run_dir) >= r.stops[-1]):
             log(f"{r.name}: complete ({max(done, last_logged_step(r.run_dir))} steps)")
             results[r.name] = None
             continue
@@ -269,22 +268,21 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
     stage = "run"
 
     def pending_restart(p: Proc) -> bool:
-        return p.restart and p.stop_at is None and p.popen.poll() is not None
+        return p.restart and p.popen.poll() is not None
 
     while any(p.popen.poll() is None or pending_restart(p) for p in procs):
         now = time.monotonic()
         for i, p in enumerate(procs):
             if stage != "run":
                 break
-            if p.stop_at is not None and p.popen.poll() is None and last_logged_step(p.spec.run_dir) >= p.stop_at:
+            if p.stops and not p.restart and p.popen.poll() is None and last_logged_step(p.spec.run_dir) >= p.stops[0]:
                 os.killpg(p.popen.pid, signal.SIGTERM)
-                log(f"{p.spec.name}: SIGTERM at its stop step {p.stop_at}")
-                p.stop_at = None
+                log(f"{p.spec.name}: SIGTERM at its stop step {p.stops.pop(0)}")
+                p.restart = bool(p.stops)
             elif pending_restart(p):
                 p.restart = False
                 if p.popen.returncode == 0:  # saved on SIGTERM: the same command resumes it
                     procs[i] = start(p.spec, checkpointed_step(p.spec.run_dir))
-                    procs[i].stop_at, procs[i].restart = None, False
         if stage == "run" and now >= deadline:
             for p in procs:
                 p.restart = False
@@ -370,7 +368,8 @@ def resume_continuity(run_dir: Path, reference_dir: Path, window: int = 400) -> 
             "after": {"steps": [k + 1, after_hi], "mean_abs_rel_loss_diff": mean_abs_rel(k + 1, after_hi)}}
 
 
-def plot_long_run(run_dir: Path, out_dir: Path, reference_dir: Path | None = None, smooth: int = 50) -> Path:
+def plot_long_run(run_dir: Path, out_dir: Path, reference_dir: Path | None = None, smooth: int = 50,
+                  name: str = "long_run.png") -> Path:
     """Training loss (trailing mean of ``smooth`` steps over the raw curve), validation loss and gradient norm of
     the long run, the resume steps as dashed lines; with a reference, its curve and the relative loss difference."""
     import matplotlib
@@ -423,7 +422,7 @@ def plot_long_run(run_dir: Path, out_dir: Path, reference_dir: Path | None = Non
         ax.legend(fontsize=8)
     axes[-1].set_xlabel("step (dashed: resumed after SIGTERM)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "long_run.png"
+    path = out_dir / name
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -21,10 +21,11 @@
 #   seeds        the seed study on one GPU (scripts/convergence_study.py): corpus from the installed packages (built
 #                if missing), 3 seeds of mamba_ssm and helion and a 20,000-step helion run side by side, stopped
 #                after $MINUTES (default 8) and resumed by the next call; report in $OUT/convergence_seeds/compare
-#   long         the 20,000-step helion run alone on one GPU (scripts/convergence_study.py --arms none): stopped at
-#                step 1000 and resumed at once beside an unbroken reference to step 1400 (--resume-check), then
-#                stopped after $MINUTES (default 9) and resumed by the next call, on the seeds stage's corpus; no
-#                kernel tuning (committed configs); report in $OUT/convergence_seeds/compare (long_run.json, .png)
+#   long         the 20,000-step helion run on one GPU (scripts/convergence_study.py --arms none), stopped after
+#                $MINUTES (default 9) and resumed by the next call, on the seeds stage's corpus; no kernel tuning
+#                (committed configs); beside it the resume check (--resume-check 1000: the same settings with
+#                deterministic steps, stopped at step 1000 and resumed, against an unbroken run, both to step 1400);
+#                report in $OUT/convergence_seeds/compare (long_run.json, long_run.png, resume_check.png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
@@ -46,7 +47,7 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 

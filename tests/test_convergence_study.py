@@ -151,22 +151,27 @@ while true; do step=$((step + 1)); echo "{\\"step\\": $step, \\"loss\\": $((1000
 """
 
 
-def test_resume_check_plans_an_unbroken_reference_and_refuses_bad_steps(tmp_path):
+def test_resume_check_plans_a_deterministic_pair_and_refuses_bad_steps(tmp_path):
     plan = _plan(tmp_path, arms=[], long_iters=20000, resume_check=1000)
-    long, ref = plan.runs
-    assert (long.name, long.stop_at, long.restart_after_stop) == ("long_helion", 1000, True)
-    assert (ref.name, ref.arm, ref.stop_at, ref.restart_after_stop) == ("long_helion_ref", "long_ref", 1400, False)
+    long, rc, ref = plan.runs
+    assert (long.name, long.stops) == ("long_helion", ())
+    assert (rc.name, rc.arm, rc.stops) == ("long_helion_rc", "long_rc", (1000, 1400))
+    assert (ref.name, ref.arm, ref.stops) == ("long_helion_ref", "long_ref", (1400,))
     assert plan.arms() == {}
-    c_long, c_ref = compose(long.overrides), compose(ref.overrides)
-    assert c_ref.checkpoint.save_on_exit is False and c_ref.logger.wandb.mode == "disabled"
-    assert c_long.checkpoint.save_on_exit is True and c_long.logger.wandb.mode == "offline"
-    # the same run otherwise: model, data, schedule, seed
+    c_long, c_rc, c_ref = compose(long.overrides), compose(rc.overrides), compose(ref.overrides)
+    assert c_ref.checkpoint.save_on_exit is False and c_rc.checkpoint.save_on_exit is True
+    assert c_rc.logger.wandb.mode == c_ref.logger.wandb.mode == "disabled" and c_long.logger.wandb.mode == "offline"
+    assert c_rc.train.deterministic and c_rc.kernels.deterministic and c_ref.train.deterministic
+    assert not c_long.train.deterministic
+    # the long run's settings otherwise: model, data, schedule, seed
     for key in ("model", "optim", "data.paths", "data.valid_paths", "train.train_iters", "train.global_batch_size",
-                "seed", "kernels.backend"):
-        a, b = c_long, c_ref
-        for part in key.split("."):
-            a, b = a[part], b[part]
-        assert a == b, key
+                "train.eval_interval", "seed", "kernels.backend"):
+        vals = []
+        for c in (c_long, c_rc, c_ref):
+            for part in key.split("."):
+                c = c[part]
+            vals.append(c)
+        assert vals[0] == vals[1] == vals[2], key
     for bad in (0, 20000, -5):
         with pytest.raises(StudyConfigError, match="resume-check"):
             _plan(tmp_path, arms=[], long_iters=20000, resume_check=bad)
@@ -174,7 +179,7 @@ def test_resume_check_plans_an_unbroken_reference_and_refuses_bad_steps(tmp_path
         _plan(tmp_path, long_iters=None, resume_check=100)
 
 
-def test_launch_stops_and_resumes_the_long_run_beside_its_reference(tmp_path):
+def test_launch_stops_and_resumes_the_check_run_beside_its_reference(tmp_path):
     from nano_hybrid.convergence_study import long_run_summary, resume_continuity, resume_steps
 
     fake = tmp_path / "fake_python"
@@ -183,24 +188,30 @@ def test_launch_stops_and_resumes_the_long_run_beside_its_reference(tmp_path):
     plan = make_plan(out=tmp_path / "study", arms=[], seeds=[1], corpus=tmp_path / "corpus",
                      corpus_roots=[str(tmp_path)], long_iters=100000, extra=[], long_extra=[], wandb="offline",
                      recipe_iters=2000, resume_check=20, resume_window=100)
-    long, ref = plan.runs
+    long, rc, ref = plan.runs
     res = launch(plan, minutes=0.2, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
                  log=lambda m: None)
-    assert res == {"long_helion": 0, "long_helion_ref": 0}
-    k = resume_steps(long.run_dir)
+    assert res == {"long_helion": 0, "long_helion_rc": 0, "long_helion_ref": 0}
+    k = resume_steps(rc.run_dir)
     assert len(k) == 1 and k[0] >= 20  # stopped at (about) step 20, resumed from its checkpoint
-    assert [json.loads(x)["from_step"] for x in (plan.out / "logs" / "long_helion.segments.jsonl").read_text().splitlines()] \
-        == [0, k[0]]
-    summary = long_run_summary(long.run_dir)
+    assert resume_steps(long.run_dir) == []  # the long run itself runs on to the deadline
+    segs = (plan.out / "logs" / "long_helion_rc.segments.jsonl").read_text().splitlines()
+    assert [json.loads(x)["from_step"] for x in segs] == [0, k[0]]
+    summary = long_run_summary(rc.run_dir)
     assert summary["missing_steps"] == [] and summary["resumed_from"] == k and summary["segments"] == 2
-    assert summary["last_step"] > k[0]
+    assert summary["last_step"] >= 120 and checkpointed_step_of(rc) >= 120  # stopped at its last stop step
     assert not (ref.run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()  # never saved
-    cont = resume_continuity(long.run_dir, ref.run_dir, window=10)
+    cont = resume_continuity(rc.run_dir, ref.run_dir, window=10)
     assert cont["resume_step"] == k[0] and cont["first_differing_step"] is None and cont["bitwise_equal_after_resume"]
-    # the next invocation neither restarts the reference (it reached its stop step) nor stops the long run again
+    # the next invocation starts neither check run again (both reached their last stop step); the long run resumes
     res = launch(plan, minutes=0.05, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
                  log=lambda m: None)
-    assert res == {"long_helion_ref": None, "long_helion": 0} and len(resume_steps(long.run_dir)) == 2
+    assert res == {"long_helion_rc": None, "long_helion_ref": None, "long_helion": 0}
+    assert len(resume_steps(long.run_dir)) == 1
+
+
+def checkpointed_step_of(run):
+    return int((run.run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
 
 
 def test_resume_continuity_finds_the_first_difference_and_plots(tmp_path):

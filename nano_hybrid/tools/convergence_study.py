@@ -9,9 +9,10 @@ Runs: OUT/<arm>_s<seed> (recipe convergence_seeds_h200, seed = initial weights a
 (--long-iters steps; 0: none). Trailing KEY=VALUE arguments are Hydra overrides for every run (--long-override for
 the long run only). After the runs stop: OUT/compare/report.{md,json} and seed_bands.png (scripts/compare_seeds.py's
 method, at the last validation step all seed runs reached), with the long run's summary in report.json, and
-long_run.png (its training loss, validation loss and gradient norm, resume steps marked). With --resume-check K the
-long run is stopped at step K and resumed at once beside an unbroken reference run (OUT/long_helion_ref), and the
-summary compares the two step by step (resume_check: first differing step, loss differences before/after the resume).
+long_run.png (its training loss, validation loss and gradient norm, resume steps marked). --resume-check K adds a
+bitwise check of resuming at the long run's settings with deterministic steps: OUT/long_helion_rc stopped at step K
+and resumed at once, beside OUT/long_helion_ref unbroken, both to step K + 400; the summary compares them step by
+step (resume_check: first differing step, loss differences before/after the resume) and resume_check.png draws it.
 Exit code: 0 when every started run exited 0, 1 when one failed, 2 on bad arguments (one `error: ...` line).
 """
 
@@ -43,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--long-iters", type=int, default=20000, help="steps of the long helion run (0: no long run)")
     ap.add_argument("--long-override", action="append", default=[], help="an override for the long run only")
     ap.add_argument("--resume-check", type=int, default=0, metavar="K",
-                    help="stop the long run at step K and resume it at once, beside an unbroken reference run to "
-                         "step K + 400 (OUT/long_helion_ref), compared step by step in the report (0: none)")
+                    help="a resume check beside the long run: its settings with deterministic steps, stopped at step "
+                         "K and resumed, against the same run unbroken, both to step K + 400 (0: none)")
     ap.add_argument("--corpus", default="data/corpus/site", help="the corpus folder (built when missing)")
     ap.add_argument("--corpus-root", action="append", default=[],
                     help="source folder of a missing corpus (repeat; default: this Python's stdlib and packages, ./site)")
@@ -140,15 +141,17 @@ def compare(plan, reference: float, say) -> None:
     out.mkdir(parents=True, exist_ok=True)
     long = [r for r in plan.runs if r.arm == "long"]
     summary = {"long_run": long_run_summary(long[0].run_dir)} if long else {}
-    if long and (long[0].run_dir / "metrics.jsonl").is_file():
-        ref = [r.run_dir for r in plan.runs if r.arm == "long_ref" and (r.run_dir / "metrics.jsonl").is_file()]
-        if ref:
-            try:
-                summary["resume_check"] = resume_continuity(long[0].run_dir, ref[0])
-            except ValueError as e:
-                say(f"resume check: not yet possible ({e})")
-        if importlib.util.find_spec("matplotlib") is not None:
-            say(f"long run plot: {plot_long_run(long[0].run_dir, out, ref[0] if ref else None)}")
+    plots = importlib.util.find_spec("matplotlib") is not None
+    if long and (long[0].run_dir / "metrics.jsonl").is_file() and plots:
+        say(f"long run plot: {plot_long_run(long[0].run_dir, out)}")
+    pair = [r.run_dir for r in plan.runs if r.arm in ("long_rc", "long_ref") and (r.run_dir / "metrics.jsonl").is_file()]
+    if len(pair) == 2:
+        try:
+            summary["resume_check"] = resume_continuity(pair[0], pair[1])
+            if plots:
+                say(f"resume check plot: {plot_long_run(pair[0], out, pair[1], name='resume_check.png')}")
+        except ValueError as e:
+            say(f"resume check: not yet possible ({e})")
     if not plan.arms():  # the long run alone: its summary is the report
         (out / "long_run.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(json.dumps(summary), flush=True)
