@@ -11,13 +11,18 @@ Two constructors describe the same model:
 
 Defaults where a value is not set, in both: ``num_query_groups`` = ``num_attention_heads``,
 ``kv_channels`` = hidden / heads, ``mamba_num_heads`` = 2 x hidden / ``mamba_head_dim`` when the
-pattern has Mamba layers (megatron's expand 2), conv width 4 and chunk 128; ``moe_router_topk`` and
+pattern has Mamba layers (megatron's expand 2), conv width and chunk length the schema's (``ModelSchema``);
+``moe_router_topk`` and
 ``moe_ffn_hidden_size`` (itself defaulting to ``ffn_hidden_size``) are 0 without experts.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from nano_hybrid.schema import ModelSchema, optional_defaults
+
+_MODEL_DEFAULTS = optional_defaults(ModelSchema)
 
 
 @dataclass(frozen=True)
@@ -30,8 +35,8 @@ class HybridArch:
     mamba_head_dim: int = 0
     mamba_state_dim: int = 0
     mamba_num_groups: int = 1
-    mamba_conv_width: int = 4
-    mamba_chunk_size: int = 128
+    mamba_conv_width: int = _MODEL_DEFAULTS["mamba_conv_width"]
+    mamba_chunk_size: int = _MODEL_DEFAULTS["mamba_chunk_size"]
     # attention
     num_attention_heads: int = 0
     num_query_groups: int = 0
@@ -128,29 +133,29 @@ class HybridArch:
     def from_megatron(cls, model) -> "HybridArch":
         """From a built megatron ``MambaModel`` (unwrapped) and its TransformerConfig.
 
-        Conv width and chunk size come from this rank's first Mamba mixer (4 and 128 when a pipeline
-        stage holds none)."""
+        Conv width and chunk size come from this rank's first Mamba mixer (the schema's defaults when a
+        pipeline stage holds none)."""
         cfg = model.config
         pattern = getattr(model, "hybrid_override_pattern", None)
         if not pattern:
             raise ValueError("model has no hybrid_override_pattern; the architecture needs the layer pattern")
         mixer = next((x for x in model.modules() if type(x).__name__.endswith("MambaMixer") or hasattr(x, "d_conv")),
                      None)
-        head_dim = getattr(cfg, "mamba_head_dim", 0) or 0
-        mamba_heads = getattr(cfg, "mamba_num_heads", None) or 0
+        head_dim = cfg.mamba_head_dim or 0
+        mamba_heads = cfg.mamba_num_heads or 0
         if "M" in pattern and not mamba_heads:
             mamba_heads = (2 * cfg.hidden_size) // head_dim  # megatron's default: expand 2
         experts = cfg.num_moe_experts or 0
+        mixer_dims = {} if mixer is None else {"mamba_conv_width": mixer.d_conv, "mamba_chunk_size": mixer.chunk_size}
         return cls(
+            **mixer_dims,
             hybrid_override_pattern=pattern,
             hidden_size=cfg.hidden_size,
             padded_vocab_size=model.vocab_size,
             mamba_num_heads=mamba_heads,
             mamba_head_dim=head_dim,
-            mamba_state_dim=getattr(cfg, "mamba_state_dim", 0) or 0,
-            mamba_num_groups=getattr(cfg, "mamba_num_groups", 1) or 1,
-            mamba_conv_width=getattr(mixer, "d_conv", 4) if mixer is not None else 4,
-            mamba_chunk_size=getattr(mixer, "chunk_size", 128) if mixer is not None else 128,
+            mamba_state_dim=cfg.mamba_state_dim or 0,
+            mamba_num_groups=cfg.mamba_num_groups or 1,
             num_attention_heads=cfg.num_attention_heads,
             num_query_groups=cfg.num_query_groups or cfg.num_attention_heads,
             kv_channels=cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads,

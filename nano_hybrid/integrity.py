@@ -17,6 +17,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from nano_hybrid.errors import EXIT_BAD_INPUT
+
 ALGORITHM = "crc32/64MiB"
 CHUNK = 64 * 2**20  # bytes per checksum value
 READ = 8 * 2**20  # bytes read at a time (per thread memory)
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not Path(a.dir).is_dir():
         print(f"error: {a.dir}: no such directory", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     for i in range(a.repeat):
         r = measure(a.dir, a.workers)
         print(f"pass {i + 1}: {r['files']} files, {r['bytes'] / 1e9:.2f} GB in {r['seconds']:.2f} s = "

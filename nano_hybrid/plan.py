@@ -108,9 +108,9 @@ class Shape:
     dims: ParallelDims  # the layout planned for (training's own record in its memory check)
     num_microbatches: int
     backend: str
-    optimizer: bool = True  # plan.optimizer=false: forward+backward only (no optimizer states, no step)
-    lm_head_loss: str = "plain"  # plain | chunked | chunked_compiled (model.lm_head_loss)
-    lm_chunk: int = 4096  # model.lm_loss_chunk_tokens
+    optimizer: bool  # plan.optimizer=false: forward+backward only (no optimizer states, no step)
+    lm_head_loss: str  # plain | chunked | chunked_compiled (model.lm_head_loss)
+    lm_chunk: int  # model.lm_loss_chunk_tokens
 
     tp = property(lambda self: self.dims.tp)
     pp = property(lambda self: self.dims.pp)

@@ -53,9 +53,9 @@ class RunPlan:
     data: DataSpec
     seq_length: int
     tokenizer: Any
+    eval_interval: int  # validation every N steps (0: none)
+    eval_iters: int  # global batches per validation (0 without validation)
     tokenizer_spec: Any = None  # nano_hybrid.data.TokenizerSpec (workers of a corpus build rebuild it)
-    eval_interval: int = 0  # validation every N steps (0: none)
-    eval_iters: int = 0  # global batches per validation
     backend: Any = None  # the kernels.registry.KernelBackend validation resolved (build_model reuses it)
 
     def for_backend(self, cfg: DictConfig) -> "RunPlan":
@@ -165,6 +165,10 @@ def _check_train(cfg: DictConfig) -> tuple[int, int, int, int]:
         raise ConfigError(f"train.exit_after_minutes={t.exit_after_minutes} must be > 0 or null")
     if t.torch_threads is not None and int(t.torch_threads) <= 0:
         raise ConfigError(f"train.torch_threads={t.torch_threads} must be a positive integer or null")
+    if not isinstance(t.deterministic, bool):
+        raise ConfigError(f"train.deterministic={t.deterministic!r} must be true or false")
+    if t.deterministic and not cfg.kernels.deterministic:
+        raise ConfigError("train.deterministic=true needs kernels.deterministic=true (the kernel backend's own switch)")
     mss = t.max_skipped_steps
     if mss is not None and (not isinstance(mss, int) or isinstance(mss, bool) or mss <= 0):
         raise ConfigError(f"train.max_skipped_steps={mss!r} must be a positive integer or null")

@@ -98,7 +98,8 @@ class DataSchema:
     paths: list = doc("indexed-dataset prefixes (no .bin/.idx), relative to the working directory",
                       factory=lambda: ["data/stdlib/stdlib"])
     weights: Optional[list] = doc("blend weights, one per path (null: proportional to size)", None)
-    split: Optional[str] = doc("Megatron's train,valid,test split of each prefix's documents", "969,30,1")
+    split: Optional[str] = doc("Megatron's train,valid,test split of each prefix's documents (null: all train)",
+                               "969,30,1")
     valid_paths: Optional[list] = doc("separate validation prefixes (megatron blend_per_split); null: data.split",
                                       None)
     valid_seed: Optional[int] = doc("shuffle seed of the validation samples (null: the run's seed)", None)
@@ -124,6 +125,9 @@ class TrainSchema:
     device: str = doc("auto (cuda if available, else cpu) | cpu | cuda", "auto")
     precision: str = doc("auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32", "auto")
     torch_threads: Optional[int] = doc("CPU intra-op threads (null: torch default)", None)
+    deterministic: bool = doc("bitwise-repeatable steps: torch's deterministic algorithms, process-wide (cuDNN attention's "
+                              "deterministic backward, CUBLAS_WORKSPACE_CONFIG=:4096:8); needs kernels.deterministic",
+                              False)
     exit_after_minutes: Optional[float] = doc("save and stop after this many minutes from start-up (null: never)", None)
     max_skipped_steps: Optional[int] = doc("non-finite steps in a row that stop the run as diverged (null: never)", 10)
     # FP8 training (nano_hybrid/model/fp8.py)

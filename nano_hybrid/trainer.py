@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -516,6 +517,9 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
     t = plan.run.train
     if t.torch_threads is not None:
         torch.set_num_threads(t.torch_threads)
+    if t.deterministic:  # before the first CUDA matmul: cuBLAS reads its workspace setting when a handle is made
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     init_distributed(plan, cfg)
     run_dir = resolve_run_dir(cfg, plan)
     # Before any work: run_dir and checkpoint.dir take a write, and no other trainer uses run_dir.

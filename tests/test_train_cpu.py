@@ -144,3 +144,17 @@ def test_a_plan_for_another_backend_is_refused_and_replanned():
         T.build_model_and_optimizer(plan, cfg)
     replanned = plan.for_backend(cfg)
     assert replanned.backend.name == "helion" and replanned.backend_name == "helion"
+
+
+def test_deterministic_training_runs_and_needs_the_kernel_switch(corpus, tmp_path):
+    run_dir = tmp_path / "det"
+    p = run_train(common(corpus, run_dir, 4) + ["train.deterministic=true", "kernels.deterministic=true"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["train"]["deterministic"] is True and cfg["kernels"]["deterministic"] is True
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    p = run_train(common(corpus, tmp_path / "bad", 4) + ["train.deterministic=true"])
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and err[-1] == ("error: train.deterministic=true needs kernels.deterministic=true "
+                                             "(the kernel backend's own switch)"), p.stderr[-2000:]
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()

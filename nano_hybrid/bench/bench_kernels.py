@@ -31,6 +31,7 @@ from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import OPS, SHAPES, MixerOp, check_against, make_params
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
         res = run(args)
     except (UnknownBackendError, BackendUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     out = Path(args.out) if args.out else reporting.default_out_dir()
     jp, mp = reporting.write_results(out, output_stem(args), res, markdown(res))
     print(markdown(res))

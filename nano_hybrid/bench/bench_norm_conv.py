@@ -42,6 +42,7 @@ from kernels.causal_conv1d import causal_conv1d_helion, causal_conv1d_ref
 from kernels.rmsnorm_gated import rmsnorm_fn_helion, rmsnorm_gated_ref
 from kernels.settings import HelionSettings
 from nano_hybrid.bench import profiling
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 def _errs(outs, ref, names):
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
         ap.error(f"--ops: unknown {sorted(set(ops) - {'rmsnorm', 'conv1d'})}")
     if not torch.cuda.is_available():
         print("bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))  # wheelhouse README
     out_dir = Path(os.environ.get("OUT", "runs/bench/h200"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ import torch
 
 from kernels import ssd
 from kernels import ssd_helion as sh
-from kernels import tuning
 from kernels import tuner
 from nano_hybrid.bench import environment, reporting, stats
 

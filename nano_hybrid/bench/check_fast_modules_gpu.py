@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from nano_hybrid.bench import profiling, stats
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 warnings.filterwarnings("ignore")
@@ -397,7 +398,7 @@ def main(argv=None) -> int:
         return smoke_cpu()
     if not torch.cuda.is_available():
         print("error: scripts/check_fast_modules_gpu.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     from nano_hybrid.config import compose
     from nano_hybrid.parallel import destroy_parallel, initialize_parallel
 

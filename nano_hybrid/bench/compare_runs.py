@@ -35,10 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-# metrics.jsonl keys, plus the "train/"-prefixed names used when the same metrics go to W&B.
-_KEYS = ("step", "loss", "step_time_s", "tokens", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
-         "world_size", "backend")
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 class CompareError(ValueError):
@@ -377,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(runs, args.warmup)
     except CompareError as e:
         print(f"compare_runs: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(format_report(result))
     if not args.no_plots:
         result["plots"] = [str(p) for p in plot(runs, args.warmup, args.out)]

@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 from nano_hybrid.bench import reporting, stats, training
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 # (group, regex on the parameter name), first match wins
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
         res = run(a)
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError, KernelSwitchError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     out = Path(a.out) if a.out else reporting.default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     stem = "grad_match_" + "_vs_".join(a.arms) + (f"_{a.tag}" if a.tag else "")

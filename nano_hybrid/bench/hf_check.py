@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from nano_hybrid.bench import reporting, training
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 GPU_DEFAULTS = ["model=nano30b_slice", "kernels=mamba_ssm", "parallel=single", "data=mock", "train.device=cuda",
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
 
     if a.steps < 1:
         print("error: --steps must be >= 1", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
     try:
         cfg = compose([*defaults, f"train.train_iters={a.steps}", *a.overrides])
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - every validation failure is bad input: one line, exit 2
         if isinstance(e, (ConfigError, ValueError)) or type(e).__name__.endswith("Error"):
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
         raise
     export_dtype = a.dtype or ("bf16" if plan.dtype == torch.bfloat16 else "fp32")
     rtol = a.rtol if a.rtol is not None else (1e-2 if export_dtype == "bf16" or plan.dtype == torch.bfloat16 else 1e-4)

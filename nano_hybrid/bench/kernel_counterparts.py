@@ -21,6 +21,8 @@ import math
 import sys
 from pathlib import Path
 
+from nano_hybrid.errors import EXIT_BAD_INPUT
+
 
 # Helion kernels -> the mamba-ssm / causal-conv1d kernels they replace (kernels/ssd_helion_bwd.py docstring).
 # mamba-ssm's B9 (_chunk_scan_bwd_ddAcs_stable) is split between ssd_bwd_dx (its intra-chunk part) and
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     if "mamba_ssm" not in k or "helion" not in k:
         print(f"error: {p} has no kernels.mamba_ssm / kernels.helion tables (run bench_kernels.py with "
               "--backend mamba_ssm --compare helion and profiling on)", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     res = counterparts(k["mamba_ssm"], k["helion"])
     res.update(source=str(p), date=d.get("env", {}).get("date_utc"), gpu=d.get("env", {}).get("gpu"),
                script="scripts/kernel_counterparts.py")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from nano_hybrid.bench import environment, kernel_equivalence_worker, reporting
 from nano_hybrid.bench.kernel_equivalence_worker import SHAPES
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -107,18 +108,18 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not a.reference_tree:
         print("error: --reference-tree DIR is required (a directory holding a kernels/ package)", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     ref, cur = Path(a.reference_tree).resolve(), Path(a.current_tree).resolve()
     for tree in (ref, cur):
         if not (tree / "kernels" / "__init__.py").is_file():
             print(f"error: {tree} has no kernels/ package", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}

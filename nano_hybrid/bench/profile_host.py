@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from nano_hybrid.bench import environment, mixer, reporting
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         print("error: scripts/profile_host.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     shape = mixer.SHAPES[args.shape]
     params = mixer.make_params(shape, torch.device("cuda"), torch.bfloat16, 0)
     res = {"benchmark": "profile_host", "env": environment.env_info(), "args": vars(args), "shape": args.shape, "backends": {}}

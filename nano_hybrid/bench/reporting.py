@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from nano_hybrid.bench.environment import REPO_ROOT, gpu_slug
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 SCHEMA_VERSION = 1
@@ -67,7 +68,7 @@ def bench_main(argv, parse_args: Callable, run: Callable, stem: Callable, markdo
         res = run(a)
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if res is None:
         return 0
     out = Path(a.out) if a.out else default_out_dir()

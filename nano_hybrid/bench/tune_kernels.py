@@ -39,6 +39,7 @@ import torch
 
 from kernels import first_use, tuner, tuning
 from nano_hybrid.bench.environment import REPO_ROOT
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,10 +95,10 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if not torch.cuda.is_available():
         print("tune_kernels.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if tuning.interpret_mode():
         print("unset HELION_INTERPRET to tune", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
     if args.missing:
         names = missing_kernels(registry, names, shape_dims, args.out_root and Path(args.out_root))

@@ -19,7 +19,10 @@ from nano_hybrid.checkpoint.layout import FORMAT, META_FILE, TRACKER_FILE, Check
 from nano_hybrid.checkpoint.mcore_io import DISTRIB_OPTIM_SHARDING, global_model_signature, uses_distributed_optimizer
 from nano_hybrid.checkpoint.ranks import agree, log, run_layout, share_from_rank0
 from nano_hybrid.config import ConfigError
+from nano_hybrid.schema import CheckpointSchema, optional_defaults
 
+# the schema's defaults, for the keys a plain mapping (tests, tools) may leave out
+_CHECKPOINT_DEFAULTS = optional_defaults(CheckpointSchema)
 REFUSE_FRESH = " (refusing to start from scratch)"  # the training wording; tools that only read a checkpoint drop it
 
 
@@ -339,7 +342,7 @@ class Checkpointer:
         self.keep_last = int(c.keep_last or 0)
         self.load = None if c.load is None else str(c.load)
         self.save_on_exit = bool(c.save_on_exit)
-        self.verify = bool(c.get("verify", True))
+        self.verify = bool(c.get("verify", _CHECKPOINT_DEFAULTS["verify"]))
         self.last_saved_step: int | None = None
         mcore_io.start_writer_queue()
         self._located = False

@@ -37,14 +37,20 @@ class DataSpec:
 
     @staticmethod
     def from_cfg(data_cfg) -> "DataSpec":
-        kind = str(data_cfg.kind)
+        """From ``cfg.data`` or a plain mapping (a key it leaves out takes the schema's default). A null
+        ``split`` gives every document to training."""
+
+        def get(key: str):
+            return data_cfg.get(key, _DATA_DEFAULTS[key])
+
+        kind = str(get("kind"))
         if kind not in ("indexed", "mock"):
             raise DataConfigError(f"data.kind must be 'indexed' or 'mock', got {kind!r}")
-        paths = tuple(str(p) for p in (data_cfg.get("paths") or ()))
-        valid_paths = tuple(str(p) for p in (data_cfg.get("valid_paths") or ()))
-        weights = data_cfg.get("weights")
+        paths = tuple(str(p) for p in (get("paths") or ()))
+        valid_paths = tuple(str(p) for p in (get("valid_paths") or ()))
+        weights = get("weights")
         weights = tuple(float(w) for w in weights) if weights else None
-        split = str(data_cfg.get("split") or "100,0,0")
+        split = str(get("split") or "100,0,0")
         if kind == "indexed":
             if not paths:
                 raise DataConfigError("data.paths is empty: give one or more indexed-dataset prefixes (without .bin/.idx)")
@@ -59,13 +65,13 @@ class DataSpec:
                 raise DataConfigError(
                     f"data.split={split!r} must be Megatron's train,valid,test weights, e.g. \"969,30,1\" (train > 0)"
                 )
-        num_workers = int(data_cfg.get("num_workers", _DATA_DEFAULTS["num_workers"]))
+        num_workers = int(get("num_workers"))
         if num_workers < 0:
             raise DataConfigError(f"data.num_workers must be >= 0, got {num_workers}")
-        valid_seed = data_cfg.get("valid_seed")
+        valid_seed = get("valid_seed")
         if valid_seed is not None and (not isinstance(valid_seed, int) or isinstance(valid_seed, bool) or valid_seed < 0):
             raise DataConfigError(f"data.valid_seed={valid_seed!r} must be an integer >= 0 or null (the run's seed)")
-        return DataSpec(kind, paths, weights, split, data_cfg.get("cache_dir"), num_workers, valid_paths, valid_seed)
+        return DataSpec(kind, paths, weights, split, get("cache_dir"), num_workers, valid_paths, valid_seed)
 
     @property
     def split_has_valid(self) -> bool:

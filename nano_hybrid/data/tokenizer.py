@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nano_hybrid.schema import TokenizerSchema, defaults
+
 N_BYTES = 256
 EOD_ID = 256
 PAD_ID = 257
@@ -36,6 +38,8 @@ TOKENIZER_TYPES = ("byte", "tiktoken", "hf")
 TEKKEN_131K_PATH = "data/tokenizers/tekken_131k.json"
 TEKKEN_SOURCE = "mistral_common/data/tekken_240718.json"
 TIKTOKEN_PATTERNS = ("v1", "v2")
+# the schema's defaults, for the keys a plain mapping or a command line leaves out
+_TOKENIZER_DEFAULTS = defaults(TokenizerSchema)
 
 
 class TokenizerError(ValueError):
@@ -114,18 +118,22 @@ class MegatronTextTokenizer:
 class TokenizerSpec:
     """The validated ``data.tokenizer`` group (or a bare type name such as ``"byte"``)."""
 
-    type: str = "byte"
+    type: str = _TOKENIZER_DEFAULTS["type"]
     path: str | None = None
     vocab_size: int | None = None  # tiktoken: ids in all (special + BPE ranks), Megatron's --vocab-size
-    num_special_tokens: int = 1000  # tiktoken: Megatron's --tiktoken-num-special-tokens
-    pattern: str = "v2"  # tiktoken: Megatron's --tiktoken-pattern
+    # tiktoken: Megatron's --tiktoken-num-special-tokens
+    num_special_tokens: int = _TOKENIZER_DEFAULTS["num_special_tokens"]
+    pattern: str = _TOKENIZER_DEFAULTS["pattern"]  # tiktoken: Megatron's --tiktoken-pattern
 
     @staticmethod
     def from_cfg(cfg) -> "TokenizerSpec":
         if cfg is None or isinstance(cfg, str):
-            cfg = {"type": cfg or "byte"}
-        get = cfg.get
-        kind = str(get("type", "byte"))
+            cfg = {"type": cfg or _TOKENIZER_DEFAULTS["type"]}
+
+        def get(key: str):
+            return cfg.get(key, _TOKENIZER_DEFAULTS[key])
+
+        kind = str(get("type"))
         if kind not in TOKENIZER_TYPES:
             raise TokenizerError(f"data.tokenizer.type={kind!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
         path = get("path")
@@ -133,8 +141,8 @@ class TokenizerSpec:
         if kind != "byte" and path is None:
             raise TokenizerError(f"data.tokenizer.type={kind} needs data.tokenizer.path (a tokenizer file or folder)")
         vocab_size = get("vocab_size")
-        num_special = get("num_special_tokens", 1000)
-        pattern = str(get("pattern", "v2"))
+        num_special = get("num_special_tokens")
+        pattern = str(get("pattern"))
         if kind == "tiktoken":
             if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
                 raise TokenizerError(f"data.tokenizer.vocab_size={vocab_size!r} must be a positive integer for tiktoken")
@@ -145,7 +153,8 @@ class TokenizerSpec:
             if pattern not in TIKTOKEN_PATTERNS:
                 raise TokenizerError(f"data.tokenizer.pattern={pattern!r}; choose one of {', '.join(TIKTOKEN_PATTERNS)}")
         return TokenizerSpec(kind, path, vocab_size if kind == "tiktoken" else None,
-                             int(num_special) if kind == "tiktoken" else 1000, pattern)
+                             int(num_special) if kind == "tiktoken" else _TOKENIZER_DEFAULTS["num_special_tokens"],
+                             pattern)
 
     def check_files(self) -> None:
         """Raise TokenizerError (one line) when the tokenizer's file or folder is missing."""
@@ -160,7 +169,8 @@ class TokenizerSpec:
             raise TokenizerError(f"data.tokenizer.path={self.path} must be a .json file for tiktoken")
 
 
-def spec_from_arg(arg: str, vocab_size: int = 131072, num_special_tokens: int = 1000, pattern: str = "v2") -> TokenizerSpec:
+def spec_from_arg(arg: str, vocab_size: int = 131072, num_special_tokens: int = TokenizerSpec.num_special_tokens,
+                  pattern: str = TokenizerSpec.pattern) -> TokenizerSpec:
     """The TokenizerSpec of a command-line ``--tokenizer`` value: ``byte``, ``tekken131k`` (the 131k Tekken BPE
     at TEKKEN_131K_PATH), ``tiktoken:PATH.json`` or ``hf:PATH``."""
     if arg == "byte":

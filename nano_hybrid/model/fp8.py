@@ -21,23 +21,25 @@ cast fuse into one kernel per operand); on CPU it runs eagerly (torch's CPU ``_s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
+
+from nano_hybrid.schema import TrainSchema, optional_defaults
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise")
 FP8_MODULE_KINDS = ("mamba_proj", "attention", "mlp", "shared_expert", "experts")
 FP8_ALIGN = 16  # torch._scaled_mm and the scaled grouped GEMM: both dims of every (local) weight, group row counts
 INSTALL_HINT = "pip install torchao==0.17.0 --no-deps (torch 2.11; 0.18.0 for torch 2.12/2.13)"
+_TRAIN_DEFAULTS = optional_defaults(TrainSchema)  # for configs without the train.fp8* keys
 
 
 # ------------------------------------------------------------------------------------------- settings
 def fp8_settings(cfg) -> tuple[str, tuple[str, ...]]:
-    """``(recipe, module kinds)`` of ``cfg.train`` (``("none", ...)`` for configs without the keys)."""
+    """``(recipe, module kinds)`` of ``cfg.train`` (the schema's defaults for configs without the keys)."""
     t = cfg.get("train") or {}
-    recipe = str(t.get("fp8", "none") or "none")
-    mods = t.get("fp8_modules")
+    recipe = str(t.get("fp8") or _TRAIN_DEFAULTS["fp8"])
+    mods = t.get("fp8_modules", _TRAIN_DEFAULTS["fp8_modules"])
     return recipe, tuple(str(m) for m in (mods if mods is not None else ()))
 
 
@@ -66,7 +68,7 @@ def check_settings(cfg, device: torch.device) -> None:
     from nano_hybrid.errors import ConfigError
 
     t = cfg.train
-    recipe = str(t.get("fp8", "none"))
+    recipe = str(t.get("fp8", _TRAIN_DEFAULTS["fp8"]))
     if recipe not in FP8_RECIPES:
         raise ConfigError(f"train.fp8={recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
     mods = t.get("fp8_modules")

@@ -66,13 +66,13 @@ def moe_spec(num_experts: int, experts_impl: str) -> ModuleSpec:
 def hybrid_stack_spec(
     backend,
     *,
-    attention_impl: str = "sdpa",
-    moe_experts_impl: str = "grouped",
-    num_experts: int | None = None,
-    mamba_chunk_size: int = 128,
-    mamba_conv_width: int = 4,
-    recompute: str = "none",
-    recompute_modules: tuple[str, ...] = (),
+    attention_impl: str,
+    moe_experts_impl: str,
+    num_experts: int | None,
+    mamba_chunk_size: int,
+    mamba_conv_width: int,
+    recompute: str,
+    recompute_modules: tuple[str, ...],
 ) -> ModuleSpec:
     """The stack spec for ``MambaModel`` with the given kernel backend and attention/expert modules.
 

@@ -19,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from nano_hybrid.errors import EXIT_BAD_INPUT
 from nano_hybrid.seedstudy import StudyError, compare_arms, format_markdown, load_run, plot_study
 
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                               reference_rel=args.reference_diff)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     args.out.mkdir(parents=True, exist_ok=True)
     md = format_markdown(result)
     if not args.no_plots:

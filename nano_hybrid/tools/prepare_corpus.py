@@ -37,6 +37,7 @@ from nano_hybrid.data.corpus import (  # noqa: E402
     check_corpus,
 )
 from nano_hybrid.data.tokenizer import TokenizerError, spec_from_arg  # noqa: E402
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except (CorpusError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except CorpusCheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

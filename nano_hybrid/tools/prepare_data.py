@@ -26,20 +26,24 @@ import warnings
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from nano_hybrid.data.prepare import DataPreparationError, stdlib_sources, text_sources, write_indexed_dataset
-from nano_hybrid.data.tokenizer import TokenizerError, spec_from_arg
+from nano_hybrid.data.tokenizer import TokenizerError, TokenizerSpec, spec_from_arg
+from nano_hybrid.errors import EXIT_BAD_INPUT
+from nano_hybrid.schema import DataSchema, defaults
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="*", default=None, help="JSONL/text files or directories (default: the Python stdlib sources)")
-    ap.add_argument("--output", default="data/stdlib/stdlib", help="output prefix (writes PREFIX.bin, PREFIX.idx, PREFIX.json)")
+    ap.add_argument("--output", default=defaults(DataSchema)["paths"][0],
+                    help="output prefix (writes PREFIX.bin, PREFIX.idx, PREFIX.json)")
     ap.add_argument("--suffix", nargs="*", default=[".txt", ".md", ".py", ".rst", ".jsonl", ".json"],
                     help="file suffixes taken from directories (.jsonl/.json are read as JSONL)")
     ap.add_argument("--json-key", default="text", help="JSONL key holding each document's text")
     ap.add_argument("--tokenizer", default="byte", help="byte | tekken131k | tiktoken:PATH.json | hf:PATH")
     ap.add_argument("--vocab-size", type=int, default=131072, help="tiktoken: ids in all (Megatron --vocab-size)")
-    ap.add_argument("--num-special-tokens", type=int, default=1000, help="tiktoken: Megatron --tiktoken-num-special-tokens")
-    ap.add_argument("--pattern", default="v2", help="tiktoken: split regex v1|v2 (Megatron --tiktoken-pattern)")
+    ap.add_argument("--num-special-tokens", type=int, default=TokenizerSpec.num_special_tokens,
+                    help="tiktoken: Megatron --tiktoken-num-special-tokens")
+    ap.add_argument("--pattern", default=TokenizerSpec.pattern, help="tiktoken: split regex v1|v2 (Megatron --tiktoken-pattern)")
     ap.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                     help="end each document with the tokenizer's eod id (default on)")
     ap.add_argument("--workers", type=int, default=1, help="tokenizer processes")
@@ -55,6 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (DataPreparationError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(json.dumps(summary))
     return 0

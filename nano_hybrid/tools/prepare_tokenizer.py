@@ -21,6 +21,7 @@ import warnings
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 from nano_hybrid.data.tokenizer import TEKKEN_131K_PATH, TokenizerError, extract_tekken
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,6 @@ def main(argv: list[str] | None = None) -> int:
         summary = extract_tekken(args.output, args.source)
     except TokenizerError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(json.dumps(summary))
     return 0
