@@ -93,7 +93,7 @@ def select_config(
     c = tuning.choice_for(kernel_name, kernel, args, dims, default, arch=arch, root=root, rt=rt, adjust=adjust,
                           bound=bound)
     if c is None:
-        return tuning._as_config(default), "default"
+        return tuning.as_config(default), "default"
     got = c.exact()
     if got is not None:
         return got
@@ -131,7 +131,7 @@ def tuned_call(
     if fn is not None:
         return fn(*args)
     if tuning.kernel_in_ref_mode(kernel):
-        cfg = tuning._as_config(default if adjust is None else adjust(dict(tuning._as_config(default).config)))
+        cfg = tuning.as_config(default if adjust is None else adjust(dict(tuning.as_config(default).config)))
         return tuning.run_interpret(kernel, args, cfg)
     bound = kernel.bind(tuple(args))
     cfg, _ = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, seeds=seeds, atol=atol,

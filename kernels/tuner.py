@@ -37,7 +37,7 @@ import torch
 import helion
 
 from kernels import debug
-from kernels.tuning import _as_config, compiled, config_to_dict, full_config
+from kernels.tuning import as_config, compiled, config_to_dict, full_config
 
 # Model-level shape presets (Nemotron-3 Nano mixer dims per rank). Kernel TuneCase builders derive their own kernel
 # dims from these. "nano" is the benchmark shape; nano_b1 (recipe nano30b_slice_h200), nano_b4_l4096
@@ -304,13 +304,13 @@ def search(
     log = log or (lambda s: None)
     t0 = time.monotonic()
     args = tuple(args)
-    ref_cfg = _as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
+    ref_cfg = as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
     ref_out = checked_outputs(compiled(kernel, args, ref_cfg), args, finalize, prepare)
     torch.cuda.synchronize()
     ref_out = [t.clone() for t in flatten_outputs(ref_out)]
     results: list[dict] = []
     best: tuple[float, helion.Config] | None = None
-    cands = [ref_cfg] + [c for c in map(_as_config, candidates) if c.to_json() != ref_cfg.to_json()]
+    cands = [ref_cfg] + [c for c in map(as_config, candidates) if c.to_json() != ref_cfg.to_json()]
     for i, cfg in enumerate(cands):
         r: dict[str, Any] = {"config": config_to_dict(cfg), "status": None, "time_ms": None, "max_abs_err": None}
         if i > 0 and time.monotonic() - t0 > budget_s:
@@ -435,7 +435,7 @@ def tune_call(
     (``kernels.tuning.full_config``)."""
     t0 = time.monotonic()
     work = tuple(_copy_arg(a) for a in args)
-    cands = [*map(_as_config, start), *candidate_configs(kernel, work, seeds=seeds, n_random=16)]
+    cands = [*map(as_config, start), *candidate_configs(kernel, work, seeds=seeds, n_random=16)]
     best, results = search(kernel, work, cands, budget_s=budget_s, atol=atol, rtol=rtol, finalize=finalize,
                            prepare=prepare, log=log)
     ok = [r for r in results if r["status"] == "ok"]

@@ -204,7 +204,8 @@ def shape_key(**dims: Any) -> str:
     return "_".join(parts)
 
 
-def _as_config(cfg: helion.Config | Mapping[str, Any]) -> helion.Config:
+def as_config(cfg: helion.Config | Mapping[str, Any]) -> helion.Config:
+    """A helion.Config from a Config or its dict form (as stored in the config files)."""
     if isinstance(cfg, helion.Config):
         return cfg
     if isinstance(cfg, Mapping):
@@ -213,7 +214,7 @@ def _as_config(cfg: helion.Config | Mapping[str, Any]) -> helion.Config:
 
 
 def config_to_dict(cfg: helion.Config | Mapping[str, Any]) -> dict:
-    return json.loads(_as_config(cfg).to_json())
+    return json.loads(as_config(cfg).to_json())
 
 
 def config_path(kernel_name: str, arch: str | None = None, root: Path | None = None) -> Path:
@@ -391,9 +392,9 @@ def fit_config(bound, cfg: helion.Config | Mapping[str, Any],
     ``config_spec.normalized_config`` (what ``compile_config`` runs first). Raises ``ConfigMisfit`` with Helion's
     reason; returns the fitted config (not the normalized one: what compiles is what was chosen)."""
     try:
-        cfg = _as_config(cfg)
+        cfg = as_config(cfg)
         if adjust is not None:
-            cfg = _as_config(adjust(dict(cfg.config)))
+            cfg = as_config(adjust(dict(cfg.config)))
         cfg = with_flat_pid(cfg)
         spec = getattr(bound, "config_spec", None)
         if spec is None:
@@ -539,7 +540,7 @@ def stored_config(
     keywords of ``choice_for``."""
     c = choice_for(kernel_name, kernel, args, dims, default, **where)
     if c is None:
-        return _as_config(default), "default"
+        return as_config(default), "default"
     got = c.exact()
     return got if got is not None else c.fallback()[:2]
 
@@ -650,7 +651,7 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
     generated Triton source there (``<kernel>_<sha>.py``): a diagnostic for comparing what two
     processes actually run for the same kernel, config and argument signature."""
     rt = rt or runtime()
-    cfg = with_flat_pid(_as_config(config))
+    cfg = with_flat_pid(as_config(config))
     key = (id(kernel), _arg_signature(args), cfg.to_json())
     fn = rt.compiled.get(key)
     if fn is None:
@@ -768,7 +769,7 @@ def _dump_code(root: Path, kernel, bound, cfg: helion.Config, args: Sequence[obj
 def full_config(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]) -> helion.Config:
     """``config`` with every key Helion would otherwise fill in at compile time made explicit
     (what the tuner writes, so a committed config means the same kernel in every process)."""
-    return kernel.bind(tuple(args)).config_spec.normalized_config(_as_config(config))
+    return kernel.bind(tuple(args)).config_spec.normalized_config(as_config(config))
 
 
 def run_with_config(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any]):
@@ -791,6 +792,6 @@ def run_interpret(kernel, args: Sequence[object], config: helion.Config | Mappin
     from helion.runtime.ref_mode import RefModeContext
 
     bound = kernel.bind(tuple(args))
-    with RefModeContext(bound.env, _as_config(config)):
+    with RefModeContext(bound.env, as_config(config)):
         return kernel.fn(*args)
 

@@ -182,7 +182,7 @@ def test_triton_codegen_nano_shape(name, monkeypatch):
     args, _ = bwd._example_args(name, dict(b=1, l=256, h=8, p=64, g=2, n=128, c=128), "cpu")
     bound = helion.kernel(bwd._KERNELS[name].fn, static_shapes=True).bind(args)
     seeds = bwd.TUNABLE_KERNELS[name](dict(b=1, l=256, h=8, p=64, g=2, n=128, c=128), "cpu").seeds
-    for cfg in [bwd._DEFAULTS[name]] + [tuning._as_config(s) for s in seeds[:: max(1, len(seeds) // 4)]]:
+    for cfg in [bwd._DEFAULTS[name]] + [tuning.as_config(s) for s in seeds[:: max(1, len(seeds) // 4)]]:
         code = bound.to_triton_code(cfg)
         assert code.count("def _helion_") == 1 and "tl.dot" in code, f"{name}: {cfg}"
 

@@ -175,15 +175,15 @@ def candidates(args, case, name: str, run: dict) -> list:
     random.Random(0).shuffle(seeds)
     cands = tuner.candidate_configs(case.kernel, case.args, seeds=seeds, n_random=case.n_random)
     # the generic default (what runs without a config file) comes after the spec default (the reference)
-    cands.insert(1, tuning._as_config(case.default))
+    cands.insert(1, tuning.as_config(case.default))
     # and before both, right after the reference: the committed winner for this shape (or, for a shape
     # without one, the nearest shape's winner: the config the wrappers run there today) and its
     # neighbours (TMA / block-pointer indexing, eviction policies, num_warps and num_stages one step
     # away): a search with a short budget starts from what is known to be good and can only improve on it
     how, near_key, entry = tuning.lookup(name, case.dims)
     if how in ("exact", "nearest") and not args.from_scratch:
-        committed = tuning._as_config(entry["config"])
-        near = [committed] + [tuning._as_config(d) for d in tuner.neighbour_configs(committed)]
+        committed = tuning.as_config(entry["config"])
+        near = [committed] + [tuning.as_config(d) for d in tuner.neighbour_configs(committed)]
         run["start"] = {"how": how, "key": near_key}
         if how == "exact":
             run["committed_ms"] = entry.get("time_ms")
