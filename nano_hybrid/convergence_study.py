@@ -230,6 +230,22 @@ class Proc:
     restart: bool = False  # start the same command again once it has exited after a stop
 
 
+def _stop_or_restart(procs: list[Proc], start, log) -> None:
+    """SIGTERM to each run that has logged its next stop step; start again each run stopped before its last one."""
+    for i, p in enumerate(procs):
+        if p.stops and not p.restart and p.popen.poll() is None and last_logged_step(p.spec.run_dir) >= p.stops[0]:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+            log(f"{p.spec.name}: SIGTERM at its stop step {p.stops.pop(0)}")
+            p.restart = bool(p.stops)
+        elif p.restart and p.popen.poll() is not None:
+            p.restart = False
+            if p.popen.returncode == 0:  # saved on SIGTERM: the same command resumes it
+                try:
+                    procs[i] = start(p.spec, checkpointed_step(p.spec.run_dir))
+                except StudyConfigError as e:  # too close to the deadline: the next invocation resumes it
+                    log(f"{p.spec.name}: not restarted ({e})")
+
+
 def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.0, save_margin_s: float = 45.0,
            start_time: float | None = None, log=print, poll_s: float = 5.0,
            min_run_minutes: float = 0.5) -> dict[str, int | None]:
@@ -267,22 +283,10 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
     last_report = time.monotonic()
     stage = "run"
 
-    def pending_restart(p: Proc) -> bool:
-        return p.restart and p.popen.poll() is not None
-
-    while any(p.popen.poll() is None or pending_restart(p) for p in procs):
+    while any(p.popen.poll() is None or (p.restart and p.popen.poll() is not None) for p in procs):
         now = time.monotonic()
-        for i, p in enumerate(procs):
-            if stage != "run":
-                break
-            if p.stops and not p.restart and p.popen.poll() is None and last_logged_step(p.spec.run_dir) >= p.stops[0]:
-                os.killpg(p.popen.pid, signal.SIGTERM)
-                log(f"{p.spec.name}: SIGTERM at its stop step {p.stops.pop(0)}")
-                p.restart = bool(p.stops)
-            elif pending_restart(p):
-                p.restart = False
-                if p.popen.returncode == 0:  # saved on SIGTERM: the same command resumes it
-                    procs[i] = start(p.spec, checkpointed_step(p.spec.run_dir))
+        if stage == "run":
+            _stop_or_restart(procs, start, log)
         if stage == "run" and now >= deadline:
             for p in procs:
                 p.restart = False

@@ -140,14 +140,17 @@ def test_launch_stops_every_run_at_the_deadline_and_skips_complete_ones(tmp_path
 
 RESUMING_TRAINER = """#!/usr/bin/env bash
 # a stand-in trainer that resumes: continues from its checkpoint tracker, logs a deterministic loss per step until
-# SIGTERM, then writes the tracker (unless checkpoint.save_on_exit=false) and exits 0
+# SIGTERM or its train.train_iters, then writes the tracker (unless checkpoint.save_on_exit=false) and exits 0
 save=1
-for a in "$@"; do case "$a" in run_dir=*) d="${a#run_dir=}";; checkpoint.save_on_exit=false) save=0;; esac; done
+for a in "$@"; do case "$a" in run_dir=*) d="${a#run_dir=}";; train.train_iters=*) n="${a#train.train_iters=}";;
+  checkpoint.save_on_exit=false) save=0;; esac; done
 mkdir -p "$d/checkpoints"
 step=$(cat "$d/checkpoints/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
-trap '[ $save = 1 ] && echo "$step" > "$d/checkpoints/latest_checkpointed_iteration.txt"; exit 0' TERM
-while true; do step=$((step + 1)); echo "{\\"step\\": $step, \\"loss\\": $((100000 / step)), \\"grad_norm\\": 1.5}" \\
+finish() { [ $save = 1 ] && echo "$step" > "$d/checkpoints/latest_checkpointed_iteration.txt"; exit 0; }
+trap finish TERM
+while [ "$step" -lt "$n" ]; do step=$((step + 1)); echo "{\\"step\\": $step, \\"loss\\": $((100000 / step)), \\"grad_norm\\": 1.5}" \\
   >> "$d/metrics.jsonl"; sleep 0.02; done
+finish
 """
 
 
@@ -186,15 +189,16 @@ def test_launch_stops_and_resumes_the_check_run_beside_its_reference(tmp_path):
     fake.write_text(RESUMING_TRAINER)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     plan = make_plan(out=tmp_path / "study", arms=[], seeds=[1], corpus=tmp_path / "corpus",
-                     corpus_roots=[str(tmp_path)], long_iters=100000, extra=[], long_extra=[], wandb="offline",
+                     corpus_roots=[str(tmp_path)], long_iters=150, extra=[], long_extra=[], wandb="offline",
                      recipe_iters=2000, resume_check=20, resume_window=100)
     long, rc, ref = plan.runs
-    res = launch(plan, minutes=0.2, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
+    # every run ends on its own (stop steps, train_iters): the deadline is only a cap
+    res = launch(plan, minutes=3, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
                  log=lambda m: None)
     assert res == {"long_helion": 0, "long_helion_rc": 0, "long_helion_ref": 0}
     k = resume_steps(rc.run_dir)
     assert len(k) == 1 and k[0] >= 20  # stopped at (about) step 20, resumed from its checkpoint
-    assert resume_steps(long.run_dir) == []  # the long run itself runs on to the deadline
+    assert resume_steps(long.run_dir) == [] and checkpointed_step_of(long) == 150  # the long run runs through
     segs = (plan.out / "logs" / "long_helion_rc.segments.jsonl").read_text().splitlines()
     assert [json.loads(x)["from_step"] for x in segs] == [0, k[0]]
     summary = long_run_summary(rc.run_dir)
@@ -203,11 +207,10 @@ def test_launch_stops_and_resumes_the_check_run_beside_its_reference(tmp_path):
     assert not (ref.run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()  # never saved
     cont = resume_continuity(rc.run_dir, ref.run_dir, window=10)
     assert cont["resume_step"] == k[0] and cont["first_differing_step"] is None and cont["bitwise_equal_after_resume"]
-    # the next invocation starts neither check run again (both reached their last stop step); the long run resumes
-    res = launch(plan, minutes=0.05, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
+    # the next invocation starts none of them again (the check runs reached their last stop step, the long run its end)
+    res = launch(plan, minutes=3, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
                  log=lambda m: None)
-    assert res == {"long_helion_rc": None, "long_helion_ref": None, "long_helion": 0}
-    assert len(resume_steps(long.run_dir)) == 1
+    assert res == {"long_helion": None, "long_helion_rc": None, "long_helion_ref": None}
 
 
 def checkpointed_step_of(run):
