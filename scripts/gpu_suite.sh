@@ -22,10 +22,11 @@
 #                if missing), 3 seeds of mamba_ssm and helion and a 20,000-step helion run side by side, stopped
 #                after $MINUTES (default 8) and resumed by the next call; report in $OUT/convergence_seeds/compare
 #   long         the 20,000-step helion run on one GPU (scripts/convergence_study.py --arms none), stopped after
-#                $MINUTES (default 9) and resumed by the next call, on the seeds stage's corpus; no kernel tuning
-#                (committed configs); beside it the resume check (--resume-check 1000: the same settings with
-#                deterministic steps, stopped at step 1000 and resumed, against an unbroken run, both to step 1400);
-#                report in $OUT/convergence_seeds/compare (long_run.json, long_run.png, resume_check.png)
+#                $MINUTES (default 9.25: a 10-minute call with setup) and resumed by the next call, on the seeds
+#                stage's corpus; no kernel tuning (committed configs); beside it the resume check (RESUME_CHECK,
+#                default 1000, 0: none: the same settings with deterministic steps, stopped at that step and resumed,
+#                against an unbroken run, both 400 steps further); report in $OUT/convergence_seeds/compare
+#                (long_run.json, long_run.png, resume_check.png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
@@ -47,7 +48,7 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
@@ -136,7 +137,8 @@ st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/conv
     local wandb=offline
     python3 -c "import wandb" 2>/dev/null || { wandb=disabled; echo "long: wandb is not installed, W&B is off"; }
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
-        --resume-check 1000 --minutes "${MINUTES:-9}" --grace 40 --wandb "$wandb" kernels.helion.autotune=false
+        --resume-check "${RESUME_CHECK:-1000}" --minutes "${MINUTES:-9.25}" --save-margin 20 --grace 30 \
+        --wandb "$wandb" kernels.helion.autotune=false
 }
 
 # parity: nano30b_slice widths, pattern MEM*E, seq 4096, global batch 4, identical initial weights in every layout

@@ -93,7 +93,15 @@ def test_dry_run_prints_every_command_and_bad_arguments_exit_2(tmp_path, capsys)
                                    f"tiktoken:{tok}", f"data.tokenizer.path={tok}"]) == 0
     alone = capsys.readouterr().out.strip().splitlines()[1:]
     assert len(alone) == 1 and "logger.wandb.name=long_helion" in alone[0]
-    for argv in (["--seeds", "1,x"], ["--minutes", "0.1"], ["train.no_such_key=1"], ["--corpus-root", str(tmp_path / "no")]):
+    assert convergence_study.main(["--dry-run", "--arms", "none", "--resume-check", "1000", "--out", str(tmp_path / "s"),
+                                   "--corpus", str(tmp_path / "c"), "--corpus-root", str(tmp_path), "--tokenizer",
+                                   f"tiktoken:{tok}", f"data.tokenizer.path={tok}"]) == 0
+    check = capsys.readouterr().out.strip().splitlines()[1:]
+    assert [c.split("logger.wandb.name=")[1].split()[0] for c in check] == ["long_helion", "long_helion_rc",
+                                                                             "long_helion_ref"]
+    assert all("train.deterministic=true" in c for c in check[1:]) and "train.deterministic" not in check[0]
+    for argv in (["--seeds", "1,x"], ["--minutes", "0.1"], ["train.no_such_key=1"], ["--corpus-root", str(tmp_path / "no")],
+                 ["--save-margin", "600"], ["--arms", "none", "--resume-check", "20000"]):
         assert convergence_study.main(["--dry-run", "--out", str(tmp_path / "s"), "--corpus", str(tmp_path / "c"),
                                        "--tokenizer", f"tiktoken:{tok}", f"data.tokenizer.path={tok}"] + argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--wandb", default="offline", help="offline | disabled")
     ap.add_argument("--reference-diff", type=float, default=0.0052, help="relative difference tested against the interval")
     ap.add_argument("--grace", type=float, default=90.0, help="seconds between SIGTERM and SIGKILL at the deadline")
+    ap.add_argument("--save-margin", type=float, default=45.0,
+                    help="seconds before the deadline at which each trainer stops after its step and saves")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, start nothing")
     return ap.parse_args(argv)
 
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 1.0 <= args.minutes <= 600.0:
             raise StudyConfigError(f"--minutes {args.minutes}: give 1 to 600")
+        if not 0.0 <= args.save_margin < 60.0 * args.minutes:
+            raise StudyConfigError(f"--save-margin {args.save_margin}: give 0 to the --minutes in seconds")
         try:
             seeds = [int(s) for s in args.seeds.split(",") if s]
         except ValueError:
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         build_corpus_if_missing(plan, args.corpus_workers, args.tokenizer, say)
-        results = launch(plan, minutes=args.minutes, python=sys.executable, grace_s=args.grace, start_time=t0, log=say)
+        results = launch(plan, minutes=args.minutes, python=sys.executable, grace_s=args.grace,
+                         save_margin_s=args.save_margin, start_time=t0, log=say)
     except (StudyConfigError, CorpusError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
