@@ -382,6 +382,8 @@ def plot_long_run(run_dir: Path, out_dir: Path, reference_dir: Path | None = Non
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from nano_hybrid.seedstudy import smooth_trailing
+
     def curves(d: Path):
         by = _metrics_by_step(d)
         st = np.array(sorted(by), dtype=np.int64)
@@ -391,9 +393,7 @@ def plot_long_run(run_dir: Path, out_dir: Path, reference_dir: Path | None = Non
         return st, loss, gn, vs, np.array([float(by[s]["val_loss"]) for s in vs])
 
     def trailing(x):
-        c, i = np.cumsum(np.insert(x, 0, 0.0)), np.arange(1, len(x) + 1)
-        lo = np.maximum(i - smooth, 0)
-        return (c[i] - c[lo]) / (i - lo)
+        return smooth_trailing(x, smooth)
 
     st, loss, gn, vs, vl = curves(run_dir)
     panels = 4 if reference_dir is not None else 3

@@ -197,16 +197,17 @@ def test_launch_stops_and_resumes_the_check_run_beside_its_reference(tmp_path):
     fake.write_text(RESUMING_TRAINER)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     plan = make_plan(out=tmp_path / "study", arms=[], seeds=[1], corpus=tmp_path / "corpus",
-                     corpus_roots=[str(tmp_path)], long_iters=150, extra=[], long_extra=[], wandb="offline",
+                     corpus_roots=[str(tmp_path)], long_iters=400, extra=[], long_extra=[], wandb="offline",
                      recipe_iters=2000, resume_check=20, resume_window=100)
     long, rc, ref = plan.runs
-    # every run ends on its own (stop steps, train_iters): the deadline is only a cap
+    # every run ends on its own (stop steps, train_iters; the check runs' last stop is far below train_iters, so a
+    # slow poll cannot miss it): the deadline is only a cap
     res = launch(plan, minutes=3, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
                  log=lambda m: None)
     assert res == {"long_helion": 0, "long_helion_rc": 0, "long_helion_ref": 0}
     k = resume_steps(rc.run_dir)
     assert len(k) == 1 and k[0] >= 20  # stopped at (about) step 20, resumed from its checkpoint
-    assert resume_steps(long.run_dir) == [] and checkpointed_step_of(long) == 150  # the long run runs through
+    assert resume_steps(long.run_dir) == [] and checkpointed_step_of(long) == 400  # the long run runs through
     segs = (plan.out / "logs" / "long_helion_rc.segments.jsonl").read_text().splitlines()
     assert [json.loads(x)["from_step"] for x in segs] == [0, k[0]]
     summary = long_run_summary(rc.run_dir)
