@@ -147,6 +147,8 @@ def compare(plan, reference: float, say) -> None:
     long = [r for r in plan.runs if r.arm == "long"]
     summary = {"long_run": long_run_summary(long[0].run_dir)} if long else {}
     plots = importlib.util.find_spec("matplotlib") is not None
+    if not plots:
+        say("matplotlib is not installed: reports without plots (scripts/compare_seeds.py draws them elsewhere)")
     if long and (long[0].run_dir / "metrics.jsonl").is_file() and plots:
         say(f"long run plot: {plot_long_run(long[0].run_dir, out)}")
     pair = [r.run_dir for r in plan.runs if r.arm in ("long_rc", "long_ref") and (r.run_dir / "metrics.jsonl").is_file()]
@@ -171,9 +173,7 @@ def compare(plan, reference: float, say) -> None:
         return
     result.update(summary)
     md = format_markdown(result)
-    if importlib.util.find_spec("matplotlib") is None:
-        say("matplotlib is not installed: report without plots (scripts/compare_seeds.py draws them elsewhere)")
-    else:
+    if plots:
         md += f"\n![seed bands]({plot_study(result, out).name})\n"
     (out / "report.md").write_text(md)
     (out / "report.json").write_text(json.dumps(result, indent=1) + "\n")
