@@ -17,11 +17,11 @@ A run whose checkpoint tracker already reaches its ``train.train_iters`` is comp
 with stop steps once its log reaches the last of them. Each start appends ``{"segment", "from_step"}`` to
 ``out/logs/<run>.segments.jsonl``: the resume points of the curves.
 
-Time: the invocation ends within ``minutes`` (plus ``grace_s`` for the last saves): the corpus build counts;
-each trainer gets ``train.exit_after_minutes`` = the time left minus ``save_margin_s``, so it stops after a step
-and saves on its own; at the deadline every process still alive gets SIGTERM (finish the step, save, exit 0),
-after ``grace_s`` more SIGKILL (that run then resumes from its previous checkpoint). Every process runs in its
-own session, so a signal reaches only the processes this launcher started.
+Time: the invocation ends within ``minutes`` (plus ``grace_s`` for the last saves): the corpus build counts.
+``save_margin_s`` before the deadline every trainer still running gets SIGTERM, as a cluster's preemption sends it
+(the trainer finishes its step, saves, exits 0); a trainer still alive ``grace_s`` after the deadline gets SIGKILL
+(that run then resumes from its previous checkpoint). Every process runs in its own session, so a signal reaches
+only the processes this launcher started.
 """
 
 from __future__ import annotations
@@ -253,6 +253,7 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
     before this invocation)."""
     t0 = time.monotonic() if start_time is None else start_time
     deadline = t0 + 60.0 * minutes
+    stop_at = deadline - save_margin_s  # SIGTERM to every trainer still running
     results: dict[str, int | None] = {}
     procs: list[Proc] = []
     (plan.out / "logs").mkdir(parents=True, exist_ok=True)
@@ -263,7 +264,7 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
             raise StudyConfigError(f"only {left_min * 60:.0f} s left before the deadline: raise --minutes")
         segment = len(list((plan.out / "logs").glob(f"{r.name}.part*.log"))) + 1
         logf = plan.out / "logs" / f"{r.name}.part{segment}.log"
-        cmd = r.command(python) + [f"train.exit_after_minutes={left_min:.2f}"]
+        cmd = r.command(python)
         with open(plan.out / "logs" / f"{r.name}.segments.jsonl", "a") as fh:
             fh.write(json.dumps({"segment": segment, "from_step": done}) + "\n")
         with open(logf, "w") as fh:
@@ -287,12 +288,14 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
         now = time.monotonic()
         if stage == "run":
             _stop_or_restart(procs, start, log)
-        if stage == "run" and now >= deadline:
+        if stage == "run" and now >= stop_at:
+            running = [p for p in procs if p.popen.poll() is None]
             for p in procs:
                 p.restart = False
-                if p.popen.poll() is None:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-            log(f"deadline: SIGTERM to {sum(p.popen.poll() is None for p in procs)} run(s)")
+            for p in running:
+                os.killpg(p.popen.pid, signal.SIGTERM)
+            log(f"{save_margin_s:.0f} s before the deadline: SIGTERM to {len(running)} run(s) "
+                f"({', '.join(f'{p.spec.name} at step {last_logged_step(p.spec.run_dir)}' for p in running)})")
             stage = "term"
         elif stage == "term" and now >= deadline + grace_s:
             for p in procs:

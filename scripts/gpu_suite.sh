@@ -21,11 +21,11 @@
 #   seeds        the seed study on one GPU (scripts/convergence_study.py): corpus from the installed packages (built
 #                if missing), 3 seeds of mamba_ssm and helion and a 20,000-step helion run side by side, stopped
 #                after $MINUTES (default 8) and resumed by the next call; report in $OUT/convergence_seeds/compare
-#   long         the 20,000-step helion run on one GPU (scripts/convergence_study.py --arms none), stopped after
-#                $MINUTES (default 9.25: a 10-minute call with setup) and resumed by the next call, on the seeds
-#                stage's corpus; no kernel tuning (committed configs); beside it the resume check (RESUME_CHECK,
-#                default 1000, 0: none: the same settings with deterministic steps, stopped at that step and resumed,
-#                against an unbroken run, both 400 steps further); report in $OUT/convergence_seeds/compare
+#   long         the 20,000-step helion run on one GPU (scripts/convergence_study.py --arms none), stopped with
+#                SIGTERM 20 s before $MINUTES (default 9.25: a 10-minute call with setup) and resumed by the next
+#                call, on the seeds stage's corpus; no kernel tuning (committed configs); beside it the resume check
+#                (RESUME_CHECK, default 300, 0: none: the same settings with deterministic steps, stopped at that step
+#                and resumed, against an unbroken run, both 400 steps further); report in $OUT/convergence_seeds/compare
 #                (long_run.json, long_run.png, resume_check.png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #
@@ -137,7 +137,7 @@ st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/conv
     local wandb=offline
     python3 -c "import wandb" 2>/dev/null || { wandb=disabled; echo "long: wandb is not installed, W&B is off"; }
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
-        --resume-check "${RESUME_CHECK:-1000}" --minutes "${MINUTES:-9.25}" --save-margin 20 --grace 30 \
+        --resume-check "${RESUME_CHECK:-300}" --minutes "${MINUTES:-9.25}" --save-margin 20 --grace 30 \
         --wandb "$wandb" kernels.helion.autotune=false
 }
 

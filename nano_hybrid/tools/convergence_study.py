@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reference-diff", type=float, default=0.0052, help="relative difference tested against the interval")
     ap.add_argument("--grace", type=float, default=90.0, help="seconds between SIGTERM and SIGKILL at the deadline")
     ap.add_argument("--save-margin", type=float, default=45.0,
-                    help="seconds before the deadline at which each trainer stops after its step and saves")
+                    help="seconds before the deadline at which each trainer gets SIGTERM (it finishes its step and saves)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, start nothing")
     return ap.parse_args(argv)
 
