@@ -495,7 +495,8 @@ class Choice:
         if cfg is None:
             cfg, how = fit_config(self.bound, self.bound.config_spec.default_config()), "spec-default"
         what = f"the kernel's {'generic' if how == 'default' else 'Helion spec'} default config {config_to_dict(cfg)}"
-        if notice:
+        # on an arch with no committed configs, the arch's one notice already says that kernels run their defaults
+        if notice and not (how == "default" and not arch_has_configs(self.arch, self.root)):
             warn_once(self.kernel_name, "default",
                        f"nano_hybrid kernels: no tuned {self.arch} config for {self.kernel_name} at {self.key} that "
                        f"fits (none in {config_path(self.kernel_name, self.arch, self.root)}); using {what} "

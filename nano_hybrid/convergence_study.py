@@ -399,28 +399,34 @@ def plot_long_run(run_dir: Path, out_dir: Path, reference_dir: Path | None = Non
         return smooth_trailing(x, smooth)
 
     st, loss, gn, vs, vl = curves(run_dir)
-    panels = 4 if reference_dir is not None else 3
-    fig, axes = plt.subplots(panels, 1, figsize=(11, 2.6 * panels), sharex=True, constrained_layout=True)
-    axes[0].plot(st, loss, lw=0.3, alpha=0.35, color="tab:blue")
-    axes[0].plot(st, trailing(loss), lw=1.2, color="tab:blue", label=f"{run_dir.name} (trailing mean of {smooth})")
-    axes[1].plot(vs, vl, "o-", ms=3, color="tab:blue", label=run_dir.name)
-    axes[2].plot(st, trailing(gn), lw=1.0, color="tab:blue", label=run_dir.name)
-    if reference_dir is not None:
-        rs, rl, rg, rvs, rvl = curves(reference_dir)
-        axes[0].plot(rs, trailing(rl), lw=1.0, color="tab:orange", label=f"{reference_dir.name} (unbroken)")
-        axes[1].plot(rvs, rvl, "s", ms=4, color="tab:orange", label=reference_dir.name)
-        axes[2].plot(rs, trailing(rg), lw=0.8, color="tab:orange", label=reference_dir.name)
-        ref = dict(zip(rs.tolist(), rl.tolist()))
-        both = np.array([s for s in st if s in ref], dtype=np.int64)
+    ref = curves(reference_dir) if reference_dir is not None else None
+    has_val = len(vs) > 0 or (ref is not None and len(ref[3]) > 0)  # no empty panel before the first evaluation
+    titles = ["training loss", *(["validation loss (held-out packages)"] if has_val else []),
+              f"gradient norm (trailing mean of {smooth})",
+              *(["training loss difference to the unbroken reference"] if ref is not None else [])]
+    fig, axes = plt.subplots(len(titles), 1, figsize=(11, 2.6 * len(titles)), sharex=True, constrained_layout=True)
+    ax_loss, ax_gn = axes[0], axes[2 if has_val else 1]
+    ax_val = axes[1] if has_val else None
+    ax_loss.plot(st, loss, lw=0.3, alpha=0.35, color="tab:blue")
+    ax_loss.plot(st, trailing(loss), lw=1.2, color="tab:blue", label=f"{run_dir.name} (trailing mean of {smooth})")
+    if ax_val is not None:
+        ax_val.plot(vs, vl, "o-", ms=3, color="tab:blue", label=run_dir.name)
+    ax_gn.plot(st, trailing(gn), lw=1.0, color="tab:blue", label=run_dir.name)
+    if ref is not None:
+        rs, rl, rg, rvs, rvl = ref
+        ax_loss.plot(rs, trailing(rl), lw=1.0, color="tab:orange", label=f"{reference_dir.name} (unbroken)")
+        if ax_val is not None:
+            ax_val.plot(rvs, rvl, "s", ms=4, color="tab:orange", label=reference_dir.name)
+        ax_gn.plot(rs, trailing(rg), lw=0.8, color="tab:orange", label=reference_dir.name)
+        ref_loss = dict(zip(rs.tolist(), rl.tolist()))
+        both = np.array([s for s in st if s in ref_loss], dtype=np.int64)
         own = dict(zip(st.tolist(), loss.tolist()))
-        rel = np.array([100 * (own[s] - ref[s]) / ref[s] for s in both])
-        axes[3].plot(both, rel, lw=0.3, alpha=0.35, color="tab:green")
-        axes[3].plot(both, trailing(rel), lw=1.2, color="tab:green", label=f"trailing mean of {smooth}")
-        axes[3].axhline(0.0, color="k", lw=0.6)
-        axes[3].set_ylabel("(run - ref) / ref, %")
-        axes[3].set_title("training loss difference to the unbroken reference")
-    for ax, title in zip(axes[:3], ("training loss", "validation loss (held-out packages)",
-                                    f"gradient norm (trailing mean of {smooth})")):
+        rel = np.array([100 * (own[s] - ref_loss[s]) / ref_loss[s] for s in both])
+        axes[-1].plot(both, rel, lw=0.3, alpha=0.35, color="tab:green")
+        axes[-1].plot(both, trailing(rel), lw=1.2, color="tab:green", label=f"trailing mean of {smooth}")
+        axes[-1].axhline(0.0, color="k", lw=0.6)
+        axes[-1].set_ylabel("(run - ref) / ref, %")
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
     for ax in axes:
         for k in resume_steps(run_dir):
