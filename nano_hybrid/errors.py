@@ -36,7 +36,12 @@ HARMLESS_WARNINGS = (
     # megatron-core's DDP/distributed optimizer call torch's deprecated collective names (same functions)
     "`torch.distributed.reduce_scatter_tensor` is deprecated",
     "`torch.distributed.all_gather_into_tensor` is deprecated",
+    # Helion's autotuner search space for symmetric-memory kernels, which this project does not use
+    "max_num_sm_multipler is reduced",
 )
+# The kernels' own notices (which config each kernel runs, which fallback): shown as their one line, without the
+# file:line and source line that Python's warning display adds.
+KERNEL_NOTICE_PREFIX = "nano_hybrid kernels:"
 # Log records of the same kind: (logger, text the message starts with).
 HARMLESS_LOG_RECORDS = (
     # local layer specs pass megatron's MLP/MoE spec, for which it uses its default kwargs (what is wanted)
@@ -63,8 +68,18 @@ class _DropRecords(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+def _format_warning(message, category, filename, lineno, line=None):
+    if str(message).startswith(KERNEL_NOTICE_PREFIX):
+        return f"{message}\n"
+    return _format_warning.previous(message, category, filename, lineno, line)
+
+
 def filter_startup_warnings() -> None:
-    """Silence the known harmless start-up warnings and log records (idempotent)."""
+    """Silence the known harmless start-up warnings and log records, and show the kernels' notices as one line
+    each (idempotent; recorded warnings, as in tests, are unchanged)."""
+    if warnings.formatwarning is not _format_warning:
+        _format_warning.previous = warnings.formatwarning
+        warnings.formatwarning = _format_warning
     for text in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{text}")
     for text, module in HARMLESS_MODULE_WARNINGS:

@@ -93,3 +93,27 @@ def test_every_recipe_composes_with_its_overrides(name):
                 node = node[part]
             want = yaml.safe_load(value)
             assert node == want or str(node) == value, f"{name}: {key} is {node!r}, recipe says {value!r}"
+
+
+def test_kernel_notices_show_as_one_line_and_library_noise_is_filtered():
+    """After the trainer's start-up filter, a kernels notice is its own line (no file:line, no source line), other
+    warnings keep Python's display, the known harmless ones are gone; warnings recorded (as pytest does) are whole."""
+    code = """
+import warnings
+from nano_hybrid.errors import filter_startup_warnings
+filter_startup_warnings(); filter_startup_warnings()
+warnings.warn("nano_hybrid kernels: no tuned sm90 config for k at m4; using its default (said once per kernel)")
+warnings.warn("max_num_sm_multipler is reduced from 128 to 16 due to the restriction of _SymmetricMemory")
+warnings.warn("some other warning")
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    warnings.warn("nano_hybrid kernels: recorded")
+assert [str(x.message) for x in w] == ["nano_hybrid kernels: recorded"] and w[0].category is UserWarning
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    assert lines[0] == "nano_hybrid kernels: no tuned sm90 config for k at m4; using its default (said once per kernel)"
+    assert "max_num_sm_multipler" not in p.stderr
+    assert any(line.endswith("UserWarning: some other warning") for line in lines[1:]), p.stderr
