@@ -86,6 +86,12 @@ def test_synthetic_attribution_sums_to_the_step():
     assert r["busy_ns"] == busy and ms["idle"] == pytest.approx(1000 - busy)
     assert sum(ms.values()) == pytest.approx(r["step_ns"])
     assert r["backward_ns"]["mamba_mixer"] == pytest.approx(80) and r["backward_ns"]["lm_head"] == pytest.approx(30)
+    # each category's work items by name: they sum to the category (here every category has at most 5 items)
+    top = r["top_by_category_ns"]
+    assert set(top) == {c for c, v in ms.items() if v and c != "idle"}
+    for cat, items in top.items():
+        assert sum(items.values()) == pytest.approx(ms[cat]), cat
+        assert list(items.values()) == sorted(items.values(), reverse=True)
 
 
 class _KinetoEvent:

@@ -425,7 +425,7 @@ def _sum_steps(steps: list[Ev], items: list, names: list, device: bool) -> dict:
     total = {c: 0.0 for c in CATEGORIES}
     bwd_total = {c: 0.0 for c in CATEGORIES}
     busy_total = wall_total = 0
-    other: dict[str, float] = {}
+    by_name: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}  # category -> work item name -> ns
     for st, its, nms in zip(steps, items, names):
         wall = st.end - st.start
         if device:
@@ -433,16 +433,14 @@ def _sum_steps(steps: list[Ev], items: list, names: list, device: bool) -> dict:
             share, busy = _share_overlaps(keyed)
             for j, ns in share.items():
                 total[its[j][2]] += ns
-                if its[j][2] == "other":
-                    other[nms[j]] = other.get(nms[j], 0.0) + ns
+                by_name[its[j][2]][nms[j]] = by_name[its[j][2]].get(nms[j], 0.0) + ns
                 if its[j][3]:
                     bwd_total[its[j][2]] += ns
         else:
             busy = 0
             for (_, ns, cat, bwd), nm in zip(its, nms):
                 total[cat] += ns
-                if cat == "other":
-                    other[nm] = other.get(nm, 0.0) + ns
+                by_name[cat][nm] = by_name[cat].get(nm, 0.0) + ns
                 busy += ns
                 if bwd:
                     bwd_total[cat] += ns
@@ -454,9 +452,14 @@ def _sum_steps(steps: list[Ev], items: list, names: list, device: bool) -> dict:
     by_cat = {c: v / n for c, v in total.items()}
     # CPU self times can exceed the wall by rounding; keep the parts summing to the step
     by_cat["idle"] = max(0.0, wall_total / n - sum(v for c, v in by_cat.items() if c != "idle"))
+    def top(names_ns: dict[str, float], k: int) -> dict[str, float]:
+        return dict(sorted(((nm, v / n) for nm, v in names_ns.items()), key=lambda kv: -kv[1])[:k])
+
     return {"steps": n, "step_ns": wall_total / n, "busy_ns": busy_total / n, "by_category_ns": by_cat,
             "backward_ns": {c: v / n for c, v in bwd_total.items() if v},
-            "other_top_ns": dict(sorted(((k, v / n) for k, v in other.items()), key=lambda kv: -kv[1])[:15])}
+            "other_top_ns": top(by_name["other"], 15),
+            # what each category's time is made of: its 5 largest work items (kernel < launching op path)
+            "top_by_category_ns": {c: top(v, 5) for c, v in by_name.items() if v}}
 
 
 def attribute(events: list[Ev], *, device: bool) -> dict:
@@ -595,6 +598,8 @@ def run(a) -> dict | None:
                     "by_category_ms": {c: v / 1e6 for c, v in r["by_category_ns"].items()},
                     "backward_ms": {c: v / 1e6 for c, v in r["backward_ns"].items()},
                     "other_top_ms": {k: v / 1e6 for k, v in r["other_top_ns"].items()},
+                    "top_by_category_ms": {c: {k: v / 1e6 for k, v in top.items()}
+                                           for c, top in r["top_by_category_ns"].items()},
                     "profiled_steps": r["steps"],
                     "losses": losses,
                     # from this arm's warm-up to its profiled steps (the model and optimizer state included)
