@@ -22,19 +22,19 @@
 #                if missing), 3 seeds of mamba_ssm and helion and a 20,000-step helion run side by side, stopped
 #                after $MINUTES (default 8) and resumed by the next call; report in $OUT/convergence_seeds/compare
 #   long         the 20,000-step helion run on one GPU (scripts/convergence_study.py --arms none), stopped with
-#                SIGTERM 20 s before $MINUTES (default 9.25: a 10-minute call with setup) and resumed by the next
-#                call, on the seeds stage's corpus; no kernel tuning (committed configs); beside it the resume check
-#                (RESUME_CHECK, default 300, 0: none: the same settings with deterministic steps, stopped at that step
-#                and resumed, against an unbroken run, both 400 steps further); report in $OUT/convergence_seeds/compare
-#                (long_run.json, long_run.png, resume_check.png)
+#                SIGTERM 20 s before $MINUTES (default: what is left of CALL_SECONDS, 585, since this script
+#                started, setup included: a 10-minute call) and resumed by the next call, on the seeds stage's
+#                corpus; no kernel tuning (committed configs); beside it the resume check (RESUME_CHECK, default 300,
+#                0: none: the same settings with deterministic steps, stopped at that step and resumed, against an
+#                unbroken run, both 400 steps further); report in $OUT/convergence_seeds/compare (long_run.json,
+#                long_run.png, resume_check.png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
 # the packages are installed), BACKENDS (default "mamba_ssm,helion" for the A/B stages), REFERENCE_TREE
-# (equivalence), PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES, SEEDS_ARGS
-# (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none" for the
-# long run alone), STAGE_TIMEOUT (seconds per
-# stage, default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code
+# (equivalence), PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES,
+# CALL_SECONDS (long), SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms
+# mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code
 # is the number of failed stages.
 set -u
 cd "$(dirname "$0")/.."
@@ -136,8 +136,10 @@ st_seeds() {  # one GPU; the same call resumes every run (same run dirs under $O
 st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/convergence_seeds)
     local wandb=offline
     python3 -c "import wandb" 2>/dev/null || { wandb=disabled; echo "long: wandb is not installed, W&B is off"; }
+    local minutes="${MINUTES:-$(python3 -c "print(round(max(1.0, (${CALL_SECONDS:-585} - $SECONDS) / 60), 2))")}"
+    echo "long: --minutes $minutes"
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
-        --resume-check "${RESUME_CHECK:-300}" --minutes "${MINUTES:-9.25}" --save-margin 20 --grace 30 \
+        --resume-check "${RESUME_CHECK:-300}" --minutes "$minutes" --save-margin 20 --grace 30 \
         --wandb "$wandb" kernels.helion.autotune=false
 }
 
