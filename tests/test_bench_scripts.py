@@ -798,9 +798,10 @@ def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_pa
     assert r_bad.returncode != 0 and "optim.fused needs the optimizer step" in r_bad.stderr
 
 
-def test_bench_shape_grid_smoke_on_cpu(tmp_path):
+def test_bench_shape_grid_smoke_on_cpu(tmp_path, capsys):
     """bench_shape_grid.py end to end on the CPU: torch reference vs helion (interpret mode) at the tiny shape with
-    packed documents; every field of the record is there and the helion errors are bf16-sized."""
+    packed documents; every field of the record is there, the helion errors are bf16-sized, and each phase of the
+    shape is announced as it starts (a time limit shows where a shape stopped)."""
     from nano_hybrid.bench import bench_shape_grid as bsg
 
     assert len([s for s in bsg.GRID if s != "tiny"]) >= 12
@@ -812,3 +813,5 @@ def test_bench_shape_grid_smoke_on_cpu(tmp_path):
     assert set(r["rel_err_vs_fp32"]) == {"torch", "helion"} and r["rel_err_vs_fp32"]["helion"]["d_zxbcdt"] < 3e-2
     assert r["speedup_per_call"]["speedup"] > 0 and res["summary"]["shapes_run"] == 1
     assert "| tiny |" in bsg.markdown(res)
+    phases = [ln.split("] ", 1)[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("   [")]
+    assert [p.split(":")[0] for p in phases] == ["torch", "helion", "errors against the fp32 op", "timing"]

@@ -141,7 +141,8 @@ def _fp32_params(p: dict) -> dict:
     return q
 
 
-def run_shape(name: str, args, backends: dict, device) -> dict:
+def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> dict:
+    """One shape's record; ``log`` gets a line as each phase starts (a time limit then shows where it stopped)."""
     import torch
 
     shape, docs = GRID[name]
@@ -152,11 +153,13 @@ def run_shape(name: str, args, backends: dict, device) -> dict:
     ops = {lab: _op(backends[lab], shape, p, seq) for lab in (A, B)}
     # first call of each arm: compile + config selection (+ first-use tuning for helion with autotune on)
     for lab in (A, B):
+        log(f"{lab}: first call (compile, config selection, any autotuning)")
         stats.sync(device)
         t0 = time.perf_counter()
         ops[lab][0]()
         stats.sync(device)
         rec[f"first_call_s_{lab}"] = round(time.perf_counter() - t0, 2)
+    log("errors against the fp32 op")
     # errors against the fp32 baseline op on the same values, next to the baseline's own bf16 errors
     q = _fp32_params(p)
     ref = _op(backends[A], shape, q, seq)[1]()
@@ -166,6 +169,7 @@ def run_shape(name: str, args, backends: dict, device) -> dict:
     rec["err_ratio_max"] = max(errs[B][k] / max(errs[A][k], 1e-6) for k in ref)
     del ref
     # per-call speed, ABBA rounds
+    log(f"timing: {args.rounds} ABBA rounds of {args.iters} calls")
     times = {A: [], B: []}
     labels = [A, B]
     for order in stats.alternating_order(2, args.rounds):
@@ -174,6 +178,7 @@ def run_shape(name: str, args, backends: dict, device) -> dict:
     rec["ms_per_call"] = {lab: stats.summarize(times[lab]) for lab in labels}
     rec["speedup_per_call"] = stats.ratio_summary(times[A], times[B])
     if args.profile_iters and device.type == "cuda":
+        log(f"device time: {args.profile_iters} profiled calls per backend")
         dev = {lab: profiling.profile_device_table(ops[lab][0], args.profile_iters)["total_us_per_iter"] for lab in labels}
         rec["device_us_per_call"] = dev
         rec["speedup_device"] = dev[A] / dev[B] if dev[B] else None
@@ -197,10 +202,14 @@ def run(args) -> dict:
     for name in args.shape_names:
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
+
+        def log(msg: str, t0=t0) -> None:
+            print(f"   [{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             try:
-                rec = run_shape(name, args, backends, device)
+                rec = run_shape(name, args, backends, device, log)
             except Exception as e:  # noqa: BLE001 - recorded; the next shape still runs
                 rec = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 print(rec["traceback"], file=sys.stderr, flush=True)
