@@ -193,11 +193,13 @@ def test_arm_specs():
 
 
 def test_cpu_breakdown_two_arms(tmp_path):
-    """model=tiny on CPU, plain and chunked+fused arms: CPU op self time per category sums to the step."""
+    """model=tiny on CPU, plain and chunked+fused arms: CPU op self time per category sums to the step; the host
+    profile (cProfile) of each arm ranks the step's own functions."""
     r = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "step_breakdown.py"),
          "--backends", "torch,torch:model.lm_head_loss=chunked:optim.fused=true", "--warmup", "0", "--steps", "1",
-         "--profile-steps", "1", "--out", str(tmp_path), "model=tiny", "train.seq_length=64",
+         "--profile-steps", "1", "--host-steps", "2", "--host-top", "5", "--out", str(tmp_path), "model=tiny",
+         "train.seq_length=64",
          "train.micro_batch_size=2", "train.global_batch_size=2"],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -217,5 +219,15 @@ def test_cpu_breakdown_two_arms(tmp_path):
             assert a["backward_ms"].get(c, 0) > 0, (lab, c)
         assert cats["other"] < 0.05 * a["profiled_step_ms"], a["other_top_ms"]
         assert len(a["losses"]) == 1 and a["losses"][0] > 0
+        h = a["host_profile"]
+        assert h["steps"] == 2 and len(h["top_own"]) == len(h["top_cumulative"]) == 5
+        cum = [x["cumulative_ms"] for x in h["top_cumulative"]]
+        assert cum == sorted(cum, reverse=True) and cum[0] <= h["wall_ms_per_step"] * 1.01
+        # the training step itself is among the largest cumulative entries, called once per step, under its own path
+        step, = [x for x in h["top_cumulative"] if x["function"].startswith("nano_hybrid/trainer.py:")
+                 and x["function"].endswith("(train_step)")]
+        assert step["calls_per_step"] == 1
+        assert step["cumulative_ms"] > 0.5 * h["wall_ms_per_step"]
+    assert "Host (Python) time of `torch`, 2 steps under cProfile" in (tmp_path / f"{stem}.md").read_text()
     assert d["per_arm"]["torch+lm_head_loss-chunked+fused-true"]["arm"] == {
         "backend": "torch", "model.lm_head_loss": "chunked", "optim.fused": True}

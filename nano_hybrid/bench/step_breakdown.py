@@ -30,6 +30,8 @@ Method:
 - Concurrent kernels on several streams share their overlap equally, so the categories sum to the device's
   busy time; ``idle`` = step wall time (the profiled ``nhb::step`` range) - busy time. The table reports
   the profiled step next to the measured (unprofiled) step; their difference is the profiler's overhead.
+- With ``--host-steps N``, N more steps per arm under cProfile: where the host's (Python) time goes, the functions
+  with the most own and cumulative time per step. A step whose device is mostly idle is paced by this time.
 Writes step_breakdown_<model>_<arms>.json/.md and .png (stacked bars) to --out (default runs/bench/<gpu>).
 """
 
@@ -39,6 +41,7 @@ import argparse
 import bisect
 import contextlib
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -510,6 +513,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--tag", default=None, help="extra name part for the output files")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--host-steps", type=int, default=0,
+                   help="also run this many steps per arm under cProfile: the host's Python time per step by function "
+                        "(default 0: none)")
+    p.add_argument("--host-top", type=int, default=20, help="functions kept per host table (default 20)")
     a = reporting.parse_args_with_overrides(p, argv)
     try:
         a.arm_specs = [parse_arm(x) for x in a.arms]
@@ -519,6 +526,8 @@ def parse_args(argv=None):
         p.error("--backends needs at least one arm")
     if a.steps < 1 or a.profile_steps < 1 or a.warmup < 0:
         p.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
+    if a.host_steps < 0 or a.host_top < 1:
+        p.error("--host-steps must be >= 0, --host-top >= 1")
     return a
 
 
@@ -556,6 +565,51 @@ def profile_steps(step_fn, n: int, device, trace_path=None) -> list[Ev]:
     return events_from_profiler(prof)
 
 
+def _function_label(key: tuple) -> str:
+    """cProfile's (file, line, name) as ``package/relative/path.py:line(name)``: the path from the last
+    ``site-packages`` (or the checkout) on, so labels read the same on every host."""
+    path, line, name = key
+    if path == "~":
+        return name  # a C function, e.g. {method 'item' of 'torch._C.TensorBase' objects}
+    parts = Path(path).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            parts = parts[len(parts) - parts[::-1].index(anchor):]
+            break
+    else:
+        for i, part in enumerate(parts):
+            if part in ("nano_hybrid", "kernels"):
+                parts = parts[i:]
+                break
+    return f"{'/'.join(parts)}:{line}({name})"
+
+
+def host_profile(step_fn, n: int, device, top: int) -> dict:
+    """Run ``step_fn`` ``n`` times under cProfile, the device synced around them: the wall time per step and the
+    functions with the most own time and the most cumulative time (ms per step). cProfile adds its own cost per
+    Python call, so the figures rank where the host's time goes rather than time it exactly."""
+    import cProfile
+    import pstats
+
+    stats.sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(n):
+        step_fn()
+    stats.sync(device)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+
+    def table(col: int) -> list[dict]:
+        rows = sorted(st.items(), key=lambda kv: kv[1][col], reverse=True)[:top]
+        return [{"function": _function_label(k), "calls_per_step": v[1] / n, "own_ms": v[2] / n * 1e3,
+                 "cumulative_ms": v[3] / n * 1e3} for k, v in rows]
+
+    return {"steps": n, "wall_ms_per_step": wall / n * 1e3, "top_own": table(2), "top_cumulative": table(3)}
+
+
 def run(a) -> dict | None:
     import torch
 
@@ -590,6 +644,8 @@ def run(a) -> dict | None:
                 with grad_ranges(ctx), optimizer_ranges(ctx.optimizer):
                     events = profile_steps(lambda: training.train_step(ctx), a.profile_steps, dev, trace)
                 r = attribute(events, device=dev.type == "cuda")
+                host = host_profile(lambda: training.train_step(ctx), a.host_steps, dev, a.host_top) \
+                    if a.host_steps else None
                 per_arm[lab] = {
                     "arm": {"backend": spec.backend, **dict(spec.overrides)},
                     "measured_step_ms": stats.summarize([t * 1e3 for t in times]),
@@ -604,6 +660,7 @@ def run(a) -> dict | None:
                     "losses": losses,
                     # from this arm's warm-up to its profiled steps (the model and optimizer state included)
                     "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+                    **({"host_profile": host} if host else {}),
                 }
         finally:
             if ranges is not None:
@@ -657,6 +714,21 @@ def markdown(res: dict) -> str:
                     + [""] * len(arms))
     lines.append(reporting.md_table(head, rows))
     lines += ["", "Categories: " + "; ".join(f"`{k}`: {v}" for k, v in res["descriptions"].items()) + "."]
+    for lab in arms:
+        h = res["per_arm"][lab].get("host_profile")
+        if not h:
+            continue
+        lines += ["", f"Host (Python) time of `{lab}`, {h['steps']} steps under cProfile, "
+                      f"{h['wall_ms_per_step']:.1f} ms per step with the profiler on; ms per step:", ""]
+        lines.append(reporting.md_table(
+            ["function (most cumulative time)", "calls", "cumulative ms", "own ms"],
+            [[f"`{r['function']}`", f"{r['calls_per_step']:.0f}", f"{r['cumulative_ms']:.2f}", f"{r['own_ms']:.2f}"]
+             for r in h["top_cumulative"]]))
+        lines += [""]
+        lines.append(reporting.md_table(
+            ["function (most own time)", "calls", "own ms", "cumulative ms"],
+            [[f"`{r['function']}`", f"{r['calls_per_step']:.0f}", f"{r['own_ms']:.2f}", f"{r['cumulative_ms']:.2f}"]
+             for r in h["top_own"]]))
     return "\n".join(lines)
 
 
