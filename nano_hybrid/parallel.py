@@ -87,13 +87,15 @@ def _init_process_group(dims: ParallelDims, backend: str | None) -> None:
                               "are visible")
         torch.cuda.set_device(dims.local_rank)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=30)
+        # NCCL: the process group is bound to this rank's device (its communicator is created now, megatron's
+        # subgroups split from it, and no collective has to guess the device from the rank)
+        kw = dict(timeout=datetime.timedelta(minutes=30),
+                  device_id=torch.device("cuda", dims.local_rank) if cuda and "nccl" in backend else None)
         if dims.launched:
-            dist.init_process_group(backend, init_method="env://", rank=dims.rank, world_size=dims.world_size,
-                                    timeout=timeout)
+            dist.init_process_group(backend, init_method="env://", rank=dims.rank, world_size=dims.world_size, **kw)
         else:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)
+                                    **kw)
     elif dist.get_world_size() != dims.world_size:
         raise RuntimeError(f"torch.distributed is already initialised with world size {dist.get_world_size()}, "
                            f"expected {dims.world_size}")

@@ -165,3 +165,29 @@ def test_two_gloo_ranks_build_and_run_tiny_tp2_and_ep2(tmp_path):
         assert res["grads_ok"], layout
         assert abs(res["loss"] - torch.log(torch.tensor(512.0)).item()) < 1.0, (layout, res)
         assert (res["tp"], res["ep"], res["sp"]) == expect[layout]
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_nccl_process_group_is_bound_to_the_ranks_device_and_gloo_to_none(monkeypatch, launched):
+    """With CUDA the NCCL group is created for LOCAL_RANK's device (``device_id``: no collective guesses the device
+    from the rank); a gloo group gets no device. torch.distributed's init is recorded, not run."""
+    import torch.distributed as dist
+
+    from nano_hybrid import parallel
+
+    dims = ParallelDims(tp=1, pp=1, cp=1, ep=1, etp=1, sp=False, dist_opt=False, world_size=2 if launched else 1,
+                        rank=1 if launched else 0, local_rank=1 if launched else 0, launched=launched)
+    calls, devices = [], []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    parallel._init_process_group(dims, "nccl")
+    parallel._init_process_group(dims, "gloo")
+    (nccl, kw_nccl), (gloo, kw_gloo) = calls
+    assert devices == [dims.local_rank] * 2
+    assert nccl == "nccl" and kw_nccl["device_id"] == torch.device("cuda", dims.local_rank)
+    assert gloo == "gloo" and kw_gloo["device_id"] is None
+    assert kw_nccl["rank"] == dims.rank and kw_nccl["world_size"] == dims.world_size
+    assert (kw_nccl["init_method"] == "env://") == launched
