@@ -21,7 +21,8 @@ Method:
   ``nhb::grad_accum``, each step in ``nhb::step``. Unattributed host-side work after the finalize (gradient
   clipping between the optimizer's methods) counts as ``optimizer``.
 - Attribution of each device kernel (on CPU: each op's self time): its launching CPU op (kineto's linked
-  correlation id), then the innermost enclosing range on that thread. Backward work runs outside the
+  correlation id; where several CPU events of the step share that id, the launch that last precedes the kernel,
+  and never a CUDA runtime call that launches nothing), then the innermost enclosing range on that thread. Backward work runs outside the
   forward ranges: an ``autograd::engine::evaluate_function: XBackward`` node is mapped through its
   sequence number (and forward thread) to the forward op that recorded it, and takes that op's range.
   Gradient accumulation into DDP's ``main_grad`` (AccumulateGrad nodes) is ``grad_accum``; NCCL/gloo
@@ -380,21 +381,45 @@ def _share_overlaps(intervals: list[tuple[int, int, int]]) -> tuple[dict[int, fl
     return share, busy
 
 
+# CUDA runtime / driver calls that put work on the device; the other runtime calls (occupancy queries, attribute
+# reads, stream checks) never launch a kernel
+_LAUNCH_API = re.compile(r"^cu(da)?(LaunchKernel|LaunchCooperativeKernel|GraphLaunch|Memcpy|Memset)")
+
+
+def launchers_by_correlation(cpu: list[Ev]) -> dict[int, list[Ev]]:
+    """Correlation id -> the CPU events with that id that can launch device work (CPU ops and the launch calls of
+    the CUDA API), by start time. kineto links a device event either to its CUDA launch call or, through the
+    external correlation, to the CPU op; the two ids are counted apart, so one id can name several events."""
+    out: dict[int, list[Ev]] = {}
+    for e in cpu:
+        if e.corr and (not e.name.startswith("cu") or _LAUNCH_API.match(e.name)):
+            out.setdefault(e.corr, []).append(e)
+    for evs in out.values():
+        evs.sort(key=lambda e: e.start)
+    return out
+
+
+def launcher_of(k: Ev, candidates: list[Ev], step: Ev) -> Ev | None:
+    """The CPU event that launched device event ``k`` among those sharing its correlation id, all within ``k``'s
+    step (every step ends with a device sync): the last one to start before ``k`` (a launch precedes its work),
+    else the first (the device clock can read slightly early against the host's)."""
+    in_step = [e for e in candidates if step.start <= e.start < step.end]
+    before = [e for e in in_step if e.start <= k.start]
+    return before[-1] if before else (in_step[0] if in_step else None)
+
+
 def _device_items(events: list[Ev], cpu: list[Ev], steps: list[Ev], step_of, fwd, opt_from) -> tuple[list, list]:
     """Per step: device work items (start, end, category, in backward) attributed through their launching CPU
     op, and their names."""
     items: list[list[tuple[int, int, str, bool]]] = [[] for _ in steps]
     names: list[list[str]] = [[] for _ in steps]
-    by_corr = {}
-    for e in cpu:
-        if e.corr and (e.corr not in by_corr or not by_corr[e.corr].name.startswith("cuda")):
-            by_corr[e.corr] = e
+    by_corr = launchers_by_correlation(cpu)
     # device work: kernels, memcpy, memset (not the device-side copies of the ranges, gpu_user_annotation)
     for k in (e for e in events if e.device and e.kind in profiling.DEVICE_EVENT_CATS):
         i = step_of(k.start)
         if i is None:
             continue
-        op = by_corr.get(k.linked)
+        op = launcher_of(k, by_corr.get(k.linked, ()), steps[i])
         cat, bwd = op_category(op, fwd, k.name) if op is not None else (
             ("communication", False) if _COMM.search(k.name) else ("other", False))
         if cat == "other" and op is not None and op.thread == steps[i].thread and op.start >= opt_from[i]:
