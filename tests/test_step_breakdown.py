@@ -234,28 +234,31 @@ def test_cpu_breakdown_two_arms(tmp_path):
 
 
 def test_a_shared_correlation_id_goes_to_the_launch_that_precedes_the_kernel():
-    """One correlation id can name several CPU events (kineto counts launch-call ids and CPU-op ids apart): the
-    optimizer's kernel is not charged to a router op launched earlier under the same id, a router kernel not to the
-    optimizer launched after it, and a runtime call that launches nothing (an occupancy query) is never the
-    launcher."""
+    """One correlation id can name several CPU events (kineto links a kernel to its launch call or to its CPU op, and
+    counts the two ids apart). Each launch call gives one kernel, an op any number; a runtime call that launches
+    nothing (an occupancy query) is never the launcher."""
     ev = [
         _ev("nhb::step", 0, 1000),
         _ev("nhb::moe_router", 100, 200),
         _ev("aten::ones_like", 110, 130),
-        _ev("cudaLaunchKernel", 115, 120, corr=50),
+        _ev("cudaLaunchKernel", 115, 120, corr=50),  # launches the fill kernel
         _ev("aten::topk", 150, 190),
         _ev("cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", 155, 156, corr=60),
-        _ev("nhb::mamba_proj", 290, 330),
+        _ev("aten::sigmoid", 160, 180, corr=70),  # an op whose id equals the launch call of the projection below
+        _ev("nhb::mamba_proj", 90, 99),
+        _ev("cudaLaunchKernel", 92, 94, corr=70),  # launches the projection's kernel, which runs late
+        _ev("nhb::shared_expert", 290, 330),
         _ev("aten::mm", 300, 320, corr=60),
         _ev("nhb::optimizer", 700, 900),
-        _ev("aten::_fused_adamw_", 710, 880),
-        _ev("cudaLaunchKernel", 720, 725, corr=50),
-        _kernel("fill", 130, 140, 50),  # 10 -> moe_router (the launch at 720 comes after it)
-        _kernel("gemm", 400, 450, 60),  # 50 -> mamba_proj (never the occupancy query)
-        _kernel("fused_adam", 730, 850, 50),  # 120 -> optimizer (the last launch before it)
+        _ev("aten::_fused_adamw_", 710, 880, corr=50),  # linked by its op's id, equal to the fill's launch call
+        _kernel("fill", 130, 140, 50),  # 10 -> moe_router (the launch call before it)
+        _kernel("late_proj", 185, 195, 70),  # 10 -> mamba_proj (its launch call, not the op started after it)
+        _kernel("gemm", 400, 450, 60),  # 50 -> shared_expert (never the occupancy query)
+        _kernel("fused_adam", 730, 850, 50),  # 120 -> optimizer (the launch call of id 50 gave the fill)
     ]
     ms = sb.attribute(ev, device=True)["by_category_ns"]
     assert ms["moe_router"] == pytest.approx(10)
-    assert ms["mamba_proj"] == pytest.approx(50)
+    assert ms["mamba_proj"] == pytest.approx(10)
+    assert ms["shared_expert"] == pytest.approx(50)
     assert ms["optimizer"] == pytest.approx(120)
     assert ms["other"] == 0

@@ -21,8 +21,9 @@ Method:
   ``nhb::grad_accum``, each step in ``nhb::step``. Unattributed host-side work after the finalize (gradient
   clipping between the optimizer's methods) counts as ``optimizer``.
 - Attribution of each device kernel (on CPU: each op's self time): its launching CPU op (kineto's linked
-  correlation id; where several CPU events of the step share that id, the launch that last precedes the kernel,
-  and never a CUDA runtime call that launches nothing), then the innermost enclosing range on that thread. Backward work runs outside the
+  correlation id; where several CPU events of the step share that id, the last launch call before the kernel that
+  no earlier kernel took, else the last CPU op before it, never a CUDA call that launches nothing), then the
+  innermost enclosing range on that thread. Backward work runs outside the
   forward ranges: an ``autograd::engine::evaluate_function: XBackward`` node is mapped through its
   sequence number (and forward thread) to the forward op that recorded it, and takes that op's range.
   Gradient accumulation into DDP's ``main_grad`` (AccumulateGrad nodes) is ``grad_accum``; NCCL/gloo
@@ -382,8 +383,9 @@ def _share_overlaps(intervals: list[tuple[int, int, int]]) -> tuple[dict[int, fl
 
 
 # CUDA runtime / driver calls that put work on the device; the other runtime calls (occupancy queries, attribute
-# reads, stream checks) never launch a kernel
+# reads, stream checks) never launch a kernel. A kernel launch, copy or fill call puts exactly one item on the device.
 _LAUNCH_API = re.compile(r"^cu(da)?(LaunchKernel|LaunchCooperativeKernel|GraphLaunch|Memcpy|Memset)")
+_ONE_ITEM_API = re.compile(r"^cu(da)?(LaunchKernel|LaunchCooperativeKernel|Memcpy|Memset)")
 
 
 def launchers_by_correlation(cpu: list[Ev]) -> dict[int, list[Ev]]:
@@ -399,13 +401,24 @@ def launchers_by_correlation(cpu: list[Ev]) -> dict[int, list[Ev]]:
     return out
 
 
-def launcher_of(k: Ev, candidates: list[Ev], step: Ev) -> Ev | None:
+def launcher_of(k: Ev, candidates: list[Ev], step: Ev, used: set[int]) -> Ev | None:
     """The CPU event that launched device event ``k`` among those sharing its correlation id, all within ``k``'s
-    step (every step ends with a device sync): the last one to start before ``k`` (a launch precedes its work),
-    else the first (the device clock can read slightly early against the host's)."""
+    step (every step ends with a device sync). Called for a step's device events in start order; ``used`` holds
+    the one-item launch calls already matched to an earlier device event.
+    - the last unused one-item launch call (kernel launch, copy, fill) starting before ``k``: a launch precedes its
+      work, and launches one item;
+    - else the last CPU op (or graph launch) starting before ``k``: an op can launch many;
+    - else the first candidate of the step (the device clock can read slightly early against the host's)."""
     in_step = [e for e in candidates if step.start <= e.start < step.end]
     before = [e for e in in_step if e.start <= k.start]
-    return before[-1] if before else (in_step[0] if in_step else None)
+    calls = [e for e in before if _ONE_ITEM_API.match(e.name) and id(e) not in used]
+    if calls:
+        used.add(id(calls[-1]))
+        return calls[-1]
+    ops = [e for e in before if not _ONE_ITEM_API.match(e.name)]
+    if ops:
+        return ops[-1]
+    return in_step[0] if in_step else None
 
 
 def _device_items(events: list[Ev], cpu: list[Ev], steps: list[Ev], step_of, fwd, opt_from) -> tuple[list, list]:
@@ -414,12 +427,14 @@ def _device_items(events: list[Ev], cpu: list[Ev], steps: list[Ev], step_of, fwd
     items: list[list[tuple[int, int, str, bool]]] = [[] for _ in steps]
     names: list[list[str]] = [[] for _ in steps]
     by_corr = launchers_by_correlation(cpu)
-    # device work: kernels, memcpy, memset (not the device-side copies of the ranges, gpu_user_annotation)
-    for k in (e for e in events if e.device and e.kind in profiling.DEVICE_EVENT_CATS):
+    used: set[int] = set()
+    # device work in start order: kernels, memcpy, memset (not the device-side copies of the ranges)
+    work = sorted((e for e in events if e.device and e.kind in profiling.DEVICE_EVENT_CATS), key=lambda e: e.start)
+    for k in work:
         i = step_of(k.start)
         if i is None:
             continue
-        op = launcher_of(k, by_corr.get(k.linked, ()), steps[i])
+        op = launcher_of(k, by_corr.get(k.linked, ()), steps[i], used)
         cat, bwd = op_category(op, fwd, k.name) if op is not None else (
             ("communication", False) if _COMM.search(k.name) else ("other", False))
         if cat == "other" and op is not None and op.thread == steps[i].thread and op.start >= opt_from[i]:
