@@ -34,8 +34,9 @@
 # the packages are installed), BACKENDS (default "mamba_ssm,helion" for the A/B stages), REFERENCE_TREE
 # (equivalence), PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES,
 # CALL_SECONDS (long), SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms
-# mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code
-# is the number of failed stages.
+# mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per stage, default
+# 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code is the
+# number of failed stages.
 set -u
 cd "$(dirname "$0")/.."
 REPO="$PWD"
