@@ -284,3 +284,77 @@ def test_grouped_moe_layer_uses_topk_dispatcher_and_falls_back_for_ep(mp):
     assert d._fast_ok()
     d.num_local_experts = d.config.num_moe_experts // 2  # as under expert parallelism: megatron's path
     assert not d._fast_ok()
+
+
+def _topk_map(t: int, e: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A [t, e] routing map with exactly k experts per token, as megatron's top-k router builds it."""
+    scores = torch.rand(t, e, generator=torch.Generator().manual_seed(seed))
+    return torch.zeros(t, e, dtype=torch.bool).scatter(1, scores.topk(k, dim=1).indices, True)
+
+
+def test_topk_dispatcher_matches_megatron_dispatch_postprocess(mp):
+    """The sync-free dispatch gives megatron's permuted tokens, tokens per expert and permuted probs, and the same
+    gradients of the tokens and the routing probabilities (fp64)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from nano_hybrid.model.moe import TopKAllGatherTokenDispatcher
+
+    d = next(m.token_dispatcher for m in _tiny(("sdpa", "grouped")).modules() if hasattr(m, "token_dispatcher"))
+    assert type(d) is TopKAllGatherTokenDispatcher and d._fast_ok()
+    t, e, k, h = 37, d.config.num_moe_experts, d.config.moe_router_topk, 16
+    rmap = _topk_map(t, e, k)
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(t, h, dtype=torch.float64, generator=g)
+    p0 = torch.rand(t, e, dtype=torch.float64, generator=g) * rmap
+    w_out = torch.randn(t * k, h, dtype=torch.float64, generator=g)
+    w_p = torch.randn(t * k, dtype=torch.float64, generator=g)
+    results = []
+    for fn in (TopKAllGatherTokenDispatcher.dispatch_postprocess, MoEAllGatherTokenDispatcher.dispatch_postprocess):
+        x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+        d.routing_map = rmap.clone()
+        perm, tpe, probs = fn(d, x, p)
+        ((perm * w_out).sum() + (probs * w_p).sum()).backward()
+        results.append((perm.detach(), tpe.cpu(), probs.detach(), x.grad, p.grad))
+    assert results[0][1].tolist() == rmap.sum(0).tolist()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_selected_positions_needs_exactly_the_count():
+    """``selected_positions`` gives the True entries' indices in order, and refuses a mask with another count
+    (a routing map where a token lost or gained an expert) instead of returning unwritten slots."""
+    from nano_hybrid.model.moe import selected_positions
+
+    mask = _topk_map(11, 6, 2, seed=2).T.contiguous().view(-1)
+    assert selected_positions(mask, 22).tolist() == mask.nonzero().view(-1).tolist()
+    mask[mask.nonzero()[0]] = False
+    with pytest.raises(RuntimeError, match="exactly topk"):
+        selected_positions(mask, 22)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_topk_dispatch_makes_no_host_sync_on_gpu(mp):
+    """The MoE permutation, its un-permutation and their backward never wait for the device
+    (``torch.cuda.set_sync_debug_mode('error')`` raises on any synchronising call)."""
+    from nano_hybrid.model.moe import PermuteTopK, SelectPositions, UnpermuteTopK, selected_positions
+
+    t, e, k, h = 4096, 16, 4, 512
+    rmap = _topk_map(t, e, k).cuda()
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    p = torch.rand(t, e, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mask = rmap.T.contiguous().view(-1)
+        pos = selected_positions(mask, t * k)
+        idx = pos % t
+        inv = torch.argsort(idx, stable=True).view(t, k)
+        perm = PermuteTopK.apply(x, idx, inv)
+        probs = SelectPositions.apply(p.T.contiguous().view(-1), pos, mask)
+        out = UnpermuteTopK.apply(perm * probs.unsqueeze(-1).to(perm.dtype), idx, inv)
+        out.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = rmap.T.contiguous().view(-1).nonzero().view(-1)
+    assert torch.equal(pos, ref) and x.grad is not None and p.grad is not None

@@ -14,9 +14,15 @@ sum over the ``topk`` copies, accumulated in fp32 (megatron accumulates in the t
     permute      fwd: tokens[sorted_indices]                bwd: sum_j grad[inv[:, j]]
     unpermute    fwd: sum_j expert_out[inv[:, j]]           bwd: grad[sorted_indices]
 
+The permutation is also free of host syncs: megatron's dispatcher copies ``tokens_per_expert`` to the
+host and sizes the permutation with ``masked_select``, three waits for the device per MoE layer and
+micro-batch; here the number of copies is known (``T * topk``), the positions come from a cumulative sum
+(``selected_positions``) and ``tokens_per_expert`` stays on the device for the grouped GEMM.
+
 Any other case (expert parallelism, token dropping, TE's fused permutation) uses megatron's code
 unchanged. The permuted order is megatron's (expert-major, tokens ascending within an expert), so
-``tokens_per_expert``, probs and expert inputs are identical to megatron's.
+``tokens_per_expert`` (on the device instead of the host), probs and expert inputs are identical to
+megatron's.
 
 Both MoE layers (``GraphReleasingMoELayer`` for megatron's experts, ``TopKPermuteMoELayer`` for the
 grouped ones) drop their token dispatcher's references to the forward's autograd graph once the output
@@ -35,6 +41,36 @@ def _sum_copies(x: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     t, k = inv.shape
     acc = torch.promote_types(x.dtype, torch.float32)
     return x.index_select(0, inv.reshape(-1)).view(t, k, x.shape[-1]).sum(1, dtype=acc).to(x.dtype)
+
+
+def selected_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the ``count`` True entries of the 1-D ``mask``, ascending, without a host sync.
+
+    ``masked_select`` / ``nonzero`` size their output from the data and so wait for the device; here the
+    count is known (every token has exactly ``topk`` experts), so each True entry is written to its rank
+    among the True entries (a cumulative sum) and the False ones to one spare slot past the end. A mask with
+    another number of True entries fails a device-side assertion (on CPU at once, on CUDA at the next sync)."""
+    torch._assert_async(mask.sum() == count, "MoE routing map: a token does not have exactly topk experts")
+    rank = torch.cumsum(mask, 0) - 1
+    slot = torch.where(mask, rank, count)
+    out = torch.empty(count + 1, dtype=torch.long, device=mask.device)
+    out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))
+    return out[:count]
+
+
+class SelectPositions(torch.autograd.Function):
+    """src [N] -> src[pos] for ``pos = selected_positions(mask, n)``; backward scatters the gradient back
+    under ``mask`` (``masked_scatter``, no atomics): the same values and gradient as ``src.masked_select(mask)``."""
+
+    @staticmethod
+    def forward(ctx, src, pos, mask):
+        ctx.save_for_backward(mask)
+        return src.index_select(0, pos)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return torch.zeros(mask.shape, dtype=grad.dtype, device=grad.device).masked_scatter(mask, grad), None, None
 
 
 class PermuteTopK(torch.autograd.Function):
@@ -78,6 +114,7 @@ class TopKAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
             and not c.moe_permute_fusion
             and c.moe_expert_capacity_factor is None
             and not getattr(c, "moe_pad_expert_input_to_capacity", False)
+            and not getattr(c, "moe_router_padding_for_quantization", False)
         )
 
     def dispatch_postprocess(self, hidden_states, probs):
@@ -85,21 +122,16 @@ class TopKAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
             self._inv = None
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
-        num_tokens = hidden_states.shape[0]
+        num_tokens, k = hidden_states.shape[0], self.config.moe_router_topk
         self.local_map = self.routing_map
-        local_map_t = self.local_map.bool().T.contiguous()  # [E, T]
-        tokens_per_expert = self.local_map.sum(dim=0).long().cpu()
-        token_ids = torch.arange(num_tokens, device=hidden_states.device).unsqueeze(0).expand_as(local_map_t)
-        sorted_indices = token_ids.masked_select(local_map_t)  # expert-major, tokens ascending (megatron's order)
-        k = self.config.moe_router_topk
-        if sorted_indices.numel() != num_tokens * k:  # not exactly topk copies per token: megatron's path
-            self._inv = None
-            self.routing_map = self.local_map
-            return super().dispatch_postprocess(hidden_states, probs)
+        mask = self.local_map.bool().T.contiguous().view(-1)  # [E * T], expert-major
+        pos = selected_positions(mask, num_tokens * k)  # expert-major, tokens ascending (megatron's order)
+        sorted_indices = pos % num_tokens
+        tokens_per_expert = self.local_map.sum(dim=0).long()  # stays on the device: the grouped GEMM reads it there
         self._inv = torch.argsort(sorted_indices, stable=True).view(num_tokens, k)
         self.reversed_local_input_permutation_mapping = sorted_indices
         permuted = PermuteTopK.apply(hidden_states, sorted_indices, self._inv)
-        self.local_probs = probs.T.contiguous().masked_select(local_map_t)
+        self.local_probs = SelectPositions.apply(probs.T.contiguous().view(-1), pos, mask)
         self.routing_map = None
         return permuted, tokens_per_expert, self.local_probs
 
