@@ -327,9 +327,11 @@ def test_selected_positions_needs_exactly_the_count():
 
     mask = _topk_map(11, 6, 2, seed=2).T.contiguous().view(-1)
     assert selected_positions(mask, 22).tolist() == mask.nonzero().view(-1).tolist()
-    mask[mask.nonzero()[0]] = False
-    with pytest.raises(RuntimeError, match="exactly topk"):
-        selected_positions(mask, 22)
+    for flip in (mask.nonzero()[0], (~mask).nonzero()[0]):  # one expert fewer, one more
+        bad = mask.clone()
+        bad[flip] = ~bad[flip]
+        with pytest.raises(RuntimeError, match="exactly topk"):
+            selected_positions(bad, 22)
 
 
 @pytest.mark.gpu

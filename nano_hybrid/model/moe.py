@@ -47,15 +47,16 @@ def selected_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """The indices of the ``count`` True entries of the 1-D ``mask``, ascending, without a host sync.
 
     ``masked_select`` / ``nonzero`` size their output from the data and so wait for the device; here the
-    count is known (every token has exactly ``topk`` experts), so each True entry is written to its rank
-    among the True entries (a cumulative sum) and the False ones to one spare slot past the end. A mask with
-    another number of True entries fails a device-side assertion (on CPU at once, on CUDA at the next sync)."""
+    count is known (every token has exactly ``topk`` experts). A stable partition does it: with ``sel[i]`` the
+    number of True entries up to and including i, True entry i goes to slot ``sel[i] - 1`` and False entry i to
+    ``count + i - sel[i]``. The slots are a permutation of ``0..N-1`` (one write each: no atomics, the same result
+    in deterministic mode), so the first ``count`` of the scattered indices are the True ones in order. A mask
+    with another number of True entries fails a device-side assertion (on CPU at once, on CUDA at the next sync)."""
     torch._assert_async(mask.sum() == count, "MoE routing map: a token does not have exactly topk experts")
-    rank = torch.cumsum(mask, 0) - 1
-    slot = torch.where(mask, rank, count)
-    out = torch.empty(count + 1, dtype=torch.long, device=mask.device)
-    out.scatter_(0, slot, torch.arange(mask.numel(), device=mask.device))
-    return out[:count]
+    idx = torch.arange(mask.numel(), device=mask.device)
+    sel = torch.cumsum(mask, 0)
+    slot = torch.where(mask, sel - 1, idx + count - sel)
+    return torch.empty_like(idx).scatter_(0, slot, idx)[:count]
 
 
 class SelectPositions(torch.autograd.Function):
