@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -37,7 +38,7 @@ import torch
 import helion
 
 from kernels import debug
-from kernels.tuning import as_config, compiled, config_to_dict, full_config
+from kernels.tuning import as_config, compiled, config_to_dict, file_lock, full_config
 
 # Model-level shape presets (Nemotron-3 Nano mixer dims per rank). Kernel TuneCase builders derive their own kernel
 # dims from these. "nano" is the benchmark shape; nano_b1 (recipe nano30b_slice_h200), nano_b4_l4096
@@ -286,6 +287,7 @@ def search(
     finalize: Callable[[Any, tuple], Any] | None = None,
     prepare: Callable[[tuple], None] | None = None,
     candidate_timeout_s: float | None = 30.0,
+    timing_lock: Path | None = None,
 ) -> tuple[helion.Config, list[dict]]:
     """Compile, check and time each candidate; return ``(best_config, results)``.
 
@@ -297,7 +299,9 @@ def search(
     time_ms, max_abs_err, error. The budget is checked before each candidate; the reference is always
     run. A candidate whose compile + check + timing exceeds ``candidate_timeout_s`` (or the budget left
     plus 10 s) is dropped with status "timeout" (some configs make Triton compile for minutes).
-    A CUDA error that leaves the context unusable ends the search with the best so far.
+    A CUDA error that leaves the context unusable ends the search with the best so far. With ``timing_lock`` (a
+    file path shared by searches running at once in other processes), each candidate's timed calls run under that
+    file's exclusive lock: compiles overlap, timings take turns on the GPU.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("tuning.search needs a CUDA GPU (timings are measured on the device)")
@@ -328,7 +332,11 @@ def search(
                 out = checked_outputs(fn, args, finalize, prepare)
                 torch.cuda.synchronize()
                 ok, err = outputs_close(out, ref_out, atol, rtol)
-                ms = time_fn(lambda: fn(*args), rep) if ok else None
+                if ok:
+                    with (file_lock(timing_lock) if timing_lock else contextlib.nullcontext()):
+                        ms = time_fn(lambda: fn(*args), rep)
+                else:
+                    ms = None
         except CandidateTimeout as e:
             r.update(status="timeout", error=str(e))
             results.append(r)

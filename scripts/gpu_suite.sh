@@ -128,7 +128,7 @@ st_convergence() {
 st_seeds() {  # one GPU; the same call resumes every run (same run dirs under $OUT/convergence_seeds)
     # the proxy shape's kernels without a committed config are tuned first, each in a child process with a time
     # limit (no training process then tunes on first use)
-    python3 scripts/tune_kernels.py recipe=convergence_seeds_h200 --missing --budget-min "${TUNE_MINUTES:-3}" \
+    python3 scripts/tune_kernels.py recipe=convergence_seeds_h200 --missing --budget-min "${TUNE_MINUTES:-3}" --jobs 8 \
         --out-root "$OUT/helion_configs" || echo "tune_kernels: some kernels were not tuned (first use tunes them)"
     # shellcheck disable=SC2086
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --minutes "${MINUTES:-8}" ${SEEDS_ARGS:-} \

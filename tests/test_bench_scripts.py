@@ -666,6 +666,54 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
     args.no_write, args.from_scratch = False, True
     (c,) = tk.child_commands(args, ["rmsnorm_fwd"], {"nano": dict(b=2)}, per_budget=5.0)
     assert "--no-write" not in c and "--from-scratch" in c and float(c[c.index("--budget-s") + 1]) == 10.0
+    assert "--timing-lock" not in c
+    for c in tk.child_commands(args, ["rmsnorm_fwd", "conv1d_fwd"], shapes, per_budget=70.0, timing_lock="/x/lk"):
+        assert c[c.index("--timing-lock") + 1] == "/x/lk"
+
+
+def test_tune_kernels_jobs_share_the_budget(monkeypatch):
+    """--jobs N hands each isolated child N pairs' share of the total budget (the wall time stays about the total)
+    and never more children than pairs; --jobs below 1 is refused."""
+    from nano_hybrid.bench import tune_kernels as tk
+
+    got = {}
+    monkeypatch.setattr(tk.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tk.tuning, "interpret_mode", lambda: False)
+    monkeypatch.setattr(tk, "_run_isolated", lambda args, names, shapes, per_budget, jobs: got.update(
+        names=names, per_budget=per_budget, jobs=jobs) or 0)
+    kernels = "rmsnorm_fwd,conv1d_fwd,conv1d_bwd,rmsnorm_bwd"
+    assert tk.main(["--kernels", kernels, "--shapes", "nano", "--budget-s", "400", "--jobs", "2"]) == 0
+    assert got == dict(names=kernels.split(","), per_budget=200.0, jobs=2)
+    assert tk.main(["--kernels", kernels, "--shapes", "nano", "--budget-s", "400"]) == 0
+    assert got["per_budget"] == 100.0 and got["jobs"] == 1
+    assert tk.main(["--kernels", "rmsnorm_fwd,conv1d_fwd", "--shapes", "nano", "--budget-s", "400", "--jobs", "8"]) == 0
+    assert got["per_budget"] == 400.0 and got["jobs"] == 2
+    with pytest.raises(SystemExit):
+        tk.main(["--kernels", kernels, "--jobs", "0"])
+
+
+def test_tune_kernels_run_children_at_once_and_in_turn(tmp_path):
+    """run_children starts at most ``jobs`` children at once (with 3 jobs the three 1.5 s children overlap; with 1
+    each starts after the previous ended), and names the children that fail or outrun their time."""
+    from nano_hybrid.bench import tune_kernels as tk
+
+    def child(name, seconds=1.5, rc=0):
+        code = (f"import sys, time, pathlib; p = pathlib.Path({str(tmp_path)!r}) / {name!r}; "
+                f"p.write_text(str(time.time())); time.sleep({seconds}); "
+                f"p.write_text(p.read_text() + ' ' + str(time.time())); sys.exit({rc})")
+        return [sys.executable, "-c", code]
+
+    def spans(names):
+        return [tuple(map(float, (tmp_path / n).read_text().split())) for n in names]
+
+    assert tk.run_children([child(f"a{i}") for i in range(3)], jobs=3, timeout_s=60) == []
+    s = spans(["a0", "a1", "a2"])
+    assert max(b for b, _ in s) < min(e for _, e in s)  # all three ran at the same time
+    assert tk.run_children([child(f"b{i}", 0.3) for i in range(3)], jobs=1, timeout_s=60) == []
+    s = sorted(spans(["b0", "b1", "b2"]))
+    assert all(s[i][1] <= s[i + 1][0] for i in range(2))  # one after the other
+    bad = tk.run_children([child("c0", 0.1, rc=3), child("c1", 30)], jobs=2, timeout_s=3)
+    assert len(bad) == 2 and bad[0].endswith("(exit 3)") and bad[1].endswith("(timeout)")
 
 
 def test_tune_kernels_takes_a_runs_overrides():
@@ -815,3 +863,17 @@ def test_bench_shape_grid_smoke_on_cpu(tmp_path, capsys):
     assert "| tiny |" in bsg.markdown(res)
     phases = [ln.split("] ", 1)[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("   [")]
     assert [p.split(":")[0] for p in phases] == ["torch", "helion", "errors against the fp32 op", "timing"]
+
+
+def test_tune_kernels_takes_the_grid_shapes():
+    """--shapes also names bench_shape_grid.py's shapes (their model dims), so a grid can be tuned before it runs;
+    the grid's packed-document shapes are refused by name (the offline cases build no seq_idx), unknown names too."""
+    from nano_hybrid.bench import tune_kernels as tk
+
+    got = tk.resolve_shapes([], "m2_small_c256,nano", None)
+    assert got == {"m2_small_c256": dict(b=8, l=2048, h=24, p=64, g=1, n=128, c=256, w=4),
+                   "nano": dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128, w=4)}
+    with pytest.raises(ValueError, match="nemh_8b_docs4"):
+        tk.resolve_shapes([], "nemh_8b,nemh_8b_docs4", None)
+    with pytest.raises(ValueError, match="unknown shapes"):
+        tk.resolve_shapes([], "nano_b3", None)

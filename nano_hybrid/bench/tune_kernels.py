@@ -6,7 +6,8 @@
 Positional arguments are a run's own overrides (the same as ``python -m nano_hybrid.train ...``): the config is
 composed as training composes it and the mixer dims one rank of that run calls are tuned
 (``nano_hybrid.model.config.mixer_dims``: micro-batch, sequence per context-parallel rank, heads and groups per
-tensor-parallel rank, head dim, state dim, chunk, conv width). Without overrides, ``--shapes`` names presets.
+tensor-parallel rank, head dim, state dim, chunk, conv width). Without overrides, ``--shapes`` names presets, or
+``bench_shape_grid.py``'s shapes without packed documents (to tune a grid before it runs).
 
 Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuner.discover_tunable_kernels``);
 shapes are ``kernels.tuner.SHAPE_PRESETS`` names. The budget is split evenly over (kernel, shape)
@@ -20,6 +21,12 @@ A failing (kernel, shape) is logged with its traceback and the next one still ru
 (kernel, shape) pair each pair is searched in a child process of its own (``--no-isolate`` turns that off): a
 candidate that leaves a sticky CUDA error (e.g. "misaligned address") ends only its own search, where
 in one process it ended every search after it.
+
+``--jobs N`` runs N of those children at once. Most of a search is compiling candidates (Helion code generation,
+Triton, ptxas: CPU work), so N searches overlap on N cores; the timing of a candidate holds a lock shared by the
+children (``tuner.search``'s ``timing_lock``), so one candidate at a time runs its timed calls on the GPU and the
+others' compiles do not run on the device meanwhile. Each child gets the budget of N pairs (the total budget
+times N over the number of pairs), so the wall time stays about the total budget.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -47,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("overrides", nargs="*", help="a run's overrides (as for nano_hybrid.train): tune the mixer shapes it calls")
     ap.add_argument("--kernels", default="all", help="comma list of tunable kernel names, or 'all'")
     ap.add_argument("--shapes", "--shape", dest="shapes", default=None,
-                    help=f"comma list of presets (default nano without overrides): {', '.join(tuner.SHAPE_PRESETS)}")
+                    help=f"comma list of presets (default nano without overrides): {', '.join(tuner.SHAPE_PRESETS)}; "
+                    "or of bench_shape_grid.py's shapes without packed documents")
     ap.add_argument("--model-dims", default=None, help=argparse.SUPPRESS)  # JSON {name: dims}: the isolated children
     ap.add_argument("--out-root", default=None,
                     help="write configs under this root instead of kernels/configs (e.g. the user cache "
@@ -69,12 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-isolate", action="store_true",
                     help="search every (kernel, shape) pair in this process (default: one child process per pair "
                     "when there is more than one)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="child processes searching at once (their compiles overlap; their timings take turns on "
+                    "the GPU under a shared lock); each gets the total budget x jobs / pairs")
+    ap.add_argument("--timing-lock", default=None, help=argparse.SUPPRESS)  # the isolated children's shared lock
     return ap
 
 
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.budget_s is not None:
         args.budget_min = args.budget_s / 60.0
     if args.timer is not None:
@@ -106,9 +121,11 @@ def main(argv=None) -> int:
             print("every kernel has an exact config at these shapes: nothing to tune", flush=True)
             return 0
         print(f"kernels without an exact config: {', '.join(names)}", flush=True)
-    per_budget = args.budget_min * 60.0 / (len(names) * len(shape_dims))
-    if not args.no_isolate and len(names) * len(shape_dims) > 1:
-        return _run_isolated(args, names, shape_dims, per_budget)
+    pairs = len(names) * len(shape_dims)
+    if not args.no_isolate and pairs > 1:
+        jobs = min(args.jobs, pairs)
+        return _run_isolated(args, names, shape_dims, args.budget_min * 60.0 * jobs / pairs, jobs)
+    per_budget = args.budget_min * 60.0 / pairs
     return search_all(args, registry, names, shape_dims, per_budget)
 
 
@@ -200,6 +217,7 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
     best, results = tuner.search(
         case.kernel, case.args, cands, budget_s=per_budget, rep=args.rep_ms, atol=case.atol, rtol=case.rtol,
         log=lambda s: print(s, flush=True), finalize=case.finalize, prepare=case.prepare,
+        timing_lock=getattr(args, "timing_lock", None) and Path(args.timing_lock),
     )
     ok = [r for r in results if r["status"] == "ok"]
     best_ms = min(r["time_ms"] for r in ok)
@@ -250,16 +268,30 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
         except ConfigError as e:
             raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
         return {"run_" + tuning.shape_key(**dims): dims}
+    from nano_hybrid.bench.bench_shape_grid import GRID
+
     names = [s.strip() for s in (presets or "nano").split(",") if s.strip()]
-    bad = [s for s in names if s not in tuner.SHAPE_PRESETS]
+    bad = [s for s in names if s not in tuner.SHAPE_PRESETS and s not in GRID]
     if bad:
-        raise ValueError(f"unknown shapes {bad}; known: {sorted(tuner.SHAPE_PRESETS)}")
-    return {s: dict(tuner.SHAPE_PRESETS[s]) for s in names}
+        raise ValueError(f"unknown shapes {bad}; known: presets {sorted(tuner.SHAPE_PRESETS)}, "
+                         f"bench_shape_grid.py shapes {sorted(GRID)}")
+    packed = [s for s in names if s not in tuner.SHAPE_PRESETS and GRID[s][1] > 1]
+    if packed:
+        raise ValueError(f"shapes {packed} pack documents (seq_idx), which the offline cases do not build; their "
+                         "kernels are tuned at the first call (kernels.helion.autotune=true)")
+    return {s: dict(tuner.SHAPE_PRESETS[s]) if s in tuner.SHAPE_PRESETS else grid_dims(GRID[s][0]) for s in names}
 
 
-def child_commands(args, names: list[str], shape_dims: dict[str, dict], per_budget: float) -> list[list[str]]:
+def grid_dims(shape) -> dict[str, int]:
+    """A ``bench_shape_grid.py`` shape (``MixerShape``) as model dims."""
+    return dict(b=shape.batch, l=shape.seqlen, h=shape.nheads, p=shape.headdim, g=shape.ngroups, n=shape.d_state,
+                c=shape.chunk_size, w=shape.d_conv)
+
+
+def child_commands(args, names: list[str], shape_dims: dict[str, dict], per_budget: float,
+                   timing_lock: str | None = None) -> list[list[str]]:
     """One ``tune_kernels.py --no-isolate`` command per (kernel, shape) pair, each with that pair's budget
-    less the child's start-up time."""
+    less the child's start-up time (and ``timing_lock``, the lock file that children running at once share)."""
     per_budget = max(10.0, per_budget - ISOLATE_OVERHEAD_S)
     cmds = []
     for shape, dims in shape_dims.items():
@@ -270,27 +302,54 @@ def child_commands(args, names: list[str], shape_dims: dict[str, dict], per_budg
             cmd += ["--out-root", args.out_root] if getattr(args, "out_root", None) else []
             cmd += ["--no-write"] if args.no_write else []
             cmd += ["--from-scratch"] if args.from_scratch else []
+            cmd += ["--timing-lock", timing_lock] if timing_lock else []
             cmds.append(cmd)
     return cmds
 
 
-def _run_isolated(args, names: list[str], shapes: dict[str, dict], per_budget: float) -> int:
-    """Each pair in its own process (fresh CUDA context); each child writes its own JSON log and config file.
-    A child is stopped after its share of the budget plus ``kernels.first_use.SEARCH_MARGIN_S`` (75 s: start-up, the
-    reference compile, one candidate's time limit), the margin of first-use tuning's child."""
-    failed = []
-    for cmd in child_commands(args, names, shapes, per_budget):
-        pair = f"{cmd[cmd.index('--kernels') + 1]} @ {next(iter(json.loads(cmd[cmd.index('--model-dims') + 1])))}"
-        try:
-            rc = subprocess.run(cmd, timeout=per_budget + first_use.SEARCH_MARGIN_S).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        if rc != 0:
-            failed.append(f"{pair} (exit {rc})")
-            print(f"   {pair}: child process failed (exit {rc}); the next pair still runs", flush=True)
-    print(f"isolated searches: {len(names) * len(shapes) - len(failed)} ok"
-          + (f", failed: {', '.join(failed)}" if failed else ""), flush=True)
+def _run_isolated(args, names: list[str], shapes: dict[str, dict], per_budget: float, jobs: int = 1) -> int:
+    """Each pair in its own process (fresh CUDA context), ``jobs`` at a time; each child writes its own JSON log and
+    config file (``tuning.record`` updates a kernel's file under its lock). A child is stopped after its share of
+    the budget plus ``kernels.first_use.SEARCH_MARGIN_S`` (75 s: start-up, the reference compile, one candidate's
+    time limit), the margin of first-use tuning's child."""
+    with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
+        lock = str(Path(tmp) / "gpu_timing") if jobs > 1 else None
+        cmds = child_commands(args, names, shapes, per_budget, timing_lock=lock)
+        failed = run_children(cmds, jobs, per_budget + first_use.SEARCH_MARGIN_S)
+    print(f"isolated searches: {len(cmds) - len(failed)} ok" + (f", failed: {', '.join(failed)}" if failed else "")
+          + (f" ({jobs} at a time)" if jobs > 1 else ""), flush=True)
     return 1 if failed else 0
+
+
+def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: float = 0.2) -> list[str]:
+    """Run ``cmds`` (``tune_kernels.py`` children), at most ``jobs`` at once, each killed after ``timeout_s``;
+    returns "<kernel> @ <shape> (exit <rc>|timeout)" for every child that did not exit 0."""
+    def pair(cmd):
+        if "--kernels" not in cmd:
+            return " ".join(cmd)
+        return f"{cmd[cmd.index('--kernels') + 1]} @ {next(iter(json.loads(cmd[cmd.index('--model-dims') + 1])))}"
+
+    pending, running, failed = list(cmds), [], []
+    while pending or running:
+        while pending and len(running) < jobs:
+            cmd = pending.pop(0)
+            running.append((cmd, subprocess.Popen(cmd), time.monotonic()))
+        time.sleep(poll_s)
+        for item in list(running):
+            cmd, proc, t0 = item
+            rc = proc.poll()
+            if rc is None and time.monotonic() - t0 > timeout_s:
+                proc.kill()
+                proc.wait()
+                rc = "timeout"
+            if rc is None:
+                continue
+            running.remove(item)
+            if rc != 0:
+                what = "timeout" if rc == "timeout" else f"exit {rc}"
+                failed.append(f"{pair(cmd)} ({what})")
+                print(f"   {pair(cmd)}: child process failed ({what}); the other pairs still run", flush=True)
+    return failed
 
 
 def _counts(results):
