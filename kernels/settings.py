@@ -33,6 +33,10 @@ autotune            false      a kernel call at a shape with no exact committed 
                                config (said once), else a default
 autotune_budget_s   120        wall-clock seconds of one first-use search (one kernel at one shape); its child
                                process is killed 75 s (start-up, compiles) after that
+autotune_jobs       8          with autotune, a training run tunes before its first step every kernel without an
+                               exact config at the run's mixer shape, this many searches at a time (their
+                               compiles overlap, their timings take turns on the GPU;
+                               ``nano_hybrid.bench.tune_kernels.pretune``); 1: one after the other
 cache_dir           ""         the per-user config cache (``<cache_dir>/<arch>/<kernel>.json``); "" is
                                ``~/.cache/nano_hybrid/helion`` (``$XDG_CACHE_HOME/nano_hybrid/helion``)
 ==================  =========  ===============================================================================
@@ -61,6 +65,7 @@ class HelionSettings:
     fast_launch: bool = True
     autotune: bool = False
     autotune_budget_s: float = 120  # seconds (a float after __post_init__)
+    autotune_jobs: int = 8
     cache_dir: str = ""
 
     def __post_init__(self) -> None:
@@ -74,6 +79,8 @@ class HelionSettings:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                     raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be a number of seconds > 0")
                 object.__setattr__(self, f.name, float(v))
+            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be a whole number >= 1")
             if f.name == "cache_dir" and not isinstance(v, str):
                 raise HelionSettingsError(f"kernels.helion.cache_dir={v!r} must be a path (a string; \"\" for "
                                           "~/.cache/nano_hybrid/helion)")

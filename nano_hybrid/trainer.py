@@ -535,6 +535,7 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
     # checkpoint.init_from_hf starts a fresh run only; a run that resumes loads its own checkpoint
     init_hf = cfg.checkpoint.init_from_hf if checkpointer.load_path is None else None
     init_hf = str(init_hf) if init_hf else None
+    pretune_kernels(cfg, plan, say)
     model, optimizer, scheduler = build_model_and_optimizer(plan, cfg, init_from_hf=init_hf,
                                                             with_optimizer=with_optimizer)
     if (with_optimizer and bool(cfg.checkpoint.check_free_space)
@@ -554,6 +555,21 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
     return cls(cfg=cfg, plan=plan, run_dir=run_dir, model=model, optimizer=optimizer, scheduler=scheduler,
                dataset=dataset, valid_dataset=valid_dataset, state=state, logger=logger, flops_per_token=flops,
                attention_mask=causal_mask_for(cfg, plan.seq_length, plan.device), checkpointer=checkpointer)
+
+
+def pretune_kernels(cfg: DictConfig, plan: RunPlan, say) -> list[str]:
+    """With ``kernels.helion.autotune`` on a GPU: the helion kernels without an exact config at this run's Mamba mixer
+    shape are tuned now, several at a time, before the first step (``nano_hybrid.bench.tune_kernels.pretune``).
+    Every process of the run calls it; one tunes while the others wait on its lock. Returns the failed searches."""
+    settings = plan.backend.settings if plan.backend is not None else None
+    if settings is None or not settings.autotune or plan.device.type != "cuda":
+        return []
+    if "M" not in str(cfg.model.hybrid_override_pattern):
+        return []  # no Mamba mixer: no helion kernel runs
+    from nano_hybrid.bench.tune_kernels import pretune
+    from nano_hybrid.model.config import mixer_dims
+
+    return pretune(mixer_dims(cfg), settings, say)
 
 
 def _start_logger(cfg: DictConfig, plan: RunPlan, run_dir: Path, resume_step, unwrapped):

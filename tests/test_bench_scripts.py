@@ -714,6 +714,15 @@ def test_tune_kernels_run_children_at_once_and_in_turn(tmp_path):
     assert all(s[i][1] <= s[i + 1][0] for i in range(2))  # one after the other
     bad = tk.run_children([child("c0", 0.1, rc=3), child("c1", 30)], jobs=2, timeout_s=3)
     assert len(bad) == 2 and bad[0].endswith("(exit 3)") and bad[1].endswith("(timeout)")
+    # with a log folder: each child's output in its own file, named in its failure; $OUT points there
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    said = []
+    code = "import os, sys; print('out is', os.environ['OUT']); sys.exit(int(sys.argv[1]))"
+    bad = tk.run_children([[sys.executable, "-c", code, "0"], [sys.executable, "-c", code, "4"]], jobs=2,
+                          timeout_s=60, log_dir=logs, say=said.append)
+    assert bad == [f"{sys.executable} -c {code} 4; log {logs / '1.log'} (exit 4)"] and len(said) == 1
+    assert [(logs / f"{i}.log").read_text() for i in (0, 1)] == [f"out is {logs}\n"] * 2
 
 
 def test_tune_kernels_takes_a_runs_overrides():
@@ -877,3 +886,61 @@ def test_tune_kernels_takes_the_grid_shapes():
         tk.resolve_shapes([], "nemh_8b,nemh_8b_docs4", None)
     with pytest.raises(ValueError, match="unknown shapes"):
         tk.resolve_shapes([], "nano_b3", None)
+
+
+def test_pretune_tunes_the_missing_kernels_at_once_then_nothing(monkeypatch, tmp_path):
+    """kernels.helion.autotune before the first step: the kernels without a config at the run's mixer dims are
+    searched in isolated children, autotune_jobs at a time under a shared timing lock, each with the first-use
+    budget, into the user cache; a second process (under the same lock) finds nothing left and starts none."""
+    from kernels.settings import HelionSettings
+    from nano_hybrid.bench import tune_kernels as tk
+
+    missing = [["conv1d_fwd", "ssd_bwd_dx", "ssd_bwd_db"], []]
+    seen = {}
+    monkeypatch.setattr(tk, "missing_kernels", lambda registry, names, shapes, root: (
+        seen.update(shapes=shapes, root=root) or missing.pop(0)))
+    monkeypatch.setattr(tk, "run_children", lambda cmds, jobs, timeout_s, log_dir, say: (
+        seen.update(cmds=cmds, jobs=jobs, timeout_s=timeout_s, log_dir=log_dir) or ["ssd_bwd_db @ x (timeout)"]))
+    lines = []
+    dims = dict(b=4, l=1024, h=16, p=64, g=8, n=128, c=128, w=4)
+    s = HelionSettings(autotune=True, autotune_budget_s=20, autotune_jobs=2, cache_dir=str(tmp_path / "cache"))
+    assert tk.pretune(dims, s, say=lines.append) == ["ssd_bwd_db @ x (timeout)"]
+    assert seen["root"] == tmp_path / "cache" and list(seen["shapes"].values()) == [dims]
+    assert seen["jobs"] == 2 and seen["timeout_s"] == 20 + tk.ISOLATE_OVERHEAD_S + tk.first_use.SEARCH_MARGIN_S
+    assert [c[c.index("--kernels") + 1] for c in seen["cmds"]] == ["conv1d_fwd", "ssd_bwd_dx", "ssd_bwd_db"]
+    for c in seen["cmds"]:
+        assert float(c[c.index("--budget-s") + 1]) == 20.0 and c[c.index("--out-root") + 1] == str(tmp_path / "cache")
+        assert Path(c[c.index("--timing-lock") + 1]).parent == seen["log_dir"] and "--no-write" not in c
+    assert len(lines) == 2 and "tuning 3 kernels" in lines[0] and "2 at a time" in lines[0]
+    assert "tuned 2 of 3" in lines[1] and "ssd_bwd_db" in lines[1]
+    lines.clear()
+    assert tk.pretune(dims, s, say=lines.append) == [] and lines == []  # the second process: nothing left
+
+
+def test_trainer_pretunes_only_helion_autotune_on_a_gpu(monkeypatch):
+    """The trainer's pretune step runs for the helion backend with autotune on a CUDA device, at the run's mixer
+    dims (per tensor-parallel rank); not with autotune off, on CPU, or without Mamba layers."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kernels.settings import HelionSettings
+    from nano_hybrid import trainer
+    from nano_hybrid.bench import tune_kernels as tk
+    from nano_hybrid.config import compose
+
+    calls = []
+    monkeypatch.setattr(tk, "pretune", lambda dims, settings, say: calls.append(dims) or [])
+    cfg = compose(["model=nano_proxy", "train.seq_length=1024", "train.micro_batch_size=4"])
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    on, off = HelionSettings(autotune=True), HelionSettings()
+
+    def plan(settings, device):
+        return SimpleNamespace(backend=SimpleNamespace(settings=settings), device=device)
+
+    for settings, device in ((off, gpu), (on, cpu), (None, gpu)):
+        assert trainer.pretune_kernels(cfg, plan(settings, device), print) == [] and calls == []
+    assert trainer.pretune_kernels(cfg, plan(on, gpu), print) == []
+    assert calls == [dict(b=4, l=1024, h=16, p=64, g=8, n=128, c=128, w=4)]
+    cfg.model.hybrid_override_pattern = "*E*E"
+    assert trainer.pretune_kernels(cfg, plan(on, gpu), print) == [] and len(calls) == 1

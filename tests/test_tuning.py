@@ -225,6 +225,8 @@ def test_settings_keys_are_typed_and_validated():
                      (dict(autotune_budget_s=0), "kernels.helion.autotune_budget_s=0 must be a number of seconds > 0"),
                      (dict(autotune_budget_s="60"), "autotune_budget_s='60' must be a number"),
                      (dict(cache_dir=3), "kernels.helion.cache_dir=3 must be a path"),
+                     (dict(autotune_jobs=0), "kernels.helion.autotune_jobs=0 must be a whole number >= 1"),
+                     (dict(autotune_jobs=2.5), "autotune_jobs=2.5 must be a whole number"),
                      (dict(autotun=True), "unknown kernels.helion key.*autotun")):
         with pytest.raises(HelionSettingsError, match=msg) as e:
             HelionSettings.from_mapping(bad)

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -321,19 +322,34 @@ def _run_isolated(args, names: list[str], shapes: dict[str, dict], per_budget: f
     return 1 if failed else 0
 
 
-def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: float = 0.2) -> list[str]:
-    """Run ``cmds`` (``tune_kernels.py`` children), at most ``jobs`` at once, each killed after ``timeout_s``;
-    returns "<kernel> @ <shape> (exit <rc>|timeout)" for every child that did not exit 0."""
-    def pair(cmd):
-        if "--kernels" not in cmd:
-            return " ".join(cmd)
-        return f"{cmd[cmd.index('--kernels') + 1]} @ {next(iter(json.loads(cmd[cmd.index('--model-dims') + 1])))}"
+def _pair(cmd: list[str]) -> str:
+    """"<kernel> @ <shape>" of a child command (the command itself for another one)."""
+    if "--kernels" not in cmd:
+        return " ".join(cmd)
+    return f"{cmd[cmd.index('--kernels') + 1]} @ {next(iter(json.loads(cmd[cmd.index('--model-dims') + 1])))}"
 
-    pending, running, failed = list(cmds), [], []
+
+def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: float = 0.2,
+                 log_dir: Path | None = None, say=lambda msg: print(msg, flush=True)) -> list[str]:
+    """Run ``cmds`` (``tune_kernels.py`` children), at most ``jobs`` at once, each killed after ``timeout_s``;
+    returns "<kernel> @ <shape> (exit <rc>|timeout)" for every child that did not exit 0. With ``log_dir`` each
+    child's output goes to ``<log_dir>/<n>.log`` (named in its failure) and its JSON log there too (``$OUT``)."""
+    def pair(cmd):
+        return _pair(cmd) + (f"; log {logs[id(cmd)]}" if id(cmd) in logs else "")
+
+    def start(n, cmd):
+        if log_dir is None:
+            return subprocess.Popen(cmd)
+        logs[id(cmd)] = log_dir / f"{n}.log"
+        with open(logs[id(cmd)], "w") as f:
+            return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OUT=str(log_dir)))
+
+    logs: dict[int, Path] = {}
+    pending, running, failed = list(enumerate(cmds)), [], []
     while pending or running:
         while pending and len(running) < jobs:
-            cmd = pending.pop(0)
-            running.append((cmd, subprocess.Popen(cmd), time.monotonic()))
+            n, cmd = pending.pop(0)
+            running.append((cmd, start(n, cmd), time.monotonic()))
         time.sleep(poll_s)
         for item in list(running):
             cmd, proc, t0 = item
@@ -348,7 +364,42 @@ def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: flo
             if rc != 0:
                 what = "timeout" if rc == "timeout" else f"exit {rc}"
                 failed.append(f"{pair(cmd)} ({what})")
-                print(f"   {pair(cmd)}: child process failed ({what}); the other pairs still run", flush=True)
+                say(f"   {pair(cmd)}: child process failed ({what}); the other pairs still run")
+    return failed
+
+
+def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=True)) -> list[str]:
+    """``kernels.helion.autotune`` before a run's first step: tune every kernel without an exact config (committed,
+    or in the user cache) at the run's mixer dims ``dims`` on this GPU, ``settings.autotune_jobs`` isolated
+    searches at a time, each with the first-use budget ``settings.autotune_budget_s``, winners into the user cache.
+    The first call of each kernel then finds its config, instead of searching one kernel after the other in the
+    first step. Under a lock per shape in the cache, so the other processes of the run (and other runs sharing the
+    cache) wait and then find nothing left to tune. Children's output goes to ``<cache>/<arch>/pretune_logs/``.
+    Returns the searches that failed (their kernels still search at their first call, as without this)."""
+    arch = tuning.current_arch()
+    root = tuning.user_cache_root(settings.cache_dir)
+    key = tuning.shape_key(**dims)
+    registry = tuner.discover_tunable_kernels()
+    with tuning.file_lock(root / arch / f"pretune.{key}"):
+        names = missing_kernels(registry, sorted(registry), {key: dict(dims)}, root)
+        if not names:
+            return []
+        jobs = min(settings.autotune_jobs, len(names))
+        rounds = -(-len(names) // jobs)
+        say(f"nano_hybrid kernels: tuning {len(names)} kernels without a config at {key} on this GPU, {jobs} at a "
+            f"time, {settings.autotune_budget_s:.0f} s each (about {rounds * (settings.autotune_budget_s + 40):.0f} s;"
+            f" kernels.helion.autotune); winners go to {root / arch}")
+        log_dir = root / arch / "pretune_logs" / f"{key}_{dt.datetime.now().strftime('%Y%m%d_%H%M%S')}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        ns = argparse.Namespace(rep_ms=40.0, no_write=False, from_scratch=False, out_root=str(root))
+        t0 = time.monotonic()
+        cmds = child_commands(ns, names, {key: dict(dims)}, settings.autotune_budget_s + ISOLATE_OVERHEAD_S,
+                              timing_lock=str(log_dir / "gpu_timing") if jobs > 1 else None)
+        failed = run_children(cmds, jobs, settings.autotune_budget_s + ISOLATE_OVERHEAD_S + first_use.SEARCH_MARGIN_S,
+                              log_dir=log_dir, say=say)
+        say(f"nano_hybrid kernels: tuned {len(names) - len(failed)} of {len(names)} kernels at {key} in "
+            f"{time.monotonic() - t0:.0f} s" + (f"; failed (searched again at their first call): {', '.join(failed)}"
+                                                 if failed else ""))
     return failed
 
 
