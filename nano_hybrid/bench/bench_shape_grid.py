@@ -12,7 +12,9 @@ ranges), and the fp32 mamba-ssm op on the same values as the reference. Reported
 - errors: relative L2 of the output and every gradient against fp32 mamba-ssm, for helion bf16 and, next to it,
   mamba-ssm's own bf16 (the error a correct bf16 kernel has);
 - the kernels' config notices (nearest shape / default / tuned, from ``kernels.first_use.select_config``) and the
-  first-call time (compile + selection + any first-use tuning).
+  first-call time (compile + selection + any first-use tuning). With ``--kernels-helion autotune=true`` a shape
+  without packed documents first has its missing kernels tuned several at a time (``tune_kernels.pretune``, as a
+  training run does; ``pretune_s`` and ``pretune_failed`` in its record).
 A shape that raises is recorded with its error and the next shape still runs. Writes ``shape_grid.json`` and
 ``.md`` to $OUT (default runs/bench/<gpu>).
 """
@@ -151,6 +153,16 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> 
     seq = _seq_idx(shape, docs, device)
     A, B = args.baseline, args.candidate
     ops = {lab: _op(backends[lab], shape, p, seq) for lab in (A, B)}
+    settings = backends[B].settings
+    if settings is not None and settings.autotune and device.type == "cuda" and docs == 1:
+        # as a training run with autotune does before its first step: the shape's kernels without a config are
+        # tuned autotune_jobs at a time (packed-document shapes tune at their first calls, one after the other)
+        from nano_hybrid.bench.tune_kernels import grid_dims, pretune
+
+        log(f"{B}: tuning the kernels without a config, {settings.autotune_jobs} at a time")
+        t0 = time.perf_counter()
+        rec["pretune_failed"] = pretune(grid_dims(shape), settings, say=log)
+        rec["pretune_s"] = round(time.perf_counter() - t0, 1)
     # first call of each arm: compile + config selection (+ first-use tuning for helion with autotune on)
     for lab in (A, B):
         log(f"{lab}: first call (compile, config selection, any autotuning)")
