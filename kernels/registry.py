@@ -121,6 +121,17 @@ def _mamba_ssm_backend() -> KernelBackend:
     )
 
 
+# The tunable Helion kernels (tuning names, ``kernels.tuner.discover_tunable_kernels``) one training step of the
+# helion backend calls at a mixer shape: the fused op's forward and backward and the gated RMSNorm's. What a run's
+# pretuning tunes (``nano_hybrid.bench.tune_kernels.pretune``); the other tunable kernels (the unfused chunk_state /
+# state_passing pair, the fp32-CB chunk scan) run only in comparisons and inference.
+# tests/test_mamba_split_helion.py checks the list against the calls.
+HELION_TRAINING_KERNELS = (
+    "conv1d_fwd", "conv1d_bwd", "ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan_cb16",
+    "ssd_bwd_dz_dstates", "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt",
+    "rmsnorm_fwd", "rmsnorm_bwd",
+)
+
 _HELION_PARTS = {
     "mamba_split_conv1d_scan_combined": ("kernels.mamba_split_helion", "mamba_split_conv1d_scan_combined_helion"),
     "mamba_chunk_scan_combined": ("kernels.ssd_helion", "mamba_chunk_scan_combined_helion"),

@@ -690,6 +690,12 @@ def test_tune_kernels_jobs_share_the_budget(monkeypatch):
     assert got["per_budget"] == 400.0 and got["jobs"] == 2
     with pytest.raises(SystemExit):
         tk.main(["--kernels", kernels, "--jobs", "0"])
+    # the default kernels: a run's overrides tune what its training step calls, presets every tunable kernel
+    assert tk.main(["model=nano_proxy", "train.seq_length=1024", "--budget-s", "140"]) == 0
+    assert got["names"] == sorted(tk.HELION_TRAINING_KERNELS) and got["jobs"] == 1
+    assert tk.main(["--shapes", "nano", "--budget-s", "140"]) == 0
+    assert got["names"] == sorted(tk.tuner.discover_tunable_kernels()) and len(got["names"]) > len(
+        tk.HELION_TRAINING_KERNELS)
 
 
 def test_tune_kernels_run_children_at_once_and_in_turn(tmp_path):
@@ -898,7 +904,7 @@ def test_pretune_tunes_the_missing_kernels_at_once_then_nothing(monkeypatch, tmp
     missing = [["conv1d_fwd", "ssd_bwd_dx", "ssd_bwd_db"], []]
     seen = {}
     monkeypatch.setattr(tk, "missing_kernels", lambda registry, names, shapes, root: (
-        seen.update(shapes=shapes, root=root) or missing.pop(0)))
+        seen.update(names=names, shapes=shapes, root=root) or missing.pop(0)))
     monkeypatch.setattr(tk, "run_children", lambda cmds, jobs, timeout_s, log_dir, say: (
         seen.update(cmds=cmds, jobs=jobs, timeout_s=timeout_s, log_dir=log_dir) or ["ssd_bwd_db @ x (timeout)"]))
     lines = []
@@ -906,6 +912,7 @@ def test_pretune_tunes_the_missing_kernels_at_once_then_nothing(monkeypatch, tmp
     s = HelionSettings(autotune=True, autotune_budget_s=20, autotune_jobs=2, cache_dir=str(tmp_path / "cache"))
     assert tk.pretune(dims, s, say=lines.append) == ["ssd_bwd_db @ x (timeout)"]
     assert seen["root"] == tmp_path / "cache" and list(seen["shapes"].values()) == [dims]
+    assert seen["names"] == sorted(tk.HELION_TRAINING_KERNELS)  # what a training step calls, not every tunable kernel
     assert seen["jobs"] == 2 and seen["timeout_s"] == 20 + tk.ISOLATE_OVERHEAD_S + tk.first_use.SEARCH_MARGIN_S
     assert [c[c.index("--kernels") + 1] for c in seen["cmds"]] == ["conv1d_fwd", "ssd_bwd_dx", "ssd_bwd_db"]
     for c in seen["cmds"]:

@@ -440,3 +440,24 @@ def test_short_and_partial_chunk_shapes_vs_mamba_ssm():
             print(f"b={b} l={l} seq={doc}: {nm} rel. L2 vs fp32: helion {e_h:.2e} mamba-ssm "
                   f"{'-' if e_m is None else f'{e_m:.2e}'}")
             assert e_h <= (2e-2 if e_m is None else 2 * e_m + 1e-3), f"l={l} {nm}: helion {e_h:.2e} vs mamba-ssm {e_m}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")
+def test_training_kernels_are_what_a_training_step_calls(monkeypatch):
+    """``registry.HELION_TRAINING_KERNELS`` (what a run's pretuning tunes) is exactly the set of tunable kernels that
+    the fused op's forward + backward (with and without seq_idx) and the gated RMSNorm's forward + backward call."""
+    from fused_op_counts import count
+
+    from kernels import first_use
+    from kernels.registry import HELION_TRAINING_KERNELS, get_backend
+    from kernels.tuner import discover_tunable_kernels
+
+    called = set()
+    orig = first_use.tuned_call
+    monkeypatch.setattr(first_use, "tuned_call", lambda name, *a, **k: called.add(name) or orig(name, *a, **k))
+    count(seq=False)
+    count(seq=True)
+    norm = get_backend("helion").RMSNormGated(32, eps=1e-5, group_size=16, norm_before_gate=False)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    norm(x, torch.randn(2, 5, 32)).square().sum().backward()
+    assert called == set(HELION_TRAINING_KERNELS) and called <= set(discover_tunable_kernels())

@@ -9,7 +9,8 @@ composed as training composes it and the mixer dims one rank of that run calls a
 tensor-parallel rank, head dim, state dim, chunk, conv width). Without overrides, ``--shapes`` names presets, or
 ``bench_shape_grid.py``'s shapes without packed documents (to tune a grid before it runs).
 
-Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuner.discover_tunable_kernels``);
+Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuner.discover_tunable_kernels``); with a
+run's overrides the default is the kernels a training step calls (``kernels.registry.HELION_TRAINING_KERNELS``);
 shapes are ``kernels.tuner.SHAPE_PRESETS`` names. The budget is split evenly over (kernel, shape)
 pairs. Candidates: the kernel's default config, its hand-written seeds (shuffled with a fixed seed),
 then random configs from the bound kernel's config space; each is compiled as a fixed config,
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 
 from kernels import first_use, tuner, tuning
+from kernels.registry import HELION_TRAINING_KERNELS
 from nano_hybrid.bench.environment import REPO_ROOT
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
@@ -54,7 +56,10 @@ from nano_hybrid.errors import EXIT_BAD_INPUT
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="a run's overrides (as for nano_hybrid.train): tune the mixer shapes it calls")
-    ap.add_argument("--kernels", default="all", help="comma list of tunable kernel names, or 'all'")
+    ap.add_argument("--kernels", default=None,
+                    help="comma list of tunable kernel names, 'training' (the kernels a training step calls: "
+                    "kernels.registry.HELION_TRAINING_KERNELS; the default with a run's overrides) or 'all' (the "
+                    "default with presets)")
     ap.add_argument("--shapes", "--shape", dest="shapes", default=None,
                     help=f"comma list of presets (default nano without overrides): {', '.join(tuner.SHAPE_PRESETS)}; "
                     "or of bench_shape_grid.py's shapes without packed documents")
@@ -101,7 +106,13 @@ def main(argv=None) -> int:
         for name, (mod, _) in sorted(registry.items()):
             print(f"{name}\t{mod}")
         return 0
-    names = sorted(registry) if args.kernels == "all" else [k.strip() for k in args.kernels.split(",") if k.strip()]
+    which = args.kernels or ("training" if args.overrides else "all")
+    if which == "all":
+        names = sorted(registry)
+    elif which == "training":
+        names = sorted(HELION_TRAINING_KERNELS)
+    else:
+        names = [k.strip() for k in which.split(",") if k.strip()]
     unknown = [k for k in names if k not in registry]
     if unknown:
         ap.error(f"unknown kernels {unknown}; known: {sorted(registry)}")
@@ -369,8 +380,9 @@ def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: flo
 
 
 def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=True)) -> list[str]:
-    """``kernels.helion.autotune`` before a run's first step: tune every kernel without an exact config (committed,
-    or in the user cache) at the run's mixer dims ``dims`` on this GPU, ``settings.autotune_jobs`` isolated
+    """``kernels.helion.autotune`` before a run's first step: tune every kernel a training step calls
+    (``kernels.registry.HELION_TRAINING_KERNELS``) that has no exact config (committed, or in the user cache) at the
+    run's mixer dims ``dims`` on this GPU, ``settings.autotune_jobs`` isolated
     searches at a time, each with the first-use budget ``settings.autotune_budget_s``, winners into the user cache.
     The first call of each kernel then finds its config, instead of searching one kernel after the other in the
     first step. Under a lock per shape in the cache, so the other processes of the run (and other runs sharing the
@@ -381,7 +393,7 @@ def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=
     key = tuning.shape_key(**dims)
     registry = tuner.discover_tunable_kernels()
     with tuning.file_lock(root / arch / f"pretune.{key}"):
-        names = missing_kernels(registry, sorted(registry), {key: dict(dims)}, root)
+        names = missing_kernels(registry, sorted(HELION_TRAINING_KERNELS), {key: dict(dims)}, root)
         if not names:
             return []
         jobs = min(settings.autotune_jobs, len(names))
