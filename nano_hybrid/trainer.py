@@ -535,7 +535,7 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
     # checkpoint.init_from_hf starts a fresh run only; a run that resumes loads its own checkpoint
     init_hf = cfg.checkpoint.init_from_hf if checkpointer.load_path is None else None
     init_hf = str(init_hf) if init_hf else None
-    pretune_kernels(cfg, plan, say)
+    pretune_kernels(cfg, plan, lambda msg: print(msg, flush=True))  # every rank: only the one that tunes says so
     model, optimizer, scheduler = build_model_and_optimizer(plan, cfg, init_from_hf=init_hf,
                                                             with_optimizer=with_optimizer)
     if (with_optimizer and bool(cfg.checkpoint.check_free_space)
