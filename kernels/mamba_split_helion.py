@@ -15,7 +15,10 @@ Everything runs on Helion kernels (conv1d fwd/bwd of ``kernels/causal_conv1d.py`
 forward pieces and backward). Around them the op only takes views: z, xBC, dt are strided slices of
 zxbcdt and x, B, C slices of the conv output, passed to the kernels as they are (no ``.contiguous()``
 copies, no fp32 casts); the backward allocates d_zxbcdt once and the kernels write dz, dxBC (conv
-backward) and ddt straight into its slices, as mamba-ssm does (no ``torch.cat``). What is left outside
+backward) and ddt straight into its slices, as mamba-ssm does (no ``torch.cat``).
+Layouts follow zxbcdt's: when it is a (b, l, d) view of (l, b, d) memory (Megatron's in_proj output, transposed),
+y is one too (``seq_major``), so Megatron's ``rearrange(y, "b l d -> l b d").contiguous()`` copies nothing, and d_zxbcdt
+has zxbcdt's strides; the incoming gradient is read in whatever layout it arrives with a unit last stride. What is left outside
 the kernels: the deterministic sums of per-program partials (dweight, dbias, dA, dD, ddt_bias) and the
 small mask/zero tensors of the SSD backward (``tests/test_mamba_split_helion.py::test_op_count_fused_path``
 holds the count: 5 Helion kernels forward, 10 backward).
@@ -37,6 +40,11 @@ from kernels.ssd_helion_bwd import ssd_backward_helion
 def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Tensor:
     """xBC (b, l, d) (a strided zxbcdt slice) -> act(conv(xBC)) (b, l, d) contiguous (Helion kernel)."""
     return causal_conv1d_fwd_helion(xBC.transpose(1, 2), weight, bias, seq_idx, activation).transpose(1, 2)
+
+
+def seq_major(t: torch.Tensor) -> bool:
+    """Whether (b, l, d) ``t`` is a view of (l, b, d) memory (Megatron's activation layout), batch 2 and up."""
+    return t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) < t.stride(1)
 
 
 class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
@@ -61,7 +69,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         out, out_x, dt_out, dA_cumsum, _, final_states = ssd_forward_helion(
             x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),
             chunk_size, D=D, z=z.reshape(b, l, nheads, headdim), dt_bias=dt_bias, initial_states=initial_states,
-            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit, seq_major=seq_major(zxbcdt),
         )
         ctx.settings = settings
         if not settings.save_cumsum:

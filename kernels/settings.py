@@ -20,8 +20,10 @@ save_cumsum         true       the fused op's forward keeps dA_cumsum and dt_out
                                its backward, which then launches no chunk cumsum; false recomputes them, as
                                mamba-ssm does. The values are bitwise the same either way.
 zxbcdt_in_place     true       the Mamba mixer hands the fused op its (l, b, d) in_proj output as a (b, l, d) view
-                               and gets the gradient back in that layout (no copy either way); false copies it to
-                               a contiguous (b, l, d) tensor first, as megatron does for mamba-ssm.
+                               and gets the gradient back in that layout (no copy either way); the op then writes y
+                               in (l, b, d) memory order too, so the mixer's transpose to (l, b, d) copies nothing;
+                               false copies zxbcdt to a contiguous (b, l, d) tensor first and y back, as megatron
+                               does for mamba-ssm.
 fast_launch         true       after a compiled kernel's first launch, later launches call its Triton binary
                                directly (``kernels.tuning.FastLauncher``), skipping Triton's per-call argument
                                binding; bitwise the same results, less host time per launch.

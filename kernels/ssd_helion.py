@@ -246,10 +246,10 @@ def _chunk_scan_kernel(
     z: torch.Tensor | None,  # (b, L, h, p)
     seq_idx: torch.Tensor | None,  # (b, L) int32
     seq_end: torch.Tensor | None,  # (b, nc + 1) int32
+    out: torch.Tensor,  # (b, L, h, p), written here (the wrapper picks its memory layout)
+    out_x: torch.Tensor,  # (b, L, h, p), written here with z; ``out`` itself without z
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, L, h, p = x.shape
-    out = torch.empty_like(x)
-    out_x = torch.empty_like(x) if z is not None else out
     _, nc, g, c, _ = CB.shape
     n = C.shape[3]
     c = hl.specialize(c)
@@ -401,6 +401,14 @@ def _seq_end(seq_idx_padded: torch.Tensor | None, chunk_size: int) -> torch.Tens
         return None
     ends = seq_idx_padded[:, chunk_size - 1 :: chunk_size]
     return torch.cat([torch.zeros_like(ends[:, :1]), ends], dim=1).contiguous()
+
+
+def out_buffer(b: int, L: int, h: int, p: int, like: torch.Tensor, seq_major: bool) -> torch.Tensor:
+    """An uninitialised (b, L, h, p) tensor in ``like``'s dtype and device; ``seq_major``: a view of (L, b, h, p)
+    memory, so that its first l positions, rearranged to (l, b, h * p), are one contiguous tensor (no copy)."""
+    if seq_major:
+        return torch.empty([L, b, h, p], dtype=like.dtype, device=like.device).permute(1, 0, 2, 3)
+    return torch.empty([b, L, h, p], dtype=like.dtype, device=like.device)
 
 
 def _contig(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -644,9 +652,11 @@ def ssd_chunk_scan_helion(
     z: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     config: dict | None = None,
+    seq_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, out_x) (b, l, h, p) in x.dtype; out = out_x * silu(z) with z, else out_x is out
-    (as ``chunk_scan_ref``). CB is in ``forward_cb_dtype(x.dtype)``."""
+    (as ``chunk_scan_ref``). CB is in ``forward_cb_dtype(x.dtype)``. ``seq_major``: out and out_x are (b, l, h, p)
+    views of (l, b, h, p) memory (``out_buffer``), the layout of Megatron's activations."""
     b, l, h, p, g, n = _check_xbc(x, C, "C")
     _, nc, _, c, _ = CB.shape
     _check_chunk(c)
@@ -666,10 +676,12 @@ def ssd_chunk_scan_helion(
     if CB.dtype != want:
         raise ValueError(f"chunk_scan reads CB in {want} for x in {x.dtype}, got {CB.dtype} "
                          "(ssd_bmm_chunk_helion's cb_dtype; forward_cb_dtype)")
+    out = out_buffer(b, L, h, p, x, seq_major)
+    out_x = out if z is None else out_buffer(b, L, h, p, x, seq_major)
     out, out_x = _run(
         _chunk_scan_name(x.dtype), dims, [c, p, c],
         (CB.contiguous(), _pad_seq(x, L), dt.contiguous(), dA_cumsum.contiguous(), _pad_seq(C, L),
-         states_in.contiguous(), D2, _pad_seq(z, L), sidx, _seq_end(sidx, c)),
+         states_in.contiguous(), D2, _pad_seq(z, L), sidx, _seq_end(sidx, c), out, out_x),
         config,
     )
     if L != l:
@@ -698,6 +710,7 @@ def ssd_forward_helion(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype | None = None,
     fuse_state_passing: bool = True,
+    seq_major: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """All forward pieces, like mamba-ssm's ``_mamba_chunk_scan_combined_fwd``:
     (out, out_x, dt_out, dA_cumsum, states_in, final_states).
@@ -706,7 +719,8 @@ def ssd_forward_helion(
     dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
     ``fuse_state_passing=False`` runs chunk_state and state_passing as two kernels (the per-chunk fp32 states go
-    through memory), for comparisons with mamba-ssm's kernels one by one."""
+    through memory), for comparisons with mamba-ssm's kernels one by one. ``seq_major``: out and out_x in (l, b)
+    memory order (``ssd_chunk_scan_helion``)."""
     b, l, h, p, g, n = _check_xbc(x, B)
     if C.shape != B.shape:
         raise ValueError(f"C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
@@ -735,7 +749,8 @@ def ssd_forward_helion(
             state_dtype=sdtype,
         )
         CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx, cb_dtype=forward_cb_dtype(x.dtype))
-    out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx)
+    out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx,
+                                       seq_major=seq_major)
     if L != l:
         out, out_x = out[:, :l], out_x[:, :l]
     return out, out_x, dt_out, dA_cumsum, states_in, final_states
@@ -826,7 +841,9 @@ def _kernel_args(name: str, md: dict, device: Any) -> tuple[tuple, dict]:
             CB = CB.to(Cp.dtype)
         st = (torch.randn(b, nc, h, p, n, device=device) * 0.1).to(Cp.dtype)
         D2 = inp["D"].reshape(h, 1).expand(h, p)
-        return (CB, xp, dto, dA, Cp, st, D2, _pad_seq(inp["z"], L).contiguous(), None, None), kd
+        # the outputs as the fused training op allocates them: in the (l, b) order of Megatron's activations
+        out, out_x = (out_buffer(b, L, h, p, xp, seq_major=True) for _ in range(2))
+        return (CB, xp, dto, dA, Cp, st, D2, _pad_seq(inp["z"], L).contiguous(), None, None, out, out_x), kd
     raise KeyError(name)
 
 

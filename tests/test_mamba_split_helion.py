@@ -182,9 +182,10 @@ def test_bwd_dstates_dtype(monkeypatch):
 
 def test_zxbcdt_transposed_view_in_place():
     """zxbcdt as Megatron's mixer hands it to a backend with ``strided_zxbcdt`` (a (b, l, d) view of the (l, b, d)
-    in_proj output, no copy): outputs and every gradient are bitwise those of the contiguous input, and d_zxbcdt
-    comes back in the input's (l, b, d) layout (so in_proj's backward needs no copy either). Odd seqlen, seq_idx,
-    initial states."""
+    in_proj output, no copy): outputs and every gradient are bitwise those of the contiguous input; y is a (b, l, d)
+    view of (l, b, d) memory (Megatron's ``rearrange(y, "b l d -> l b d").contiguous()`` then copies nothing), the
+    incoming gradient is taken in that layout, and d_zxbcdt comes back in the input's (l, b, d) layout (so in_proj's
+    backward needs no copy either). Odd seqlen, seq_idx, initial states."""
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
     res = {}
     for layout in ("contiguous", "lbd"):
@@ -201,12 +202,73 @@ def test_zxbcdt_transposed_view_in_place():
         o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
                                                         headdim=p, ngroups=g)
         do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2))
-        grads = torch.autograd.grad((o * do).sum(), list(t.values()) + [t0])
+        if layout == "lbd":
+            assert o.transpose(0, 1).is_contiguous() and not o.is_contiguous()
+            do = do.transpose(0, 1).contiguous().transpose(0, 1)  # as the gated norm's backward hands it back
+        grads = torch.autograd.grad(o, list(t.values()) + [t0], grad_outputs=do)
         res[layout] = (o, *grads)
         if layout == "lbd":
             assert grads[0].stride() == zx.stride(), (grads[0].stride(), zx.stride())
     for i, (x, y) in enumerate(zip(res["contiguous"], res["lbd"])):
         assert torch.equal(x, y), f"output {i} differs for the (l, b, d)-ordered zxbcdt"
+
+
+def test_mixer_layer_moves_no_activation_between_its_projections():
+    """Megatron's Mamba mixer on the helion backend (model=tiny, batch 2, length a multiple of the chunk), forward and
+    backward: every op on a tensor of the mixer's activation size, outside the Helion kernels, is one of the in/out
+    projection GEMMs or an allocation; no copy, transpose-copy, cast or ``contiguous()`` between in_proj, the fused
+    op, the gated norm and out_proj in either direction."""
+    import collections
+
+    import conftest  # noqa: F401  (aten::mm.dtype on CPU for interpret mode)
+    from fused_op_counts import VIEW_OPS, _install
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels import tuning
+    from nano_hybrid.config import compose
+    from nano_hybrid.model import build_model
+    from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+
+    class Large(TorchDispatchMode):  # ops whose output has at least `size` elements, views left out
+        def __init__(self, size):
+            super().__init__()
+            self.ops, self.inside, self.size = [], 0, size
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            n = max((o.numel() for o in outs if isinstance(o, torch.Tensor)), default=0)
+            if not self.inside and n >= self.size and func.overloadpacket.__name__ not in VIEW_OPS:
+                self.ops.append(func.overloadpacket.__name__)
+            return out
+
+    cfg = compose(["model=tiny", "kernels.backend=helion"])
+    initialize_parallel(cfg)
+    try:
+        torch.manual_seed(0)
+        mixer = next(m for m in build_model(cfg, device="cpu").modules() if type(m).__name__ == "BackendMambaMixer")
+        l, b = 2 * mixer.chunk_size, 2
+        x = torch.randn(l, b, cfg.model.hidden_size, requires_grad=True)
+        counter = Large(l * b * mixer.d_inner)
+        orig = _install(counter)
+        try:
+            with counter:
+                y, _ = mixer(x)
+            fwd = collections.Counter(counter.ops)
+            dy = torch.randn_like(y)
+            counter.ops.clear()
+            with counter:
+                y.backward(dy)
+            bwd = collections.Counter(counter.ops)
+        finally:
+            tuning.run_interpret = orig
+    finally:
+        destroy_parallel()
+    plain = lambda c: {k: v for k, v in c.items() if not k.startswith("helion:")}  # noqa: E731
+    assert plain(fwd) == {"mm": 2, "empty": 2}, fwd  # in_proj, out_proj; y and out_x allocated in (l, b) order
+    assert plain(bwd) == {"mm": 4, "empty_like": 2}, bwd  # dgrad + wgrad of both; d_zxbcdt and the conv output grad
+    assert fwd["helion:_chunk_scan_kernel"] == 1 and fwd["helion:rmsnorm_gated_fwd_kernel"] == 1
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_saves_only_small_tensors():

@@ -132,6 +132,7 @@ class BackendMambaMixer(MambaMixer):
             norm_before_gate=self.norm_before_gate,
             seq_idx=seq_idx,
         )
+        # a copy unless the backend's op returned y as a view of (l, b, d) memory (helion does for a transposed zxBCdt)
         y = rearrange(y, "b l d -> l b d").contiguous()
         y = self.cp.post_conv_ssm(y, packed_seq_params)
         if self.rmsnorm:
