@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements behind benchmarks/*.md, as named stages, on a host with CUDA GPUs:
 #
-#   bash scripts/gpu_suite.sh STAGE [STAGE ...]
+#   bash scripts/gpu_suite.sh STAGE[+STAGE ...] [STAGE[+STAGE ...] ...]
 #
-# Stages (each writes its JSON/markdown under $OUT and its log to $OUT/logs/STAGE.log):
+# Arguments run one after the other; the stages of one argument joined by '+' run side by side on the same GPU(s)
+# (e.g. `long+tests`: the host-bound long run leaves most of the GPU idle). Stages (each writes its JSON/markdown under
+# $OUT and its log to $OUT/logs/STAGE.log):
 #   tests        pytest -m gpu: every GPU test (kernels against mamba-ssm / causal-conv1d and the fp32 references)
 #   equivalence  scripts/kernel_equivalence.py against the kernels in $REFERENCE_TREE (bitwise outputs and gradients)
 #   kernels      the mixer op A/B (bench_kernels.py, Nano shape, A-vs-A control) and the SSD forward (bench_ssd_fwd.py)
@@ -23,21 +25,24 @@
 #                after $MINUTES (default 8) and resumed by the next call; report in $OUT/convergence_seeds/compare
 #   long         the 20,000-step helion run on one GPU (scripts/convergence_study.py --arms none), stopped with
 #                SIGTERM 20 s before $MINUTES (default: what is left of CALL_SECONDS, 585, since this script
-#                started, setup included: a 10-minute call) and resumed by the next call, on the seeds stage's
+#                started, setup included: a 10-minute call; SUITE_T0, epoch seconds, moves that start earlier) and
+#                resumed by the next call, on the seeds stage's
 #                corpus; no kernel tuning (committed configs); beside it the resume check (RESUME_CHECK, default 300,
 #                0: none: the same settings with deterministic steps, stopped at that step and resumed, against an
 #                unbroken run, both 400 steps further); report in $OUT/convergence_seeds/compare (long_run.json,
 #                long_run.png, resume_check.png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
+#   grid         helion vs mamba_ssm on the grid of Mamba-2 layer shapes (scripts/bench_shape_grid.py $GRID_ARGS)
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
 # the packages are installed), BACKENDS (default "mamba_ssm,helion" for the A/B stages), REFERENCE_TREE
 # (equivalence), PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES,
-# CALL_SECONDS (long), SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms
+# CALL_SECONDS and SUITE_T0 (long), GRID_ARGS (grid), SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms
 # mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per stage, default
 # 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code is the
 # number of failed stages.
 set -u
+export SUITE_T0="${SUITE_T0:-$(date +%s)}"
 cd "$(dirname "$0")/.."
 REPO="$PWD"
 OUT="${OUT:-runs/gpu_suite}"
@@ -49,16 +54,20 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,38p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
-KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity"
-for stage in "$@"; do
-    case " $KNOWN " in
-        *" $stage "*) ;;
-        *) echo "error: unknown stage '$stage' (known: $KNOWN)" >&2; exit 2 ;;
-    esac
+KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid"
+for group in "$@"; do
+    IFS=+ read -ra members <<< "$group"
+    [ "${#members[@]}" -gt 0 ] || { echo "error: empty stage group '$group'" >&2; exit 2; }
+    for stage in "${members[@]}"; do
+        case " $KNOWN " in
+            *" $stage "*) ;;
+            *) echo "error: unknown stage '$stage' (known: $KNOWN)" >&2; exit 2 ;;
+        esac
+    done
 done
 
 if [ "${SKIP_SETUP:-0}" != "1" ]; then
@@ -137,7 +146,7 @@ st_seeds() {  # one GPU; the same call resumes every run (same run dirs under $O
 st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/convergence_seeds)
     local wandb=offline
     python3 -c "import wandb" 2>/dev/null || { wandb=disabled; echo "long: wandb is not installed, W&B is off"; }
-    local minutes="${MINUTES:-$(python3 -c "print(round(max(1.0, (${CALL_SECONDS:-585} - $SECONDS) / 60), 2))")}"
+    local minutes="${MINUTES:-$(python3 -c "print(round(max(1.0, (${CALL_SECONDS:-585} - ($(date +%s) - $SUITE_T0)) / 60), 2))")}"
     echo "long: --minutes $minutes"
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
         --resume-check "${RESUME_CHECK:-300}" --minutes "$minutes" --save-margin 20 --grace 30 \
@@ -149,6 +158,11 @@ st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/conv
 # loss difference per step against the single-GPU run: step 1 <= 2e-3 (same weights and batch, only bf16
 # rounding), every step <= 2% (reduction-order noise), mean <= 0.5% (a missed or doubled reduction shifts the whole
 # curve). The second single-GPU run is the A-vs-A control: reported, never failing.
+st_grid() {
+    # shellcheck disable=SC2086
+    python3 scripts/bench_shape_grid.py --out "$OUT" ${GRID_ARGS:-}
+}
+
 st_parity() {
     need_gpus 2 parity || return 1
     local steps=50 rc=0 name nproc
@@ -176,21 +190,40 @@ st_parity() {
     return $rc
 }
 
-export A BACKENDS NGPU
-export -f need_gpus $(declare -F | awk '$3 ~ /^st_/ {print $3}')
-printf 'stage\trc\tseconds\n' > "$OUT/stages.tsv"
-for stage in "$@"; do
-    echo "=== [$stage] $(date -u +%H:%M:%S)"
+run_stage() {  # run_stage STAGE: its time limit, log, row in stages.tsv and, when it fails, STAGE.FAILED; its exit code
+    local stage=$1 t0 rc
     t0=$(date +%s)
     timeout --signal=TERM --kill-after=15 "${STAGE_TIMEOUT:-900}" bash -c "st_$stage" > "$OUT/logs/$stage.log" 2>&1
     rc=$?
     printf '%s\t%s\t%s\n' "$stage" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/stages.tsv"
-    tail -n 15 "$OUT/logs/$stage.log"
     if [ "$rc" -ne 0 ]; then
-        FAILED=$((FAILED + 1))
         { echo "stage $stage failed: exit code $rc"; tail -n 150 "$OUT/logs/$stage.log"; } > "$OUT/$stage.FAILED"
-        echo "[$stage] FAILED (rc $rc): $OUT/$stage.FAILED"
     fi
+    return "$rc"
+}
+
+export A BACKENDS NGPU
+export -f need_gpus $(declare -F | awk '$3 ~ /^st_/ {print $3}')
+printf 'stage\trc\tseconds\n' > "$OUT/stages.tsv"
+for group in "$@"; do
+    echo "=== [$group] $(date -u +%H:%M:%S)"
+    IFS=+ read -ra members <<< "$group"
+    pids=()
+    for stage in "${members[@]}"; do
+        run_stage "$stage" &
+        pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"
+        rc=$?
+        stage="${members[$i]}"
+        echo "--- [$stage] rc $rc"
+        tail -n 15 "$OUT/logs/$stage.log"
+        if [ "$rc" -ne 0 ]; then
+            FAILED=$((FAILED + 1))
+            echo "[$stage] FAILED (rc $rc): $OUT/$stage.FAILED"
+        fi
+    done
 done
 cat "$OUT/stages.tsv"
 exit "$FAILED"

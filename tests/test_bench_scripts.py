@@ -564,9 +564,10 @@ def test_smi_summary_numeric_ranges_and_reason_counts():
 
 
 def test_shell_scripts_parse_and_gpu_suite_runs_named_stages(tmp_path):
-    """Every scripts/*.sh parses (bash -n). gpu_suite.sh refuses an unknown stage before any setup (exit 2), and
-    runs known stages in order, each with its log, a row in stages.tsv and a .FAILED file when it fails (here:
-    a two-GPU stage on a host without two GPUs); its exit code counts the failed stages."""
+    """Every scripts/*.sh parses (bash -n). gpu_suite.sh refuses an unknown stage before any setup (exit 2), also
+    inside a '+' group, and runs known stages in order, each with its log, a row in stages.tsv and a .FAILED file when
+    it fails (here: a two-GPU stage on a host without two GPUs); its exit code counts the failed stages. The stages
+    of a '+' group run side by side, each with its own log, row and .FAILED file."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -586,6 +587,18 @@ def test_shell_scripts_parse_and_gpu_suite_runs_named_stages(tmp_path):
     assert rows[0] == ["stage", "rc", "seconds"] and [row[:2] for row in rows[1:]] == [["parity", "1"], ["convergence", "1"]]
     assert "parity needs 2 GPUs" in (out / "logs" / "parity.log").read_text()
     assert (out / "parity.FAILED").exists() and (out / "convergence.FAILED").exists()
+    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "step+nope"], cwd=root, capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 2 and "unknown stage 'nope'" in r.stderr
+    out2 = tmp_path / "out2"
+    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "parity+convergence"], cwd=root, capture_output=True,
+                       text=True, env={**env, "OUT": str(out2)})
+    assert r.returncode == 2, r.stdout + r.stderr
+    rows = [line.split("\t") for line in (out2 / "stages.tsv").read_text().splitlines()]
+    assert sorted(row[:2] for row in rows[1:]) == [["convergence", "1"], ["parity", "1"]]
+    assert "=== [parity+convergence]" in r.stdout and "--- [parity] rc 1" in r.stdout
+    assert "convergence needs 2 GPUs" in (out2 / "logs" / "convergence.log").read_text()
+    assert (out2 / "parity.FAILED").exists() and (out2 / "convergence.FAILED").exists()
 
 
 @pytest.mark.slow
