@@ -60,7 +60,7 @@ def ssd_bwd_dz_dstates(
     out_x: torch.Tensor,  # (b, nc, c, h, p)
     C: torch.Tensor,  # (b, nc, c, g, n)
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
-    prev_keep: torch.Tensor,  # (b, nc, c) fp32
+    prev_keep: torch.Tensor | None,  # (b, nc, c) fp32; None without seq_idx (all ones)
     dz: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view)
     dstates_like: torch.Tensor,  # empty tensor of dstates' dtype (x.dtype, or fp32: dstates_dtype)
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +82,9 @@ def ssd_bwd_dz_dstates(
             dz[ib, ic, tt, ih, :] = (dsz * out_x[ib, ic, tt, ih, :].to(torch.float32) * (1.0 + zz * (1.0 - sz))).to(dz.dtype)
             dox = dsz * zz
             dout_x[ib, ic, tt, ih, :] = dox.to(dout.dtype)
-            scale = torch.exp2(dA_cumsum[ib, ih, ic, tt] * _LOG2E) * prev_keep[ib, ic, tt]
+            scale = torch.exp2(dA_cumsum[ib, ih, ic, tt] * _LOG2E)
+            if prev_keep is not None:
+                scale = scale * prev_keep[ib, ic, tt]
             doxs = (dox * scale[:, None]).to(dout.dtype)
             acc = hl.dot(doxs.T, C[ib, ic, tt, ig, :], acc=acc)
         dstates[ib, ic, ih, :, :] = acc.to(dstates.dtype)
@@ -94,7 +96,7 @@ def ssd_bwd_state_passing(
     dstates: torch.Tensor,  # (b, nc, h, s, blk) x.dtype or fp32 (dstates_dtype; p*n split into s blocks)
     states_in: torch.Tensor,  # (b, nc, h, s, blk) x.dtype or fp32 (HelionSettings.bwd_states_dtype)
     dA_last: torch.Tensor,  # (b, h, nc) fp32
-    keep: torch.Tensor,  # (b, nc) fp32: 0 where the carried state is reset at chunk c
+    keep: torch.Tensor | None,  # (b, nc) fp32: 0 where the carried state is reset at chunk c; None without seq_idx
     dfinal: torch.Tensor,  # (b, h, s, blk) fp32
     dl_like: torch.Tensor,  # empty tensor of dL's dtype (x.dtype: every reader of dL rounds it to x.dtype first)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,7 +109,9 @@ def ssd_bwd_state_passing(
         for i in hl.grid(nc):
             j = nc - 1 - i
             dL[ib, j, ih, isp, :] = gacc.to(dL.dtype)
-            scale = torch.exp(dA_last[ib, ih, j]) * keep[ib, j]
+            scale = torch.exp(dA_last[ib, ih, j])
+            if keep is not None:
+                scale = scale * keep[ib, j]
             ddA_part[ib, ih, j, isp] = torch.sum(gacc * states_in[ib, j, ih, isp, :], dim=0) * scale
             gacc = dstates[ib, j, ih, isp, :] + scale * gacc
         dinit[ib, ih, isp, :] = gacc
@@ -130,7 +134,7 @@ def ssd_bwd_dx(
     dt: torch.Tensor,  # (b, h, nc, c) fp32
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     dL: torch.Tensor,  # (b, nc, h, p, n) x.dtype: gradient of the chunk's local state
-    last_keep: torch.Tensor,  # (b, nc, c) fp32: 1 where the token is in the chunk's last sequence
+    last_keep: torch.Tensor | None,  # (b, nc, c) fp32: 1 where the token is in the chunk's last sequence; None: all
     Dw: torch.Tensor,  # (h, p) fp32 (zeros when there is no D)
     dx: torch.Tensor,  # (b, nc, c, h, p) written (may be a strided view)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,7 +159,9 @@ def ssd_bwd_dx(
         dts = dt[ib, ih, ic, ts]
         acs = dA_cumsum[ib, ih, ic, ts]
         a_last = dA_cumsum[ib, ih, ic, c - 1]
-        decay_s = torch.exp(torch.clamp(a_last - acs, max=0.0)) * last_keep[ib, ic, ts]
+        decay_s = torch.exp(torch.clamp(a_last - acs, max=0.0))
+        if last_keep is not None:
+            decay_s = decay_s * last_keep[ib, ic, ts]
         dls = dL[ib, ic, ih, :, :].to(x.dtype)
         # state part: d(L_c)/dx for these rows, and its d/d(-dAcs[s]) term
         a2 = hl.dot(B[ib, ic, ts, ig, :], dls.T) * decay_s[:, None]  # (bm, p)
@@ -205,8 +211,8 @@ def ssd_bwd_dc_dcb(
     dt: torch.Tensor,  # (b, h, nc, c) fp32
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     states_in: torch.Tensor,  # (b, nc, h, p, n) fp32 or x.dtype
-    same_seq: torch.Tensor,  # (b, nc, c, c) fp32
-    prev_keep: torch.Tensor,  # (b, nc, c) fp32
+    same_seq: torch.Tensor | None,  # (b, nc, c, c) fp32; None without seq_idx (all ones)
+    prev_keep: torch.Tensor | None,  # (b, nc, c) fp32; None without seq_idx
     dC: torch.Tensor,  # (b, nc, c, g, n) written (may be a strided view)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, nc, c, h, p = x.shape
@@ -229,14 +235,18 @@ def ssd_bwd_dc_dcb(
             acs = dA_cumsum[ib, ih, ic, :]
             dot_i = dout_x[ib, ic, ti, ih, :]
             ds = hl.dot(dot_i, states_in[ib, ic, ih, :, :].to(x.dtype))  # (bm, n)
-            pscale = torch.exp2(acs_i * _LOG2E) * prev_keep[ib, ic, ti]
+            pscale = torch.exp2(acs_i * _LOG2E)
+            if prev_keep is not None:
+                pscale = pscale * prev_keep[ib, ic, ti]
             dc = dc + ds * pscale[:, None]
             ddacs_prev[ib, ih, ic, ti] = torch.sum(ds * C_i, dim=1) * pscale
             gts = hl.dot(dot_i, x[ib, ic, :, ih, :].T)  # (bm, c): dout_x[t] . x[s]
             causal = ti.index[:, None] >= hl.arange(c)[None, :]
             seg = torch.clamp(torch.where(causal, acs_i[:, None] - acs[None, :], float("-inf")), max=0.0)  # see ssd_bwd_dx
             dcb = dcb + gts * torch.exp2(seg * _LOG2E) * dt[ib, ih, ic, :][None, :]
-        dcb_c = (dcb * same_seq[ib, ic, ti, :]).to(x.dtype)
+        if same_seq is not None:
+            dcb = dcb * same_seq[ib, ic, ti, :]
+        dcb_c = dcb.to(x.dtype)
         dCB[ib, ic, ig, ti, :] = dcb_c
         dc = hl.dot(dcb_c, B[ib, ic, :, ig, :], acc=dc)
         dC[ib, ic, ti, ig, :] = dc.to(dC.dtype)
@@ -251,7 +261,7 @@ def ssd_bwd_db(
     dt: torch.Tensor,  # (b, h, nc, c) fp32
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     dL: torch.Tensor,  # (b, nc, h, p, n) fp32 or x.dtype
-    last_keep: torch.Tensor,  # (b, nc, c) fp32
+    last_keep: torch.Tensor | None,  # (b, nc, c) fp32; None without seq_idx
     dB: torch.Tensor,  # (b, nc, c, g, n) written (may be a strided view)
 ) -> torch.Tensor:
     b, nc, c, h, p = x.shape
@@ -269,7 +279,9 @@ def ssd_bwd_db(
             ih = ig * hpg + hh
             acs_s = dA_cumsum[ib, ih, ic, si]
             a_last = dA_cumsum[ib, ih, ic, c - 1]
-            sc = torch.exp2(torch.clamp(a_last - acs_s, max=0.0) * _LOG2E) * dt[ib, ih, ic, si] * last_keep[ib, ic, si]
+            sc = torch.exp2(torch.clamp(a_last - acs_s, max=0.0) * _LOG2E) * dt[ib, ih, ic, si]
+            if last_keep is not None:
+                sc = sc * last_keep[ib, ic, si]
             xsc = (x[ib, ic, si, ih, :].to(torch.float32) * sc[:, None]).to(x.dtype)
             db = hl.dot(xsc, dL[ib, ic, ih, :, :].to(x.dtype), acc=db)
         # dCB[t, s] is zero for t < s (causal): only the row tiles from this tile's start on
@@ -387,13 +399,11 @@ def _state_split(dim: int) -> int:
 
 
 def seq_masks(seq_idx: torch.Tensor | None, b: int, l: int, nc: int, c: int, device) -> dict[str, torch.Tensor]:
-    """fp32 masks the kernels use: prev_keep/last_keep (b, nc, c), same_seq (b, nc, c, c), keep (b, nc)."""
+    """fp32 masks the kernels use: prev_keep/last_keep (b, nc, c), same_seq (b, nc, c, c), keep (b, nc); all None
+    without seq_idx (the kernels are specialised without them: nothing to fill, load or multiply)."""
     L = nc * c
     if seq_idx is None:
-        ones = torch.ones(b, nc, c, dtype=torch.float32, device=device)
-        return dict(prev_keep=ones, last_keep=ones,
-                    same_seq=torch.ones(b, nc, c, c, dtype=torch.float32, device=device),
-                    keep=ones[:, :, 0])
+        return dict(prev_keep=None, last_keep=None, same_seq=None, keep=None)
     if seq_idx.shape != (b, l):
         raise ValueError(f"seq_idx must be (batch, seqlen) = {(b, l)}, got {tuple(seq_idx.shape)}")
     s = _pad_seq_idx(seq_idx, L).reshape(b, nc, c)
@@ -531,7 +541,8 @@ def ssd_backward_helion(
 
 
 def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
-    """Random inputs of kernel ``name`` at model dims (b, l, h, p, g, n, c); returns (args, kernel dims)."""
+    """Random inputs of kernel ``name`` at model dims (b, l, h, p, g, n, c), without seq_idx (no mask arguments, as
+    a training step without packed documents calls them); returns (args, kernel dims)."""
     b, l, h, p, g, n, c = (dims[k] for k in ("b", "l", "h", "p", "g", "n", "c"))
     nc = math.ceil(l / c)
     bf, f32 = torch.bfloat16, torch.float32
@@ -541,28 +552,27 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
 
     dt = torch.rand(b, h, nc, c, device=device) * 0.1
     dac = torch.cumsum(-dt, dim=-1)
-    ones = torch.ones(b, nc, c, device=device)
     kd = dict(b=b, l=nc * c, h=h, p=p, g=g, n=n, c=c)
     xs = (b, nc, c, h, p)
     if name == "ssd_bwd_dz_dstates":
-        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, ones, r(*xs), torch.empty(0, dtype=bf, device=device)), kd
+        return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, None, r(*xs), torch.empty(0, dtype=bf, device=device)), kd
     if name == "ssd_bwd_state_passing":
         blk = _state_split(p * n)
         ns = p * n // blk
         # dstates, states_in and dL in x.dtype as the fused op's backward passes them by default
         return (r(b, nc, h, ns, blk), r(b, nc, h, ns, blk), dac[..., -1].contiguous(),
-                torch.ones(b, nc, device=device), r(b, h, ns, blk, dtype=f32), torch.empty(0, dtype=bf, device=device)), \
+                None, r(b, h, ns, blk, dtype=f32), torch.empty(0, dtype=bf, device=device)), \
             dict(kd, blk=blk)
     # states_in and dL (b, nc, h, p, n) in x.dtype, as the fused op's backward passes them by default
     if name == "ssd_bwd_dx":
         return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, g, c, c, dtype=f32), dt, dac, r(b, nc, h, p, n),
-                ones, r(h, p, dtype=f32), r(*xs)), kd
+                None, r(h, p, dtype=f32), r(*xs)), kd
     if name == "ssd_bwd_dc_dcb":
         return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n),
-                torch.ones(b, nc, c, c, device=device), ones, r(b, nc, c, g, n)), kd
+                None, None, r(b, nc, c, g, n)), kd
     if name == "ssd_bwd_db":
         dcb = torch.tril(torch.randn(b, nc, g, c, c, device=device)).to(bf)
-        return (r(*xs), dcb, r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n), ones, r(b, nc, c, g, n)), kd
+        return (r(*xs), dcb, r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n), None, r(b, nc, c, g, n)), kd
     if name == "ssd_bwd_dt":
         q = lambda: r(b, h, nc, c, dtype=f32)  # noqa: E731
         return (q(), q(), q(), r(b, h, nc, dtype=f32), q(), dt, r(b, nc, c, h), r(h, dtype=f32),

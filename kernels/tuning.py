@@ -711,25 +711,26 @@ def fit_access_lists(bound, cfg: helion.Config) -> helion.Config:
     ``atomic_indexing`` lists have one entry per load/store of the specialisation it was tuned on.
     Another specialisation of the same shape (e.g. with ``seq_idx`` or initial states, which add loads)
     needs lists of another length, and Helion refuses a list that is too short. A list whose length
-    does not match is replaced: ``indexing`` by its single strategy when all entries agree (Helion
-    applies a string to every access), else by the kernel's defaults for this specialisation, as are
-    the other two lists. Matching lists are kept."""
+    does not match is resized when all its entries agree (the same setting for every access: nothing
+    the tuning chose is lost, and nothing is said), else replaced by the kernel's defaults for this
+    specialisation (said once per kernel). Matching lists are kept."""
     d = dict(cfg.config)
     if not any(isinstance(d.get(k), list) for k in _ACCESS_LISTS):
         return cfg
     want = bound.config_spec.default_config().config
-    changed = []
+    changed, resized = [], False
     for k in _ACCESS_LISTS:
         v = d.get(k)
         if not isinstance(v, list) or not isinstance(want.get(k), list) or len(v) == len(want[k]):
             continue
-        if k == "indexing" and v and all(x == v[0] for x in v):
-            d[k] = v[0]
+        if v and all(x == v[0] for x in v):
+            d[k] = [v[0]] * len(want[k])
+            resized = True
         else:
             d[k] = list(want[k])
-        changed.append(k)
+            changed.append(k)
     if not changed:
-        return cfg
+        return helion.Config(**d) if resized else cfg
     name = getattr(getattr(bound, "kernel", None), "name", None) or "kernel"
     warn_once(name, "access-lists:" + ",".join(changed),
                f"nano_hybrid kernels: the config's {', '.join(changed)} list(s) do not fit this specialisation of "

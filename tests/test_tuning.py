@@ -472,8 +472,22 @@ except SystemExit:
     raise
 except Exception as e:
     assert "exceeds indexing config length" in str(e), e
-fitted = tuning.fit_access_lists(bound, helion.Config(**cfg))
+import warnings
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    fitted = tuning.fit_access_lists(bound, helion.Config(**cfg))
+assert not w, [str(x.message) for x in w]  # uniform lists are resized: nothing the tuning chose is lost
+want = bound.config_spec.default_config().config
+for k in ("indexing", "load_eviction_policies"):
+    assert len(set(cfg[k])) == 1 and len(want[k]) > len(cfg[k])
+    assert fitted.config[k] == [cfg[k][0]] * len(want[k]), (k, fitted.config[k])
 assert "@triton.jit" in bound.to_triton_code(fitted)
+mixed = dict(cfg, load_eviction_policies=["first", "last"] + [""] * (len(cfg["load_eviction_policies"]) - 2))
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    refit = tuning.fit_access_lists(bound, helion.Config(**mixed))
+assert refit.config["load_eviction_policies"] == list(want["load_eviction_policies"])  # the kernel's defaults
+assert len(w) == 1 and "load_eviction_policies" in str(w[0].message), [str(x.message) for x in w]
 plain = S.get_kernel("ssd_chunk_state").bind(tuple(args))  # the tuned specialisation keeps its lists
 assert tuning.fit_access_lists(plain, helion.Config(**cfg)).config["indexing"] == cfg["indexing"]
 print("OK")
@@ -482,7 +496,9 @@ print("OK")
 
 def test_committed_config_fits_other_specialisations_of_its_shape():
     """The committed ssd_chunk_state config (tuned without seq_idx) compiles with seq_idx once its
-    per-access lists are fitted (Helion code generation, no GPU; outside interpret mode: subprocess)."""
+    per-access lists are fitted (Helion code generation, no GPU; outside interpret mode: subprocess): lists with one
+    setting for every access are resized silently, a list of mixed settings falls back to the kernel's defaults with
+    one warning."""
     import os
     import subprocess
     import sys
