@@ -1,4 +1,5 @@
-"""Which torch AdamW implementation megatron's optimizer steps with (``optim.fused``).
+"""Which torch AdamW implementation megatron's optimizer steps with (``optim.fused``), and which multi-tensor ops
+its gradient norm, clipping and parameter copies run on (``optim.multi_tensor``).
 
 Without Transformer Engine or Apex, megatron-core 0.16.1's ``get_megatron_optimizer`` builds a plain
 ``torch.optim.AdamW(params, lr=, weight_decay=, betas=, eps=)`` over the fp32 main parameters, so torch
@@ -9,11 +10,25 @@ parameters and states) on CUDA, the per-parameter loop on CPU.
 kernel per parameter chunk: the same AdamW update, decoupled weight decay, bias correction), after
 megatron built it and again after every ``load_state_dict`` (a checkpoint's saved param groups carry
 the implementation flags of the run that wrote them). ``false`` leaves torch's default.
+
+Without apex or transformer-engine, megatron-core 0.16.1 computes the gradient norm, the clipping and the fp32-main to
+bf16-model parameter copies with its local fallbacks (``megatron.core.utils.local_multi_tensor_l2_norm`` /
+``local_multi_tensor_scale``): one norm per gradient gathered into a host list (a device sync per tensor), one
+multiply and one copy per tensor. ``multi_tensor_ops("foreach")`` (the default, ``optim.multi_tensor``) runs the same
+operations as torch's ``_foreach_norm`` / ``_foreach_mul_`` / ``_foreach_copy_`` for the duration of an optimizer
+step: the same arithmetic (each tensor's norm, then the norm of the norms, in fp32; products by the same fp32 scale;
+bitwise equal on CPU, tested; on CUDA the per-tensor norm may sum in another order, a last-bit difference), a few
+multi-tensor launches instead of hundreds of ops. Where apex or transformer-engine supplies the kernels,
+megatron's own are left in place.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+MULTI_TENSOR_OPS = ("foreach", "loop")
 
 
 def inner_torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -56,3 +71,55 @@ def set_adam_fused(optimizer, fused: bool) -> int:
             opt.register_load_state_dict_post_hook(lambda o: _apply(o, o.nano_hybrid_adam_fused))
             opt.nano_hybrid_adam_hook = True
     return len(opts)
+
+
+# ------------------------------------------------------------------------------------ multi-tensor ops
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``multi_tensor_l2norm`` for megatron's ``multi_tensor_applier``: (the l2 norm of all tensors of
+    ``tensor_lists[0]`` as a 1-element fp32 tensor on their device, None)."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``multi_tensor_scale``: ``tensor_lists[1][i] = tensor_lists[0][i] * scale`` (a cast copy for scale 1)."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+@contextlib.contextmanager
+def multi_tensor_ops(kind: str):
+    """Within the block, megatron's local multi-tensor fallbacks are torch's foreach ops (``kind="foreach"``) or
+    left as they are (``"loop"``); implementations from apex or transformer-engine are never replaced."""
+    if kind not in MULTI_TENSOR_OPS:
+        raise ValueError(f"multi-tensor ops {kind!r}; choose {' or '.join(MULTI_TENSOR_OPS)}")
+    if kind == "loop":
+        yield
+        return
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    swaps = ((clip_grads, "l2_norm_impl", mcore_utils.local_multi_tensor_l2_norm, foreach_l2_norm),
+             (clip_grads, "multi_tensor_scale_impl", mcore_utils.local_multi_tensor_scale, foreach_scale),
+             (mcore_optimizer, "multi_tensor_scale_impl", mcore_utils.local_multi_tensor_scale, foreach_scale))
+    done = []
+    try:
+        for module, name, local, ours in swaps:
+            if getattr(module, name, None) is local:
+                setattr(module, name, ours)
+                done.append((module, name, local))
+        yield
+    finally:
+        for module, name, local in done:
+            setattr(module, name, local)

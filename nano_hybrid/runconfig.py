@@ -130,6 +130,10 @@ def validate_optim(o: DictConfig, train_iters: int) -> None:
         raise ConfigError(f"optim.optimizer={o.optimizer!r}; supported: adam (AdamW, decoupled weight decay)")
     if not isinstance(o.fused, bool):
         raise ConfigError(f"optim.fused={o.fused!r} must be true or false")
+    from nano_hybrid.optim import MULTI_TENSOR_OPS
+
+    if str(o.get("multi_tensor", "foreach")) not in MULTI_TENSOR_OPS:
+        raise ConfigError(f"optim.multi_tensor={o.multi_tensor!r}; choose {' or '.join(MULTI_TENSOR_OPS)}")
     for key in ("lr", "adam_beta1", "adam_beta2", "adam_eps"):
         if not float(o[key]) > 0:
             raise ConfigError(f"optim.{key}={o[key]} must be > 0")

@@ -154,6 +154,10 @@ class OptimSchema:
     wsd_decay_style: Optional[str] = doc("WSD decay shape: linear | cosine | exponential | minus_sqrt", "linear")
     init_lr: float = doc("lr at step 0 of the warmup", 0.0)
     fused: bool = doc("torch's fused AdamW kernel (one launch per dtype group); false: torch's default", True)
+    multi_tensor: str = doc("megatron's multi-tensor ops where neither apex nor transformer-engine provides them "
+                            "(gradient norm, clipping, main-to-model parameter copies): foreach (torch._foreach_*: a "
+                            "few launches per step) | loop (megatron's local fallback: one op per tensor, and one "
+                            "host sync per tensor for the norm)", "foreach")
 
 
 @dataclass(frozen=True)

@@ -391,11 +391,14 @@ class Trainer:
             reduce_aux_losses_tracker_across_ranks,
         )
 
+        from nano_hybrid.optim import multi_tensor_ops
         from nano_hybrid.stepguard import guarded_step
 
         plan = self.plan
         loss = _reduced_loss(self.forward_backward(), plan.device)
-        with cpu_compat_mode(plan):  # a non-finite loss or gradient norm skips the update (same on all ranks)
+        # a non-finite loss or gradient norm skips the update (same on all ranks); optim.multi_tensor picks the ops of
+        # the norm, the clipping and the parameter copies
+        with cpu_compat_mode(plan), multi_tensor_ops(str(self.cfg.optim.multi_tensor)):
             update_ok, grad_norm = guarded_step(self.optimizer, loss)
         if update_ok:
             self.scheduler.step(increment=1)

@@ -1,5 +1,6 @@
 """optim.fused=true (torch's fused AdamW) against torch's default AdamW in megatron's optimizer (CPU)."""
 
+import collections
 import math
 
 import pytest
@@ -141,3 +142,108 @@ def test_bad_fused_value_is_a_config_error():
 
     with pytest.raises(ConfigError, match="optim.fused=1 must be true or false"):
         runconfig.validate(compose([*BASE, "optim.fused=1"]))
+
+
+# ------------------------------------------------------------------------------- optim.multi_tensor
+def test_foreach_ops_equal_megatrons_local_fallbacks():
+    """The foreach gradient norm and scale give bitwise the values of megatron's local fallbacks: the norm of the
+    per-tensor norms in fp32; the clip's in-place product by an fp32 scale; the fp32 main -> bf16 model copy."""
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    from nano_hybrid.mcore_compat import CudaToCpuMode
+    from nano_hybrid.optim import foreach_l2_norm, foreach_scale
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(7,), (33, 5), (2, 3, 4), (1,), (257, 64)]
+    grads = [torch.randn(s, generator=g) * 10 ** float(torch.randint(-3, 3, (1,), generator=g)) for s in shapes]
+    with CudaToCpuMode():
+        ref, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    got, none = foreach_l2_norm(2048 * 32, None, [grads], False)
+    assert none is None and got.shape == (1,) and got.dtype == torch.float32
+    assert torch.equal(got, ref.cpu())
+    for scale in (0.37, 1.0 / 3.0):  # the clip: grads scaled in place
+        a, b = [t.clone() for t in grads], [t.clone() for t in grads]
+        local_multi_tensor_scale(0, None, [a, a], scale)
+        foreach_scale(0, None, [b, b], scale)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    src = [t.clone() for t in grads]  # distinct lists, another dtype
+    a, b = [torch.empty_like(t, dtype=torch.bfloat16) for t in grads], [torch.empty_like(t, dtype=torch.bfloat16) for t in grads]
+    for scale in (1.0, 0.5):
+        local_multi_tensor_scale(0, None, [src, a], scale)
+        foreach_scale(0, None, [src, b], scale)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(torch.equal(s, t) for s, t in zip(src, grads))
+
+
+def test_multi_tensor_ops_swap_only_megatrons_local_fallbacks_for_the_block():
+    from megatron.core import utils as mu
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mopt
+
+    from nano_hybrid.optim import foreach_l2_norm, foreach_scale, multi_tensor_ops
+
+    before = (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, mopt.multi_tensor_scale_impl)
+    assert before == (mu.local_multi_tensor_l2_norm, mu.local_multi_tensor_scale, mu.local_multi_tensor_scale)
+    with multi_tensor_ops("foreach"):
+        assert (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, mopt.multi_tensor_scale_impl) == (
+            foreach_l2_norm, foreach_scale, foreach_scale)
+    assert (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, mopt.multi_tensor_scale_impl) == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with multi_tensor_ops("foreach"):
+            raise RuntimeError("inside")
+    assert (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, mopt.multi_tensor_scale_impl) == before
+    with multi_tensor_ops("loop"):
+        assert (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, mopt.multi_tensor_scale_impl) == before
+    kernel = object()  # an implementation from apex / transformer-engine stays
+    old = clip_grads.l2_norm_impl
+    clip_grads.l2_norm_impl = kernel
+    try:
+        with multi_tensor_ops("foreach"):
+            assert clip_grads.l2_norm_impl is kernel and clip_grads.multi_tensor_scale_impl is foreach_scale
+        assert clip_grads.l2_norm_impl is kernel
+    finally:
+        clip_grads.l2_norm_impl = old
+    with pytest.raises(ValueError, match="choose foreach or loop"):
+        with multi_tensor_ops("apex"):
+            pass
+    with pytest.raises(ConfigError, match="optim.multi_tensor"):
+        from nano_hybrid import runconfig
+
+        runconfig.validate(compose([*BASE, "optim.multi_tensor=apex"]))
+
+
+def test_optimizer_step_with_foreach_ops_equals_megatrons_loop(mp, monkeypatch):
+    """guarded_step (gradient norm, clipping, AdamW) from the same state under optim.multi_tensor=foreach and =loop:
+    the same gradient norm and bitwise the same parameters, with clipping active, at every step of a trajectory;
+    the foreach run computes the norm with torch._foreach_norm, the loop run with one norm per tensor."""
+    from nano_hybrid import runconfig, trainer as T
+    from nano_hybrid.optim import multi_tensor_ops
+    from nano_hybrid.stepguard import guarded_step
+
+    cfg = compose([*BASE, "optim.clip_grad=0.05"])
+    plan = runconfig.validate(cfg)
+    torch.manual_seed(0)
+    ddp, opt, sched = T.build_model_and_optimizer(plan, cfg)
+    calls = collections.Counter()
+    real_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.update(["foreach"]) or real_norm(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    b, s = 2, 32
+    pos = torch.arange(s)[None].expand(b, s)
+    for step in range(1, 4):
+        tok = torch.randint(0, 256, (b, s), generator=g)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(tok, pos, None, labels=tok.roll(-1, 1)).mean().backward()
+        ddp.finish_grad_sync()
+        snap = _snapshot(opt)
+        results = {}
+        for kind in ("loop", "foreach"):
+            _restore(snap)
+            calls.clear()
+            with T.cpu_compat_mode(plan), multi_tensor_ops(kind), torch.no_grad():
+                ok, norm = guarded_step(opt, 1.0)
+            assert ok and norm > cfg.optim.clip_grad  # clipping scaled the gradients
+            assert (calls["foreach"] > 0) == (kind == "foreach")
+            results[kind] = (norm, [p.detach().clone() for _, p, *_ in snap])
+        assert results["foreach"][0] == results["loop"][0], step
+        assert all(torch.equal(x, y) for x, y in zip(results["foreach"][1], results["loop"][1])), step
