@@ -45,6 +45,21 @@ def _restore(snap):
             o.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
+def _gradient_steps(ddp, opt, n: int):
+    """Steps 1..n of a trajectory: before each yield, fresh gradients of a random batch sit in the DDP buffers (the
+    caller steps the optimizer)."""
+    g = torch.Generator().manual_seed(5)
+    b, s = 2, 32
+    pos = torch.arange(s)[None].expand(b, s)
+    for step in range(1, n + 1):
+        tok = torch.randint(0, 256, (b, s), generator=g)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(tok, pos, None, labels=tok.roll(-1, 1)).mean().backward()
+        ddp.finish_grad_sync()
+        yield step
+
+
 def test_fused_adamw_update_matches_default(mp, monkeypatch):
     """At every step of a real training trajectory both implementations step from the same parameters, Adam states
     and gradients; their updates then differ by fp32 rounding only. Per entry: the new weight rounds twice (at most
@@ -63,17 +78,9 @@ def test_fused_adamw_update_matches_default(mp, monkeypatch):
     torch.manual_seed(0)
     ddp, opt, sched = T.build_model_and_optimizer(plan, cfg)
     b1, b2 = float(cfg.optim.adam_beta1), float(cfg.optim.adam_beta2)
-    g = torch.Generator().manual_seed(5)
-    b, s = 2, 32
-    pos = torch.arange(s)[None].expand(b, s)
     names = {p: n for n, p in ddp.named_parameters()}
     n_checked = n_moved = 0
-    for step in range(1, 5):
-        tok = torch.randint(0, 256, (b, s), generator=g)
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        ddp(tok, pos, None, labels=tok.roll(-1, 1)).mean().backward()
-        ddp.finish_grad_sync()
+    for step in _gradient_steps(ddp, opt, 4):
         lr = float(inner_torch_optimizers(opt)[0].param_groups[0]["lr"])
         snap = _snapshot(opt)
         n_calls = len(calls)
@@ -226,15 +233,7 @@ def test_optimizer_step_with_foreach_ops_equals_megatrons_loop(mp, monkeypatch):
     calls = collections.Counter()
     real_norm = torch._foreach_norm
     monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.update(["foreach"]) or real_norm(*a, **k))
-    g = torch.Generator().manual_seed(5)
-    b, s = 2, 32
-    pos = torch.arange(s)[None].expand(b, s)
-    for step in range(1, 4):
-        tok = torch.randint(0, 256, (b, s), generator=g)
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        ddp(tok, pos, None, labels=tok.roll(-1, 1)).mean().backward()
-        ddp.finish_grad_sync()
+    for step in _gradient_steps(ddp, opt, 3):
         snap = _snapshot(opt)
         results = {}
         for kind in ("loop", "foreach"):
