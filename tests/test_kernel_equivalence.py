@@ -61,7 +61,7 @@ def test_bad_reference_tree_is_exit_2(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpret-mode run")
 def test_end_to_end_current_tree_against_itself_on_cpu(tmp_path):
     """The whole tool at the tiny shape (three worker processes in interpret mode): the tree against itself is
-    bitwise equal in both cases, every output and gradient is compared, and the report is written."""
+    bitwise equal in all three cases, every output and gradient is compared, and the report is written."""
     (tmp_path / "shim").mkdir()
     (tmp_path / "shim" / "sitecustomize.py").write_text(_SHIM)
     env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
@@ -75,7 +75,7 @@ def test_end_to_end_current_tree_against_itself_on_cpu(tmp_path):
     names = {"mixer_out", "norm_out", "grad_zxbcdt", "grad_conv1d_weight", "grad_conv1d_bias", "grad_dt_bias", "grad_A",
              "grad_D", "grad_norm_weight"}
     for part in ("reference_vs_current", "control"):
-        assert set(res[part]) == {"no_seq_idx", "seq_idx"}
+        assert set(res[part]) == {"no_seq_idx", "seq_idx", "megatron_layout"}
         for rows in res[part].values():
             assert set(rows) == names and all(v["max_abs_diff"] == 0.0 for v in rows.values())
-    assert (tmp_path / "out" / "kernel_equivalence.md").read_text().count(" | yes | 0 | yes | 0 |") == 2 * len(names)
+    assert (tmp_path / "out" / "kernel_equivalence.md").read_text().count(" | yes | 0 | yes | 0 |") == 3 * len(names)

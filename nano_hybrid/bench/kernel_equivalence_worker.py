@@ -14,7 +14,9 @@ SHAPES = {
     "nano": (2, 8192, 64, 64, 8, 128, 128, 4),
     "tiny": (2, 80, 4, 16, 2, 16, 32, 4),
 }
-CASES = ("no_seq_idx", "seq_idx")
+# megatron_layout: as Megatron's mixer calls the op (no seq_idx): zxbcdt a (b, l, d) view of (l, b, d) memory, the norm
+# on y rearranged to a contiguous (l, b, d) tensor, the gradient in (l, b, d)
+CASES = ("no_seq_idx", "seq_idx", "megatron_layout")
 
 
 def _inputs(shape: tuple, seed: int, device: str):
@@ -64,6 +66,10 @@ def run_tree(shape_name: str, seed: int, device: str, out_path: str) -> None:
     res = {"kernels_file": kernels.__file__, "cases": {}}
     for case in CASES:
         t, dy, seq = _inputs(shape, seed, device)
+        lbd = case == "megatron_layout"
+        if lbd:
+            t["zxbcdt"] = t["zxbcdt"].transpose(0, 1).contiguous().transpose(0, 1)
+            dy = dy.transpose(0, 1).contiguous()
         leaves = {k: v.detach().requires_grad_(True) for k, v in t.items()}
         norm = RMSNormGatedHelion(h * p, eps=1e-5, group_size=h * p // g, norm_before_gate=False,
                                   device=device, dtype=torch.bfloat16)
@@ -73,12 +79,14 @@ def run_tree(shape_name: str, seed: int, device: str, out_path: str) -> None:
             leaves["zxbcdt"], leaves["conv1d_weight"], leaves["conv1d_bias"], leaves["dt_bias"], leaves["A"],
             leaves["D"], c, seq_idx=seq if case == "seq_idx" else None, activation="silu", headdim=p, ngroups=g,
             norm_before_gate=False)
-        out = norm(y)
+        out = norm(y.transpose(0, 1).contiguous() if lbd else y)
         names = ["zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D"]
         grads = torch.autograd.grad(out, [leaves[k] for k in names] + [norm.weight], dy)
         tensors = {"mixer_out": y, "norm_out": out}
         tensors.update({f"grad_{k}": gk for k, gk in zip(names + ["norm_weight"], grads)})
-        res["cases"][case] = {k: v.detach().cpu() for k, v in tensors.items()}
+        if lbd:  # compared in the (b, l, d) orientation of the other cases
+            tensors["norm_out"] = out.transpose(0, 1)
+        res["cases"][case] = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         del t, leaves, y, out, grads, tensors
     torch.save(res, out_path)
 
