@@ -562,14 +562,14 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
 
 def pretune_kernels(cfg: DictConfig, plan: RunPlan, say) -> list[str]:
     """With ``kernels.helion.autotune`` on a GPU: the helion kernels without an exact config at this run's Mamba mixer
-    shape are tuned now, several at a time, before the first step (``nano_hybrid.bench.tune_kernels.pretune``).
+    shape are tuned now, several at a time, before the first step (``nano_hybrid.kernel_search.pretune``).
     Every process of the run calls it; one tunes while the others wait on its lock. Returns the failed searches."""
     settings = plan.backend.settings if plan.backend is not None else None
     if settings is None or not settings.autotune or plan.device.type != "cuda":
         return []
     if "M" not in str(cfg.model.hybrid_override_pattern):
         return []  # no Mamba mixer: no helion kernel runs
-    from nano_hybrid.bench.tune_kernels import pretune
+    from nano_hybrid.kernel_search import pretune
     from nano_hybrid.model.config import mixer_dims
 
     return pretune(mixer_dims(cfg), settings, say)

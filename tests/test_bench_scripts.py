@@ -664,7 +664,7 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
     and keeps the write / from-scratch choices."""
     import argparse
 
-    from nano_hybrid.bench import tune_kernels as tk
+    from nano_hybrid import kernel_search as tk
 
     args = argparse.Namespace(rep_ms=40.0, no_write=True, from_scratch=False)
     shapes = {"nano": dict(b=2), "tp2": dict(b=1)}
@@ -714,7 +714,7 @@ def test_tune_kernels_jobs_share_the_budget(monkeypatch):
 def test_tune_kernels_run_children_at_once_and_in_turn(tmp_path):
     """run_children starts at most ``jobs`` children at once (with 3 jobs the three 1.5 s children overlap; with 1
     each starts after the previous ended), and names the children that fail or outrun their time."""
-    from nano_hybrid.bench import tune_kernels as tk
+    from nano_hybrid import kernel_search as tk
 
     def child(name, seconds=1.5, rc=0):
         code = (f"import sys, time, pathlib; p = pathlib.Path({str(tmp_path)!r}) / {name!r}; "
@@ -912,7 +912,7 @@ def test_pretune_tunes_the_missing_kernels_at_once_then_nothing(monkeypatch, tmp
     searched in isolated children, autotune_jobs at a time under a shared timing lock, each with the first-use
     budget, into the user cache; a second process (under the same lock) finds nothing left and starts none."""
     from kernels.settings import HelionSettings
-    from nano_hybrid.bench import tune_kernels as tk
+    from nano_hybrid import kernel_search as tk
 
     missing = [["conv1d_fwd", "ssd_bwd_dx", "ssd_bwd_db"], []]
     seen = {}
@@ -945,8 +945,8 @@ def test_trainer_pretunes_only_helion_autotune_on_a_gpu(monkeypatch):
     import torch
 
     from kernels.settings import HelionSettings
+    from nano_hybrid import kernel_search as tk
     from nano_hybrid import trainer
-    from nano_hybrid.bench import tune_kernels as tk
     from nano_hybrid.config import compose
 
     calls = []

@@ -727,7 +727,7 @@ def test_tuner_copies_arguments_with_their_strides_and_passes_broadcast_views():
 def test_tune_kernels_missing_names_the_kernels_without_an_exact_config(monkeypatch):
     """``tune_kernels.py --missing``: at the nano_proxy shape the committed sm90 files hold exact configs for every
     kernel but the five SSD backward kernels listed; a user-cache root with nothing in it adds none."""
-    from nano_hybrid.bench.tune_kernels import missing_kernels
+    from nano_hybrid.kernel_search import missing_kernels
 
     monkeypatch.setenv("HELION_INTERPRET", "1")  # the cases are built on the CPU
     registry = tuner.discover_tunable_kernels()

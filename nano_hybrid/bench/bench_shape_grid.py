@@ -13,7 +13,7 @@ ranges), and the fp32 mamba-ssm op on the same values as the reference. Reported
   mamba-ssm's own bf16 (the error a correct bf16 kernel has);
 - the kernels' config notices (nearest shape / default / tuned, from ``kernels.first_use.select_config``) and the
   first-call time (compile + selection + any first-use tuning). With ``--kernels-helion autotune=true`` a shape
-  without packed documents first has its missing kernels tuned several at a time (``tune_kernels.pretune``, as a
+  without packed documents first has its missing kernels tuned several at a time (``nano_hybrid.kernel_search.pretune``, as a
   training run does; ``pretune_s`` and ``pretune_failed`` in its record).
 A shape that raises is recorded with its error and the next shape still runs. Writes ``shape_grid.json`` and
 ``.md`` to $OUT (default runs/bench/<gpu>).
@@ -29,33 +29,9 @@ import traceback
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
-from nano_hybrid.bench.mixer import MixerShape, make_params, rel_err
+from nano_hybrid.bench.mixer import GRID, MixerShape, make_params, rel_err
 
 
-_NANO = dict(headdim=64, d_state=128)
-# name -> shape. Nano (64 heads, 8 groups) per tensor-parallel rank and at other batch x length splits; packed
-# documents (seq_idx); Mamba2 layers (1 group, chunk 256; 2.7B: 80 heads of 64, 130M-like: 24 heads); Nemotron-H 8B
-# (128 heads, 8 groups).
-GRID: dict[str, tuple[MixerShape, int]] = {  # (shape, documents per sequence; 1: no seq_idx)
-    "nano_tp1": (MixerShape(batch=1, seqlen=8192, nheads=64, ngroups=8, **_NANO), 1),
-    "nano_tp2": (MixerShape(batch=1, seqlen=8192, nheads=32, ngroups=4, **_NANO), 1),
-    "nano_tp4": (MixerShape(batch=1, seqlen=8192, nheads=16, ngroups=2, **_NANO), 1),
-    "nano_tp8": (MixerShape(batch=1, seqlen=8192, nheads=8, ngroups=1, **_NANO), 1),
-    "nano_b8_l2048": (MixerShape(batch=8, seqlen=2048, nheads=64, ngroups=8, **_NANO), 1),
-    "nano_b4_l4096": (MixerShape(batch=4, seqlen=4096, nheads=64, ngroups=8, **_NANO), 1),
-    "nano_b2_l8192": (MixerShape(batch=2, seqlen=8192, nheads=64, ngroups=8, **_NANO), 1),
-    "nano_b2_l8192_docs8": (MixerShape(batch=2, seqlen=8192, nheads=64, ngroups=8, **_NANO), 8),
-    "nano_b2_l3000": (MixerShape(batch=2, seqlen=3000, nheads=64, ngroups=8, **_NANO), 1),
-    "m2_2p7b_c256": (MixerShape(batch=1, seqlen=8192, nheads=80, ngroups=1, chunk_size=256, **_NANO), 1),
-    "m2_2p7b_c128": (MixerShape(batch=1, seqlen=8192, nheads=80, ngroups=1, chunk_size=128, **_NANO), 1),
-    "m2_small_c256": (MixerShape(batch=8, seqlen=2048, nheads=24, ngroups=1, chunk_size=256, **_NANO), 1),
-    "nemh_8b": (MixerShape(batch=1, seqlen=8192, nheads=128, ngroups=8, **_NANO), 1),
-    "nemh_8b_docs4": (MixerShape(batch=1, seqlen=8192, nheads=128, ngroups=8, **_NANO), 4),
-    # model=nano_proxy as recipe convergence_seeds_h200 runs it (16 heads of Nano's dims, micro-batch 4 x 1024)
-    "nano_proxy": (MixerShape(batch=4, seqlen=1024, nheads=16, ngroups=8, **_NANO), 1),
-    # CPU smoke-test size only (torch backend)
-    "tiny": (MixerShape(batch=1, seqlen=200, nheads=4, headdim=16, ngroups=2, d_state=16, chunk_size=64), 2),
-}
 QUICK = ("nano_tp1", "nano_b8_l2048", "m2_2p7b_c256", "nemh_8b")
 GRADS = ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D")
 
@@ -157,11 +133,11 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> 
     if settings is not None and settings.autotune and device.type == "cuda" and docs == 1:
         # as a training run with autotune does before its first step: the shape's kernels without a config are
         # tuned autotune_jobs at a time (packed-document shapes tune at their first calls, one after the other)
-        from nano_hybrid.bench.tune_kernels import grid_dims, pretune
+        from nano_hybrid.kernel_search import pretune
 
         log(f"{B}: tuning the kernels without a config, {settings.autotune_jobs} at a time")
         t0 = time.perf_counter()
-        rec["pretune_failed"] = pretune(grid_dims(shape), settings, say=log)
+        rec["pretune_failed"] = pretune(shape.model_dims(), settings, say=log)
         rec["pretune_s"] = round(time.perf_counter() - t0, 1)
     # first call of each arm: compile + config selection (+ first-use tuning for helion with autotune on)
     for lab in (A, B):

@@ -1,4 +1,4 @@
-"""The Mamba-2 mixer op under test: its shapes (``SHAPES``), random parameters with Megatron's init ranges,
+"""The Mamba-2 mixer op under test: its shapes (``SHAPES``; ``GRID``, the shape grid), random parameters with Megatron's init ranges,
 and ``MixerOp``, one kernel backend's fused split-conv1d-scan + gated RMSNorm bound to shared inputs (the
 timed closures ``OPS``), with the relative L2 error used to compare two backends."""
 
@@ -34,6 +34,11 @@ class MixerShape:
     def group_size(self) -> int:
         return self.d_inner // self.ngroups
 
+    def model_dims(self) -> dict[str, int]:
+        """The shape as the kernels' tuning keys name model dims (b, l, h, p, g, n, c, w)."""
+        return dict(b=self.batch, l=self.seqlen, h=self.nheads, p=self.headdim, g=self.ngroups, n=self.d_state,
+                    c=self.chunk_size, w=self.d_conv)
+
 
 # Nano 30B-A3B mixer shapes (docs/ARCHITECTURE.md). tp2 = one rank's share at tensor-parallel 2.
 SHAPES = {
@@ -42,6 +47,31 @@ SHAPES = {
     "l4096b4": MixerShape(batch=4, seqlen=4096, nheads=64, headdim=64, ngroups=8, d_state=128),
     # CPU smoke-test size only (not a benchmark).
     "tiny": MixerShape(batch=1, seqlen=256, nheads=4, headdim=16, ngroups=2, d_state=16, chunk_size=64),
+}
+
+# The shape grid of bench_shape_grid.py (and tune_kernels.py --shapes), name -> shape: Nano (64 heads, 8 groups) per
+# tensor-parallel rank and at other batch x length splits; packed documents (seq_idx); Mamba2 layers (1 group, chunk
+# 256; 2.7B: 80 heads of 64, 130M-like: 24 heads); Nemotron-H 8B (128 heads, 8 groups).
+_NANO = dict(headdim=64, d_state=128)
+GRID: dict[str, tuple[MixerShape, int]] = {  # (shape, documents per sequence; 1: no seq_idx)
+    "nano_tp1": (MixerShape(batch=1, seqlen=8192, nheads=64, ngroups=8, **_NANO), 1),
+    "nano_tp2": (MixerShape(batch=1, seqlen=8192, nheads=32, ngroups=4, **_NANO), 1),
+    "nano_tp4": (MixerShape(batch=1, seqlen=8192, nheads=16, ngroups=2, **_NANO), 1),
+    "nano_tp8": (MixerShape(batch=1, seqlen=8192, nheads=8, ngroups=1, **_NANO), 1),
+    "nano_b8_l2048": (MixerShape(batch=8, seqlen=2048, nheads=64, ngroups=8, **_NANO), 1),
+    "nano_b4_l4096": (MixerShape(batch=4, seqlen=4096, nheads=64, ngroups=8, **_NANO), 1),
+    "nano_b2_l8192": (MixerShape(batch=2, seqlen=8192, nheads=64, ngroups=8, **_NANO), 1),
+    "nano_b2_l8192_docs8": (MixerShape(batch=2, seqlen=8192, nheads=64, ngroups=8, **_NANO), 8),
+    "nano_b2_l3000": (MixerShape(batch=2, seqlen=3000, nheads=64, ngroups=8, **_NANO), 1),
+    "m2_2p7b_c256": (MixerShape(batch=1, seqlen=8192, nheads=80, ngroups=1, chunk_size=256, **_NANO), 1),
+    "m2_2p7b_c128": (MixerShape(batch=1, seqlen=8192, nheads=80, ngroups=1, chunk_size=128, **_NANO), 1),
+    "m2_small_c256": (MixerShape(batch=8, seqlen=2048, nheads=24, ngroups=1, chunk_size=256, **_NANO), 1),
+    "nemh_8b": (MixerShape(batch=1, seqlen=8192, nheads=128, ngroups=8, **_NANO), 1),
+    "nemh_8b_docs4": (MixerShape(batch=1, seqlen=8192, nheads=128, ngroups=8, **_NANO), 4),
+    # model=nano_proxy as recipe convergence_seeds_h200 runs it (16 heads of Nano's dims, micro-batch 4 x 1024)
+    "nano_proxy": (MixerShape(batch=4, seqlen=1024, nheads=16, ngroups=8, **_NANO), 1),
+    # CPU smoke-test size only (torch backend)
+    "tiny": (MixerShape(batch=1, seqlen=200, nheads=4, headdim=16, ngroups=2, d_state=16, chunk_size=64), 2),
 }
 
 OPS = ("split_fwd", "split_fwdbwd", "norm_fwdbwd", "mixer_fwdbwd")

@@ -37,19 +37,17 @@ import datetime as dt
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from kernels import first_use, tuner, tuning
 from kernels.registry import HELION_TRAINING_KERNELS
-from nano_hybrid.bench.environment import REPO_ROOT
+from nano_hybrid.kernel_search import child_commands, missing_kernels, run_children
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
@@ -139,23 +137,6 @@ def main(argv=None) -> int:
         return _run_isolated(args, names, shape_dims, args.budget_min * 60.0 * jobs / pairs, jobs)
     per_budget = args.budget_min * 60.0 / pairs
     return search_all(args, registry, names, shape_dims, per_budget)
-
-
-def missing_kernels(registry: dict, names: list[str], shape_dims: dict[str, dict], root: Path | None,
-                    device: str = "cuda", arch: str | None = None) -> list[str]:
-    """The kernels of ``names`` with at least one shape of ``shape_dims`` that has no exact config for ``arch``
-    (default: this GPU's) in the committed configs, nor under ``root`` when given (a user cache); the kernel dims
-    come from each kernel's own case at that shape."""
-    device = torch.device(device)
-    keep = []
-    for name in names:
-        for dims in shape_dims.values():
-            case = registry[name][1](dict(dims), device)
-            roots = [None] if root is None else [None, root]
-            if all(tuning.lookup(name, case.dims, arch=arch, root=r)[0] != "exact" for r in roots):
-                keep.append(name)
-                break
-    return keep
 
 
 def search_all(args, registry: dict, names: list[str], shape_dims: dict[str, dict], per_budget: float) -> int:
@@ -259,11 +240,6 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
           f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}", flush=True)
 
 
-# seconds a child spends outside its search (imports, CUDA start, building the case): taken off each pair's
-# share so that an isolated run keeps to the total budget
-ISOLATE_OVERHEAD_S = 15.0
-
-
 def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | None) -> dict[str, dict]:
     """{shape name: model dims}: from a run's overrides (one shape, named by its shape key), else the presets
     (``--shapes``, default nano); ``model_dims`` (JSON) is what the isolated children get."""
@@ -280,7 +256,7 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
         except ConfigError as e:
             raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
         return {"run_" + tuning.shape_key(**dims): dims}
-    from nano_hybrid.bench.bench_shape_grid import GRID
+    from nano_hybrid.bench.mixer import GRID
 
     names = [s.strip() for s in (presets or "nano").split(",") if s.strip()]
     bad = [s for s in names if s not in tuner.SHAPE_PRESETS and s not in GRID]
@@ -291,32 +267,7 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
     if packed:
         raise ValueError(f"shapes {packed} pack documents (seq_idx), which the offline cases do not build; their "
                          "kernels are tuned at the first call (kernels.helion.autotune=true)")
-    return {s: dict(tuner.SHAPE_PRESETS[s]) if s in tuner.SHAPE_PRESETS else grid_dims(GRID[s][0]) for s in names}
-
-
-def grid_dims(shape) -> dict[str, int]:
-    """A ``bench_shape_grid.py`` shape (``MixerShape``) as model dims."""
-    return dict(b=shape.batch, l=shape.seqlen, h=shape.nheads, p=shape.headdim, g=shape.ngroups, n=shape.d_state,
-                c=shape.chunk_size, w=shape.d_conv)
-
-
-def child_commands(args, names: list[str], shape_dims: dict[str, dict], per_budget: float,
-                   timing_lock: str | None = None) -> list[list[str]]:
-    """One ``tune_kernels.py --no-isolate`` command per (kernel, shape) pair, each with that pair's budget
-    less the child's start-up time (and ``timing_lock``, the lock file that children running at once share)."""
-    per_budget = max(10.0, per_budget - ISOLATE_OVERHEAD_S)
-    cmds = []
-    for shape, dims in shape_dims.items():
-        for name in names:
-            cmd = [sys.executable, str(REPO_ROOT / "scripts" / "tune_kernels.py"), "--kernels", name,
-                   "--model-dims", json.dumps({shape: dims}),
-                   "--budget-s", f"{per_budget:.1f}", "--rep-ms", str(args.rep_ms), "--no-isolate"]
-            cmd += ["--out-root", args.out_root] if getattr(args, "out_root", None) else []
-            cmd += ["--no-write"] if args.no_write else []
-            cmd += ["--from-scratch"] if args.from_scratch else []
-            cmd += ["--timing-lock", timing_lock] if timing_lock else []
-            cmds.append(cmd)
-    return cmds
+    return {s: dict(tuner.SHAPE_PRESETS[s]) if s in tuner.SHAPE_PRESETS else GRID[s][0].model_dims() for s in names}
 
 
 def _run_isolated(args, names: list[str], shapes: dict[str, dict], per_budget: float, jobs: int = 1) -> int:
@@ -331,88 +282,6 @@ def _run_isolated(args, names: list[str], shapes: dict[str, dict], per_budget: f
     print(f"isolated searches: {len(cmds) - len(failed)} ok" + (f", failed: {', '.join(failed)}" if failed else "")
           + (f" ({jobs} at a time)" if jobs > 1 else ""), flush=True)
     return 1 if failed else 0
-
-
-def _pair(cmd: list[str]) -> str:
-    """"<kernel> @ <shape>" of a child command (the command itself for another one)."""
-    if "--kernels" not in cmd:
-        return " ".join(cmd)
-    return f"{cmd[cmd.index('--kernels') + 1]} @ {next(iter(json.loads(cmd[cmd.index('--model-dims') + 1])))}"
-
-
-def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: float = 0.2,
-                 log_dir: Path | None = None, say=lambda msg: print(msg, flush=True)) -> list[str]:
-    """Run ``cmds`` (``tune_kernels.py`` children), at most ``jobs`` at once, each killed after ``timeout_s``;
-    returns "<kernel> @ <shape> (exit <rc>|timeout)" for every child that did not exit 0. With ``log_dir`` each
-    child's output goes to ``<log_dir>/<n>.log`` (named in its failure) and its JSON log there too (``$OUT``)."""
-    def pair(cmd):
-        return _pair(cmd) + (f"; log {logs[id(cmd)]}" if id(cmd) in logs else "")
-
-    def start(n, cmd):
-        if log_dir is None:
-            return subprocess.Popen(cmd)
-        logs[id(cmd)] = log_dir / f"{n}.log"
-        with open(logs[id(cmd)], "w") as f:
-            return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OUT=str(log_dir)))
-
-    logs: dict[int, Path] = {}
-    pending, running, failed = list(enumerate(cmds)), [], []
-    while pending or running:
-        while pending and len(running) < jobs:
-            n, cmd = pending.pop(0)
-            running.append((cmd, start(n, cmd), time.monotonic()))
-        time.sleep(poll_s)
-        for item in list(running):
-            cmd, proc, t0 = item
-            rc = proc.poll()
-            if rc is None and time.monotonic() - t0 > timeout_s:
-                proc.kill()
-                proc.wait()
-                rc = "timeout"
-            if rc is None:
-                continue
-            running.remove(item)
-            if rc != 0:
-                what = "timeout" if rc == "timeout" else f"exit {rc}"
-                failed.append(f"{pair(cmd)} ({what})")
-                say(f"   {pair(cmd)}: child process failed ({what}); the other pairs still run")
-    return failed
-
-
-def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=True)) -> list[str]:
-    """``kernels.helion.autotune`` before a run's first step: tune every kernel a training step calls
-    (``kernels.registry.HELION_TRAINING_KERNELS``) that has no exact config (committed, or in the user cache) at the
-    run's mixer dims ``dims`` on this GPU, ``settings.autotune_jobs`` isolated
-    searches at a time, each with the first-use budget ``settings.autotune_budget_s``, winners into the user cache.
-    The first call of each kernel then finds its config, instead of searching one kernel after the other in the
-    first step. Under a lock per shape in the cache, so the other processes of the run (and other runs sharing the
-    cache) wait and then find nothing left to tune. Children's output goes to ``<cache>/<arch>/pretune_logs/``.
-    Returns the searches that failed (their kernels still search at their first call, as without this)."""
-    arch = tuning.current_arch()
-    root = tuning.user_cache_root(settings.cache_dir)
-    key = tuning.shape_key(**dims)
-    registry = tuner.discover_tunable_kernels()
-    with tuning.file_lock(root / arch / f"pretune.{key}"):
-        names = missing_kernels(registry, sorted(HELION_TRAINING_KERNELS), {key: dict(dims)}, root)
-        if not names:
-            return []
-        jobs = min(settings.autotune_jobs, len(names))
-        rounds = -(-len(names) // jobs)
-        say(f"nano_hybrid kernels: tuning {len(names)} kernels without a config at {key} on this GPU, {jobs} at a "
-            f"time, {settings.autotune_budget_s:.0f} s each (about {rounds * (settings.autotune_budget_s + 40):.0f} s;"
-            f" kernels.helion.autotune); winners go to {root / arch}")
-        log_dir = root / arch / "pretune_logs" / f"{key}_{dt.datetime.now().strftime('%Y%m%d_%H%M%S')}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        ns = argparse.Namespace(rep_ms=40.0, no_write=False, from_scratch=False, out_root=str(root))
-        t0 = time.monotonic()
-        cmds = child_commands(ns, names, {key: dict(dims)}, settings.autotune_budget_s + ISOLATE_OVERHEAD_S,
-                              timing_lock=str(log_dir / "gpu_timing") if jobs > 1 else None)
-        failed = run_children(cmds, jobs, settings.autotune_budget_s + ISOLATE_OVERHEAD_S + first_use.SEARCH_MARGIN_S,
-                              log_dir=log_dir, say=say)
-        say(f"nano_hybrid kernels: tuned {len(names) - len(failed)} of {len(names)} kernels at {key} in "
-            f"{time.monotonic() - t0:.0f} s" + (f"; failed (searched again at their first call): {', '.join(failed)}"
-                                                 if failed else ""))
-    return failed
 
 
 def _counts(results):
