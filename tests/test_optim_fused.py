@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nano_hybrid.config import ConfigError, compose
 
@@ -43,6 +44,18 @@ def _restore(snap):
         o.state.pop(p, None)
         if state:
             o.state[p] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops other than views dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))
 
 
 def _gradient_steps(ddp, opt, n: int):
@@ -221,7 +234,8 @@ def test_multi_tensor_ops_swap_only_megatrons_local_fallbacks_for_the_block():
 def test_optimizer_step_with_foreach_ops_equals_megatrons_loop(mp, monkeypatch):
     """guarded_step (gradient norm, clipping, AdamW) from the same state under optim.multi_tensor=foreach and =loop:
     the same gradient norm and bitwise the same parameters, with clipping active, at every step of a trajectory;
-    the foreach run computes the norm with torch._foreach_norm, the loop run with one norm per tensor."""
+    the foreach run computes the norm with torch._foreach_norm, the loop run with one norm per tensor. The foreach
+    step dispatches a fixed handful of ops whatever the number of parameters; the loop, several per parameter."""
     from nano_hybrid import runconfig, trainer as T
     from nano_hybrid.optim import multi_tensor_ops
     from nano_hybrid.stepguard import guarded_step
@@ -239,8 +253,11 @@ def test_optimizer_step_with_foreach_ops_equals_megatrons_loop(mp, monkeypatch):
         for kind in ("loop", "foreach"):
             _restore(snap)
             calls.clear()
-            with T.cpu_compat_mode(plan), multi_tensor_ops(kind), torch.no_grad():
+            ops = _OpCount()
+            with T.cpu_compat_mode(plan), multi_tensor_ops(kind), torch.no_grad(), ops:
                 ok, norm = guarded_step(opt, 1.0)
+            if step > 1:  # the first step also creates the Adam states, two per parameter
+                assert (ops.n < 30) if kind == "foreach" else (ops.n > 2 * len(snap)), (kind, ops.n, len(snap))
             assert ok and norm > cfg.optim.clip_grad  # clipping scaled the gradients
             assert (calls["foreach"] > 0) == (kind == "foreach")
             results[kind] = (norm, [p.detach().clone() for _, p, *_ in snap])
