@@ -50,10 +50,10 @@ ARMS = {
 }
 RECIPE = "convergence_seeds_h200"
 # The long run: one micro-batch of the seed runs' shape per step (4,096 tokens; the same tuned kernel shape), the
-# same validation tokens per evaluation (16 x 4 x 1024), every 1000 steps; a checkpoint every 2500 steps besides
-# the one on exit, so a segment killed before it could save (SIGKILL, a lost machine) loses at most 2500 steps.
+# same validation tokens per evaluation (16 x 4 x 1024), every 1000 steps; a checkpoint every 5000 steps besides
+# the one on exit (a save takes about 8 s), so a segment killed before it could save loses at most 5000 steps.
 LONG_OVERRIDES = ("train.global_batch_size=4", "train.eval_interval=1000", "train.eval_iters=16",
-                  "optim.lr=3.0e-4", "optim.min_lr=3.0e-6", "checkpoint.interval=2500")
+                  "optim.lr=3.0e-4", "optim.min_lr=3.0e-6", "checkpoint.interval=5000")
 # Files under the default roots that are not a package's own text (compiled caches, metadata, nested envs).
 STUDY_EXCLUDE = ("*__pycache__/*", "*.dist-info/*", "*.egg-info/*", "site-packages/*", "dist-packages/*")
 

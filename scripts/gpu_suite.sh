@@ -40,7 +40,8 @@
 # CALL_SECONDS and SUITE_T0 (long), GRID_ARGS (grid), SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms
 # mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per stage, default
 # 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code is the
-# number of failed stages.
+# number of failed stages. STAGE_TIMEOUT_<stage> (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit; TESTS_ARGS
+# (tests: the pytest paths, default "tests").
 set -u
 export SUITE_T0="${SUITE_T0:-$(date +%s)}"
 cd "$(dirname "$0")/.."
@@ -54,7 +55,7 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
@@ -92,7 +93,10 @@ need_gpus() {  # need_gpus N STAGE
     if [ "$NGPU" -lt "$1" ]; then echo "$2 needs $1 GPUs, this host has $NGPU"; return 1; fi
 }
 
-st_tests() { python3 -m pytest -q -m gpu tests -p no:cacheprovider; }
+st_tests() {  # -v: each test's result is in the log as it finishes, also when the stage's time limit stops it
+    # shellcheck disable=SC2086
+    python3 -m pytest -v -m gpu -p no:cacheprovider ${TESTS_ARGS:-tests}
+}
 st_equivalence() {
     [ -n "${REFERENCE_TREE:-}" ] || { echo "equivalence needs REFERENCE_TREE (a folder holding the reference kernels/)"; return 2; }
     python3 scripts/kernel_equivalence.py --reference-tree "$REFERENCE_TREE" --out "$OUT"
@@ -193,7 +197,9 @@ st_parity() {
 run_stage() {  # run_stage STAGE: its time limit, log, row in stages.tsv and, when it fails, STAGE.FAILED; its exit code
     local stage=$1 t0 rc
     t0=$(date +%s)
-    timeout --signal=TERM --kill-after=15 "${STAGE_TIMEOUT:-900}" bash -c "st_$stage" > "$OUT/logs/$stage.log" 2>&1
+    local limit_var="STAGE_TIMEOUT_$stage"
+    timeout --signal=TERM --kill-after=15 "${!limit_var:-${STAGE_TIMEOUT:-900}}" bash -c "st_$stage" \
+        > "$OUT/logs/$stage.log" 2>&1
     rc=$?
     printf '%s\t%s\t%s\n' "$stage" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/stages.tsv"
     if [ "$rc" -ne 0 ]; then
