@@ -41,7 +41,8 @@
 # mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per stage, default
 # 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code is the
 # number of failed stages. STAGE_TIMEOUT_<stage> (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit; TESTS_ARGS
-# (tests: the pytest paths, default "tests").
+# (tests: the pytest paths, default "tests"). The stages long, seeds and data need data/tokenizers/tekken_131k.json
+# (scripts/prepare_tokenizer.py writes it where mistral-common is installed; copy it to the GPU host).
 set -u
 export SUITE_T0="${SUITE_T0:-$(date +%s)}"
 cd "$(dirname "$0")/.."
@@ -55,7 +56,7 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
@@ -67,6 +68,11 @@ for group in "$@"; do
         case " $KNOWN " in
             *" $stage "*) ;;
             *) echo "error: unknown stage '$stage' (known: $KNOWN)" >&2; exit 2 ;;
+        esac
+        case "$stage" in  # the stages that tokenize with the 131k BPE: its file is made where mistral-common is installed
+            long|seeds|data) [ -f data/tokenizers/tekken_131k.json ] || {
+                echo "error: stage '$stage' needs data/tokenizers/tekken_131k.json (python scripts/prepare_tokenizer.py writes it; copy it to this host)" >&2
+                exit 2; } ;;
         esac
     done
 done

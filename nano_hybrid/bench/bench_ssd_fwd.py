@@ -9,7 +9,7 @@ the control's ratio. Correctness: the whole forward of both backends vs an fp32 
 
     python3 scripts/bench_ssd_fwd.py [--shapes nano,...] [--rounds 5 --iters 10]
 
-Writes $OUT/ssd_fwd_bench.json and .md (GPU name, versions, shapes, date).
+Writes ssd_fwd_bench.json and .md (GPU name, versions, shapes, date) to --out (default $OUT, else runs/bench/<gpu>).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import sys
 import traceback
 import types
+from pathlib import Path
 
 import torch
 
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="nano,nano_tp2,nano_b4_l4096")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_ssd_fwd.py needs a CUDA GPU")
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
                 [[k, v["helion_vs_fp32"], v["mamba_vs_fp32"], v["helion_vs_mamba"]] for k, v in r["correctness_rel_max_err"].items()])
         for k, e in r["errors"].items():
             md_txt += f"\n\nERROR {s} {k}:\n```\n{e[-1500:]}\n```"
-    jp, mp = reporting.write_results(reporting.default_out_dir(), "ssd_fwd_bench", results, md_txt)
+    jp, mp = reporting.write_results(Path(args.out) if args.out else reporting.default_out_dir(), "ssd_fwd_bench", results, md_txt)
     print(md_txt)
     print(f"wrote {jp} and {mp}")
     return 1 if any(r["errors"] for r in results["shapes"].values()) else 0
