@@ -453,7 +453,9 @@ def test_fast_launch_gives_bitwise_equal_results():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_short_and_partial_chunk_shapes_vs_mamba_ssm():
+@pytest.mark.parametrize("b,l,doc", [(1, 1, None), (2, 3, None), (2, 17, None), (2, 128, None), (2, 200, (60, 61)),
+                                     (1, 257, (128, 129))], ids=["l1", "l3", "l17", "l128", "l200_docs", "l257_docs"])
+def test_short_and_partial_chunk_shapes_vs_mamba_ssm(b, l, doc):
     """The fused op at shapes the Nano bench never runs, bf16, Nano head dims (8 heads of 64, 2 groups of 128, chunk
     128): sequences of 1, 3 and 17 tokens (below the conv width, below the chunk and every block), one whole chunk,
     a partial last chunk (200, 257 tokens), with seq_idx holding a document of 1 token (in the middle of a chunk and
@@ -465,43 +467,41 @@ def test_short_and_partial_chunk_shapes_vs_mamba_ssm():
     from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
 
     h, p, g, n, c = 8, 64, 2, 128, 128
-    cases = [(1, 1, None), (2, 3, None), (2, 17, None), (2, 128, None), (2, 200, (60, 61)), (1, 257, (128, 129))]
-    for b, l, doc in cases:
-        t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16, seed=l)
-        t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
-        seq = None
-        if doc is not None:  # documents [0, doc[0]), [doc[0], doc[1]) (1 token), [doc[1], l)
-            seq = torch.zeros(b, l, dtype=torch.int32, device="cuda")
-            seq[:, doc[0]:] = 1
-            seq[:, doc[1]:] = 2
-        init = torch.randn(b, h, p, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
-        kw = dict(chunk_size=c, headdim=p, ngroups=g, norm_before_gate=False, seq_idx=seq, return_final_states=True)
+    t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16, seed=l)
+    t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
+    seq = None
+    if doc is not None:  # documents [0, doc[0]), [doc[0], doc[1]) (1 token), [doc[1], l)
+        seq = torch.zeros(b, l, dtype=torch.int32, device="cuda")
+        seq[:, doc[0]:] = 1
+        seq[:, doc[1]:] = 2
+    init = torch.randn(b, h, p, n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    kw = dict(chunk_size=c, headdim=p, ngroups=g, norm_before_gate=False, seq_idx=seq, return_final_states=True)
 
-        def run(fn, cast):
-            leaves = {k: (v.float() if cast else v).detach().requires_grad_(True) for k, v in t.items()}
-            i0 = init.detach().clone().requires_grad_(True)
-            out, fin = fn(*leaves.values(), initial_states=i0, **kw)
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            do = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
-            df = torch.randn(fin.shape, device="cuda", generator=gen)
-            loss = (out.float() * do.float()).sum() + (fin.float() * df).sum()
-            return [out.float(), fin.float()] + [x.float() for x in torch.autograd.grad(loss, list(leaves.values()) + [i0])]
+    def run(fn, cast):
+        leaves = {k: (v.float() if cast else v).detach().requires_grad_(True) for k, v in t.items()}
+        i0 = init.detach().clone().requires_grad_(True)
+        out, fin = fn(*leaves.values(), initial_states=i0, **kw)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        do = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
+        df = torch.randn(fin.shape, device="cuda", generator=gen)
+        loss = (out.float() * do.float()).sum() + (fin.float() * df).sum()
+        return [out.float(), fin.float()] + [x.float() for x in torch.autograd.grad(loss, list(leaves.values()) + [i0])]
 
-        names = ["out", "final_states"] + list(t) + ["initial_states"]
-        ref = run(mamba_split_conv1d_scan_combined_ref, True)
-        hel = run(msh.mamba_split_conv1d_scan_combined_helion, False)
-        try:
-            mam = run(mamba_split_conv1d_scan_combined, False)
-        except Exception as e:  # noqa: BLE001 - a shape mamba-ssm itself does not run is reported, then checked vs fp32
-            print(f"b={b} l={l}: mamba-ssm fails ({type(e).__name__}: {str(e)[:120]}); checking against fp32 only")
-            mam = None
-        for i, (nm, r, hh) in enumerate(zip(names, ref, hel)):
-            assert torch.isfinite(hh).all(), (l, nm)
-            e_h = ((hh - r).norm() / r.norm().clamp_min(1e-12)).item()
-            e_m = None if mam is None else ((mam[i] - r).norm() / r.norm().clamp_min(1e-12)).item()
-            print(f"b={b} l={l} seq={doc}: {nm} rel. L2 vs fp32: helion {e_h:.2e} mamba-ssm "
-                  f"{'-' if e_m is None else f'{e_m:.2e}'}")
-            assert e_h <= (2e-2 if e_m is None else 2 * e_m + 1e-3), f"l={l} {nm}: helion {e_h:.2e} vs mamba-ssm {e_m}"
+    names = ["out", "final_states"] + list(t) + ["initial_states"]
+    ref = run(mamba_split_conv1d_scan_combined_ref, True)
+    hel = run(msh.mamba_split_conv1d_scan_combined_helion, False)
+    try:
+        mam = run(mamba_split_conv1d_scan_combined, False)
+    except Exception as e:  # noqa: BLE001 - a shape mamba-ssm itself does not run is reported, then checked vs fp32
+        print(f"b={b} l={l}: mamba-ssm fails ({type(e).__name__}: {str(e)[:120]}); checking against fp32 only")
+        mam = None
+    for i, (nm, r, hh) in enumerate(zip(names, ref, hel)):
+        assert torch.isfinite(hh).all(), (l, nm)
+        e_h = ((hh - r).norm() / r.norm().clamp_min(1e-12)).item()
+        e_m = None if mam is None else ((mam[i] - r).norm() / r.norm().clamp_min(1e-12)).item()
+        print(f"b={b} l={l} seq={doc}: {nm} rel. L2 vs fp32: helion {e_h:.2e} mamba-ssm "
+              f"{'-' if e_m is None else f'{e_m:.2e}'}")
+        assert e_h <= (2e-2 if e_m is None else 2 * e_m + 1e-3), f"l={l} {nm}: helion {e_h:.2e} vs mamba-ssm {e_m}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")
