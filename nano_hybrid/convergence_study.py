@@ -71,6 +71,7 @@ class RunSpec:
     overrides: list[str]
     train_iters: int
     stops: tuple[int, ...] = ()  # SIGTERM once the run has logged each step; after all but the last, start it again
+    resume_after_stops: bool = False  # start it again after the last stop too (the stops are resumes, not its end)
 
     def command(self, python: str) -> list[str]:
         return [python, "-m", "nano_hybrid.train", *self.overrides]
@@ -124,7 +125,7 @@ def recipe_train_iters(recipe: str) -> int:
 def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str | Path,
               corpus_roots: list[str] | None, long_iters: int | None, extra: list[str], long_extra: list[str],
               wandb: str, recipe: str = RECIPE, recipe_iters: int | None = None, resume_check: int | None = None,
-              resume_window: int = 400) -> StudyPlan:
+              resume_window: int = 400, long_stops: tuple[int, ...] = ()) -> StudyPlan:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise StudyConfigError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
@@ -162,7 +163,13 @@ def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str
             plan.runs.append(spec(f"{arm}_s{seed}", arm, seed, ARMS[arm], []))
     if long_iters is not None:
         long_ovs = [*LONG_OVERRIDES, f"train.train_iters={long_iters}", *long_extra]
-        plan.runs.append(spec("long_helion", "long", 1, ARMS["helion"], long_ovs))
+        long = spec("long_helion", "long", 1, ARMS["helion"], long_ovs)
+        if long_stops:
+            if list(long_stops) != sorted(set(long_stops)) or not 0 < long_stops[0] or long_stops[-1] >= long.train_iters:
+                raise StudyConfigError(f"--long-stops {','.join(map(str, long_stops))}: give increasing steps between 1 "
+                                       f"and the long run's steps ({long.train_iters}), each once")
+            long.stops, long.resume_after_stops = tuple(long_stops), True  # the same command again after each
+        plan.runs.append(long)
         if resume_check is not None:
             det = [*long_ovs, "train.deterministic=true", "kernels.deterministic=true"]
             rc = spec("long_helion_rc", "long_rc", 1, ARMS["helion"], det, mode="disabled")
@@ -237,7 +244,7 @@ def _stop_or_restart(procs: list[Proc], start, log) -> None:
         if p.stops and not p.restart and p.popen.poll() is None and last_logged_step(p.spec.run_dir) >= p.stops[0]:
             os.killpg(p.popen.pid, signal.SIGTERM)
             log(f"{p.spec.name}: SIGTERM at its stop step {p.stops.pop(0)}")
-            p.restart = bool(p.stops)
+            p.restart = bool(p.stops) or p.spec.resume_after_stops
         elif p.restart and p.popen.poll() is not None:
             p.restart = False
             if p.popen.returncode == 0:  # saved on SIGTERM: the same command resumes it
@@ -277,7 +284,8 @@ def launch(plan: StudyPlan, *, minutes: float, python: str, grace_s: float = 90.
 
     for r in plan.runs:
         done = checkpointed_step(r.run_dir)
-        if done >= r.train_iters or (r.stops and last_logged_step(r.run_dir) >= r.stops[-1]):
+        if done >= r.train_iters or (r.stops and not r.resume_after_stops
+                                     and last_logged_step(r.run_dir) >= r.stops[-1]):
             log(f"{r.name}: complete ({max(done, last_logged_step(r.run_dir))} steps)")
             results[r.name] = None
             continue

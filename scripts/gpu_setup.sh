@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Offline install of nano-hybrid's GPU dependencies from a wheelhouse folder (no package index needed).
 #
-#   source scripts/gpu_setup.sh [WHEELHOUSE_DIR]
+#   source scripts/gpu_setup.sh [WHEELHOUSE_DIR ...]
 #
+# Every folder's wheels install together (an argument, or $WHEELHOUSE, may also list folders separated by ':').
 # WHEELHOUSE_DIR defaults to $WHEELHOUSE, else the first of shared/wheelhouse/gpu-cp312-torch2.11-cu130
 # inside the checkout or ../shared/wheelhouse/gpu-cp312-torch2.11-cu130 beside it
 # (wheels for Python 3.12 / torch 2.11.0+cu130 / triton 3.6: mamba-ssm 2.3.2.post1 (Triton kernels only),
@@ -14,42 +15,53 @@
 # train.fp8 needs torchao: put torchao-0.17.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl (the
 # release paired with torch 2.11) into the wheelhouse folder; it installs with the others (a wheel that SHA256SUMS
 # does not list is installed unchecked). Without it train.fp8=none runs and train.fp8=... fails at validation.
-# wandb is not in the wheelhouse: keep logger.wandb.mode=disabled (or install wandb yourself).
+# wandb (W&B offline runs) has a wheelhouse of its own (gpu-wandb-cp312): give it as a second folder; without it,
+# keep logger.wandb.mode=disabled.
 # Run as a script instead of sourcing it to only install and check; then export PYTHONPATH yourself.
 
 _nh_setup() {
-    local repo wh py
+    local repo wh py arg part
+    local -a whs=() wheels=()
     repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-    wh="${1:-${WHEELHOUSE:-}}"
-    if [ -z "$wh" ]; then
+    local -a args=("$@")
+    [ "${#args[@]}" -eq 0 ] && [ -n "${WHEELHOUSE:-}" ] && args=("$WHEELHOUSE")
+    for arg in "${args[@]}"; do  # each argument may hold several folders, separated by ':'
+        IFS=: read -ra part <<< "$arg"
+        whs+=("${part[@]}")
+    done
+    if [ "${#whs[@]}" -eq 0 ]; then
         for wh in "$repo/shared/wheelhouse/gpu-cp312-torch2.11-cu130" "$repo/../shared/wheelhouse/gpu-cp312-torch2.11-cu130"; do
             [ -d "$wh" ] && break
         done
+        whs=("$wh")
     fi
     py="${PYTHON:-python3}"
-    if [ ! -d "$wh" ]; then
-        echo "gpu_setup: wheelhouse folder not found: $wh" >&2; return 1
-    fi
-    wh="$(cd "$wh" && pwd)"
-    if ! ls "$wh"/*.whl >/dev/null 2>&1; then
-        echo "gpu_setup: no .whl files in $wh" >&2; return 1
-    fi
     if ! "$py" -c "import torch, triton" 2>/dev/null; then
         echo "gpu_setup: $py cannot import torch and triton; install the CUDA build of torch first (this script never does)" >&2
         return 1
     fi
-    if [ -f "$wh/SHA256SUMS" ]; then
-        (cd "$wh" && sha256sum --quiet -c SHA256SUMS) || { echo "gpu_setup: checksum mismatch in $wh" >&2; return 1; }
-    fi
+    for wh in "${whs[@]}"; do
+        if [ ! -d "$wh" ]; then
+            echo "gpu_setup: wheelhouse folder not found: $wh" >&2; return 1
+        fi
+        wh="$(cd "$wh" && pwd)"
+        if ! ls "$wh"/*.whl >/dev/null 2>&1; then
+            echo "gpu_setup: no .whl files in $wh" >&2; return 1
+        fi
+        if [ -f "$wh/SHA256SUMS" ]; then
+            (cd "$wh" && sha256sum --quiet -c SHA256SUMS) || { echo "gpu_setup: checksum mismatch in $wh" >&2; return 1; }
+        fi
+        wheels+=("$wh"/*.whl)
+    done
     local stamp="$repo/site/.wheelhouse-stamp"
     local want
-    want="$(cd "$wh" && ls *.whl | sort | tr '\n' ' ')"
+    want="$(for w in "${wheels[@]}"; do basename "$w"; done | sort | tr '\n' ' ')"
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
         echo "gpu_setup: $repo/site already holds these wheels"
     else
         rm -rf "$repo/site"
-        "$py" -m pip install -q --no-index --no-deps --no-compile --target "$repo/site" "$wh"/*.whl \
-            || { echo "gpu_setup: pip install from $wh failed" >&2; return 1; }
+        "$py" -m pip install -q --no-index --no-deps --no-compile --target "$repo/site" "${wheels[@]}" \
+            || { echo "gpu_setup: pip install from ${whs[*]} failed" >&2; return 1; }
         echo "$want" > "$stamp"
     fi
     export PYTHONPATH="$repo/site:$repo${PYTHONPATH:+:$PYTHONPATH}"

@@ -34,15 +34,18 @@
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #   grid         helion vs mamba_ssm on the grid of Mamba-2 layer shapes (scripts/bench_shape_grid.py $GRID_ARGS)
 #
-# Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheels for scripts/gpu_setup.sh; SKIP_SETUP=1 when
-# the packages are installed), BACKENDS (default "mamba_ssm,helion" for the A/B stages), REFERENCE_TREE
-# (equivalence), PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES,
-# CALL_SECONDS and SUITE_T0 (long), GRID_ARGS (grid), SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms
-# mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per stage, default
-# 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit code is the
-# number of failed stages. STAGE_TIMEOUT_<stage> (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit; TESTS_ARGS
-# (tests: the pytest paths, default "tests"). The stages long, seeds and data need data/tokenizers/tekken_131k.json
-# (scripts/prepare_tokenizer.py writes it where mistral-common is installed; copy it to the GPU host).
+# Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheel folders for scripts/gpu_setup.sh, ':' between
+# folders, e.g. the GPU wheelhouse and wandb's; SKIP_SETUP=1 when the packages are installed), ARCHIVE (a .tgz written
+# at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
+# for the A/B stages), REFERENCE_TREE (equivalence), PEER_FILE (peer), RECIPE (convergence, default
+# convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long: steps at which the run is
+# stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), SEEDS_ARGS (seeds: extra convergence_study.py arguments,
+# e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per
+# stage, default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit
+# code is the number of failed stages. STAGE_TIMEOUT_<stage> (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit;
+# TESTS_ARGS (tests: the pytest paths, default "tests"). The stages long, seeds and data need
+# data/tokenizers/tekken_131k.json (scripts/prepare_tokenizer.py writes it where mistral-common is installed; copy it to
+# the GPU host).
 set -u
 export SUITE_T0="${SUITE_T0:-$(date +%s)}"
 cd "$(dirname "$0")/.."
@@ -56,7 +59,7 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
@@ -159,7 +162,8 @@ st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/conv
     local minutes="${MINUTES:-$(python3 -c "print(round(max(1.0, (${CALL_SECONDS:-585} - ($(date +%s) - $SUITE_T0)) / 60), 2))")}"
     echo "long: --minutes $minutes"
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
-        --resume-check "${RESUME_CHECK:-300}" --minutes "$minutes" --save-margin 20 --grace 30 \
+        --resume-check "${RESUME_CHECK:-300}" --long-stops "${LONG_STOPS:-}" --minutes "$minutes" --save-margin 20 \
+        --grace 30 \
         --wandb "$wandb" kernels.helion.autotune=false
 }
 
@@ -238,4 +242,10 @@ for group in "$@"; do
     done
 done
 cat "$OUT/stages.tsv"
+if [ -n "${ARCHIVE:-}" ]; then  # one file to take home: $OUT without checkpoints, data caches and files of 20 MB or more
+    case "$ARCHIVE" in /*) ;; *) ARCHIVE="$REPO/$ARCHIVE" ;; esac
+    mkdir -p "$(dirname "$ARCHIVE")"
+    (cd "$OUT" && find . -type f -size -20M -not -path '*/checkpoints/*' -not -path '*/data_cache/*' -print0 \
+        | tar --null -czf "$ARCHIVE" -T -) && echo "archive: $ARCHIVE ($(du -h "$ARCHIVE" | cut -f1))"
+fi
 exit "$FAILED"

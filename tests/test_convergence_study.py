@@ -222,6 +222,41 @@ def test_launch_stops_and_resumes_the_check_run_beside_its_reference(tmp_path):
     assert res == {"long_helion": None, "long_helion_rc": None, "long_helion_ref": None}
 
 
+def test_long_stops_resume_the_long_run_inside_one_invocation(tmp_path):
+    """--long-stops K1,K2: the long run gets SIGTERM once it has logged each step and the same command starts again at
+    once from its checkpoint, then runs to its end; the next invocation finds it complete. Bad stop lists are refused
+    before anything starts."""
+    from nano_hybrid.convergence_study import long_run_summary, resume_steps
+
+    fake = tmp_path / "fake_python"
+    fake.write_text(RESUMING_TRAINER)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    plan = _plan(tmp_path, arms=[], long_iters=150, long_stops=(30, 90))
+    (long,) = plan.runs
+    assert long.stops == (30, 90) and long.resume_after_stops
+    res = launch(plan, minutes=3, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
+                 log=lambda m: None)
+    assert res == {"long_helion": 0}
+    k = resume_steps(long.run_dir)
+    assert len(k) == 2 and 30 <= k[0] < k[1] and k[1] >= 90  # stopped at (about) each stop step, resumed from there
+    summary = long_run_summary(long.run_dir)
+    assert summary["segments"] == 3 and summary["missing_steps"] == [] and summary["resumed_from"] == k
+    assert checkpointed_step_of(long) == 150
+    res = launch(plan, minutes=3, python=str(fake), grace_s=5, save_margin_s=0, poll_s=0.05, min_run_minutes=0,
+                 log=lambda m: None)
+    assert res == {"long_helion": None}
+    for bad in ((90, 30), (30, 30), (0, 10), (10, 150)):
+        with pytest.raises(StudyConfigError, match="--long-stops"):
+            _plan(tmp_path, arms=[], long_iters=150, long_stops=bad)
+    assert convergence_study.main(["--arms", "none", "--long-stops", "1k", "--dry-run"]) == 2
+
+
+def test_long_stops_reach_the_launcher_from_the_command_line(tmp_path, capsys):
+    assert convergence_study.main(["--arms", "none", "--long-iters", "100", "--long-stops", "150", "--dry-run",
+                                   "--out", str(tmp_path / "s")]) == 2
+    assert "--long-stops 150" in capsys.readouterr().err
+
+
 def checkpointed_step_of(run):
     return int((run.run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
 

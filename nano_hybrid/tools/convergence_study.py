@@ -13,6 +13,8 @@ long_run.png (its training loss, validation loss and gradient norm, resume steps
 bitwise check of resuming at the long run's settings with deterministic steps: OUT/long_helion_rc stopped at step K
 and resumed at once, beside OUT/long_helion_ref unbroken, both to step K + 400; the summary compares them step by
 step (resume_check: first differing step, loss differences before/after the resume) and resume_check.png draws it.
+--long-stops K1[,K2] stops the long run with SIGTERM once it has logged each step and starts the same command again
+at once: resumes inside one invocation, besides the one that follows each invocation's deadline.
 Exit code: 0 when every started run exited 0, 1 when one failed, 2 on bad arguments (one `error: ...` line).
 """
 
@@ -43,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds, the same for every arm")
     ap.add_argument("--long-iters", type=int, default=20000, help="steps of the long helion run (0: no long run)")
     ap.add_argument("--long-override", action="append", default=[], help="an override for the long run only")
+    ap.add_argument("--long-stops", default="", metavar="STEP[,STEP]",
+                    help="SIGTERM the long run once it has logged each step and start the same command at once "
+                         "(resumes inside one invocation, besides the one after each invocation's deadline)")
     ap.add_argument("--resume-check", type=int, default=0, metavar="K",
                     help="a resume check beside the long run: its settings with deterministic steps, stopped at step "
                          "K and resumed, against the same run unbroken, both to step K + 400 (0: none)")
@@ -85,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             seeds = [int(s) for s in args.seeds.split(",") if s]
         except ValueError:
             raise StudyConfigError(f"--seeds {args.seeds!r}: comma-separated integers") from None
+        try:
+            long_stops = tuple(int(x) for x in args.long_stops.split(",") if x)
+        except ValueError:
+            raise StudyConfigError(f"--long-stops {args.long_stops!r}: comma-separated steps") from None
         plan = make_plan(out=args.out, arms=[a for a in args.arms.split(",") if a and args.arms != "none"], seeds=seeds, corpus=args.corpus,
                          corpus_roots=args.corpus_root or None,
                          long_iters=args.long_iters or None, extra=list(args.overrides),
                          long_extra=list(args.long_override), wandb=args.wandb,
-                         resume_check=args.resume_check or None)
+                         resume_check=args.resume_check or None, long_stops=long_stops)
         for r in args.corpus_root:
             if not Path(r).is_dir():
                 raise StudyConfigError(f"--corpus-root {r}: not a folder")
