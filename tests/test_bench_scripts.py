@@ -366,8 +366,9 @@ def test_set_kernel_backend_swaps_ops_and_keeps_parameters():
 
 def test_bench_mixer_op_has_the_training_mixer_layouts():
     """bench_kernels' mixer op hands the norm and the fused op tensors in the layouts the model's mixer does:
-    the norm runs on a contiguous (l, b, d) tensor and gets a contiguous gradient, the op's output gradient is a
-    (b, l, d) view of an (l, b, d) tensor (batch 2: with batch 1 both layouts are contiguous)."""
+    zxbcdt is a (b, l, d) view of (l, b, d) memory for a backend that takes strided input and a contiguous copy
+    for any other, the norm runs on a contiguous (l, b, d) tensor and gets a contiguous gradient, the op's output
+    gradient is a (b, l, d) view of an (l, b, d) tensor (batch 2: with batch 1 both layouts are contiguous)."""
     import dataclasses
 
     import torch
@@ -380,8 +381,10 @@ def test_bench_mixer_op_has_the_training_mixer_layouts():
     ref = get_backend("torch")
     seen = []
 
-    def recording_op(*args, **kw):
-        y = ref.mamba_split_conv1d_scan_combined(*args, **kw)
+    def recording_op(zxbcdt, *args, **kw):
+        b, _, d = zxbcdt.shape
+        seen.append(("op zxbcdt", zxbcdt.is_contiguous(), zxbcdt.stride() == (d, b * d, 1)))
+        y = ref.mamba_split_conv1d_scan_combined(zxbcdt, *args, **kw)
         y.register_hook(lambda g: seen.append(("op dout", g.is_contiguous(), g.transpose(0, 1).is_contiguous())))
         return y
 
@@ -392,26 +395,80 @@ def test_bench_mixer_op_has_the_training_mixer_layouts():
             y.register_hook(lambda g: seen.append(("norm dy", g.is_contiguous(), g.shape[1] == 2)))
             return y
 
-    fake = dataclasses.replace(ref, name="fake", mamba_split_conv1d_scan_combined=recording_op,
-                               RMSNormGated=RecordingNorm)
+    fakes = {strided: dataclasses.replace(ref, name="fake", mamba_split_conv1d_scan_combined=recording_op,
+                                          RMSNormGated=RecordingNorm, strided_zxbcdt=strided)
+             for strided in (False, True)}
     shape = mx.MixerShape(batch=2, seqlen=64, nheads=4, headdim=8, ngroups=2, d_state=16, chunk_size=32)
-    op = mx.MixerOp(fake, shape, mx.make_params(shape, torch.device("cpu"), torch.float32, seed=0),
-                    torch.device("cpu"), torch.float32)
-    op.mixer_fwdbwd()
-    bench = sorted(seen)
-    seen.clear()
+    bench = {}
+    for strided, fake in fakes.items():
+        op = mx.MixerOp(fake, shape, mx.make_params(shape, torch.device("cpu"), torch.float32, seed=0),
+                        torch.device("cpu"), torch.float32)
+        op.mixer_fwdbwd()
+        bench[strided] = sorted(seen)
+        seen.clear()
+    model_seen = {}
     cfg = compose(["model=tiny", "kernels.backend=torch"])
     initialize_parallel(cfg)
     try:
         torch.manual_seed(0)
         model = build_model(cfg, device="cpu")
         mixer = next(m for m in model.modules() if type(m).__name__ == "BackendMambaMixer")
-        arms.set_kernel_backend(model, fake)
-        y, _ = mixer(torch.randn(64, 2, cfg.model.hidden_size))
-        y.sum().backward()
+        for strided, fake in fakes.items():
+            arms.set_kernel_backend(model, fake)
+            y, _ = mixer(torch.randn(64, 2, cfg.model.hidden_size))
+            y.sum().backward()
+            model_seen[strided] = sorted(seen)
+            seen.clear()
     finally:
         destroy_parallel()
-    assert sorted(seen) == bench == [("norm dy", True, True), ("norm x", True, True), ("op dout", False, True)]
+    for strided in (False, True):
+        assert model_seen[strided] == bench[strided] == [
+            ("norm dy", True, True), ("norm x", True, True), ("op dout", False, True),
+            ("op zxbcdt", not strided, strided)]
+
+
+def test_bench_mixer_params_zxbcdt_layouts_hold_the_same_values():
+    """make_params' megatron layout (default) stores zxbcdt as an (l, b, d) leaf and hands the op a (b, l, d) view
+    of it; the contiguous layout a contiguous (b, l, d) leaf with the same values. The torch backend's outputs and
+    gradients (d_zxbcdt in (b, l, d)) agree across the layouts, with the view passed as it is or copied."""
+    import dataclasses
+
+    import torch
+
+    from kernels.registry import get_backend
+
+    cpu = torch.device("cpu")
+    shape = mx.MixerShape(batch=2, seqlen=64, nheads=4, headdim=8, ngroups=2, d_state=16, chunk_size=32)
+    b, l, d = shape.batch, shape.seqlen, shape.zxbcdt_dim
+    meg = mx.make_params(shape, cpu, torch.float32, seed=0)
+    con = mx.make_params(shape, cpu, torch.float32, seed=0, zxbcdt_layout="contiguous")
+    lbd = meg["zxbcdt_lbd"]
+    assert lbd.shape == (l, b, d) and lbd.is_contiguous() and lbd.is_leaf and lbd.requires_grad
+    assert meg["zxbcdt"].shape == (b, l, d) and meg["zxbcdt"].stride() == (d, b * d, 1)
+    assert meg["zxbcdt"].data_ptr() == lbd.data_ptr() and not meg["zxbcdt"].is_leaf
+    assert "zxbcdt_lbd" not in con and con["zxbcdt"].is_contiguous() and con["zxbcdt"].is_leaf
+    assert con["zxbcdt"].requires_grad and con["zxbcdt"].shape == (b, l, d)
+    assert torch.equal(meg["zxbcdt"], con["zxbcdt"]) and bool((con["zxbcdt"] != 0).all())
+    with pytest.raises(ValueError, match="zxbcdt_layout"):
+        mx.make_params(shape, cpu, torch.float32, seed=0, zxbcdt_layout="lbd")
+
+    ref = get_backend("torch")
+    strided = dataclasses.replace(ref, strided_zxbcdt=True)
+    outs = {name: mx.MixerOp(be, shape, p, cpu, torch.float32).outputs_and_grads()
+            for name, be, p in (("contiguous", ref, con), ("megatron", ref, meg), ("megatron strided", strided, meg))}
+    assert lbd.grad is None and con["zxbcdt"].grad is None  # outputs_and_grads leaves no gradients behind
+    want = outs["contiguous"]
+    assert want["d_zxbcdt"].shape == (b, l, d) and want["d_zxbcdt"].abs().sum() > 0
+    for name in ("megatron", "megatron strided"):
+        assert outs[name].keys() == want.keys()
+        for k, v in outs[name].items():
+            assert v.is_contiguous(), (name, k)
+            torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=lambda m, n=name, k=k: f"{n} {k}: {m}")
+    # the megatron layout's gradient lands on the (l, b, d) leaf
+    op = mx.MixerOp(strided, shape, meg, cpu, torch.float32)
+    op.mixer_fwdbwd()
+    assert lbd.grad.shape == (l, b, d)
+    torch.testing.assert_close(lbd.grad.transpose(0, 1), want["d_zxbcdt"], rtol=1e-5, atol=1e-6)
 
 
 def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
@@ -964,3 +1021,79 @@ def test_trainer_pretunes_only_helion_autotune_on_a_gpu(monkeypatch):
     assert calls == [dict(b=4, l=1024, h=16, p=64, g=8, n=128, c=128, w=4)]
     cfg.model.hybrid_override_pattern = "*E*E"
     assert trainer.pretune_kernels(cfg, plan(on, gpu), print) == [] and len(calls) == 1
+
+
+def test_gpu_suite_refuses_tokenizing_stages_without_the_tokenizer_file(tmp_path):
+    """The stages that tokenize with the 131k BPE (long, seeds, data) stop before any setup with one line naming the
+    missing tokenizer file and how to make it; with the file there, the same stage passes the check."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(root / "scripts" / "gpu_suite.sh", tmp_path / "scripts" / "gpu_suite.sh")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SKIP_SETUP": "1"}
+    for stage in ("long", "seeds", "data", "tests+long"):
+        r = subprocess.run(["bash", "scripts/gpu_suite.sh", stage], cwd=tmp_path, capture_output=True, text=True,
+                           env=env)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "needs data/tokenizers/tekken_131k.json" in r.stderr and "prepare_tokenizer.py" in r.stderr
+        assert not (tmp_path / "out" / "stages.tsv").exists()
+    (tmp_path / "data" / "tokenizers").mkdir(parents=True)
+    (tmp_path / "data" / "tokenizers" / "tekken_131k.json").write_text("[]")
+    # the file is there: the check passes and the unknown stage after it is what stops the run
+    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "long", "nope"], cwd=tmp_path, capture_output=True, text=True,
+                       env=env)
+    assert r.returncode == 2 and "unknown stage 'nope'" in r.stderr and "tekken" not in r.stderr
+
+
+def test_gpu_suite_passes_only_flags_its_scripts_accept(capsys):
+    """Every `python3 scripts/X.py ... --flag` in gpu_suite.sh names a flag that X's argument parser lists in --help:
+    a stage fails on the GPU host, after setup, when a script lacks a flag the suite passes."""
+    import contextlib
+    import importlib
+    import io
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "scripts" / "gpu_suite.sh").read_text().replace("\\\n", " ")
+    calls = re.findall(r"python3 scripts/(\w+)\.py([^;&|\n]*)", text)
+    assert len({name for name, _ in calls}) >= 10
+    checked = 0
+    for name, args in calls:
+        flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", args))
+        if not flags:
+            continue
+        wrapper = (root / "scripts" / f"{name}.py").read_text()
+        module = re.search(r"^from ([\w.]+) import main", wrapper, re.M).group(1)
+        main = importlib.import_module(module).main
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code in (0, None), name
+        missing = sorted(f for f in flags if f not in buf.getvalue())
+        assert not missing, f"scripts/{name}.py does not accept {missing}"
+        checked += 1
+    assert checked >= 10
+
+
+def test_gpu_suite_archive_holds_the_output_without_checkpoints(tmp_path):
+    """ARCHIVE=file.tgz: after the stages, one archive of $OUT (logs, stages.tsv, .FAILED files), leaving out
+    checkpoints (here: two-GPU stages that fail at once on a host without two GPUs)."""
+    import subprocess
+    import tarfile
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    (out / "convergence_seeds" / "long_helion" / "checkpoints").mkdir(parents=True)
+    (out / "convergence_seeds" / "long_helion" / "checkpoints" / "model.pt").write_text("weights")
+    (out / "convergence_seeds" / "long_helion" / "metrics.jsonl").write_text('{"step": 1}\n')
+    archive = tmp_path / "take" / "results.tgz"
+    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "parity+convergence"], cwd=root, capture_output=True,
+                       text=True, env={**os.environ, "OUT": str(out), "SKIP_SETUP": "1", "ARCHIVE": str(archive)})
+    assert r.returncode == 2, r.stdout + r.stderr
+    with tarfile.open(archive) as tf:
+        names = {n.removeprefix("./") for n in tf.getnames()}
+    assert {"stages.tsv", "logs/parity.log", "logs/convergence.log", "parity.FAILED",
+            "convergence_seeds/long_helion/metrics.jsonl"} <= names
+    assert not any("checkpoints" in n for n in names)

@@ -2,13 +2,17 @@
 
 The op is exactly what Megatron-Core's MambaMixer runs in training (``_ssm_training``):
 
+    zxBCdt = rearrange(in_proj_out, "l b d -> b l d")     # a (b, l, d) view of (l, b, d) memory
+    zxBCdt = zxBCdt if backend.strided_zxbcdt else zxBCdt.contiguous()
     y = mamba_split_conv1d_scan_combined(zxBCdt, conv_w, conv_b, dt_bias.float(), A=-exp(A_log.float()), D,
                                          chunk_size=128, activation="silu", headdim=64, ngroups=8,
                                          norm_before_gate=False)
     y = rearrange(y, "b l d -> l b d").contiguous()
     y = RMSNormGated(d_inner, eps=1e-5, group_size=d_inner/ngroups, norm_before_gate=False)(y)
 
-with bf16 parameters (as under Megatron's Float16Module) and ops taken from ``kernels.registry``.
+with bf16 parameters (as under Megatron's Float16Module) and ops taken from ``kernels.registry``. zxBCdt is a
+(b, l, d) view of (l, b, d) memory, as Megatron's in_proj produces it; ``--zxbcdt-layout contiguous`` makes it a
+contiguous (b, l, d) tensor instead.
 
     python scripts/bench_kernels.py --backend mamba_ssm                      # kernel table (baseline check)
     python scripts/bench_kernels.py --backend mamba_ssm --compare helion     # + side-by-side ratios
@@ -30,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
-from nano_hybrid.bench.mixer import OPS, SHAPES, MixerOp, check_against, make_params
+from nano_hybrid.bench.mixer import OPS, SHAPES, ZXBCDT_LAYOUTS, MixerOp, check_against, make_params
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
@@ -54,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-control", action="store_true", help="skip the A-vs-A control arm")
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zxbcdt-layout", default="megatron", choices=ZXBCDT_LAYOUTS,
+                   help="zxbcdt a (b, l, d) view of (l, b, d) memory as Megatron's in_proj produces it (megatron, "
+                        "default) or a contiguous (b, l, d) tensor")
     a = p.parse_args(argv)
     for k in ("warmup", "profile_iters"):
         if getattr(a, k) < 0:
@@ -114,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     shape = SHAPES[args.shape]
     backends = [args.backend] + ([args.compare] if args.compare else [])
     be = {name: get_backend(name) for name in backends}  # fails early with one clear message
-    params = make_params(shape, device, dtype, args.seed)
+    params = make_params(shape, device, dtype, args.seed, zxbcdt_layout=args.zxbcdt_layout)
     ops = {name: MixerOp(be[name], shape, params, device, dtype) for name in backends}
 
     arms = backends + ([] if args.no_control else [args.backend])
@@ -154,13 +161,15 @@ def run(args: argparse.Namespace) -> dict:
         "shape": {**asdict(shape), "d_inner": shape.d_inner, "conv_dim": shape.conv_dim,
                   "zxbcdt_dim": shape.zxbcdt_dim, "group_size": shape.group_size, "name": args.shape},
         "dtype": args.dtype,
+        "zxbcdt_layout": args.zxbcdt_layout,
         "device": str(device),
         "arms": labels,
         "ops": {
             "split_fwd": "mamba_split_conv1d_scan_combined forward",
             "split_fwdbwd": "mamba_split_conv1d_scan_combined forward + backward",
             "norm_fwdbwd": "gated RMSNorm (group_size d_inner/ngroups, norm_before_gate=False) forward + backward",
-            "mixer_fwdbwd": "split-conv1d-scan, its output copied to (l, b, d), gated RMSNorm, forward + backward",
+            "mixer_fwdbwd": "split-conv1d-scan, its output made a contiguous (l, b, d) tensor, gated RMSNorm, "
+                            "forward + backward",
         },
         "times_ms": summary,
         "ratios": ratios,
@@ -176,7 +185,8 @@ def markdown(res: dict) -> str:
              f"{reporting.env_markdown(env)}", "",
              f"Shape: batch {sh['batch']}, seqlen {sh['seqlen']}, nheads {sh['nheads']}, headdim {sh['headdim']}, "
              f"ngroups {sh['ngroups']}, d_state {sh['d_state']}, chunk {sh['chunk_size']}, "
-             f"norm group_size {sh['group_size']}.", "",
+             f"norm group_size {sh['group_size']}; zxbcdt layout {res['zxbcdt_layout']}"
+             f"{' (a (b, l, d) view of (l, b, d) memory)' if res['zxbcdt_layout'] == 'megatron' else ''}.", "",
              "Median ms per call (p10-p90):", ""]
     rows = []
     for op in OPS:

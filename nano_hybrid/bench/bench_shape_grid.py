@@ -5,7 +5,10 @@
     python scripts/bench_shape_grid.py --shapes nano_tp1,m2_2p7b_c256 --kernels-helion autotune=true
 
 Per shape, in one process: both backends on the same bf16 inputs (``mixer.make_params``; Megatron's init
-ranges), and the fp32 mamba-ssm op on the same values as the reference. Reported per shape:
+ranges), and the fp32 mamba-ssm op on the same values as the reference. Each op gets zxbcdt as Megatron's mixer
+hands it over (``mixer.op_zxbcdt``): a (b, l, d) view of (l, b, d) memory, as Megatron's in_proj produces it, or a
+contiguous copy of it for a backend without ``strided_zxbcdt``; ``--zxbcdt-layout contiguous`` stores zxbcdt as a
+contiguous (b, l, d) tensor instead. Reported per shape:
 - speed per call: median wall time of one fwd+bwd call, CUDA events, ABBA rounds (``stats.time_calls``), and
   the speedup median(mamba_ssm)/median(helion);
 - device time: the summed kernel time per call from torch.profiler (``profiling.profile_device_table``);
@@ -29,7 +32,8 @@ import traceback
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
-from nano_hybrid.bench.mixer import GRID, MixerShape, make_params, rel_err
+from nano_hybrid.bench.mixer import (GRID, ZXBCDT_LAYOUTS, MixerShape, grad_of, make_params, op_zxbcdt, rel_err,
+                                     zxbcdt_leaf)
 
 
 QUICK = ("nano_tp1", "nano_b8_l2048", "m2_2p7b_c256", "nemh_8b")
@@ -50,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zxbcdt-layout", default="megatron", choices=ZXBCDT_LAYOUTS,
+                   help="zxbcdt a (b, l, d) view of (l, b, d) memory as Megatron's in_proj produces it (megatron, "
+                        "default) or a contiguous (b, l, d) tensor")
     a = p.parse_args(argv)
     names = list(QUICK) if a.quick and not a.shapes else (
         [s.strip() for s in a.shapes.split(",") if s.strip()] if a.shapes else [s for s in GRID if s != "tiny"])
@@ -90,32 +97,37 @@ def _op(backend, shape: MixerShape, p: dict, seq_idx):
 
     def fwd():
         return backend.mamba_split_conv1d_scan_combined(
-            p["zxbcdt"], p["conv_w"], p["conv_b"], p["dt_bias"].float(), -torch.exp(p["A_log"].float()), D=p["D"],
-            chunk_size=shape.chunk_size, seq_idx=seq_idx, activation="silu", headdim=shape.headdim,
+            op_zxbcdt(backend, p), p["conv_w"], p["conv_b"], p["dt_bias"].float(), -torch.exp(p["A_log"].float()),
+            D=p["D"], chunk_size=shape.chunk_size, seq_idx=seq_idx, activation="silu", headdim=shape.headdim,
             ngroups=shape.ngroups, norm_before_gate=False)
 
+    leaves = [zxbcdt_leaf(p)] + [p[k] for k in GRADS if k != "zxbcdt"]
+
     def fwdbwd():
-        for k in GRADS:
-            p[k].grad = None
+        for t in leaves:
+            t.grad = None
         fwd().backward(p["dy"])
 
     def outputs():
-        for k in GRADS:
-            p[k].grad = None
+        for t in leaves:
+            t.grad = None
         y = fwd()
         y.backward(p["dy"])
         out = {"y": y.detach().float()}
-        out.update({f"d_{k}": p[k].grad.detach().float().clone() for k in GRADS})
+        out.update({f"d_{k}": grad_of(p, k) for k in GRADS})
         return out
 
     return fwdbwd, outputs
 
 
 def _fp32_params(p: dict) -> dict:
-    q = {k: v.detach().float().clone() for k, v in p.items() if k in GRADS + ("dy_lbd",)}
+    """p's inputs in fp32, in p's layouts."""
+    leaves = ["zxbcdt_lbd" if "zxbcdt_lbd" in p else "zxbcdt"] + [k for k in GRADS if k != "zxbcdt"]
+    q = {k: p[k].detach().float().clone().requires_grad_(True) for k in leaves}
+    q["dy_lbd"] = p["dy_lbd"].detach().float().clone()
     q["dy"] = q["dy_lbd"].transpose(0, 1)
-    for k in GRADS:
-        q[k].requires_grad_(True)
+    if "zxbcdt_lbd" in q:
+        q["zxbcdt"] = q["zxbcdt_lbd"].transpose(0, 1)
     return q
 
 
@@ -125,7 +137,7 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> 
 
     shape, docs = GRID[name]
     rec: dict = {"shape": {**shape.__dict__, "docs_per_sequence": docs}}
-    p = make_params(shape, device, torch.bfloat16, args.seed)
+    p = make_params(shape, device, torch.bfloat16, args.seed, zxbcdt_layout=args.zxbcdt_layout)
     seq = _seq_idx(shape, docs, device)
     A, B = args.baseline, args.candidate
     ops = {lab: _op(backends[lab], shape, p, seq) for lab in (A, B)}
@@ -243,7 +255,8 @@ def markdown(res: dict) -> str:
                      f"{r['speedup_device']:.2f}" if r.get("speedup_device") else "-",
                      f"{max(e[B].values()):.2e} / {max(e[A].values()):.2e}", f"{r['first_call_s_' + B]}"])
     s = res["summary"]
-    head = (f"# Shape grid: {B} vs {A} (split-conv1d-scan fwd+bwd, bf16)\n\n"
+    head = (f"# Shape grid: {B} vs {A} (split-conv1d-scan fwd+bwd, bf16, zxbcdt layout "
+            f"{res['args']['zxbcdt_layout']})\n\n"
             f"{s['shapes_run']} shapes run, failed: {s['shapes_failed'] or 'none'}; geomean speedup per call "
             f"{s['geomean_speedup_per_call']}, device {s['geomean_speedup_device']}, min {s['min_speedup_per_call']}"
             f"\n\n")

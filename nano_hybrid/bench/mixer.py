@@ -1,6 +1,12 @@
 """The Mamba-2 mixer op under test: its shapes (``SHAPES``; ``GRID``, the shape grid), random parameters with Megatron's init ranges,
 and ``MixerOp``, one kernel backend's fused split-conv1d-scan + gated RMSNorm bound to shared inputs (the
-timed closures ``OPS``), with the relative L2 error used to compare two backends."""
+timed closures ``OPS``), with the relative L2 error used to compare two backends.
+
+Layouts are those of the model's mixer (``nano_hybrid.model.mixer``): in the default ``zxbcdt_layout="megatron"``
+the op's input zxbcdt is a (b, l, d) view of (l, b, d) memory, as Megatron's in_proj produces it, handed to a
+backend with ``strided_zxbcdt`` as it is and to any other as a contiguous copy (``op_zxbcdt``); the op's output is
+made a contiguous (l, b, d) tensor for the norm. ``zxbcdt_layout="contiguous"`` stores zxbcdt as a contiguous
+(b, l, d) tensor instead (the same values)."""
 
 from __future__ import annotations
 
@@ -75,6 +81,26 @@ GRID: dict[str, tuple[MixerShape, int]] = {  # (shape, documents per sequence; 1
 }
 
 OPS = ("split_fwd", "split_fwdbwd", "norm_fwdbwd", "mixer_fwdbwd")
+ZXBCDT_LAYOUTS = ("megatron", "contiguous")
+
+
+def zxbcdt_leaf(p: dict):
+    """The tensor that holds zxbcdt's gradient: the (l, b, d) ``zxbcdt_lbd`` under the megatron layout, else zxbcdt."""
+    return p["zxbcdt_lbd"] if "zxbcdt_lbd" in p else p["zxbcdt"]
+
+
+def op_zxbcdt(backend, p: dict):
+    """zxbcdt as MambaMixer hands it to ``backend``'s fused op: the (b, l, d) view as it is when the backend takes
+    strided input (``strided_zxbcdt``), else a contiguous copy (none under the contiguous layout)."""
+    return p["zxbcdt"] if backend.strided_zxbcdt else p["zxbcdt"].contiguous()
+
+
+def grad_of(p: dict, name: str):
+    """The gradient of input ``name`` as a contiguous fp32 copy in p[name]'s shape ((b, l, d) for zxbcdt)."""
+    import torch
+
+    g = (zxbcdt_leaf(p).grad.transpose(0, 1) if name == "zxbcdt" and "zxbcdt_lbd" in p else p[name].grad)
+    return g.detach().float().clone(memory_format=torch.contiguous_format)
 
 
 class MixerOp:
@@ -97,17 +123,19 @@ class MixerOp:
         p, s = self.p, self.shape
         A = -torch.exp(p["A_log"].float())
         return self.backend.mamba_split_conv1d_scan_combined(
-            p["zxbcdt"], p["conv_w"], p["conv_b"], p["dt_bias"].float(), A, D=p["D"],
+            op_zxbcdt(self.backend, p), p["conv_w"], p["conv_b"], p["dt_bias"].float(), A, D=p["D"],
             chunk_size=s.chunk_size, activation="silu", headdim=s.headdim, ngroups=s.ngroups,
             norm_before_gate=False,
         )
 
     def mixer(self):
-        # as in MambaMixer._ssm_training: the op's (b, l, d) output is copied to (l, b, d) for the norm and out_proj
+        # as in MambaMixer._ssm_training: the op's (b, l, d) output is made a contiguous (l, b, d) tensor for the
+        # norm and out_proj (no copy when the op wrote it in (l, b) memory order)
         return self.norm(self.split().transpose(0, 1).contiguous())
 
     def leaves(self):
-        return [self.p[k] for k in ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D")] + [self.norm.weight]
+        return [zxbcdt_leaf(self.p)] + [self.p[k] for k in ("conv_w", "conv_b", "dt_bias", "A_log", "D")] + [
+            self.norm.weight]
 
     def zero_grad(self):
         for t in self.leaves() + [self.p["norm_in"]]:
@@ -133,19 +161,24 @@ class MixerOp:
         self.zero_grad()
         y = self.mixer()
         y.backward(self.p["dy_lbd"])
-        names = ["zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D", "norm_weight"]
         out = {"y": y.detach().float()}
-        for n, t in zip(names, self.leaves()):
-            out[f"d_{n}"] = t.grad.detach().float().clone()
+        for n in ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D"):
+            out[f"d_{n}"] = grad_of(self.p, n)
+        out["d_norm_weight"] = self.norm.weight.grad.detach().float().clone()
         self.zero_grad()
         return out
 
 
-def make_params(shape: MixerShape, device, dtype, seed: int) -> dict:
-    """Random inputs and parameters with Megatron's init ranges (never zeros)."""
+def make_params(shape: MixerShape, device, dtype, seed: int, zxbcdt_layout: str = "megatron") -> dict:
+    """Random inputs and parameters with Megatron's init ranges (never zeros). zxbcdt (b, l, d) is, with
+    ``zxbcdt_layout`` "megatron", a view of the leaf ``zxbcdt_lbd`` (l, b, d), as Megatron's in_proj output reaches
+    the op, and with "contiguous" a contiguous leaf; both layouts hold the same values for one seed."""
     import math
 
     import torch
+
+    if zxbcdt_layout not in ZXBCDT_LAYOUTS:
+        raise ValueError(f"zxbcdt_layout must be one of {ZXBCDT_LAYOUTS}, got {zxbcdt_layout!r}")
 
     g = torch.Generator(device="cpu").manual_seed(seed)
 
@@ -173,6 +206,10 @@ def make_params(shape: MixerShape, device, dtype, seed: int) -> dict:
     p["dy"] = p["dy_lbd"].transpose(0, 1)
     for k in ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D", "norm_in"):
         p[k].requires_grad_(True)
+    if zxbcdt_layout == "megatron":
+        p["zxbcdt_lbd"] = p.pop("zxbcdt").detach().transpose(0, 1).clone(memory_format=torch.contiguous_format)
+        p["zxbcdt_lbd"].requires_grad_(True)
+        p["zxbcdt"] = p["zxbcdt_lbd"].transpose(0, 1)
     return p
 
 
