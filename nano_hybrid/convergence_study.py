@@ -165,7 +165,8 @@ def make_plan(*, out: str | Path, arms: list[str], seeds: list[int], corpus: str
         long_ovs = [*LONG_OVERRIDES, f"train.train_iters={long_iters}", *long_extra]
         long = spec("long_helion", "long", 1, ARMS["helion"], long_ovs)
         if long_stops:
-            if list(long_stops) != sorted(set(long_stops)) or not 0 < long_stops[0] or long_stops[-1] >= long.train_iters:
+            ordered = list(long_stops) == sorted(set(long_stops))
+            if not ordered or not 0 < long_stops[0] or long_stops[-1] >= long.train_iters:
                 raise StudyConfigError(f"--long-stops {','.join(map(str, long_stops))}: give increasing steps between 1 "
                                        f"and the long run's steps ({long.train_iters}), each once")
             long.stops, long.resume_after_stops = tuple(long_stops), True  # the same command again after each

@@ -59,7 +59,7 @@ A="${BACKENDS%%,*}"
 FAILED=0
 
 if [ "$#" -eq 0 ]; then
-    sed -n '2,48p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0" | sed 's/^# \{0,1\}//'  # the header comment
     exit 2
 fi
 
@@ -163,8 +163,7 @@ st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/conv
     echo "long: --minutes $minutes"
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
         --resume-check "${RESUME_CHECK:-300}" --long-stops "${LONG_STOPS:-}" --minutes "$minutes" --save-margin 20 \
-        --grace 30 \
-        --wandb "$wandb" kernels.helion.autotune=false
+        --grace 30 --wandb "$wandb" kernels.helion.autotune=false
 }
 
 # parity: nano30b_slice widths, pattern MEM*E, seq 4096, global batch 4, identical initial weights in every layout

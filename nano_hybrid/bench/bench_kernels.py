@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
-from nano_hybrid.bench.mixer import OPS, SHAPES, ZXBCDT_LAYOUTS, MixerOp, check_against, make_params
+from nano_hybrid.bench.mixer import OPS, SHAPES, MixerOp, add_zxbcdt_layout_arg, check_against, make_params
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
@@ -58,9 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-control", action="store_true", help="skip the A-vs-A control arm")
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--zxbcdt-layout", default="megatron", choices=ZXBCDT_LAYOUTS,
-                   help="zxbcdt a (b, l, d) view of (l, b, d) memory as Megatron's in_proj produces it (megatron, "
-                        "default) or a contiguous (b, l, d) tensor")
+    add_zxbcdt_layout_arg(p)
     a = p.parse_args(argv)
     for k in ("warmup", "profile_iters"):
         if getattr(a, k) < 0:

@@ -32,8 +32,8 @@ import traceback
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
-from nano_hybrid.bench.mixer import (GRID, ZXBCDT_LAYOUTS, MixerShape, grad_of, make_params, op_zxbcdt, rel_err,
-                                     zxbcdt_leaf)
+from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, make_params, op_zxbcdt,
+                                     rel_err, zxbcdt_leaf)
 
 
 QUICK = ("nano_tp1", "nano_b8_l2048", "m2_2p7b_c256", "nemh_8b")
@@ -54,9 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--zxbcdt-layout", default="megatron", choices=ZXBCDT_LAYOUTS,
-                   help="zxbcdt a (b, l, d) view of (l, b, d) memory as Megatron's in_proj produces it (megatron, "
-                        "default) or a contiguous (b, l, d) tensor")
+    add_zxbcdt_layout_arg(p)
     a = p.parse_args(argv)
     names = list(QUICK) if a.quick and not a.shapes else (
         [s.strip() for s in a.shapes.split(",") if s.strip()] if a.shapes else [s for s in GRID if s != "tiny"])

@@ -174,7 +174,8 @@ def main(argv=None) -> int:
                 [[k, v["helion_vs_fp32"], v["mamba_vs_fp32"], v["helion_vs_mamba"]] for k, v in r["correctness_rel_max_err"].items()])
         for k, e in r["errors"].items():
             md_txt += f"\n\nERROR {s} {k}:\n```\n{e[-1500:]}\n```"
-    jp, mp = reporting.write_results(Path(args.out) if args.out else reporting.default_out_dir(), "ssd_fwd_bench", results, md_txt)
+    out_dir = Path(args.out) if args.out else reporting.default_out_dir()
+    jp, mp = reporting.write_results(out_dir, "ssd_fwd_bench", results, md_txt)
     print(md_txt)
     print(f"wrote {jp} and {mp}")
     return 1 if any(r["errors"] for r in results["shapes"].values()) else 0

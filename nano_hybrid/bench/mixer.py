@@ -84,6 +84,13 @@ OPS = ("split_fwd", "split_fwdbwd", "norm_fwdbwd", "mixer_fwdbwd")
 ZXBCDT_LAYOUTS = ("megatron", "contiguous")
 
 
+def add_zxbcdt_layout_arg(parser) -> None:
+    """The benchmarks' ``--zxbcdt-layout`` option (``make_params``'s ``zxbcdt_layout``)."""
+    parser.add_argument("--zxbcdt-layout", default="megatron", choices=ZXBCDT_LAYOUTS,
+                        help="zxbcdt a (b, l, d) view of (l, b, d) memory as Megatron's in_proj produces it (megatron, "
+                             "default) or a contiguous (b, l, d) tensor")
+
+
 def zxbcdt_leaf(p: dict):
     """The tensor that holds zxbcdt's gradient: the (l, b, d) ``zxbcdt_lbd`` under the megatron layout, else zxbcdt."""
     return p["zxbcdt_lbd"] if "zxbcdt_lbd" in p else p["zxbcdt"]
