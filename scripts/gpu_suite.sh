@@ -43,7 +43,8 @@
 # e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per
 # stage, default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit
 # code is the number of failed stages. STAGE_TIMEOUT_<stage> (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit;
-# TESTS_ARGS (tests: the pytest paths, default "tests"). The stages long, seeds and data need
+# TESTS_ARGS (tests: the pytest paths, default "tests"), TESTS_WORKERS (tests: pytest-xdist workers on the GPU, default 8,
+# 1: one process; xdist must be installed). The stages long, seeds and data need
 # data/tokenizers/tekken_131k.json (scripts/prepare_tokenizer.py writes it where mistral-common is installed; copy it to
 # the GPU host).
 set -u
@@ -103,8 +104,13 @@ need_gpus() {  # need_gpus N STAGE
 }
 
 st_tests() {  # -v: each test's result is in the log as it finishes, also when the stage's time limit stops it
+    # the GPU tests are compile-bound on the host: TESTS_WORKERS pytest-xdist workers (default 8) share the GPU
+    local par=()
+    if [ "${TESTS_WORKERS:-8}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
+        par=(-n "${TESTS_WORKERS:-8}")
+    fi
     # shellcheck disable=SC2086
-    python3 -m pytest -v -m gpu -p no:cacheprovider ${TESTS_ARGS:-tests}
+    python3 -m pytest -v -m gpu -p no:cacheprovider "${par[@]}" ${TESTS_ARGS:-tests}
 }
 st_equivalence() {
     [ -n "${REFERENCE_TREE:-}" ] || { echo "equivalence needs REFERENCE_TREE (a folder holding the reference kernels/)"; return 2; }
