@@ -33,13 +33,18 @@
 #                long_run.png, resume_check.png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #   grid         helion vs mamba_ssm on the grid of Mamba-2 layer shapes (scripts/bench_shape_grid.py $GRID_ARGS)
+#   tune         the grid's shapes without packed documents tuned for this GPU into $OUT/helion_configs
+#                (scripts/tune_kernels.py --shapes grid --missing, TUNE_JOBS searches at once, default 12, for
+#                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. The grid after
+#                tuning: GRID_ARGS="--kernels-helion autotune=true,cache_dir=$OUT/helion_configs" (packed shapes tune
+#                on first use)
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheel folders for scripts/gpu_setup.sh, ':' between
 # folders, e.g. the GPU wheelhouse and wandb's; SKIP_SETUP=1 when the packages are installed), ARCHIVE (a .tgz written
 # at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
 # for the A/B stages), REFERENCE_TREE (equivalence), PEER_FILE (peer), RECIPE (convergence, default
 # convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long: steps at which the run is
-# stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), SEEDS_ARGS (seeds: extra convergence_study.py arguments,
+# stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune), SEEDS_ARGS (seeds: extra convergence_study.py arguments,
 # e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per
 # stage, default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit
 # code is the number of failed stages. STAGE_TIMEOUT_<stage> (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit;
@@ -64,7 +69,7 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
-KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid"
+KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
 for group in "$@"; do
     IFS=+ read -ra members <<< "$group"
     [ "${#members[@]}" -gt 0 ] || { echo "error: empty stage group '$group'" >&2; exit 2; }
@@ -180,6 +185,10 @@ st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/conv
 st_grid() {
     # shellcheck disable=SC2086
     python3 scripts/bench_shape_grid.py --out "$OUT" ${GRID_ARGS:-}
+}
+st_tune() {
+    python3 scripts/tune_kernels.py --shapes "${TUNE_SHAPES:-grid}" --missing --jobs "${TUNE_JOBS:-12}" \
+        --budget-min "${TUNE_MINUTES:-8}" --out-root "$OUT/helion_configs"
 }
 
 st_parity() {

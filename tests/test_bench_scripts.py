@@ -962,6 +962,10 @@ def test_tune_kernels_takes_the_grid_shapes():
         tk.resolve_shapes([], "nemh_8b,nemh_8b_docs4", None)
     with pytest.raises(ValueError, match="unknown shapes"):
         tk.resolve_shapes([], "nano_b3", None)
+    # 'grid': every grid shape without packed documents, once, beside the presets named with it
+    grid = tk.resolve_shapes([], "nano_proxy,grid", None)
+    assert "nano_b2_l8192_docs8" not in grid and "nemh_8b_docs4" not in grid and "tiny" not in grid
+    assert {"nano_tp8", "m2_small_c256", "nemh_8b", "nano_b2_l3000", "nano_proxy"} <= set(grid) and len(grid) == 13
 
 
 def test_pretune_tunes_the_missing_kernels_at_once_then_nothing(monkeypatch, tmp_path):

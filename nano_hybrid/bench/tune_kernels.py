@@ -7,7 +7,7 @@ Positional arguments are a run's own overrides (the same as ``python -m nano_hyb
 composed as training composes it and the mixer dims one rank of that run calls are tuned
 (``nano_hybrid.model.config.mixer_dims``: micro-batch, sequence per context-parallel rank, heads and groups per
 tensor-parallel rank, head dim, state dim, chunk, conv width). Without overrides, ``--shapes`` names presets, or
-``bench_shape_grid.py``'s shapes without packed documents (to tune a grid before it runs).
+``bench_shape_grid.py``'s shapes without packed documents (``grid``: all of them; to tune a grid before it runs).
 
 Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuner.discover_tunable_kernels``); with a
 run's overrides the default is the kernels a training step calls (``kernels.registry.HELION_TRAINING_KERNELS``);
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "default with presets)")
     ap.add_argument("--shapes", "--shape", dest="shapes", default=None,
                     help=f"comma list of presets (default nano without overrides): {', '.join(tuner.SHAPE_PRESETS)}; "
-                    "or of bench_shape_grid.py's shapes without packed documents")
+                    "or of bench_shape_grid.py's shapes without packed documents ('grid': all of those)")
     ap.add_argument("--model-dims", default=None, help=argparse.SUPPRESS)  # JSON {name: dims}: the isolated children
     ap.add_argument("--out-root", default=None,
                     help="write configs under this root instead of kernels/configs (e.g. the user cache "
@@ -259,6 +259,9 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
     from nano_hybrid.bench.mixer import GRID
 
     names = [s.strip() for s in (presets or "nano").split(",") if s.strip()]
+    if "grid" in names:  # every shape of bench_shape_grid.py that does not pack documents (the CPU size excepted)
+        unpacked = [g for g, (_, docs) in GRID.items() if docs == 1 and g != "tiny"]
+        names = list(dict.fromkeys(n for name in names for n in (unpacked if name == "grid" else [name])))
     bad = [s for s in names if s not in tuner.SHAPE_PRESETS and s not in GRID]
     if bad:
         raise ValueError(f"unknown shapes {bad}; known: presets {sorted(tuner.SHAPE_PRESETS)}, "
