@@ -44,14 +44,14 @@
 # at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
 # for the A/B stages), REFERENCE_TREE (equivalence), PEER_FILE (peer), RECIPE (convergence, default
 # convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long: steps at which the run is
-# stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune), SEEDS_ARGS (seeds: extra convergence_study.py arguments,
-# e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none" for the long run alone), STAGE_TIMEOUT (seconds per
-# stage, default 900). A failing stage leaves $OUT/STAGE.FAILED with its log's tail; later stages still run; the exit
-# code is the number of failed stages. STAGE_TIMEOUT_<stage> (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit;
-# TESTS_ARGS (tests: the pytest paths, default "tests"), TESTS_WORKERS (tests: pytest-xdist workers on the GPU, default 8,
-# 1: one process; xdist must be installed). The stages long, seeds and data need
-# data/tokenizers/tekken_131k.json (scripts/prepare_tokenizer.py writes it where mistral-common is installed; copy it to
-# the GPU host).
+# stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune),
+# SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
+# for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED
+# with its log's tail; later stages still run; the exit code is the number of failed stages. STAGE_TIMEOUT_<stage>
+# (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit; TESTS_ARGS (tests: the pytest paths, default "tests"),
+# TESTS_WORKERS (tests: pytest-xdist workers on the GPU, default 8; 1, or xdist not installed: one process). The stages
+# long, seeds and data need data/tokenizers/tekken_131k.json (scripts/prepare_tokenizer.py writes it where
+# mistral-common is installed; copy it to the GPU host).
 set -u
 export SUITE_T0="${SUITE_T0:-$(date +%s)}"
 cd "$(dirname "$0")/.."
