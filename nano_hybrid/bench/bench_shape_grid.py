@@ -33,7 +33,7 @@ from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, make_params, op_zxbcdt,
-                                     rel_err, zxbcdt_leaf)
+                                     rel_err, zxbcdt_leaf, zxbcdt_leaf_name)
 
 
 QUICK = ("nano_tp1", "nano_b8_l2048", "m2_2p7b_c256", "nemh_8b")
@@ -120,7 +120,7 @@ def _op(backend, shape: MixerShape, p: dict, seq_idx):
 
 def _fp32_params(p: dict) -> dict:
     """p's inputs in fp32, in p's layouts."""
-    leaves = ["zxbcdt_lbd" if "zxbcdt_lbd" in p else "zxbcdt"] + [k for k in GRADS if k != "zxbcdt"]
+    leaves = [zxbcdt_leaf_name(p)] + [k for k in GRADS if k != "zxbcdt"]
     q = {k: p[k].detach().float().clone().requires_grad_(True) for k in leaves}
     q["dy_lbd"] = p["dy_lbd"].detach().float().clone()
     q["dy"] = q["dy_lbd"].transpose(0, 1)

@@ -91,9 +91,15 @@ def add_zxbcdt_layout_arg(parser) -> None:
                              "default) or a contiguous (b, l, d) tensor")
 
 
+def zxbcdt_leaf_name(p: dict) -> str:
+    """The key of the tensor that holds zxbcdt's gradient: the (l, b, d) ``zxbcdt_lbd`` under the megatron layout,
+    else ``zxbcdt``."""
+    return "zxbcdt_lbd" if "zxbcdt_lbd" in p else "zxbcdt"
+
+
 def zxbcdt_leaf(p: dict):
-    """The tensor that holds zxbcdt's gradient: the (l, b, d) ``zxbcdt_lbd`` under the megatron layout, else zxbcdt."""
-    return p["zxbcdt_lbd"] if "zxbcdt_lbd" in p else p["zxbcdt"]
+    """The tensor that holds zxbcdt's gradient (``zxbcdt_leaf_name``)."""
+    return p[zxbcdt_leaf_name(p)]
 
 
 def op_zxbcdt(backend, p: dict):
