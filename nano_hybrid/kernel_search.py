@@ -2,8 +2,8 @@
 ``scripts/tune_kernels.py`` runs for each (kernel, shape) pair, and what a training run with
 ``kernels.helion.autotune`` runs before its first step (``pretune``).
 
-    missing = missing_kernels(registry, names, {key: dims}, root)   # kernels without an exact config
-    failed = run_children(child_commands(args, missing, {key: dims}, budget), jobs=8, timeout_s=...)
+    todo = missing_pairs(registry, names, shapes, root)          # (kernel, shape) pairs without an exact config
+    failed = run_children(child_commands(args, todo, shapes, budget), jobs=8, timeout_s=...)
     failed = pretune(dims, settings, say)                          # the training run's step before its first
 
 Children running at once share a timing lock (their compiles overlap, their timings take turns on the GPU).
@@ -29,21 +29,28 @@ from kernels.registry import HELION_TRAINING_KERNELS
 TUNE_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tune_kernels.py"
 
 
+def pairs_of(names: list[str], shape_dims: Mapping[str, dict]) -> list[tuple[str, str]]:
+    """Every ``(kernel, shape)`` pair of ``names`` x ``shape_dims``, shape by shape."""
+    return [(name, shape) for shape in shape_dims for name in names]
+
+
+def missing_pairs(registry: dict, names: list[str], shape_dims: dict[str, dict], root: Path | None,
+                  device: str = "cuda", arch: str | None = None) -> list[tuple[str, str]]:
+    """The ``(kernel, shape)`` pairs of ``names`` x ``shape_dims`` (shape by shape) without an exact config for
+    ``arch`` (default: this GPU's) in the committed configs, nor under ``root`` when given (a user cache); the kernel
+    dims come from each kernel's own case at that shape."""
+    device = torch.device(device)
+    roots = [None] if root is None else [None, root]
+    return [(name, shape) for name, shape in pairs_of(names, shape_dims)
+            if all(tuning.lookup(name, registry[name][1](dict(shape_dims[shape]), device).dims, arch=arch,
+                                 root=r)[0] != "exact" for r in roots)]
+
+
 def missing_kernels(registry: dict, names: list[str], shape_dims: dict[str, dict], root: Path | None,
                     device: str = "cuda", arch: str | None = None) -> list[str]:
-    """The kernels of ``names`` with at least one shape of ``shape_dims`` that has no exact config for ``arch``
-    (default: this GPU's) in the committed configs, nor under ``root`` when given (a user cache); the kernel dims
-    come from each kernel's own case at that shape."""
-    device = torch.device(device)
-    keep = []
-    for name in names:
-        for dims in shape_dims.values():
-            case = registry[name][1](dict(dims), device)
-            roots = [None] if root is None else [None, root]
-            if all(tuning.lookup(name, case.dims, arch=arch, root=r)[0] != "exact" for r in roots):
-                keep.append(name)
-                break
-    return keep
+    """The kernels of ``names`` (in that order) with at least one of ``missing_pairs``."""
+    missing = {name for name, _ in missing_pairs(registry, names, shape_dims, root, device=device, arch=arch)}
+    return [name for name in names if name in missing]
 
 
 # seconds a child spends outside its search (imports, CUDA start, building the case): taken off each pair's
@@ -51,22 +58,22 @@ def missing_kernels(registry: dict, names: list[str], shape_dims: dict[str, dict
 ISOLATE_OVERHEAD_S = 15.0
 
 
-def child_commands(args, names: list[str], shape_dims: dict[str, dict], per_budget: float,
+def child_commands(args, pairs: list[tuple[str, str]], shape_dims: Mapping[str, dict], per_budget: float,
                    timing_lock: str | None = None) -> list[list[str]]:
-    """One ``tune_kernels.py --no-isolate`` command per (kernel, shape) pair, each with that pair's budget
-    less the child's start-up time (and ``timing_lock``, the lock file that children running at once share)."""
+    """One ``tune_kernels.py --no-isolate`` command per ``(kernel, shape)`` pair (``shape`` names its dims in
+    ``shape_dims``), each with that pair's budget less the child's start-up time (and ``timing_lock``, the lock file
+    that children running at once share)."""
     per_budget = max(10.0, per_budget - ISOLATE_OVERHEAD_S)
     cmds = []
-    for shape, dims in shape_dims.items():
-        for name in names:
-            cmd = [sys.executable, str(TUNE_SCRIPT), "--kernels", name,
-                   "--model-dims", json.dumps({shape: dims}),
-                   "--budget-s", f"{per_budget:.1f}", "--rep-ms", str(args.rep_ms), "--no-isolate"]
-            cmd += ["--out-root", args.out_root] if getattr(args, "out_root", None) else []
-            cmd += ["--no-write"] if args.no_write else []
-            cmd += ["--from-scratch"] if args.from_scratch else []
-            cmd += ["--timing-lock", timing_lock] if timing_lock else []
-            cmds.append(cmd)
+    for name, shape in pairs:
+        cmd = [sys.executable, str(TUNE_SCRIPT), "--kernels", name,
+               "--model-dims", json.dumps({shape: shape_dims[shape]}),
+               "--budget-s", f"{per_budget:.1f}", "--rep-ms", str(args.rep_ms), "--no-isolate"]
+        cmd += ["--out-root", args.out_root] if getattr(args, "out_root", None) else []
+        cmd += ["--no-write"] if args.no_write else []
+        cmd += ["--from-scratch"] if args.from_scratch else []
+        cmd += ["--timing-lock", timing_lock] if timing_lock else []
+        cmds.append(cmd)
     return cmds
 
 
@@ -142,7 +149,8 @@ def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=
         log_dir.mkdir(parents=True, exist_ok=True)
         ns = argparse.Namespace(rep_ms=40.0, no_write=False, from_scratch=False, out_root=str(root))
         t0 = time.monotonic()
-        cmds = child_commands(ns, names, {key: dict(dims)}, settings.autotune_budget_s + ISOLATE_OVERHEAD_S,
+        cmds = child_commands(ns, pairs_of(names, {key: dims}), {key: dict(dims)},
+                              settings.autotune_budget_s + ISOLATE_OVERHEAD_S,
                               timing_lock=str(log_dir / "gpu_timing") if jobs > 1 else None)
         failed = run_children(cmds, jobs, settings.autotune_budget_s + ISOLATE_OVERHEAD_S + first_use.SEARCH_MARGIN_S,
                               log_dir=log_dir, say=say)

@@ -725,7 +725,7 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
 
     args = argparse.Namespace(rep_ms=40.0, no_write=True, from_scratch=False)
     shapes = {"nano": dict(b=2), "tp2": dict(b=1)}
-    cmds = tk.child_commands(args, ["ssd_bwd_dc_dcb", "ssd_bwd_db"], shapes, per_budget=70.0)
+    cmds = tk.child_commands(args, tk.pairs_of(["ssd_bwd_dc_dcb", "ssd_bwd_db"], shapes), shapes, per_budget=70.0)
     pairs = [(c[c.index("--kernels") + 1], next(iter(json.loads(c[c.index("--model-dims") + 1])))) for c in cmds]
     assert pairs == [("ssd_bwd_dc_dcb", "nano"), ("ssd_bwd_db", "nano"), ("ssd_bwd_dc_dcb", "tp2"),
                      ("ssd_bwd_db", "tp2")]
@@ -734,10 +734,11 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
         assert "--from-scratch" not in c
         assert float(c[c.index("--budget-s") + 1]) == 70.0 - tk.ISOLATE_OVERHEAD_S
     args.no_write, args.from_scratch = False, True
-    (c,) = tk.child_commands(args, ["rmsnorm_fwd"], {"nano": dict(b=2)}, per_budget=5.0)
+    (c,) = tk.child_commands(args, [("rmsnorm_fwd", "nano")], {"nano": dict(b=2)}, per_budget=5.0)
     assert "--no-write" not in c and "--from-scratch" in c and float(c[c.index("--budget-s") + 1]) == 10.0
     assert "--timing-lock" not in c
-    for c in tk.child_commands(args, ["rmsnorm_fwd", "conv1d_fwd"], shapes, per_budget=70.0, timing_lock="/x/lk"):
+    for c in tk.child_commands(args, tk.pairs_of(["rmsnorm_fwd", "conv1d_fwd"], shapes), shapes, per_budget=70.0,
+                               timing_lock="/x/lk"):
         assert c[c.index("--timing-lock") + 1] == "/x/lk"
 
 
@@ -749,8 +750,8 @@ def test_tune_kernels_jobs_share_the_budget(monkeypatch):
     got = {}
     monkeypatch.setattr(tk.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tk.tuning, "interpret_mode", lambda: False)
-    monkeypatch.setattr(tk, "_run_isolated", lambda args, names, shapes, per_budget, jobs: got.update(
-        names=names, per_budget=per_budget, jobs=jobs) or 0)
+    monkeypatch.setattr(tk, "_run_isolated", lambda args, pairs, shapes, per_budget, jobs: got.update(
+        names=list(dict.fromkeys(n for n, _ in pairs)), per_budget=per_budget, jobs=jobs) or 0)
     kernels = "rmsnorm_fwd,conv1d_fwd,conv1d_bwd,rmsnorm_bwd"
     assert tk.main(["--kernels", kernels, "--shapes", "nano", "--budget-s", "400", "--jobs", "2"]) == 0
     assert got == dict(names=kernels.split(","), per_budget=200.0, jobs=2)
@@ -966,6 +967,13 @@ def test_tune_kernels_takes_the_grid_shapes():
     grid = tk.resolve_shapes([], "nano_proxy,grid", None)
     assert "nano_b2_l8192_docs8" not in grid and "nemh_8b_docs4" not in grid and "tiny" not in grid
     assert {"nano_tp8", "m2_small_c256", "nemh_8b", "nano_b2_l3000", "nano_proxy"} <= set(grid) and len(grid) == 13
+    # a grid shape named like a preset has the grid's dims under 'grid' (the grid's nano_tp2 is micro-batch 1, the
+    # preset's 2), and the preset's where it is named alone
+    from nano_hybrid.bench.mixer import GRID
+
+    assert grid["nano_tp2"] == GRID["nano_tp2"][0].model_dims() and grid["nano_tp2"]["b"] == 1
+    assert tk.resolve_shapes([], "grid,nano_tp2", None)["nano_tp2"]["b"] == 1
+    assert tk.resolve_shapes([], "nano_tp2", None)["nano_tp2"] == dict(tk.tuner.SHAPE_PRESETS["nano_tp2"])
 
 
 def test_pretune_tunes_the_missing_kernels_at_once_then_nothing(monkeypatch, tmp_path):

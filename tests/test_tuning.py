@@ -726,8 +726,9 @@ def test_tuner_copies_arguments_with_their_strides_and_passes_broadcast_views():
 
 def test_tune_kernels_missing_names_the_kernels_without_an_exact_config(monkeypatch):
     """``tune_kernels.py --missing``: at the nano_proxy shape the committed sm90 files hold exact configs for every
-    kernel but the five SSD backward kernels listed; a user-cache root with nothing in it adds none."""
-    from nano_hybrid.kernel_search import missing_kernels
+    kernel but the five SSD backward kernels listed; a user-cache root with nothing in it adds none; with the Nano
+    shape beside it, only the proxy's pairs are missing (the Nano shape's kernels are not tuned again)."""
+    from nano_hybrid.kernel_search import missing_kernels, missing_pairs
 
     monkeypatch.setenv("HELION_INTERPRET", "1")  # the cases are built on the CPU
     registry = tuner.discover_tunable_kernels()
@@ -736,3 +737,7 @@ def test_tune_kernels_missing_names_the_kernels_without_an_exact_config(monkeypa
     assert got == ["ssd_bwd_db", "ssd_bwd_dc_dcb", "ssd_bwd_dt", "ssd_bwd_dx", "ssd_bwd_state_passing"]
     assert missing_kernels(registry, ["conv1d_fwd", "ssd_bwd_dx"], shapes, Path("/nonexistent-root"), device="cpu",
                            arch="sm90") == ["ssd_bwd_dx"]
+    # per (kernel, shape) pair: beside the Nano shape (every kernel committed there) only the proxy's five remain
+    shapes["nano"] = dict(tuner.SHAPE_PRESETS["nano"])
+    assert missing_pairs(registry, sorted(registry), shapes, None, device="cpu", arch="sm90") == [
+        (name, "proxy") for name in got]

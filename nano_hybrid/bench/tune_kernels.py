@@ -47,7 +47,7 @@ import torch
 
 from kernels import first_use, tuner, tuning
 from kernels.registry import HELION_TRAINING_KERNELS
-from nano_hybrid.kernel_search import child_commands, missing_kernels, run_children
+from nano_hybrid.kernel_search import child_commands, missing_pairs, pairs_of, run_children
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
@@ -76,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--from-scratch", action="store_true",
                     help="do not start from the committed config and its neighbours (tuner.neighbour_configs)")
     ap.add_argument("--missing", action="store_true",
-                    help="tune only the kernels with a shape that has no exact config yet (in kernels/configs, nor "
-                    "under --out-root when given); a run's overrides with --missing tune what that run would tune "
-                    "on first use")
+                    help="tune only the (kernel, shape) pairs that have no exact config yet (in kernels/configs, "
+                    "nor under --out-root when given); a run's overrides with --missing tune what that run would "
+                    "tune on first use")
     ap.add_argument("--no-isolate", action="store_true",
                     help="search every (kernel, shape) pair in this process (default: one child process per pair "
                     "when there is more than one)")
@@ -125,21 +125,23 @@ def main(argv=None) -> int:
         print("unset HELION_INTERPRET to tune", file=sys.stderr)
         return EXIT_BAD_INPUT
 
+    pairs = pairs_of(names, shape_dims)
     if args.missing:
-        names = missing_kernels(registry, names, shape_dims, args.out_root and Path(args.out_root))
-        if not names:
+        pairs = missing_pairs(registry, names, shape_dims, args.out_root and Path(args.out_root))
+        if not pairs:
             print("every kernel has an exact config at these shapes: nothing to tune", flush=True)
             return 0
-        print(f"kernels without an exact config: {', '.join(names)}", flush=True)
-    pairs = len(names) * len(shape_dims)
-    if not args.no_isolate and pairs > 1:
-        jobs = min(args.jobs, pairs)
-        return _run_isolated(args, names, shape_dims, args.budget_min * 60.0 * jobs / pairs, jobs)
-    per_budget = args.budget_min * 60.0 / pairs
-    return search_all(args, registry, names, shape_dims, per_budget)
+        print(f"{len(pairs)} of {len(names) * len(shape_dims)} (kernel, shape) pairs without an exact config: "
+              + ", ".join(f"{n} @ {s}" for n, s in pairs), flush=True)
+    if not args.no_isolate and len(pairs) > 1:
+        jobs = min(args.jobs, len(pairs))
+        return _run_isolated(args, pairs, shape_dims, args.budget_min * 60.0 * jobs / len(pairs), jobs)
+    per_budget = args.budget_min * 60.0 / len(pairs)
+    return search_all(args, registry, pairs, shape_dims, per_budget)
 
 
-def search_all(args, registry: dict, names: list[str], shape_dims: dict[str, dict], per_budget: float) -> int:
+def search_all(args, registry: dict, pairs: list[tuple[str, str]], shape_dims: dict[str, dict],
+               per_budget: float) -> int:
     """Every (kernel, shape) pair searched in this process; the JSON log rewritten after each pair."""
     out_dir = Path(os.environ.get("OUT", "runs/bench/h200"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -161,19 +163,18 @@ def search_all(args, registry: dict, names: list[str], shape_dims: dict[str, dic
     }
     log_path = out_dir / f"tune_{arch}_{dt.datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
     device = torch.device("cuda")
-    for shape in shape_dims:
-        for name in names:
-            t0 = time.monotonic()
-            run = {"kernel": name, "shape": shape, "model_dims": shape_dims[shape]}
-            print(f"== {name} @ {shape} (budget {per_budget:.0f}s)", flush=True)
-            try:
-                search_pair(args, registry[name][1](dict(shape_dims[shape]), device), name, shape, per_budget, run, t0)
-            except Exception:  # noqa: BLE001 - logged, next kernel still runs
-                run["error"] = traceback.format_exc()
-                print(run["error"], file=sys.stderr, flush=True)
-            run["elapsed_s"] = round(time.monotonic() - t0, 1)
-            log["runs"].append(run)
-            log_path.write_text(json.dumps(log, indent=1, default=str))
+    for name, shape in pairs:
+        t0 = time.monotonic()
+        run = {"kernel": name, "shape": shape, "model_dims": shape_dims[shape]}
+        print(f"== {name} @ {shape} (budget {per_budget:.0f}s)", flush=True)
+        try:
+            search_pair(args, registry[name][1](dict(shape_dims[shape]), device), name, shape, per_budget, run, t0)
+        except Exception:  # noqa: BLE001 - logged, next kernel still runs
+            run["error"] = traceback.format_exc()
+            print(run["error"], file=sys.stderr, flush=True)
+        run["elapsed_s"] = round(time.monotonic() - t0, 1)
+        log["runs"].append(run)
+        log_path.write_text(json.dumps(log, indent=1, default=str))
     print(f"log: {log_path}")
     return 0 if all("error" not in r for r in log["runs"]) else 1
 
@@ -259,28 +260,34 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
     from nano_hybrid.bench.mixer import GRID
 
     names = [s.strip() for s in (presets or "nano").split(",") if s.strip()]
-    if "grid" in names:  # every shape of bench_shape_grid.py that does not pack documents (the CPU size excepted)
-        unpacked = [g for g, (_, docs) in GRID.items() if docs == 1 and g != "tiny"]
-        names = list(dict.fromkeys(n for name in names for n in (unpacked if name == "grid" else [name])))
-    bad = [s for s in names if s not in tuner.SHAPE_PRESETS and s not in GRID]
+    bad = [s for s in names if s != "grid" and s not in tuner.SHAPE_PRESETS and s not in GRID]
     if bad:
         raise ValueError(f"unknown shapes {bad}; known: presets {sorted(tuner.SHAPE_PRESETS)}, "
                          f"bench_shape_grid.py shapes {sorted(GRID)}")
-    packed = [s for s in names if s not in tuner.SHAPE_PRESETS and GRID[s][1] > 1]
+    packed = [s for s in names if s not in tuner.SHAPE_PRESETS and s in GRID and GRID[s][1] > 1]
     if packed:
         raise ValueError(f"shapes {packed} pack documents (seq_idx), which the offline cases do not build; their "
                          "kernels are tuned at the first call (kernels.helion.autotune=true)")
-    return {s: dict(tuner.SHAPE_PRESETS[s]) if s in tuner.SHAPE_PRESETS else GRID[s][0].model_dims() for s in names}
+    # a name is a preset where it is one, else a grid shape; 'grid' is every shape of bench_shape_grid.py that does
+    # not pack documents (the CPU size excepted) with the grid's dims, also where a preset has the same name
+    dims = {}
+    for name in names:
+        if name == "grid":
+            dims.update({g: shape.model_dims() for g, (shape, docs) in GRID.items() if docs == 1 and g != "tiny"})
+        elif name not in dims:
+            dims[name] = dict(tuner.SHAPE_PRESETS[name]) if name in tuner.SHAPE_PRESETS else GRID[name][0].model_dims()
+    return dims
 
 
-def _run_isolated(args, names: list[str], shapes: dict[str, dict], per_budget: float, jobs: int = 1) -> int:
+def _run_isolated(args, pairs: list[tuple[str, str]], shapes: dict[str, dict], per_budget: float,
+                  jobs: int = 1) -> int:
     """Each pair in its own process (fresh CUDA context), ``jobs`` at a time; each child writes its own JSON log and
     config file (``tuning.record`` updates a kernel's file under its lock). A child is stopped after its share of
     the budget plus ``kernels.first_use.SEARCH_MARGIN_S`` (75 s: start-up, the reference compile, one candidate's
     time limit), the margin of first-use tuning's child."""
     with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
         lock = str(Path(tmp) / "gpu_timing") if jobs > 1 else None
-        cmds = child_commands(args, names, shapes, per_budget, timing_lock=lock)
+        cmds = child_commands(args, pairs, shapes, per_budget, timing_lock=lock)
         failed = run_children(cmds, jobs, per_budget + first_use.SEARCH_MARGIN_S)
     print(f"isolated searches: {len(cmds) - len(failed)} ok" + (f", failed: {', '.join(failed)}" if failed else "")
           + (f" ({jobs} at a time)" if jobs > 1 else ""), flush=True)
