@@ -11,7 +11,8 @@ contiguous copy of it for a backend without ``strided_zxbcdt``; ``--zxbcdt-layou
 contiguous (b, l, d) tensor instead. Reported per shape:
 - speed per call: median wall time of one fwd+bwd call, CUDA events, ABBA rounds (``stats.time_calls``), and
   the speedup median(mamba_ssm)/median(helion);
-- device time: the summed kernel time per call from torch.profiler (``profiling.profile_device_table``);
+- device time: the summed kernel time per call from torch.profiler (``profiling.profile_device_table``), and each
+  backend's largest kernels (``device_kernels``);
 - errors: relative L2 of the output and every gradient against fp32 mamba-ssm, for helion bf16 and, next to it,
   mamba-ssm's own bf16 (the error a correct bf16 kernel has);
 - the kernels' config notices (nearest shape / default / tuned, from ``kernels.first_use.select_config``) and the
@@ -38,6 +39,7 @@ from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, gr
 
 QUICK = ("nano_tp1", "nano_b8_l2048", "m2_2p7b_c256", "nemh_8b")
 GRADS = ("zxbcdt", "conv_w", "conv_b", "dt_bias", "A_log", "D")
+DEVICE_KERNELS_KEPT = 10  # kernels per backend kept in a shape's record, largest first
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -177,8 +179,12 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> 
     rec["speedup_per_call"] = stats.ratio_summary(times[A], times[B])
     if args.profile_iters and device.type == "cuda":
         log(f"device time: {args.profile_iters} profiled calls per backend")
-        dev = {lab: profiling.profile_device_table(ops[lab][0], args.profile_iters)["total_us_per_iter"] for lab in labels}
+        tables = {lab: profiling.profile_device_table(ops[lab][0], args.profile_iters) for lab in labels}
+        dev = {lab: t["total_us_per_iter"] for lab, t in tables.items()}
         rec["device_us_per_call"] = dev
+        # where each backend's device time goes: its largest kernels (us per call, calls per call)
+        rec["device_kernels"] = {lab: [{k: r[k] for k in ("kernel", "us_per_iter", "calls_per_iter")}
+                                       for r in t["rows"][:DEVICE_KERNELS_KEPT]] for lab, t in tables.items()}
         rec["speedup_device"] = dev[A] / dev[B] if dev[B] else None
     return rec
 
