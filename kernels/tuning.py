@@ -27,10 +27,10 @@ Choosing a config (``kernels.first_use.select_config``), at the first call of a 
    non-integer dims; ties broken by the sorted shape key), in distance order;
 5. the kernel's generic default, and last the bound kernel's spec default (``config_spec.default_config()``),
    valid for every shape by construction.
-Every candidate is first fitted (``fit_config``: flat pid, access lists and block sizes fitted to this
-specialisation) and checked against the bound kernel's config spec at the call's shape with Helion's own
-normalization (``ConfigSpec.normalized_config``, which raises ``helion.exc.InvalidConfig`` for a config of
-another kernel shape, e.g. a ``static_ranges`` entry this binding lacks). A candidate that does not fit is
+Every candidate is first fitted (``fit_config``: flat pid, per-access and per-loop lists and block sizes fitted to
+this specialisation) and checked against the bound kernel's config spec at the call's shape with Helion's own
+normalization (``ConfigSpec.normalized_config``, which raises ``helion.exc.InvalidConfig`` for a config that does
+not fit this binding even so, e.g. one with another number of block sizes). A candidate that does not fit is
 skipped with one warning per (kernel, shape) naming the tuned shape it came from; using a nearest shape or a
 default says so once per kernel; an arch without committed configs says so once, with the command that tunes it.
 This module holds the chain without step 3: ``Choice`` (``choice_for``: ``exact`` is step 2, ``fallback`` steps 4-5)
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import dataclasses
 import datetime as _dt
 import fcntl
@@ -387,10 +388,11 @@ def fit_config(bound, cfg: helion.Config | Mapping[str, Any],
                adjust: Callable[[dict], dict] | None = None) -> helion.Config:
     """``cfg`` made ready for ``bound`` (a kernel bound at the call's arguments) and checked against its config spec.
 
-    Fitting: ``adjust`` (a wrapper's own clamps), a flat pid when none is named, access lists and block sizes fitted
-    to this specialisation, device-only keys the binding's device lacks dropped. Check: Helion's
-    ``config_spec.normalized_config`` (what ``compile_config`` runs first). Raises ``ConfigMisfit`` with Helion's
-    reason; returns the fitted config (not the normalized one: what compiles is what was chosen)."""
+    Fitting: ``adjust`` (a wrapper's own clamps), a flat pid when none is named, per-access and per-loop lists
+    (``fit_lists``) and block sizes fitted to this specialisation, device-only keys the binding's device lacks
+    dropped. Check: Helion's ``config_spec.normalized_config`` (what ``compile_config`` runs first). Raises
+    ``ConfigMisfit`` with Helion's reason; returns the fitted config (not the normalized one: what compiles is what
+    was chosen)."""
     try:
         cfg = as_config(cfg)
         if adjust is not None:
@@ -402,7 +404,7 @@ def fit_config(bound, cfg: helion.Config | Mapping[str, Any],
         drop = [k for k in DEVICE_KEYS if k in cfg.config and not spec.supports_config_key(k)]
         if drop:
             cfg = helion.Config(**{k: v for k, v in cfg.config.items() if k not in drop})
-        cfg = fit_block_sizes(bound, fit_access_lists(bound, cfg))
+        cfg = fit_block_sizes(bound, fit_lists(bound, cfg))
         spec.normalized_config(cfg)
         return cfg
     except (helion.exc.InvalidConfig, ValueError, TypeError, KeyError, IndexError, AssertionError) as e:
@@ -657,7 +659,7 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
     fn = rt.compiled.get(key)
     if fn is None:
         bound = bound if bound is not None else kernel.bind(tuple(args))
-        cfg = fit_block_sizes(bound, fit_access_lists(bound, cfg))
+        cfg = fit_block_sizes(bound, fit_lists(bound, cfg))
         fn = bound.compile_config(cfg, allow_print=False)
         if rt.settings.fast_launch and launches_on_cuda(args):
             fn = functools.partial(fn, _launcher=FastLauncher())
@@ -666,9 +668,6 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
         if dump is not None:
             _dump_code(dump, kernel, bound, cfg, args)
     return fn
-
-
-_ACCESS_LISTS = ("indexing", "load_eviction_policies", "atomic_indexing")
 
 
 def fit_block_sizes(bound, cfg: helion.Config) -> helion.Config:
@@ -704,37 +703,60 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def fit_access_lists(bound, cfg: helion.Config) -> helion.Config:
-    """``cfg`` with its per-memory-access lists fitted to this specialisation of the kernel.
+# the config lists with one entry per memory access, and those with one entry per loop of a kind (Helion's ConfigSpec)
+_ACCESS_LISTS = ("indexing", "load_eviction_policies", "atomic_indexing", "load_cache_modifiers",
+                 "store_cache_modifiers")
+_LOOP_LISTS = ("loop_orders", "l2_groupings", "flatten_loops", "reduction_loops", "range_unroll_factors",
+               "range_warp_specializes", "range_num_stages", "range_multi_buffers", "range_flattens", "static_ranges")
 
-    A committed config is keyed by shape only, but its ``indexing`` / ``load_eviction_policies`` /
-    ``atomic_indexing`` lists have one entry per load/store of the specialisation it was tuned on.
-    Another specialisation of the same shape (e.g. with ``seq_idx`` or initial states, which add loads)
-    needs lists of another length, and Helion refuses a list that is too short. A list whose length
-    does not match is resized when all its entries agree (the same setting for every access: nothing
-    the tuning chose is lost, and nothing is said), else replaced by the kernel's defaults for this
-    specialisation (said once per kernel). Matching lists are kept."""
+
+def fit_lists(bound, cfg: helion.Config) -> helion.Config:
+    """``cfg`` with its per-access and per-loop lists fitted to this specialisation of the kernel.
+
+    A stored config is keyed by shape only, but some of its lists have one entry per item of the specialisation
+    it was tuned on, and another specialisation of the kernel can have more or fewer items:
+
+    - the access lists (``indexing``, ``load_eviction_policies``, ``atomic_indexing``, the cache modifiers), one
+      entry per load or store; arguments such as ``seq_idx`` add loads. Helion's code generation refuses a list
+      that is too short.
+    - the per-loop lists (``static_ranges``, ``range_*``, ``loop_orders``, ``l2_groupings``, ``flatten_loops``,
+      ``reduction_loops``), one entry per loop that takes the setting; the shape can change which loops do.
+      Helion offers ``static_ranges`` only for a loop of at most 8 iterations known at compile time, so the head
+      loop ``hl.grid(h // g)`` of ``ssd_bwd_db`` and ``ssd_bwd_dc_dcb`` has one at 8 heads per group and none at
+      80. Helion's normalization refuses a list that is too long.
+
+    A list whose length does not match is resized when all its entries agree (the same setting for every item:
+    nothing the tuning chose is lost, and nothing is said); an empty one, or one of mixed settings, is replaced
+    by this specialisation's default for that key (said once per kernel for mixed settings). Matching lists are
+    kept, and a config whose lists all match is returned as it is. The lengths wanted are those of the bound
+    spec's ``default_config()``: a key that the spec supports and its default omits wants an empty list (Helion's
+    normalization drops empty lists), a key the spec does not support is left to Helion."""
     d = dict(cfg.config)
-    if not any(isinstance(d.get(k), list) for k in _ACCESS_LISTS):
+    keys = [k for k in (*_ACCESS_LISTS, *_LOOP_LISTS) if isinstance(d.get(k), list)]
+    if not keys:
         return cfg
-    want = bound.config_spec.default_config().config
-    changed, resized = [], False
-    for k in _ACCESS_LISTS:
-        v = d.get(k)
-        if not isinstance(v, list) or not isinstance(want.get(k), list) or len(v) == len(want[k]):
+    spec = bound.config_spec
+    want = spec.default_config().config
+    changed, mixed = False, []
+    for k in keys:
+        v, w = d[k], want.get(k, [] if spec.supports_config_key(k) else None)
+        if not isinstance(w, list) or len(v) == len(w):
             continue
+        changed = True
         if v and all(x == v[0] for x in v):
-            d[k] = [v[0]] * len(want[k])
-            resized = True
+            d[k] = [copy.deepcopy(v[0]) for _ in w]
         else:
-            d[k] = list(want[k])
-            changed.append(k)
+            d[k] = copy.deepcopy(w)
+            if v:
+                mixed.append(k)
     if not changed:
-        return helion.Config(**d) if resized else cfg
-    name = getattr(getattr(bound, "kernel", None), "name", None) or "kernel"
-    warn_once(name, "access-lists:" + ",".join(changed),
-               f"nano_hybrid kernels: the config's {', '.join(changed)} list(s) do not fit this specialisation of "
-               f"{name} (another argument set than the tuned one, e.g. with seq_idx); using the kernel's defaults there")
+        return cfg
+    if mixed:
+        name = getattr(getattr(bound, "kernel", None), "name", None) or "kernel"
+        warn_once(name, "lists:" + ",".join(mixed),
+                   f"nano_hybrid kernels: the config's {', '.join(mixed)} list(s) do not fit this specialisation of "
+                   f"{name} (tuned for another argument set or shape, e.g. with seq_idx or another number of heads "
+                   f"per group); using this specialisation's defaults there")
     return helion.Config(**d)
 
 

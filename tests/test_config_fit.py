@@ -1,7 +1,8 @@
 """Config selection on model shapes the committed configs were not tuned for: every Helion kernel at every shape of
 a grid of Mamba-2 layouts gets a config that fits the kernel bound at that shape (Helion's own normalization, on
-CPU: binding needs no GPU; the arguments are uninitialized CPU tensors), and the grid contains shapes whose nearest committed
-config does not fit (what raised InvalidConfig at the first step before the fit check)."""
+CPU: binding needs no GPU; the arguments are uninitialized CPU tensors). The grid contains shapes whose nearest
+committed config Helion refuses as stored (lists of another specialisation: e.g. 80 heads per group take no static
+range where 8 do), and fitted, every kernel at every grid shape runs a tuned config."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 
+import pytest
 import torch
 
 import helion
@@ -65,13 +67,13 @@ def _with_seq_idx(name, args, md):
 
 def _check_kernels(names: list[str]) -> dict:
     """The checks for the kernels ``names`` at every grid shape (run in a spawned worker process): how each config
-    was chosen, the committed configs that do not fit, the number of checks and the misfit warnings."""
+    was chosen, the committed configs that do not fit as stored, the number of checks and the misfit warnings."""
     registry = tuner.discover_tunable_kernels()
     _empty_factories()
     tuning.clear_caches()
     rt = tuning.Runtime(tuning.HelionSettings(cache_dir="/nonexistent/nano_hybrid_test_cache"))
     compiled: dict[str, object] = {}
-    hows, old_misfits, checked = {}, [], 0
+    hows, unfitted, checked = {}, [], 0
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for label, md, seq in GRID:
@@ -87,18 +89,16 @@ def _check_kernels(names: list[str]) -> dict:
                 bound.config_spec.normalized_config(cfg)  # raises InvalidConfig if the choice does not fit
                 checked += 1
                 hows.setdefault(how, []).append(f"{label}:{name}")
-                # what ran before the fit check: the exact or nearest committed config, fitted as compiled() fits it
+                # the exact or nearest committed config as stored, without the fitting of its lists and block sizes
                 _, key, entry = tuning.lookup(name, case.dims, arch="sm90")
                 if entry is not None:
-                    old = dict(entry["config"])
-                    old.pop("host_tensor_descriptors", None)  # a GPU-only key, dropped on this CPU binding
-                    old = tuning.fit_block_sizes(bound, tuning.fit_access_lists(bound, tuning.with_flat_pid(
-                        helion.Config(**old))))
+                    stored = dict(entry["config"])
+                    stored.pop("host_tensor_descriptors", None)  # a GPU-only key, dropped on this CPU binding
                     try:
-                        bound.config_spec.normalized_config(old)
+                        bound.config_spec.normalized_config(tuning.with_flat_pid(helion.Config(**stored)))
                     except helion.exc.InvalidConfig:
-                        old_misfits.append(f"{label}:{name} (config of {key})")
-    return {"hows": hows, "old_misfits": old_misfits, "checked": checked, "warnings": [str(x.message) for x in w]}
+                        unfitted.append(f"{label}:{name} (config of {key})")
+    return {"hows": hows, "unfitted": unfitted, "checked": checked, "warnings": [str(x.message) for x in w]}
 
 
 def test_every_kernel_gets_a_fitting_config_on_the_shape_grid():
@@ -110,12 +110,79 @@ def test_every_kernel_gets_a_fitting_config_on_the_shape_grid():
     for part in parts:
         for how, where in part["hows"].items():
             hows.setdefault(how, []).extend(where)
-    old_misfits = [m for part in parts for m in part["old_misfits"]]
+    unfitted = [m for part in parts for m in part["unfitted"]]
     checked = sum(part["checked"] for part in parts)
     assert checked == len(GRID) * len(names)
-    assert old_misfits, "no grid shape needs a fallback: the grid no longer tests the fit check"
+    assert unfitted, "every grid shape's committed config fits as stored: the grid no longer tests the fitting"
+    # fitted, a tuned config fits every kernel at every grid shape: none falls to a default
+    assert set(hows) <= {"exact", "nearest"}, {how: where for how, where in hows.items() if "default" in how}
     misfit_msgs = [m for part in parts for m in part["warnings"] if "does not fit the kernel at this call's shape" in m]
-    assert misfit_msgs and all("tuned at" in m for m in misfit_msgs)
-    # one warning per (kernel, shape, source): no duplicates
-    assert len(misfit_msgs) == len(set(misfit_msgs))
-    assert set(hows) <= {"exact", "nearest", "default", "spec-default"}
+    # a tuned config that does not fit is said once per (kernel, shape, source), naming the shape it was tuned at
+    assert all("tuned at" in m for m in misfit_msgs) and len(misfit_msgs) == len(set(misfit_msgs))
+
+
+# Mamba2-2.7B per layer: 80 heads in 1 group (a short sequence: binding depends on the shape only)
+_MAMBA2_27B = dict(b=1, l=256, h=80, p=64, g=1, n=128)
+
+
+def _bound(name, dims):
+    from kernels import ssd_helion_bwd as bwd
+
+    args, _ = bwd._example_args(name, dims, "cpu")
+    return _compiled_mode_kernel(bwd._KERNELS[name]).bind(tuple(args))
+
+
+def _committed(name, key="b1_l8192_h64_p64_g8_n128_c128"):
+    import json
+
+    entry = json.loads(tuning.config_path(name, "sm90").read_text())["entries"][key]
+    return {k: v for k, v in entry["config"].items() if k != "host_tensor_descriptors"}  # a GPU-only key
+
+
+@pytest.mark.parametrize("c", [128, 256])
+@pytest.mark.parametrize("name", ["ssd_bwd_db", "ssd_bwd_dc_dcb"])
+def test_nano_config_fits_the_per_loop_lists_of_80_heads_per_group(name, c):
+    """The head loop ``hl.grid(h // g)`` of the SSD dB / dC kernels is a static-range candidate at 8 heads per group
+    (Helion: a compile-time loop of at most 8 iterations) and not at 80: the Nano config's ``static_ranges`` list has
+    one entry too many at the Mamba2-2.7B shape. Fitted, it is accepted with every tuned setting kept."""
+    bound = _bound(name, dict(_MAMBA2_27B, c=c))
+    cfg = _committed(name)
+    assert cfg["static_ranges"] == [False]
+    with pytest.raises(helion.exc.InvalidConfig, match="static_ranges"):
+        bound.config_spec.normalized_config(cfg)
+    tuning.clear_caches()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fitted = tuning.fit_config(bound, cfg)  # raises ConfigMisfit if it does not fit
+    assert not [str(x.message) for x in w if "static_ranges" in str(x.message)]
+    bound.config_spec.normalized_config(fitted)
+    assert fitted.config["static_ranges"] == []
+    kept = ("block_sizes", "num_warps", "num_stages", "loop_orders", "l2_groupings", "range_unroll_factors",
+            "range_num_stages", "range_multi_buffers", "range_flattens")
+    assert {k: fitted.config[k] for k in kept} == {k: cfg[k] for k in kept}
+    # lists of mixed settings take this specialisation's defaults, said in one warning
+    with pytest.warns(UserWarning, match="range_num_stages, static_ranges list") as w:
+        mixed = tuning.fit_lists(bound, helion.Config(**dict(fitted.config, static_ranges=[True, False],
+                                                             range_num_stages=[0, 3, 0, 0])))
+    assert len(w) == 1 and mixed.config["static_ranges"] == []
+    assert mixed.config["range_num_stages"] == bound.config_spec.default_config().config["range_num_stages"]
+
+
+@pytest.mark.parametrize("name", ["ssd_bwd_db", "ssd_bwd_dc_dcb"])
+def test_fitting_configs_come_out_unchanged(name):
+    """A config whose lists fit the specialisation is returned as it is (the same object, the same JSON after
+    fit_config), so the tuned shapes run what was tuned; at 8 heads per group an empty ``static_ranges`` (a config
+    tuned at 80) takes the default entry."""
+    nano = _bound(name, dict(b=1, l=256, h=8, p=64, g=1, n=128, c=128))
+    for bound in (nano, _bound(name, dict(_MAMBA2_27B, c=128))):
+        fitted = tuning.fit_config(bound, _committed(name))
+        assert tuning.fit_lists(bound, fitted) is fitted
+        assert tuning.fit_config(bound, fitted).to_json() == fitted.to_json()
+        default = bound.config_spec.default_config()
+        assert tuning.fit_lists(bound, default) is default
+    assert fitted.config["static_ranges"] == []  # fitted at 80 heads per group
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        refit = tuning.fit_config(nano, fitted)
+    assert refit.config["static_ranges"] == [False]
+    nano.config_spec.normalized_config(refit)

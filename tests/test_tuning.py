@@ -147,13 +147,13 @@ def test_malformed_file_fails_clearly(tmp_path):
 
 
 def test_a_config_that_does_not_fit_is_skipped_with_one_warning(tmp_path):
-    """An exact entry with a static_ranges value the bound kernel does not have (Helion's InvalidConfig) is skipped,
-    named with its tuned shape; the nearest entry that fits runs; the warning is given once per kernel and shape."""
-    bad = dict(block_sizes=[16], num_warps=4, static_ranges=[False, True])
+    """An exact entry with more block sizes than the bound kernel has (Helion's InvalidConfig) is skipped, named
+    with its tuned shape; the nearest entry that fits runs; the warning is given once per kernel and shape."""
+    bad = dict(block_sizes=[16, 16], num_warps=4)
     tuning.record("k", dict(m=64), bad, 0.1, arch="sm90", root=tmp_path)
     tuning.record("k", dict(m=128), dict(block_sizes=[8], num_warps=2), 0.1, arch="sm90", root=tmp_path)
     with pytest.warns(UserWarning, match=r"committed config of k tuned at m64 does not fit .* shape m64 "
-                                         r"\(InvalidConfig: Too many values for config\['static_ranges'\]"):
+                                         r"\(InvalidConfig: Too many values for config\['block_sizes'\]"):
         got, how = _select("k", dict(m=64), DEFAULT, tmp_path)
     assert how == "nearest" and _blocks(got) == ([8], 2)
     with warnings.catch_warnings():
@@ -162,7 +162,7 @@ def test_a_config_that_does_not_fit_is_skipped_with_one_warning(tmp_path):
     # nothing fits, not even the generic default: the spec's own default (valid for every shape) runs
     tuning.record("k3", dict(m=64), bad, 0.1, arch="sm90", root=tmp_path)
     with pytest.warns(UserWarning, match="Helion spec default"):
-        got, how = _select("k3", dict(m=64), dict(bad, block_sizes=[8]), tmp_path)
+        got, how = _select("k3", dict(m=64), dict(bad, block_sizes=[8, 8]), tmp_path)
     assert how == "spec-default"
     k = helion.kernel(_scale_rows_fn, static_shapes=True)
     k.bind((torch.randn(64, 32),)).config_spec.normalized_config(got)  # fits
@@ -475,7 +475,7 @@ except Exception as e:
 import warnings
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
-    fitted = tuning.fit_access_lists(bound, helion.Config(**cfg))
+    fitted = tuning.fit_lists(bound, helion.Config(**cfg))
 assert not w, [str(x.message) for x in w]  # uniform lists are resized: nothing the tuning chose is lost
 want = bound.config_spec.default_config().config
 for k in ("indexing", "load_eviction_policies"):
@@ -485,11 +485,11 @@ assert "@triton.jit" in bound.to_triton_code(fitted)
 mixed = dict(cfg, load_eviction_policies=["first", "last"] + [""] * (len(cfg["load_eviction_policies"]) - 2))
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
-    refit = tuning.fit_access_lists(bound, helion.Config(**mixed))
+    refit = tuning.fit_lists(bound, helion.Config(**mixed))
 assert refit.config["load_eviction_policies"] == list(want["load_eviction_policies"])  # the kernel's defaults
 assert len(w) == 1 and "load_eviction_policies" in str(w[0].message), [str(x.message) for x in w]
 plain = S.get_kernel("ssd_chunk_state").bind(tuple(args))  # the tuned specialisation keeps its lists
-assert tuning.fit_access_lists(plain, helion.Config(**cfg)).config["indexing"] == cfg["indexing"]
+assert tuning.fit_lists(plain, helion.Config(**cfg)).config["indexing"] == cfg["indexing"]
 print("OK")
 """
 
