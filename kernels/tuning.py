@@ -222,16 +222,51 @@ def config_path(kernel_name: str, arch: str | None = None, root: Path | None = N
     return Path(root or CONFIG_ROOT) / (arch or current_arch()) / f"{kernel_name}.json"
 
 
+class ConfigFileError(ValueError):
+    """A config file (committed or in the user cache) that cannot be used: unreadable, not JSON, or without its
+    ``entries`` of ``dims`` and ``config``. The message is one line naming the file and what to do."""
+
+
+def read_config_file(path: Path) -> dict:
+    """The config file at ``path``, checked (``ConfigFileError`` when it cannot be used)."""
+    def bad(what: str) -> ConfigFileError:
+        committed = Path(path).resolve().is_relative_to(CONFIG_ROOT)
+        fix = ("restore it from git" if committed else
+               "delete it (its shapes are then tuned again, or run on the nearest configs)")
+        return ConfigFileError(f"Helion config file {path}: {what}; {fix}")
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"unreadable ({type(e).__name__}: {e})") from None
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, dict):
+        raise bad("no 'entries' object")
+    for key, entry in entries.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("dims"), dict)
+                and isinstance(entry.get("config"), dict)):
+            raise bad(f"entry {key!r} has no 'dims' and 'config' objects")
+    return data
+
+
+def check_config_files(roots: Sequence[Path]) -> int:
+    """Read every config file under ``roots`` (``<root>/<arch>/<kernel>.json``; the committed configs and a user
+    cache), so that a file that cannot be used stops a run before its first step, not at a kernel's first call.
+    Returns the number of files read; raises ``ConfigFileError`` at the first bad one."""
+    n = 0
+    for root in roots:
+        for path in sorted(Path(root).glob("*/*.json")):
+            if path.name.endswith(".failed.json"):  # first-use failure records (kernels.first_use), not configs
+                continue
+            read_config_file(path)
+            n += 1
+    return n
+
+
 def _load_file(path: Path) -> dict:
     if path in _FILE_CACHE:
         return _FILE_CACHE[path]
-    if path.exists():
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data.get("entries"), dict):
-            raise ValueError(f"{path}: malformed config file (no 'entries' dict)")
-    else:
-        data = {"entries": {}}
+    data = read_config_file(path) if path.exists() else {"entries": {}}
     _FILE_CACHE[path] = data
     return data
 
@@ -349,7 +384,7 @@ def record(
     path = config_path(kernel_name, arch, root)
     path.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(path):
-        data = json.loads(path.read_text()) if path.exists() else {}
+        data = read_config_file(path) if path.exists() else {}
         data.setdefault("kernel", kernel_name)
         data.setdefault("arch", arch)
         entries = data.setdefault("entries", {})

@@ -282,6 +282,13 @@ def _check_run_io(cfg: DictConfig):
 
     # unknown / unavailable backends raise their own one-line errors, bad switches / settings a ConfigError
     backend = resolve_backend(cfg)
+    if backend.settings is not None:  # helion: its config files (committed, user cache) are read before any work
+        from kernels.tuning import CONFIG_ROOT, ConfigFileError, check_config_files, user_cache_root
+
+        try:
+            check_config_files([CONFIG_ROOT, user_cache_root(backend.settings.cache_dir)])
+        except ConfigFileError as e:
+            raise ConfigError(str(e)) from None
     if str(cfg.logger.wandb.mode) not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}; choose one of {', '.join(WANDB_MODES)}")
     init_hf = cfg.checkpoint.init_from_hf

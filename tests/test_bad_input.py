@@ -101,6 +101,19 @@ def test_value_that_is_not_a_number_names_the_key(override, needle, tmp_path, ca
     assert not (tmp_path / "run").exists()
 
 
+def test_corrupt_helion_config_file_is_one_line_before_work(tmp_path, capsys):
+    """A config file in the helion backend's user cache that is not JSON (a disk full at a hand copy, say) stops the
+    run before any work with one line naming the file and saying to delete it; the file is left as it was."""
+    bad = tmp_path / "cache" / "sm90" / "conv1d_fwd.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"kernel": "conv1d_fwd", "entries": {"b1_l')
+    overrides = [o for o in TINY if not o.startswith("kernels.backend=")]
+    rc = main(["data=mock", *overrides, "kernels.backend=helion", f"kernels.helion.cache_dir={tmp_path / 'cache'}",
+               f"run_dir={tmp_path / 'run'}"])
+    _one_error(capsys, rc, str(bad), "JSONDecodeError", "delete it")
+    assert not (tmp_path / "run").exists() and bad.read_text().endswith('"b1_l')
+
+
 def test_too_few_documents_for_the_validation_split(tmp_path, capsys):
     docs = tmp_path / "docs"
     docs.mkdir()

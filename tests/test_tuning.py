@@ -741,3 +741,30 @@ def test_tune_kernels_missing_names_the_kernels_without_an_exact_config(monkeypa
     shapes["nano"] = dict(tuner.SHAPE_PRESETS["nano"])
     assert missing_pairs(registry, sorted(registry), shapes, None, device="cpu", arch="sm90") == [
         (name, "proxy") for name in got]
+
+
+def test_a_config_file_that_cannot_be_used_is_one_error_naming_it(tmp_path, monkeypatch):
+    """Config files are checked as they are read: not JSON, no entries, an entry without dims and config are each a
+    ConfigFileError naming the file, with "delete it" for a user-cache file and "restore it from git" for a
+    committed one; ``check_config_files`` reads every kernel file of the roots (not the first-use failure records)
+    and a lookup of a bad file raises the same error."""
+    arch = tmp_path / "cache" / "sm90"
+    arch.mkdir(parents=True)
+    good = {"kernel": "conv1d_fwd", "entries": {"k": {"dims": {"b": 1}, "config": {"num_warps": 4}}}}
+    (arch / "conv1d_fwd.json").write_text(json.dumps(good))
+    (arch / "conv1d_fwd.failed.json").write_text(json.dumps({"failures": {}}))
+    assert tuning.check_config_files([tmp_path / "cache", tmp_path / "absent"]) == 1
+    for text, what in (("{not json", "JSONDecodeError"), ("[]", "no 'entries' object"),
+                       (json.dumps({"entries": {"k": {"dims": {}}}}), "entry 'k' has no 'dims' and 'config'")):
+        (arch / "rmsnorm_fwd.json").write_text(text)
+        with pytest.raises(tuning.ConfigFileError, match="delete it") as e:
+            tuning.check_config_files([tmp_path / "cache"])
+        assert str(arch / "rmsnorm_fwd.json") in str(e.value) and what in str(e.value)
+        assert "\n" not in str(e.value)
+    tuning.clear_caches()
+    with pytest.raises(tuning.ConfigFileError, match="rmsnorm_fwd.json"):
+        tuning.lookup("rmsnorm_fwd", {"m": 8}, arch="sm90", root=tmp_path / "cache")
+    tuning.clear_caches()
+    monkeypatch.setattr(tuning, "CONFIG_ROOT", (tmp_path / "cache").resolve())  # the same file, as a committed one
+    with pytest.raises(tuning.ConfigFileError, match="restore it from git"):
+        tuning.read_config_file(arch / "rmsnorm_fwd.json")
