@@ -393,12 +393,29 @@ def failure_path(c: tuning.Choice) -> Path:
     return c.cache_path.with_name(f"{c.kernel_name}.failed.json")
 
 
+def _read_failures(c: tuning.Choice) -> dict:
+    """The failure file of this call's kernel as a dict with a ``failures`` dict. The file only spares a run a second
+    search that failed in it: one that cannot be read counts as empty, said once, and the next record replaces it."""
+    path = failure_path(c)
+    fresh = {"kernel": c.kernel_name, "arch": c.arch, "failures": {}}
+    if not path.exists():
+        return fresh
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and isinstance(data.get("failures"), dict):
+            return data
+        what = "no 'failures' object"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        what = f"{type(e).__name__}: {e}"
+    tuning.warn_once(c.kernel_name, f"failure-file:{path}",
+                     f"nano_hybrid kernels: the first-use failure record {path} cannot be read ({_one_line(what)}); "
+                     "taken as empty (the next failure record replaces it)")
+    return fresh
+
+
 def read_failure(c: tuning.Choice) -> dict | None:
     """The failure record of this call's shape: ``{"run", "what", "date", "budget_s"}``, or None."""
-    path = failure_path(c)
-    if not path.exists():
-        return None
-    return json.loads(path.read_text()).get("failures", {}).get(c.key)
+    return _read_failures(c)["failures"].get(c.key)
 
 
 def record_failure(c: tuning.Choice, what: str) -> Path:
@@ -419,8 +436,8 @@ def _update_failures(c: tuning.Choice, change: Callable[[dict], Any]) -> Path:
     path = failure_path(c)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tuning.file_lock(path):
-        data = json.loads(path.read_text()) if path.exists() else {"kernel": c.kernel_name, "arch": c.arch}
-        failures = data.setdefault("failures", {})
+        data = _read_failures(c)
+        failures = data["failures"]
         change(failures)
         data["failures"] = dict(sorted(failures.items()))
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

@@ -200,3 +200,17 @@ def test_layering_store_below_search_below_first_use():
     assert "kernels.first_use" not in _imports(root / "tuner.py")
     for f in root.glob("*.py"):
         assert not [n for n in _imports(f) if n.split(".")[0] in ("nano_hybrid", "megatron")], f
+
+
+def test_an_unreadable_failure_record_is_taken_as_empty_and_replaced(tmp_path, monkeypatch):
+    """A first-use failure record that cannot be read (a truncated file) does not stop the call: it counts as empty
+    with one warning naming it, the search runs, and the failure it ends in replaces the file."""
+    bad = tmp_path / "cache" / "sm90" / "rmsnorm_fwd.failed.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text('{"kernel": "rmsnorm_fwd", "failures": {"m6')
+    monkeypatch.setattr(first_use, "child_command", lambda p: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    cfg, how, msgs = _select(tmp_path, budget_s=5)
+    assert how == "nearest" and cfg.config["num_warps"] == 2
+    said = [m for m in msgs if "failure record" in m]
+    assert len(said) == 1 and str(bad) in said[0] and "JSONDecodeError" in said[0] and "taken as empty" in said[0]
+    assert "the child process failed (exit 3)" in _failures(tmp_path)[KEY]["what"]
