@@ -41,9 +41,12 @@ def missing_pairs(registry: dict, names: list[str], shape_dims: dict[str, dict],
     dims come from each kernel's own case at that shape."""
     device = torch.device(device)
     roots = [None] if root is None else [None, root]
-    return [(name, shape) for name, shape in pairs_of(names, shape_dims)
-            if all(tuning.lookup(name, registry[name][1](dict(shape_dims[shape]), device).dims, arch=arch,
-                                 root=r)[0] != "exact" for r in roots)]
+    missing = []
+    for name, shape in pairs_of(names, shape_dims):
+        dims = registry[name][1](dict(shape_dims[shape]), device).dims  # the case once per pair (it allocates)
+        if all(tuning.lookup(name, dims, arch=arch, root=r)[0] != "exact" for r in roots):
+            missing.append((name, shape))
+    return missing
 
 
 def missing_kernels(registry: dict, names: list[str], shape_dims: dict[str, dict], root: Path | None,
