@@ -18,7 +18,11 @@ copies, no fp32 casts); the backward allocates d_zxbcdt once and the kernels wri
 backward) and ddt straight into its slices, as mamba-ssm does (no ``torch.cat``).
 Layouts follow zxbcdt's: when it is a (b, l, d) view of (l, b, d) memory (Megatron's in_proj output, transposed),
 y is one too (``seq_major``), so Megatron's ``rearrange(y, "b l d -> l b d").contiguous()`` copies nothing, and d_zxbcdt
-has zxbcdt's strides; the incoming gradient is read in whatever layout it arrives with a unit last stride. What is left outside
+has zxbcdt's strides; the incoming gradient is read in whatever layout it arrives with a unit last stride.
+A length that is not a multiple of the chunk is padded once: zxbcdt is copied into a zero-tailed nc * c long buffer in
+its own layout, the conv and the SSD run on that buffer's slices (dt keeps its length l, so the tail changes no state
+and gets no gradient) and the backward writes into a padded d_zxbcdt, of which it returns the first l rows.
+What is left outside
 the kernels: the deterministic sums of per-program partials (dweight, dbias, dA, dD, ddt_bias) and the
 small mask/zero tensors of the SSD backward (``tests/test_mamba_split_helion.py::test_op_count_fused_path``
 holds the count: 5 Helion kernels forward, 10 backward).
@@ -33,7 +37,7 @@ from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_he
 from kernels.mamba_split import split_dims
 from kernels.settings import HelionSettings
 from kernels.shapes import check_supported
-from kernels.ssd_helion import ssd_chunk_pieces_helion, ssd_forward_helion
+from kernels.ssd_helion import _pad_seq_idx, padded_len, ssd_chunk_pieces_helion, ssd_forward_helion
 from kernels.ssd_helion_bwd import ssd_backward_helion
 
 
@@ -45,6 +49,18 @@ def _conv_fwd(xBC: torch.Tensor, weight, bias, seq_idx, activation) -> torch.Ten
 def seq_major(t: torch.Tensor) -> bool:
     """Whether (b, l, d) ``t`` is a view of (l, b, d) memory (Megatron's activation layout), batch 2 and up."""
     return t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) < t.stride(1)
+
+
+def pad_rows(t: torch.Tensor, total: int) -> torch.Tensor:
+    """(b, l, d) -> (b, total, d) with zero rows after l, in t's memory order ((l, b, d) stays (l, b, d)); t itself
+    when l == total."""
+    b, l, d = t.shape
+    if l == total:
+        return t
+    out = t.new_empty(total, b, d).transpose(0, 1) if seq_major(t) else t.new_empty(b, total, d)
+    out[:, :l] = t
+    out[:, l:] = 0
+    return out
 
 
 class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
@@ -63,24 +79,28 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         if activation not in ("silu", "swish", None):
             raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
         b, l, _ = zxbcdt.shape
+        L = padded_len(l, chunk_size)
+        zxbcdt = pad_rows(zxbcdt, L)
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, activation)
+        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, _pad_seq_idx(seq_idx, L), activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         out, out_x, dt_out, dA_cumsum, _, final_states = ssd_forward_helion(
-            x.reshape(b, l, nheads, headdim), dt, A, B.reshape(b, l, ngroups, dstate), C.reshape(b, l, ngroups, dstate),
-            chunk_size, D=D, z=z.reshape(b, l, nheads, headdim), dt_bias=dt_bias, initial_states=initial_states,
-            seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit, seq_major=seq_major(zxbcdt),
+            x.reshape(b, L, nheads, headdim), dt[:, :l], A, B.reshape(b, L, ngroups, dstate),
+            C.reshape(b, L, ngroups, dstate), chunk_size, D=D, z=z.reshape(b, L, nheads, headdim), dt_bias=dt_bias,
+            initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+            seq_major=seq_major(zxbcdt),
         )
         ctx.settings = settings
         if not settings.save_cumsum:
             dt_out = dA_cumsum = None
+        # the padded zxbcdt and out_x (when l is not a chunk multiple): the backward pads neither again
         ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx,
                               dt_out, dA_cumsum)
-        ctx.dims = (nheads, headdim, dim, dstate, ngroups, chunk_size)
+        ctx.dims = (nheads, headdim, dim, dstate, ngroups, chunk_size, l)
         ctx.dt_limit = dt_limit
         ctx.activation = activation
         ctx.return_final_states = return_final_states
-        out = out.reshape(b, l, dim)
+        out = out[:, :l].reshape(b, l, dim)
         return (out, final_states) if return_final_states else out
 
     @staticmethod
@@ -92,18 +112,20 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
     def _backward(ctx, dout, *args):
         (zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx, dt_out,
          dA_cumsum) = ctx.saved_tensors
-        nheads, headdim, dim, dstate, ngroups, chunk_size = ctx.dims
+        nheads, headdim, dim, dstate, ngroups, chunk_size, l = ctx.dims
         dfinal = args[0] if ctx.return_final_states else None
-        b, l, _ = zxbcdt.shape
+        b, L, _ = zxbcdt.shape  # padded to the chunk (l valid rows)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         splits = [dim, dim + 2 * ngroups * dstate, nheads]
         z, xBC, dt = torch.split(zxbcdt, splits, dim=-1)
-        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation)  # recompute
+        dt = dt[:, :l]
+        seq_idx_conv = _pad_seq_idx(seq_idx, L)
+        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx_conv, ctx.activation)  # recompute
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
-        x = x.reshape(b, l, nheads, headdim)
-        B = B.reshape(b, l, ngroups, dstate)
-        C = C.reshape(b, l, ngroups, dstate)
+        x = x.reshape(b, L, nheads, headdim)
+        B = B.reshape(b, L, ngroups, dstate)
+        C = C.reshape(b, L, ngroups, dstate)
         dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
             B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
             initial_states=initial_states, seq_idx=seq_idx,
@@ -115,19 +137,19 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         dxBC = torch.empty_like(xBC_conv)  # grad of the conv output (x | B | C), fed to the conv bwd
         dx, dB, dC = torch.split(dxBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         g = ssd_backward_helion(
-            dout.reshape(b, l, nheads, headdim), x, z.reshape(b, l, nheads, headdim), out_x, dt, A, B, C, D, dt_bias,
+            dout.reshape(b, l, nheads, headdim), x, z.reshape(b, L, nheads, headdim), out_x, dt, A, B, C, D, dt_bias,
             dt_out, dA_cumsum, states_in, CB, chunk_size, seq_idx=seq_idx, dfinal_states=dfinal, dt_softplus=True,
             dt_limit=ctx.dt_limit, return_dinitial_states=initial_states is not None,
             dstates_dtype=ctx.settings.bwd_dstates_dtype,
-            out=dict(dx=dx.reshape(b, l, nheads, headdim), dz=dz.reshape(b, l, nheads, headdim),
-                     dB=dB.reshape(b, l, ngroups, dstate), dC=dC.reshape(b, l, ngroups, dstate), ddt=ddt),
+            out=dict(dx=dx.reshape(b, L, nheads, headdim), dz=dz.reshape(b, L, nheads, headdim),
+                     dB=dB.reshape(b, L, ngroups, dstate), dC=dC.reshape(b, L, ngroups, dstate), ddt=ddt),
         )
         del states_in, CB, dt_out, dA_cumsum, xBC_conv
         _, dweight, dbias = causal_conv1d_bwd_helion(
-            xBC.transpose(1, 2), conv1d_weight, conv1d_bias, dxBC.transpose(1, 2), seq_idx, ctx.activation,
+            xBC.transpose(1, 2), conv1d_weight, conv1d_bias, dxBC.transpose(1, 2), seq_idx_conv, ctx.activation,
             dx=dxBC_given.transpose(1, 2))
-        return (dzxbcdt, dweight, dbias, g["ddt_bias"], g["dA"], g["dD"], None, g["dinitial_states"], None, None,
-                None, None, None, None, None)
+        return (dzxbcdt[:, :l], dweight, dbias, g["ddt_bias"], g["dA"], g["dD"], None, g["dinitial_states"], None,
+                None, None, None, None, None, None)
 
 
 def mamba_split_conv1d_scan_combined_helion(

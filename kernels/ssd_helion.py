@@ -24,7 +24,9 @@ before its GEMM anyway). Pass ``state_dtype=torch.float32`` to keep it in fp32.
 Inputs may be strided views (x/B/C slices of the conv output, z/dt slices of zxbcdt): the kernels
 read them in place, the wrappers copy nothing (only the fp32 intermediates are produced contiguous).
 Sequence lengths that are not a multiple of the chunk size are padded internally to nc * c
-(padded positions get dt = 0, so they change no state; padded output rows are dropped).
+(padded positions get dt = 0, so they change no state; padded output rows are dropped). ``ssd_forward_helion``
+takes l from dt: x, B, C, z and seq_idx may come already padded to nc * c (the fused op pads zxbcdt once), and
+are then read as they are.
 ``chunk_size`` must be a power of two (Megatron uses 128).
 
 Configs come from ``kernels.first_use.select_config`` (through ``first_use.tuned_call``); the defaults below are
@@ -379,6 +381,19 @@ def _run(name: str, dims: dict[str, int], limits: list[int], args: tuple, config
 # ----------------------------------------------------------------------------------------------
 
 
+def padded_len(l: int, chunk_size: int) -> int:
+    """The sequence length the kernels run at: l rounded up to a multiple of ``chunk_size``."""
+    return -(-l // chunk_size) * chunk_size
+
+
+def _check_lengths(l: int, L: int, **tensors: torch.Tensor | None) -> None:
+    """Every given (b, length, ...) tensor has length ``l`` or its padded length ``L``."""
+    for name, t in tensors.items():
+        if t is not None and (t.dim() < 2 or t.shape[1] not in (l, L)):
+            raise ValueError(f"{name} must be {l}" + (f" or {L} (padded to the chunk)" if L != l else "")
+                             + f" long in its dim 1, got {tuple(t.shape)}")
+
+
 def _check_chunk(chunk_size: int) -> None:
     if not isinstance(chunk_size, int) or chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16, got {chunk_size!r}")
@@ -717,20 +732,30 @@ def ssd_forward_helion(
 
     x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), D (h,) or (h, p), z like x,
     dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
+    dt's length is the sequence length l; x, B, C, z and seq_idx may each have length l or, already padded, nc * c
+    (``padded_len``; the padded rows are never read into a valid position or the final state). out and out_x
+    have x's length.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
     ``fuse_state_passing=False`` runs chunk_state and state_passing as two kernels (the per-chunk fp32 states go
     through memory), for comparisons with mamba-ssm's kernels one by one. ``seq_major``: out and out_x in (l, b)
     memory order (``ssd_chunk_scan_helion``)."""
-    b, l, h, p, g, n = _check_xbc(x, B)
-    if C.shape != B.shape:
-        raise ValueError(f"C {tuple(C.shape)} must have B's shape {tuple(B.shape)}")
-    if dt.shape != (b, l, h):
-        raise ValueError(f"dt must be {(b, l, h)}, got {tuple(dt.shape)}")
-    if seq_idx is not None and seq_idx.shape != (b, l):
-        raise ValueError(f"seq_idx must be {(b, l)}, got {tuple(seq_idx.shape)}")
     _check_chunk(chunk_size)
-    nc = math.ceil(l / chunk_size)
-    L = nc * chunk_size
+    if x.dim() != 4 or B.dim() != 4 or dt.dim() != 3:
+        raise ValueError(f"x must be (b, l, h, p), B (b, l, g, n) and dt (b, l, h); got {tuple(x.shape)}, "
+                         f"{tuple(B.shape)}, {tuple(dt.shape)}")
+    b, lx, h, p = x.shape
+    g, n = B.shape[2:]
+    l = dt.shape[1]
+    L = padded_len(l, chunk_size)
+    if dt.shape != (b, l, h) or lx not in (l, L):
+        raise ValueError(f"dt must be {(b, lx, h)} (x's batch, length and heads), got {tuple(dt.shape)}")
+    if h % g != 0:
+        raise ValueError(f"nheads {h} must be a multiple of ngroups {g}")
+    _check_lengths(l, L, B=B, C=C, z=z, seq_idx=seq_idx)
+    if (B.shape[0], *B.shape[2:]) != (b, g, n) or C.dim() != 4 or (C.shape[0], *C.shape[2:]) != (b, g, n) \
+            or (z is not None and (z.dim() != 4 or (z.shape[0], *z.shape[2:]) != (b, h, p))):
+        raise ValueError(f"B {tuple(B.shape)} and C {tuple(C.shape)} must be (b, l, g, n), z "
+                         f"{None if z is None else tuple(z.shape)} (b, l, h, p) like x {tuple(x.shape)}")
     # Pad once here so the pieces below see l == nc * c and copy nothing.
     xp, Bp, Cp, zp = (_pad_seq(t, L) for t in (x, B, C, z))
     sidx = _pad_seq_idx(seq_idx, L)
@@ -751,8 +776,8 @@ def ssd_forward_helion(
         CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx, cb_dtype=forward_cb_dtype(x.dtype))
     out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx,
                                        seq_major=seq_major)
-    if L != l:
-        out, out_x = out[:, :l], out_x[:, :l]
+    if lx != L:
+        out, out_x = out[:, :lx], out_x[:, :lx]
     return out, out_x, dt_out, dA_cumsum, states_in, final_states
 
 

@@ -42,6 +42,7 @@ import helion.language as hl
 from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
 from kernels.ssd import _pad_len, _pad_seq_idx
+from kernels.ssd_helion import _check_lengths, padded_len
 
 _LOG2E = 1.4426950408889634
 
@@ -404,7 +405,7 @@ def seq_masks(seq_idx: torch.Tensor | None, b: int, l: int, nc: int, c: int, dev
     L = nc * c
     if seq_idx is None:
         return dict(prev_keep=None, last_keep=None, same_seq=None, keep=None)
-    if seq_idx.shape != (b, l):
+    if seq_idx.shape[0] != b or seq_idx.shape[1] not in (l, L):
         raise ValueError(f"seq_idx must be (batch, seqlen) = {(b, l)}, got {tuple(seq_idx.shape)}")
     s = _pad_seq_idx(seq_idx, L).reshape(b, nc, c)
     prev_end = torch.cat([torch.zeros_like(s[:, :1, -1]), s[:, :-1, -1]], dim=1)  # (b, nc)
@@ -431,31 +432,35 @@ def ssd_backward_helion(
     All of x/z/dt/B/C may be strided views (e.g. slices of zxbcdt / of the conv output): nothing is copied.
     ``out``: optional dict of preallocated result buffers {dx, dz (b,l,h,p), dB, dC (b,l,g,n),
     ddt (b,l,h)} (strided views allowed, e.g. slices of dzxbcdt; ddt may be bf16): the kernels write
-    into them directly when seqlen is a multiple of chunk_size (otherwise the padded results are
-    copied in).
+    into them directly when they are nc * c long (seqlen a multiple of chunk_size, or buffers already padded);
+    otherwise the padded results are copied in.
+    l is dt's length; dout, x, z, out_x, B, C, seq_idx and the ``out`` buffers may each have length l or, already
+    padded, nc * c (the fused op runs on a zxbcdt padded once); the returned gradients are l long.
     ``dstates_dtype``: "input" (dstates in x's dtype) or "fp32" (``DSTATES_DTYPES``).
     Returns dict: dx, dz (b,l,h,p), ddt (b,l,h) (fp32 unless given), dA (h), dB, dC (b,l,g,n),
     dD (like D or None), ddt_bias (h or None), dinitial_states (b,h,p,n fp32, or None).
     """
     if z is None:
         raise NotImplementedError("ssd_backward_helion needs z (Megatron's path always gates with z)")
-    b, l, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
+    b, l, h = dt.shape
+    p, (g, n) = x.shape[3], B.shape[2:]
     c = chunk_size
-    nc = math.ceil(l / c)
-    L = nc * c
+    L = padded_len(l, c)
+    nc = L // c
+    _check_lengths(l, L, dout=dout, x=x, z=z, out_x=out_x, B=B, C=C, seq_idx=seq_idx)
     if h % g:
         raise ValueError(f"nheads {h} is not a multiple of ngroups {g}")
     if dt_out.shape != (b, h, nc, c) or states_in.shape != (b, nc, h, p, n) or CB.shape != (b, nc, g, c, c):
         raise ValueError("ssd_backward_helion: forward pieces have unexpected shapes "
                          f"dt_out {tuple(dt_out.shape)}, states_in {tuple(states_in.shape)}, CB {tuple(CB.shape)}")
     out = dict(out or {})
-    ref_shape = {"x": x.shape, "B": B.shape, "dt": dt.shape}
+    ref_shape = {"x": (b, h, p), "B": (b, g, n), "dt": (b, h)}
     for k, v in out.items():
         if k not in _OUT_SHAPES:
             raise ValueError(f"ssd_backward_helion: unknown out buffer {k!r} (known: {sorted(_OUT_SHAPES)})")
-        if v.shape != ref_shape[_OUT_SHAPES[k]]:
-            raise ValueError(f"out[{k!r}] must be {tuple(ref_shape[_OUT_SHAPES[k]])}, got {tuple(v.shape)}")
+        want = ref_shape[_OUT_SHAPES[k]]
+        if (v.shape[0], *v.shape[2:]) != want or v.shape[1] not in (l, L):
+            raise ValueError(f"out[{k!r}] must be {(want[0], l, *want[1:])}, got {tuple(v.shape)}")
     if dstates_dtype not in DSTATES_DTYPES:
         raise ValueError(f"dstates_dtype must be one of {DSTATES_DTYPES}, got {dstates_dtype!r}")
     dev = x.device
@@ -469,7 +474,7 @@ def ssd_backward_helion(
     def buf(name, like_c, dtype=None):
         """Chunked (b, nc, c, ...) result buffer: the caller's when it can be written in place."""
         given = out.get(name)
-        if given is not None and L == l:
+        if given is not None and given.shape[1] == L:
             return _chunked(given, nc, c)
         return torch.empty(like_c.shape, dtype=dtype or (given.dtype if given is not None else like_c.dtype),
                            device=dev)
@@ -519,8 +524,8 @@ def ssd_backward_helion(
     def result(name, tc):
         t = tc.reshape(b, L, *tc.shape[3:])[:, :l]
         given = out.get(name)
-        if given is None:
-            return t
+        if given is None or given.shape[1] == L:
+            return t  # a view of the caller's buffer when it was written in place
         if L != l:
             given.copy_(t)
         return given

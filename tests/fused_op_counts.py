@@ -71,10 +71,11 @@ def classify(ops: list[str]) -> dict:
                 view=dict(sorted(view.items())))
 
 
-def count(seq: bool = False, init: bool = False) -> dict:
+def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1) -> dict:
+    """Counts of one forward and backward at (b, l) with chunk 16 (``l`` 32 is two whole chunks)."""
     from kernels import mamba_split_helion as msh
 
-    b, l, h, p, g, n, c = 1, 32, 4, 8, 2, 16, 16
+    h, p, g, n, c = 4, 8, 2, 16, 16
     dim = h * p
     gen = torch.Generator().manual_seed(0)
     zxbcdt = torch.randn(b, l, 2 * dim + 2 * g * n + h, generator=gen).bfloat16().requires_grad_()

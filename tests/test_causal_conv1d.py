@@ -337,7 +337,7 @@ def test_tuner_compares_final_results_across_lanes_per_program():
 
     import helion
 
-    case = TUNABLE_KERNELS["conv1d_bwd"](dict(b=1, l=64, h=2, p=8, g=1, n=8, w=4), torch.device("cpu"))
+    case = TUNABLE_KERNELS["conv1d_bwd"](dict(b=1, l=64, h=2, p=8, g=1, n=8, c=16, w=4), torch.device("cpu"))
     assert case.finalize is not None and case.prepare is not None
     c1 = helion.Config(num_warps=4, block_sizes=[1, 16], l_per_lane=16)
     c2 = helion.Config(num_warps=8, block_sizes=[4, 32], l_per_lane=16)

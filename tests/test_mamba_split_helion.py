@@ -413,6 +413,19 @@ def test_op_count_fused_path(seq):
         assert res["backward"]["work"] == small  # no mask of ones: the backward kernels are specialised without
 
 
+def test_op_count_partial_chunk():
+    """At a length that is not a multiple of the chunk (37 tokens, chunk 16) the op pads zxbcdt once in the forward
+    (one copy into a zero-tailed buffer) and the incoming gradient once in the backward; beyond that only dt, a
+    (b, l, h) tensor, is padded for the cumsum kernels. No activation-sized copy back into d_zxbcdt."""
+    from fused_op_counts import count
+
+    res = count(l=37)
+    assert res["forward"]["helion"] == {f"helion:{k}": 1 for k in FWD_KERNELS}
+    assert res["backward"]["helion"] == {f"helion:{k}": 1 for k in BWD_KERNELS}
+    assert res["forward"]["work"] == {"copy_": 1, "fill_": 1, "cat": 1, "new_full": 1}
+    assert res["backward"]["work"] == {"sum": 8, "_to_copy": 2, "copy_": 1, "zeros": 1, "cat": 2, "new_full": 2}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fast_launch_gives_bitwise_equal_results():
@@ -523,3 +536,30 @@ def test_training_kernels_are_what_a_training_step_calls(monkeypatch):
     x = torch.randn(2, 5, 32, requires_grad=True)
     norm(x, torch.randn(2, 5, 32)).square().sum().backward()
     assert called == set(HELION_TRAINING_KERNELS) and called <= set(discover_tunable_kernels())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")
+@pytest.mark.parametrize("l", [32, 37], ids=["whole_chunks", "partial_chunk"])
+def test_tune_cases_have_the_dims_the_op_calls(l, monkeypatch):
+    """What ``scripts/tune_kernels.py`` and first-use tuning search for a model shape is what the op calls at it: each
+    training kernel's tune case, built at the model dims (b, l, h, p, g, n, c, w), has the kernel dims of the op's own
+    call, also at a length that is not a multiple of the chunk (the conv then runs over the padded length)."""
+    from fused_op_counts import count
+
+    from kernels import first_use
+    from kernels.tuner import discover_tunable_kernels
+
+    called = {}
+    orig = first_use.tuned_call
+
+    def record(name, kernel, args, dims, *a, **k):
+        called.setdefault(name, dict(dims))
+        return orig(name, kernel, args, dims, *a, **k)
+
+    monkeypatch.setattr(first_use, "tuned_call", record)
+    count(l=l, b=2)
+    registry = discover_tunable_kernels()
+    model = dict(b=2, l=l, h=4, p=8, g=2, n=16, c=16, w=4)  # fused_op_counts' shape
+    assert len(called) == 12, sorted(called)  # 5 forward kernels, 7 more in the backward
+    for name, dims in called.items():
+        assert registry[name][1](dict(model), "cpu").dims == dims, name
