@@ -32,7 +32,8 @@
 #                unbroken run, both 400 steps further); report in $OUT/convergence_seeds/compare (long_run.json,
 #                long_run.png, resume_check.png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
-#   grid         helion vs mamba_ssm on the grid of Mamba-2 layer shapes (scripts/bench_shape_grid.py $GRID_ARGS)
+#   grid         helion vs mamba_ssm on the grid of Mamba-2 layer shapes (scripts/bench_shape_grid.py --resume $GRID_ARGS:
+#                a later call with the same GRID_ARGS on the same $OUT keeps the shapes already measured)
 #   tune         the grid's shapes without packed documents tuned for this GPU into $OUT/helion_configs
 #                (scripts/tune_kernels.py --shapes grid --missing, TUNE_JOBS searches at once, default 12, for
 #                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. The grid after
@@ -184,7 +185,7 @@ st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/conv
 # curve). The second single-GPU run is the A-vs-A control: reported, never failing.
 st_grid() {
     # shellcheck disable=SC2086
-    python3 scripts/bench_shape_grid.py --out "$OUT" ${GRID_ARGS:-}
+    python3 scripts/bench_shape_grid.py --out "$OUT" --resume ${GRID_ARGS:-}
 }
 st_tune() {
     python3 scripts/tune_kernels.py --shapes "${TUNE_SHAPES:-grid}" --missing --jobs "${TUNE_JOBS:-12}" \

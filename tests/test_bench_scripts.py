@@ -949,6 +949,16 @@ def test_bench_shape_grid_smoke_on_cpu(tmp_path, capsys):
     assert "| tiny |" in bsg.markdown(res)
     phases = [ln.split("] ", 1)[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("   [")]
     assert [p.split(":")[0] for p in phases] == ["torch", "helion", "errors against the fp32 op", "timing"]
+    # --resume keeps the record of the same settings (nothing runs), and runs again under other settings
+    again = bsg.run(bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--rounds",
+                                    "1", "--iters", "1", "--profile-iters", "0", "--device", "cpu", "--out",
+                                    str(tmp_path), "--resume"]))
+    assert again["shapes"]["tiny"] == dict(r, earlier_call=True)
+    assert "tiny: kept from the earlier call" in capsys.readouterr().out
+    other = bsg.run(bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--rounds",
+                                    "2", "--iters", "1", "--profile-iters", "0", "--device", "cpu", "--out",
+                                    str(tmp_path), "--resume"]))
+    assert "earlier_call" not in other["shapes"]["tiny"] and "other settings" in capsys.readouterr().out
 
 
 def test_tune_kernels_takes_the_grid_shapes():

@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the shapes that an earlier call with the same settings and commit recorded in --out's "
+                        "shape_grid.partial.json, and run the others (a grid spread over several time-limited calls)")
     add_zxbcdt_layout_arg(p)
     a = p.parse_args(argv)
     names = list(QUICK) if a.quick and not a.shapes else (
@@ -203,8 +206,13 @@ def run(args) -> dict:
     res = {"benchmark": "bench_shape_grid", "env": environment.env_info(), "args": {k: v for k, v in vars(args).items()},
            "backend_settings": {k: v.settings_dict() for k, v in backends.items()}, "shapes": {}}
     t_all = time.perf_counter()
+    earlier = _earlier_shapes(args, res["env"]) if args.resume else {}
     for name in args.shape_names:
         t0 = time.perf_counter()
+        if name in earlier:
+            res["shapes"][name] = earlier[name]
+            print(f"== {name}: kept from the earlier call ({earlier[name].get('elapsed_s')} s there)", flush=True)
+            continue
         print(f"== {name}", flush=True)
 
         def log(msg: str, t0=t0) -> None:
@@ -239,6 +247,33 @@ def run(args) -> dict:
         "elapsed_s": round(time.perf_counter() - t_all, 1),
     }
     return res
+
+
+# the arguments that change what a shape's record measures: a resumed grid keeps records made with the same ones
+MEASURE_ARGS = ("baseline", "candidate", "kernels_helion", "rounds", "iters", "profile_iters", "seed", "zxbcdt_layout")
+
+
+def _earlier_shapes(args, env: dict) -> dict:
+    """``--resume``: the error-free shape records of ``--out``'s shape_grid.partial.json when that call had the same
+    ``MEASURE_ARGS`` and git commit (else none, with one line saying why), each marked ``earlier_call``."""
+    import json
+
+    path = Path(args.out or reporting.default_out_dir()) / "shape_grid.partial.json"
+    if not path.is_file():
+        print(f"--resume: no {path}; every shape runs", flush=True)
+        return {}
+    try:
+        old = json.loads(path.read_text())
+        same = all(old["args"].get(k) == getattr(args, k) for k in MEASURE_ARGS)
+        commit = old["env"].get("git_commit")
+    except (ValueError, KeyError, AttributeError) as e:
+        print(f"--resume: {path} is unreadable ({type(e).__name__}); every shape runs", flush=True)
+        return {}
+    if not same or commit != env.get("git_commit"):
+        print(f"--resume: {path} was made with other settings or at commit {commit}; every shape runs", flush=True)
+        return {}
+    return {k: dict(r, earlier_call=True) for k, r in old.get("shapes", {}).items()
+            if "error" not in r and k in args.shape_names}
 
 
 def _geomean(xs):
