@@ -21,7 +21,8 @@ y is one too (``seq_major``), so Megatron's ``rearrange(y, "b l d -> l b d").con
 has zxbcdt's strides; the incoming gradient is read in whatever layout it arrives with a unit last stride.
 A length that is not a multiple of the chunk is padded once: zxbcdt is copied into a zero-tailed nc * c long buffer in
 its own layout, the conv and the SSD run on that buffer's slices (dt keeps its length l, so the tail changes no state
-and gets no gradient) and the backward writes into a padded d_zxbcdt, of which it returns the first l rows.
+and gets no gradient); the backward pads the incoming gradient the same way, writes into a padded d_zxbcdt and
+returns its first l rows.
 What is left outside
 the kernels: the deterministic sums of per-program partials (dweight, dbias, dA, dD, ddt_bias) and the
 small mask/zero tensors of the SSD backward (``tests/test_mamba_split_helion.py::test_op_count_fused_path``
@@ -117,6 +118,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         b, L, _ = zxbcdt.shape  # padded to the chunk (l valid rows)
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
+        dout = pad_rows(dout, L)  # in its own memory order (Megatron's (l, b, d) stays a plain copy)
         splits = [dim, dim + 2 * ngroups * dstate, nheads]
         z, xBC, dt = torch.split(zxbcdt, splits, dim=-1)
         dt = dt[:, :l]
@@ -137,7 +139,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         dxBC = torch.empty_like(xBC_conv)  # grad of the conv output (x | B | C), fed to the conv bwd
         dx, dB, dC = torch.split(dxBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         g = ssd_backward_helion(
-            dout.reshape(b, l, nheads, headdim), x, z.reshape(b, L, nheads, headdim), out_x, dt, A, B, C, D, dt_bias,
+            dout.reshape(b, L, nheads, headdim), x, z.reshape(b, L, nheads, headdim), out_x, dt, A, B, C, D, dt_bias,
             dt_out, dA_cumsum, states_in, CB, chunk_size, seq_idx=seq_idx, dfinal_states=dfinal, dt_softplus=True,
             dt_limit=ctx.dt_limit, return_dinitial_states=initial_states is not None,
             dstates_dtype=ctx.settings.bwd_dstates_dtype,
