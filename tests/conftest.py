@@ -9,6 +9,11 @@ import torch
 # the kernel is *defined* (module import, i.e. test collection): set it before any kernels import.
 if not torch.cuda.is_available():
     os.environ.setdefault("HELION_INTERPRET", "1")
+    # every kernel module now, so that a test run without them among its collected modules (a subset) gets the same
+    # interpret-mode kernels as the whole suite, whichever test imports them first (some unset HELION_INTERPRET)
+    from kernels.tuner import discover_tunable_kernels
+
+    discover_tunable_kernels()
 
 # Helion's interpret mode (HELION_INTERPRET=1) lowers hl.dot / addmm to aten::mm.dtype, which this
 # CPU torch build lacks; register a CPU implementation for the test process only.
