@@ -9,6 +9,8 @@
 #   tests        pytest -m gpu: every GPU test (kernels against mamba-ssm / causal-conv1d and the fp32 references)
 #   equivalence  scripts/kernel_equivalence.py against the kernels in $REFERENCE_TREE (bitwise outputs and gradients)
 #   kernels      the mixer op A/B (bench_kernels.py, Nano shape, A-vs-A control) and the SSD forward (bench_ssd_fwd.py)
+#   host         host (CPU) cost per mixer op fwd+bwd of each backend: launch time, wall, device, launches and the top
+#                host functions (scripts/profile_host.py, shapes nano and tp2)
 #   peer         the SSD forward against the fused peer kernel in $PEER_FILE at four shapes (bench_ssd_peer.py)
 #   layers       per-layer A/B at Nano widths and the 52-layer projection (bench_layers.py)
 #   step         nano30b_slice training-step A/B (ab_step_time.py)
@@ -70,7 +72,7 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
-KNOWN="tests equivalence kernels peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
+KNOWN="tests equivalence kernels host peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
 for group in "$@"; do
     IFS=+ read -ra members <<< "$group"
     [ "${#members[@]}" -gt 0 ] || { echo "error: empty stage group '$group'" >&2; exit 2; }
@@ -125,6 +127,10 @@ st_equivalence() {
 st_kernels() {
     python3 scripts/bench_kernels.py --backend "$A" --compare "${BACKENDS#*,}" --shape nano --rounds 6 --iters 8 \
         --out "$OUT" && python3 scripts/bench_ssd_fwd.py --shapes nano --rounds 6 --iters 8 --out "$OUT"
+}
+st_host() {
+    python3 scripts/profile_host.py --backends "$BACKENDS" --shape nano --out "$OUT" \
+        && python3 scripts/profile_host.py --backends "$BACKENDS" --shape tp2 --out "$OUT"
 }
 st_peer() {
     [ -n "${PEER_FILE:-}" ] || { echo "peer needs PEER_FILE (the fork's ssd_fused5.py)"; return 2; }
