@@ -82,21 +82,22 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         b, l, _ = zxbcdt.shape
         L = padded_len(l, chunk_size)
         zxbcdt = pad_rows(zxbcdt, L)
+        seq_idx_padded = _pad_seq_idx(seq_idx, L)  # what the conv reads; the SSD takes it as it is
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, _pad_seq_idx(seq_idx, L), activation)
+        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx_padded, activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         out, out_x, dt_out, dA_cumsum, _, final_states = ssd_forward_helion(
             x.reshape(b, L, nheads, headdim), dt[:, :l], A, B.reshape(b, L, ngroups, dstate),
             C.reshape(b, L, ngroups, dstate), chunk_size, D=D, z=z.reshape(b, L, nheads, headdim), dt_bias=dt_bias,
-            initial_states=initial_states, seq_idx=seq_idx, dt_softplus=True, dt_limit=dt_limit,
+            initial_states=initial_states, seq_idx=seq_idx_padded, dt_softplus=True, dt_limit=dt_limit,
             seq_major=seq_major(zxbcdt),
         )
         ctx.settings = settings
         if not settings.save_cumsum:
             dt_out = dA_cumsum = None
-        # the padded zxbcdt and out_x (when l is not a chunk multiple): the backward pads neither again
-        ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx,
-                              dt_out, dA_cumsum)
+        # zxbcdt, out_x and seq_idx padded (when l is not a chunk multiple): the backward pads none of them again
+        ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states,
+                              seq_idx_padded, dt_out, dA_cumsum)
         ctx.dims = (nheads, headdim, dim, dstate, ngroups, chunk_size, l)
         ctx.dt_limit = dt_limit
         ctx.activation = activation
@@ -122,8 +123,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         splits = [dim, dim + 2 * ngroups * dstate, nheads]
         z, xBC, dt = torch.split(zxbcdt, splits, dim=-1)
         dt = dt[:, :l]
-        seq_idx_conv = _pad_seq_idx(seq_idx, L)
-        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx_conv, ctx.activation)  # recompute
+        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation)  # recompute
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         x = x.reshape(b, L, nheads, headdim)
         B = B.reshape(b, L, ngroups, dstate)
@@ -148,7 +148,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         )
         del states_in, CB, dt_out, dA_cumsum, xBC_conv
         _, dweight, dbias = causal_conv1d_bwd_helion(
-            xBC.transpose(1, 2), conv1d_weight, conv1d_bias, dxBC.transpose(1, 2), seq_idx_conv, ctx.activation,
+            xBC.transpose(1, 2), conv1d_weight, conv1d_bias, dxBC.transpose(1, 2), seq_idx, ctx.activation,
             dx=dxBC_given.transpose(1, 2))
         return (dzxbcdt[:, :l], dweight, dbias, g["ddt_bias"], g["dA"], g["dD"], None, g["dinitial_states"], None,
                 None, None, None, None, None, None)
