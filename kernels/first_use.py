@@ -134,11 +134,57 @@ def tuned_call(
         cfg = tuning.as_config(default if adjust is None else adjust(dict(tuning.as_config(default).config)))
         return tuning.run_interpret(kernel, args, cfg)
     bound = kernel.bind(tuple(args))
-    cfg, _ = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, seeds=seeds, atol=atol,
-                           rtol=rtol, finalize=finalize, prepare=prepare, bound=bound)
+    cfg, how = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, seeds=seeds, atol=atol,
+                             rtol=rtol, finalize=finalize, prepare=prepare, bound=bound)
     fn = tuning.compiled(kernel, args, cfg, rt=rt, bound=bound)
+    try:
+        out = fn(*args)
+    except Exception as e:  # noqa: BLE001 - launch_misfit decides; anything else propagates
+        why = tuning.launch_misfit(e)
+        if why is None:
+            raise
+        fn, out = _launch_next_candidate(kernel_name, kernel, args, dims, default, rt, adjust, bound, cfg, how, why)
     rt.fast[fkey] = fn
-    return fn(*args)
+    return out
+
+
+_HOW_WORDS = {"exact": "committed", "cache": "user-cache", "tuned": "first-use tuned", "nearest": "nearest-shape",
+              "default": "generic default", "spec-default": "Helion spec default"}
+
+
+def _launch_next_candidate(kernel_name: str, kernel, args: Sequence[object], dims: Mapping[str, Any], default,
+                           rt: tuning.Runtime, adjust, bound, failed: helion.Config, how: str, why: str):
+    """After the chosen config's first launch failed with a config misfit on this GPU (``tuning.launch_misfit``):
+    launch the chain's next candidates (``tuning.Choice.fallbacks``) until one runs, and say once per kernel and
+    shape which config failed, why, and which one runs. ``(compiled callable, outputs)``; ``UnsupportedShapeError``
+    when no candidate runs. A failed launch has run nothing (Triton refuses the binary or the launch before the
+    kernel starts), so the outputs are those of the candidate that runs."""
+    from kernels.shapes import UnsupportedShapeError
+
+    c = tuning.choice_for(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, bound=bound)
+    key = c.key if c is not None else tuning.shape_key(**dims)
+    tried = {failed.to_json()}
+    failures = [f"the {_HOW_WORDS.get(how, how)} config {tuning.config_to_dict(failed)} ({why})"]
+    for cfg, _, what in (c.fallbacks() if c is not None else ()):
+        if cfg.to_json() in tried:
+            continue
+        tried.add(cfg.to_json())
+        fn = tuning.compiled(kernel, args, cfg, rt=rt, bound=bound)
+        try:
+            out = fn(*args)
+        except Exception as e:  # noqa: BLE001
+            nwhy = tuning.launch_misfit(e)
+            if nwhy is None:
+                raise
+            failures.append(f"{what} ({nwhy})")
+            continue
+        tuning.warn_once(kernel_name, f"launch-misfit:{key}",
+                         f"nano_hybrid kernels: {kernel_name} at {key}: {'; '.join(failures)} does not run on this "
+                         f"GPU; using {what} (said once per kernel and shape)")
+        return fn, out
+    raise UnsupportedShapeError(
+        f"helion backend: {kernel_name} at shape {key} does not run on this GPU with any config: "
+        f"{'; '.join(failures)} (supported shapes: kernels/shapes.py)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 import helion
 
 from kernels import debug
-from kernels.tuning import as_config, compiled, config_to_dict, file_lock, full_config
+from kernels.tuning import as_config, compiled, config_to_dict, file_lock, full_config, launch_misfit
 
 # Model-level shape presets (Nemotron-3 Nano mixer dims per rank). Kernel TuneCase builders derive their own kernel
 # dims from these. "nano" is the benchmark shape; nano_b1 (recipe nano30b_slice_h200), nano_b4_l4096
@@ -291,7 +291,8 @@ def search(
 ) -> tuple[helion.Config, list[dict]]:
     """Compile, check and time each candidate; return ``(best_config, results)``.
 
-    The reference output comes from ``reference`` (default: the bound kernel's default config) and
+    The reference output comes from ``reference`` (default: the bound kernel's default config; when it does not
+    launch on this GPU (``kernels.tuning.launch_misfit``), the first candidate that does) and
     every candidate's output must match it within ``atol + rtol*|ref|``. With ``finalize``, the
     compared values are ``finalize(raw_outputs, args)`` (config-independent results) for the
     reference and every candidate; ``prepare(args)`` runs before each checked run. ``results`` has one dict per
@@ -308,13 +309,34 @@ def search(
     log = log or (lambda s: None)
     t0 = time.monotonic()
     args = tuple(args)
-    ref_cfg = as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
-    ref_out = checked_outputs(compiled(kernel, args, ref_cfg), args, finalize, prepare)
+    first = as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
+    results: list[dict] = []
+    ref_cfg = ref_out = None
+    failed: set[str] = set()
+    for cfg in [first, *map(as_config, candidates)]:
+        if cfg.to_json() in failed:
+            continue
+        try:
+            ref_out = checked_outputs(compiled(kernel, args, cfg), args, finalize, prepare)
+        except Exception as e:  # noqa: BLE001 - a config that does not launch on this GPU gives way to the next
+            why = launch_misfit(e)
+            if why is None:
+                raise
+            results.append({"config": config_to_dict(cfg), "status": "run_error", "time_ms": None,
+                            "max_abs_err": None, "error": why})
+            log(f"  reference candidate does not launch: {why[:120]}")
+            failed.add(cfg.to_json())
+            continue
+        ref_cfg = cfg
+        break
+    if ref_cfg is None:
+        raise RuntimeError(f"tuning.search: no config launches on this GPU; first errors: "
+                           f"{[r.get('error') for r in results[:3]]}")
     torch.cuda.synchronize()
     ref_out = [t.clone() for t in flatten_outputs(ref_out)]
-    results: list[dict] = []
     best: tuple[float, helion.Config] | None = None
-    cands = [ref_cfg] + [c for c in map(as_config, candidates) if c.to_json() != ref_cfg.to_json()]
+    skip = failed | {ref_cfg.to_json()}
+    cands = [ref_cfg] + [c for c in map(as_config, candidates) if c.to_json() not in skip]
     for i, cfg in enumerate(cands):
         r: dict[str, Any] = {"config": config_to_dict(cfg), "status": None, "time_ms": None, "max_abs_err": None}
         if i > 0 and time.monotonic() - t0 > budget_s:

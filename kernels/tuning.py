@@ -33,7 +33,11 @@ normalization (``ConfigSpec.normalized_config``, which raises ``helion.exc.Inval
 not fit this binding even so, e.g. one with another number of block sizes). A candidate that does not fit is
 skipped with one warning per (kernel, shape) naming the tuned shape it came from; using a nearest shape or a
 default says so once per kernel; an arch without committed configs says so once, with the command that tunes it.
-This module holds the chain without step 3: ``Choice`` (``choice_for``: ``exact`` is step 2, ``fallback`` steps 4-5)
+A config can fit the spec and still be refused by this GPU at its first launch (shared memory, registers, a Triton
+compile failure: ``launch_misfit``); ``kernels.first_use.tuned_call`` then launches the next candidates of steps 4-5
+(``Choice.fallbacks``) in turn, says once per kernel and shape which config failed and which runs, and raises
+``kernels.shapes.UnsupportedShapeError`` when none launches.
+This module holds the chain without step 3: ``Choice`` (``choice_for``: ``exact`` is step 2, ``fallbacks`` steps 4-5)
 and ``stored_config``.
 
 Calling a kernel with a chosen config
@@ -446,6 +450,28 @@ def fit_config(bound, cfg: helion.Config | Mapping[str, Any],
         raise ConfigMisfit(f"{type(e).__name__}: {e}") from None
 
 
+# Triton exception class names that a config causes at compile or first launch on this GPU, whatever Helion's text
+_LAUNCH_MISFIT_TYPES = ("OutOfResources", "PTXASError", "CompilationError")
+
+
+def launch_misfit(err: BaseException) -> str | None:
+    """Why ``err``, raised by a compiled kernel's first launch, means that its config does not fit this GPU (a
+    shared-memory or register budget, a grid limit, a Triton compile failure at this config), or None for any other
+    error: those are not a config's doing and propagate (an out-of-memory error, a CUDA error that leaves the
+    context unusable, an error in the kernel's host code). Helion's own autotuner classification decides, as it does
+    for its candidates (``helion.autotuner.logger.classify_triton_exception``)."""
+    from helion.autotuner.logger import classify_triton_exception, match_unrecoverable_runtime_error
+
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in text.lower():
+        return None
+    if match_unrecoverable_runtime_error(err):
+        return None
+    if type(err).__name__ in _LAUNCH_MISFIT_TYPES or classify_triton_exception(err) != "raise":
+        return " ".join(text.split())[:300]
+    return None
+
+
 @dataclasses.dataclass
 class Choice:
     """Choosing the config of one kernel call from the stored files: the module doc's chain without its search step
@@ -512,28 +538,32 @@ class Choice:
         near.sort(key=lambda t: _distance(self.dims, t[2]["dims"]))
         return near
 
-    def fallback(self, notice: bool = True) -> tuple[helion.Config, str, str]:
-        """``(config, how, what)`` when no exact config applies: the nearest tuned shape's config that fits (how
-        "nearest"), else the generic default (how "default"), else the bound kernel's spec default ("spec-default",
-        valid for every shape). ``what`` names the choice in words; ``notice``: say it once per kernel (a caller
-        that says it in its own message passes False)."""
+    def fallbacks(self) -> Iterator[tuple[helion.Config, str, str]]:
+        """``(config, how, what)`` of the candidates when no exact config applies, in the chain's order: the nearest
+        tuned shapes' configs that fit (how "nearest"), the generic default if it fits ("default"), last the bound
+        kernel's spec default ("spec-default", valid for every shape). ``what`` names the choice in words. A
+        candidate that does not fit is skipped with ``fits``' warning."""
         for source, k, e in self.nearest():
             cfg = self.fits(e["config"], source, k)
             if cfg is not None:
                 path = config_path(self.kernel_name, self.arch, self.root if source == "committed" else self.rt.cache_root)
-                what = f"the nearest tuned shape {k} from the {source} file {path}"
-                if notice:
-                    warn_once(self.kernel_name, "nearest",
-                               f"nano_hybrid kernels: no tuned {self.arch} config for {self.kernel_name} at {self.key}; "
-                               f"using {what} (said once per kernel)")
-                return cfg, "nearest", what
+                yield cfg, "nearest", f"the nearest tuned shape {k} from the {source} file {path}"
         cfg = self.fits(self.default, "generic default", "any shape")
-        how = "default"
-        if cfg is None:
-            cfg, how = fit_config(self.bound, self.bound.config_spec.default_config()), "spec-default"
-        what = f"the kernel's {'generic' if how == 'default' else 'Helion spec'} default config {config_to_dict(cfg)}"
+        if cfg is not None:
+            yield cfg, "default", f"the kernel's generic default config {config_to_dict(cfg)}"
+        cfg = fit_config(self.bound, self.bound.config_spec.default_config())
+        yield cfg, "spec-default", f"the kernel's Helion spec default config {config_to_dict(cfg)}"
+
+    def fallback(self, notice: bool = True) -> tuple[helion.Config, str, str]:
+        """The first of ``fallbacks``: ``(config, how, what)`` when no exact config applies. ``notice``: say the
+        choice once per kernel (a caller that says it in its own message passes False)."""
+        cfg, how, what = next(self.fallbacks())
+        if notice and how == "nearest":
+            warn_once(self.kernel_name, "nearest",
+                       f"nano_hybrid kernels: no tuned {self.arch} config for {self.kernel_name} at {self.key}; "
+                       f"using {what} (said once per kernel)")
         # on an arch with no committed configs, the arch's one notice already says that kernels run their defaults
-        if notice and not (how == "default" and not arch_has_configs(self.arch, self.root)):
+        elif notice and not (how == "default" and not arch_has_configs(self.arch, self.root)):
             warn_once(self.kernel_name, "default",
                        f"nano_hybrid kernels: no tuned {self.arch} config for {self.kernel_name} at {self.key} that "
                        f"fits (none in {config_path(self.kernel_name, self.arch, self.root)}); using {what} "

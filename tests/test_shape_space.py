@@ -79,3 +79,34 @@ def test_the_fused_op_refuses_before_any_kernel_runs(monkeypatch):
     t = _inputs(1, 16, 4, 8, 2, 16, dtype=torch.float64)
     with pytest.raises(UnsupportedShapeError, match="dtype torch.float64"):
         msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=64, headdim=8, ngroups=2)
+
+
+# the corners of the supported space: the largest per-head state (256 x 256) at the largest chunk, in a 16-bit dtype
+# and in fp32 (the most shared memory per tile), and the smallest dims with a head count that is not a power of two
+CORNERS = [
+    (1, 300, 2, 256, 1, 256, 256, False, torch.bfloat16),
+    (1, 130, 2, 256, 2, 256, 256, True, torch.float32),
+    (2, 40, 3, 8, 3, 8, 16, True, torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b,l,h,p,g,n,c,seq,dtype", CORNERS, ids=lambda v: str(v).replace("torch.", ""))
+def test_supported_corners_run_on_the_gpu(b, l, h, p, g, n, c, seq, dtype):
+    """Compiled kernels at the corners of kernels/shapes.py on this GPU: output and every gradient match the fp32
+    reference (a config this GPU refuses gives way to the next candidate; none may be left to crash)."""
+    t = {k: v.cuda() for k, v in _inputs(b, l, h, p, g, n, dtype=dtype).items()}
+    kw = dict(chunk_size=c, seq_idx=_seq(b, l).cuda() if seq else None, headdim=p, ngroups=g, norm_before_gate=False)
+    leaves_h = {k: v.clone().requires_grad_(True) for k, v in t.items()}
+    leaves_r = {k: v.float().clone().requires_grad_(True) for k, v in t.items()}
+    out_h = msh.mamba_split_conv1d_scan_combined_helion(*leaves_h.values(), **kw)
+    out_r = mamba_split_conv1d_scan_combined_ref(*leaves_r.values(), **kw)
+    do = torch.randn(out_r.shape, generator=torch.Generator().manual_seed(1)).cuda()
+    g_h = torch.autograd.grad((out_h.float() * do).sum(), list(leaves_h.values()))
+    g_r = torch.autograd.grad((out_r * do).sum(), list(leaves_r.values()))
+    # fp32 inputs may take TF32 dots (10-bit mantissa), 16-bit inputs round to 8 / 11 bits: relative L2 per tensor
+    tol = 5e-3 if dtype == torch.float32 else 2e-2
+    for name, a, r in [("out", out_h, out_r), *zip(t, g_h, g_r)]:
+        rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-12)).item()
+        assert rel < tol, f"{name}: relative L2 error {rel:.3e}"

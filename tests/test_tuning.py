@@ -395,6 +395,121 @@ def test_tuned_call_fast_path_skips_config_lookup(monkeypatch):
     assert len(calls) == 4
 
 
+def _fits_smem(monkeypatch, tmp_path, max_block: int):
+    """Compiled-mode ``_scale_rows`` bound on CPU with arch sm90 and the committed configs under ``tmp_path``; its
+    ``compile_config`` gives a callable that raises Triton's ``OutOfResources`` at the first launch when the config's
+    row block exceeds ``max_block`` (as a GPU with less shared memory than the tuning GPU does), else runs the math.
+    Returns the kernel and the list of (block, launched) records."""
+    from triton.runtime.errors import OutOfResources
+
+    k = helion.kernel(_scale_rows_fn, static_shapes=True)
+    bound_type = type(k.bind((torch.randn(64, 32),)))
+    log = []
+
+    def compile_config(self, cfg, allow_print=False):
+        block = cfg.config["block_sizes"][0]
+
+        def run(x):
+            if block > max_block:
+                log.append((block, False))
+                raise OutOfResources(block * 2048, max_block * 2048, "shared memory")
+            log.append((block, True))
+            return x * 2.0
+        return run
+
+    monkeypatch.setattr(bound_type, "compile_config", compile_config)
+    monkeypatch.setattr(tuning, "current_arch", lambda: "sm90")
+    monkeypatch.setattr(tuning, "CONFIG_ROOT", tmp_path)
+    return k, log
+
+
+def test_a_config_that_does_not_launch_on_this_gpu_gives_way_to_the_next_candidate(tmp_path, monkeypatch):
+    """The exact committed config passes Helion's spec check but its first launch fails for shared memory: the
+    nearest tuned shape's config runs instead, with one warning naming the kernel, the shape, the failed config and
+    Triton's reason; later calls take the fast path (no compile, no warning)."""
+    k, log = _fits_smem(monkeypatch, tmp_path, max_block=16)
+    tuning.record("k", dict(m=64), dict(block_sizes=[64], num_warps=4), 0.1, arch="sm90", root=tmp_path)
+    tuning.record("k", dict(m=128), dict(block_sizes=[8], num_warps=2), 0.1, arch="sm90", root=tmp_path)
+    x = torch.randn(64, 32)
+    with pytest.warns(UserWarning, match=r"k at m64: the committed config \{.*'block_sizes': \[64\].*\} "
+                                         r"\(OutOfResources: out of resource: shared memory.*\) does not run on this "
+                                         r"GPU; using the nearest tuned shape m128"):
+        out = first_use.tuned_call("k", k, (x,), dict(m=64), DEFAULT)
+    torch.testing.assert_close(out, x * 2.0)
+    assert log == [(64, False), (8, True)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(first_use.tuned_call("k", k, (x,), dict(m=64), DEFAULT), x * 2.0)
+    assert log == [(64, False), (8, True), (8, True)]
+
+
+def test_a_kernel_that_launches_with_no_config_is_one_error_naming_it(tmp_path, monkeypatch):
+    """Every candidate of the chain (exact, generic default, Helion's spec default) fails to launch: one
+    ``UnsupportedShapeError`` naming the kernel, the shape and each config's reason, after trying each once."""
+    from kernels.shapes import UnsupportedShapeError
+
+    k, log = _fits_smem(monkeypatch, tmp_path, max_block=0)
+    tuning.record("k", dict(m=64), dict(block_sizes=[64], num_warps=4), 0.1, arch="sm90", root=tmp_path)
+    with pytest.raises(UnsupportedShapeError, match=r"helion backend: k at shape m64 does not run on this GPU with "
+                                                    r"any config: the committed config .*generic default.*Helion spec "
+                                                    r"default.*kernels/shapes.py") as e:
+        first_use.tuned_call("k", k, (torch.randn(64, 32),), dict(m=64), DEFAULT)
+    assert e.value.args[0].count("OutOfResources") == len(log) == 3 and not any(ok for _, ok in log)
+
+
+@pytest.mark.parametrize("err", [RuntimeError("boom in the host code"), torch.OutOfMemoryError("CUDA out of memory"),
+                                 RuntimeError("CUDA error: an illegal memory access was encountered")],
+                         ids=["other", "oom", "illegal-access"])
+def test_errors_that_are_not_a_config_misfit_propagate(tmp_path, monkeypatch, err):
+    """A launch error a config does not cause (host code, out of memory, a context-breaking CUDA error) is raised as
+    it is; no other config is tried."""
+    k, log = _fits_smem(monkeypatch, tmp_path, max_block=16)
+
+    def failing(self, cfg, allow_print=False):
+        def run(x):
+            log.append(cfg.config["block_sizes"][0])
+            raise err
+        return run
+
+    monkeypatch.setattr(type(k.bind((torch.randn(64, 32),))), "compile_config", failing)
+    with pytest.raises(type(err), match=str(err)[:10]):
+        first_use.tuned_call("k", k, (torch.randn(64, 32),), dict(m=64), DEFAULT)
+    assert len(log) == 1
+
+
+def test_search_takes_the_first_candidate_that_launches_as_its_reference(tmp_path, monkeypatch):
+    """First-use and offline tuning on a GPU where the kernel's default config does not launch (less shared memory
+    than it needs): the search's reference is the first candidate that launches, the failed one is reported and not
+    tried again, and the winner is a config that runs."""
+    k, log = _fits_smem(monkeypatch, tmp_path, max_block=16)
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(tuner, "time_fn", lambda fn, rep: (fn(), {8: 0.2, 16: 0.1}[log[-1][0]])[1])
+    x = torch.randn(64, 32)
+    cands = [helion.Config(block_sizes=[64], num_warps=4), helion.Config(block_sizes=[8], num_warps=4),
+             helion.Config(block_sizes=[16], num_warps=4)]
+    best, results = tuner.search(k, (x,), cands, budget_s=60, reference=cands[0])
+    assert best.config["block_sizes"] == [16]
+    assert [(r["config"]["block_sizes"], r["status"]) for r in results] == [([64], "run_error"), ([8], "ok"),
+                                                                            ([16], "ok")]
+    assert "OutOfResources" in results[0]["error"] and [b for b, _ in log].count(64) == 1
+    monkeypatch.setattr(tuner, "time_fn", lambda fn, rep: 0.1)
+    with pytest.raises(RuntimeError, match="no config launches on this GPU"):
+        tuner.search(k, (x,), cands[:1], budget_s=60, reference=cands[0])
+
+
+def test_launch_misfit_follows_helions_autotuner_classification():
+    from triton.runtime.errors import OutOfResources
+
+    assert "shared memory" in tuning.launch_misfit(OutOfResources(300000, 232448, "shared memory"))
+    assert tuning.launch_misfit(RuntimeError("Triton Error [CUDA]: too many resources requested for launch"))
+    assert tuning.launch_misfit(type("PTXASError", (RuntimeError,), {})("ptxas fatal")).startswith("PTXASError")
+    for err in (ValueError("bad argument"), torch.OutOfMemoryError("CUDA out of memory"),
+                RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"),
+                RuntimeError("Triton Error [CUDA]: out of memory")):
+        assert tuning.launch_misfit(err) is None, err
+
+
 def test_arg_signature_distinguishes_layouts():
     a = torch.zeros(4, 8)
     assert tuning._arg_signature((a,)) == tuning._arg_signature((torch.ones(4, 8),))
