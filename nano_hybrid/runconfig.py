@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -275,6 +276,19 @@ def _check_data(cfg: DictConfig, tok_spec: TokenizerSpec, eval_interval: int) ->
     return spec
 
 
+def _check_writable_dir(path: Path, key: str, why: str) -> None:
+    """``path`` exists as a folder (made if missing) and a file can be created in it; else one ``ConfigError``."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: {path} is not a writable folder ({type(e).__name__}: {e.strerror or e}); {why}") \
+            from None
+
+
 def _check_run_io(cfg: DictConfig):
     """The kernel backend (resolved and returned), the W&B mode and the ``checkpoint.init_from_hf`` folder."""
     from nano_hybrid.metrics import WANDB_MODES
@@ -285,10 +299,14 @@ def _check_run_io(cfg: DictConfig):
     if backend.settings is not None:  # helion: its config files (committed, user cache) are read before any work
         from kernels.tuning import CONFIG_ROOT, ConfigFileError, check_config_files, user_cache_root
 
+        cache = user_cache_root(backend.settings.cache_dir)
         try:
-            check_config_files([CONFIG_ROOT, user_cache_root(backend.settings.cache_dir)])
+            check_config_files([CONFIG_ROOT, cache])
         except ConfigFileError as e:
             raise ConfigError(str(e)) from None
+        if backend.settings.autotune:  # first-use tuning stores its winners (and its locks) there
+            _check_writable_dir(cache, "kernels.helion.cache_dir", "kernels.helion.autotune=true stores the configs it "
+                                "tunes there; set kernels.helion.cache_dir to a writable folder or autotune=false")
     if str(cfg.logger.wandb.mode) not in WANDB_MODES:
         raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode!r}; choose one of {', '.join(WANDB_MODES)}")
     init_hf = cfg.checkpoint.init_from_hf

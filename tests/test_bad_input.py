@@ -114,6 +114,24 @@ def test_corrupt_helion_config_file_is_one_line_before_work(tmp_path, capsys):
     assert not (tmp_path / "run").exists() and bad.read_text().endswith('"b1_l')
 
 
+def test_autotune_with_a_cache_dir_that_cannot_be_written_is_one_line_before_work(tmp_path, capsys):
+    """``kernels.helion.autotune=true`` stores what it tunes in the cache folder: a path that cannot be a writable
+    folder (here under a regular file) stops the run before any work with one line naming the key and the path; with
+    autotune off the cache is only read and the same path is no error."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    overrides = [o for o in TINY if not o.startswith("kernels.backend=")]
+    rc = main(["data=mock", *overrides, "kernels.backend=helion", "kernels.helion.autotune=true",
+               f"kernels.helion.cache_dir={blocker / 'cache'}", f"run_dir={tmp_path / 'run'}"])
+    _one_error(capsys, rc, "kernels.helion.cache_dir", str(blocker / "cache"), "not a writable folder")
+    assert not (tmp_path / "run").exists() and blocker.read_text() == "x"
+    from nano_hybrid.config import compose
+    from nano_hybrid.runconfig import validate
+
+    validate(compose(["data=mock", *overrides, "kernels.backend=helion", f"kernels.helion.cache_dir={blocker / 'c'}",
+                      f"run_dir={tmp_path / 'run2'}"]))
+
+
 def test_too_few_documents_for_the_validation_split(tmp_path, capsys):
     docs = tmp_path / "docs"
     docs.mkdir()
