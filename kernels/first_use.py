@@ -136,8 +136,8 @@ def tuned_call(
     bound = kernel.bind(tuple(args))
     cfg, how = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, seeds=seeds, atol=atol,
                              rtol=rtol, finalize=finalize, prepare=prepare, bound=bound)
-    fn = tuning.compiled(kernel, args, cfg, rt=rt, bound=bound)
     try:
+        fn = tuning.compiled(kernel, args, cfg, rt=rt, bound=bound)
         out = fn(*args)
     except Exception as e:  # noqa: BLE001 - launch_misfit decides; anything else propagates
         why = tuning.launch_misfit(e)
@@ -169,8 +169,8 @@ def _launch_next_candidate(kernel_name: str, kernel, args: Sequence[object], dim
         if cfg.to_json() in tried:
             continue
         tried.add(cfg.to_json())
-        fn = tuning.compiled(kernel, args, cfg, rt=rt, bound=bound)
         try:
+            fn = tuning.compiled(kernel, args, cfg, rt=rt, bound=bound)
             out = fn(*args)
         except Exception as e:  # noqa: BLE001
             nwhy = tuning.launch_misfit(e)

@@ -450,12 +450,13 @@ def fit_config(bound, cfg: helion.Config | Mapping[str, Any],
         raise ConfigMisfit(f"{type(e).__name__}: {e}") from None
 
 
-# Triton exception class names that a config causes at compile or first launch on this GPU, whatever Helion's text
-_LAUNCH_MISFIT_TYPES = ("OutOfResources", "PTXASError", "CompilationError")
+# exception class names that a config causes at compile or first launch on this GPU, whatever their text (Triton's, and
+# Helion's InvalidConfig for a combination its code generation refuses after normalization accepted it)
+_LAUNCH_MISFIT_TYPES = ("OutOfResources", "PTXASError", "CompilationError", "InvalidConfig")
 
 
 def launch_misfit(err: BaseException) -> str | None:
-    """Why ``err``, raised by a compiled kernel's first launch, means that its config does not fit this GPU (a
+    """Why ``err``, raised by a kernel's compile or first launch with a config, means that its config does not fit this GPU (a
     shared-memory or register budget, a grid limit, a Triton compile failure at this config), or None for any other
     error: those are not a config's doing and propagate (an out-of-memory error, a CUDA error that leaves the
     context unusable, an error in the kernel's host code). Helion's own autotuner classification decides, as it does

@@ -443,6 +443,28 @@ def test_a_config_that_does_not_launch_on_this_gpu_gives_way_to_the_next_candida
     assert log == [(64, False), (8, True), (8, True)]
 
 
+def test_a_config_that_does_not_compile_gives_way_to_the_next_candidate(tmp_path, monkeypatch):
+    """A Triton compile failure of the chosen config (here at ``compile_config``) is handled as a launch misfit."""
+    k, log = _fits_smem(monkeypatch, tmp_path, max_block=16)
+    bound_type = type(k.bind((torch.randn(64, 32),)))
+    runs = bound_type.compile_config
+    compile_error = type("CompilationError", (Exception,), {})
+
+    def compile_config(self, cfg, allow_print=False):
+        if cfg.config["block_sizes"][0] > 16:
+            raise compile_error("at 12:4: too many registers")
+        return runs(self, cfg, allow_print)
+
+    monkeypatch.setattr(bound_type, "compile_config", compile_config)
+    tuning.record("k", dict(m=64), dict(block_sizes=[64], num_warps=4), 0.1, arch="sm90", root=tmp_path)
+    tuning.record("k", dict(m=128), dict(block_sizes=[8], num_warps=2), 0.1, arch="sm90", root=tmp_path)
+    x = torch.randn(64, 32)
+    with pytest.warns(UserWarning, match=r"\(CompilationError: at 12:4: too many registers\) does not run on this GPU; "
+                                         r"using the nearest tuned shape m128"):
+        torch.testing.assert_close(first_use.tuned_call("k", k, (x,), dict(m=64), DEFAULT), x * 2.0)
+    assert log == [(8, True)]
+
+
 def test_a_kernel_that_launches_with_no_config_is_one_error_naming_it(tmp_path, monkeypatch):
     """Every candidate of the chain (exact, generic default, Helion's spec default) fails to launch: one
     ``UnsupportedShapeError`` naming the kernel, the shape and each config's reason, after trying each once."""
@@ -504,6 +526,7 @@ def test_launch_misfit_follows_helions_autotuner_classification():
     assert "shared memory" in tuning.launch_misfit(OutOfResources(300000, 232448, "shared memory"))
     assert tuning.launch_misfit(RuntimeError("Triton Error [CUDA]: too many resources requested for launch"))
     assert tuning.launch_misfit(type("PTXASError", (RuntimeError,), {})("ptxas fatal")).startswith("PTXASError")
+    assert tuning.launch_misfit(helion.exc.InvalidConfig("no such combination")).startswith("InvalidConfig")
     for err in (ValueError("bad argument"), torch.OutOfMemoryError("CUDA out of memory"),
                 RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"),
                 RuntimeError("Triton Error [CUDA]: out of memory")):
