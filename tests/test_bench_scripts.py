@@ -99,6 +99,32 @@ def test_arm_labels_and_alternation():
         stats.alternating_order(0, 2)
 
 
+def test_helion_arms_run_the_composed_settings_plus_their_own():
+    """An A/B arm's backend is resolved as a training run resolves it: a helion arm runs the composed config's
+    kernels.helion settings (here bwd_states_dtype=fp32 given as a run override) plus its own kernels.helion keys;
+    the JSON record names every resolved setting; bad keys and values fail before any work, naming the arm."""
+    from nano_hybrid.config import ConfigError, compose
+
+    cfg = compose(["model=tiny", "kernels.backend=torch", "kernels.helion.bwd_states_dtype=fp32"])
+    plain, own, ref = (arms.parse_arm(x) for x in ("helion", "helion:kernels.helion.save_cumsum=false", "torch"))
+    assert own.label == "helion+save_cumsum-false" and own.overrides == (("kernels.helion.save_cumsum", False),)
+    be = arms.arm_backends(cfg, [plain, own, ref, plain])
+    assert list(be) == [plain, own, ref]
+    assert be[plain].settings.bwd_states_dtype == "fp32" and be[plain].settings.save_cumsum is True
+    assert be[own].settings.bwd_states_dtype == "fp32" and be[own].settings.save_cumsum is False
+    assert be[ref].name == "torch" and be[ref].settings is None
+    rec = arms.arm_record(cfg, own)
+    assert rec["backend"] == "helion" and rec["kernels.helion.save_cumsum"] is False
+    assert rec["kernels.helion"]["bwd_states_dtype"] == "fp32" and rec["kernels.helion"]["save_cumsum"] is False
+    assert "kernels.helion" not in arms.arm_record(cfg, ref)
+    with pytest.raises(ValueError, match="applies to helion arms only"):
+        arms.parse_arm("torch:kernels.helion.fast_launch=false")
+    with pytest.raises(ValueError, match="kernels.helion.<bwd_states_dtype|"):
+        arms.parse_arm("helion:kernels.helion.no_such_key=1")
+    with pytest.raises(ConfigError, match="arm helion\\+bwd_states_dtype-fp8: .*bwd_states_dtype"):
+        arms.arm_backends(cfg, [arms.parse_arm("helion:kernels.helion.bwd_states_dtype=fp8")])
+
+
 def test_gpu_slug():
     assert environment.gpu_slug("NVIDIA H200") == "h200"
     assert environment.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"

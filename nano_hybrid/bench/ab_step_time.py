@@ -18,7 +18,9 @@ Method:
   (the mixer's fused op and its gated-norm module; parameters, optimizer state and DDP hooks are kept).
 - An arm is ``backend[:key=value...]``: keys that switch in place on the same model and optimizer
   (``SWITCHABLE``: model.lm_head_loss, model.lm_loss_chunk_tokens, optim.fused, train.fp8) may differ between arms;
-  an arm without a key runs the composed config's value (``apply_arm``).
+  an arm without a key runs the composed config's value (``apply_arm``). A helion arm runs the composed
+  ``kernels.helion`` settings plus its own ``kernels.helion.<setting>`` keys (``arms.arm_backends``), e.g.
+  ``helion,helion:kernels.helion.bwd_states_dtype=fp32``; the JSON's ``arm_settings`` names every resolved setting.
 - Warm-up: --warmup steps per arm (compilation, autotuning, allocator). Then --blocks rounds; in each,
   every arm runs --block-steps steps, arm order alternating (ABBA...), so drift and thermal state hit
   all arms equally. The first --discard steps after each switch are not counted.
@@ -43,7 +45,8 @@ import tempfile
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats, training
-from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, SWITCHABLE, apply_arm, compose_over_defaults, parse_arm
+from nano_hybrid.bench.arms import (CPU_DEFAULTS, GPU_DEFAULTS, SWITCHABLE, apply_arm, arm_backends, arm_record,
+                                    compose_over_defaults, parse_arm)
 from nano_hybrid.bench.mixer import MixerOp, MixerShape, make_params
 
 
@@ -53,6 +56,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="mamba_ssm,helion",
                    help="comma-separated arms, each backend[:key=value...] (keys: " + ", ".join(SWITCHABLE)
+                        + ", and kernels.helion.<setting> for helion arms"
                         + "); the first is the baseline; repeat it for an A-vs-A control")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per arm before timing (default 5)")
     p.add_argument("--blocks", type=int, default=8, help="alternation rounds (default 8)")
@@ -207,7 +211,7 @@ def profile_arms(a, use, step_time, step_fn, ctx, plan, labels: list[str], backe
                                                    overlap_categories=("ssd", "norm"))
             profile[lab] = arm_profile(table, stats.median(times[lab]))
             if a.isolated_op:
-                profile[lab]["isolated_op"] = isolated_op_profile(ctx.cfg, plan, backends[a.arm_specs[i].backend],
+                profile[lab]["isolated_op"] = isolated_op_profile(ctx.cfg, plan, backends[a.arm_specs[i]],
                                                                   a.profile_steps)
     elif a.profile_steps:
         profile = {"skipped": "profiling needs CUDA"}
@@ -215,11 +219,9 @@ def profile_arms(a, use, step_time, step_fn, ctx, plan, labels: list[str], backe
 
 
 def run(a) -> dict | None:
-    from kernels.registry import get_backend
-
     cfg = compose_cfg(a)
     plan = training.validate(cfg)  # config, data, first backend, parallel sizes: fails early
-    backends = {x.backend: get_backend(x.backend) for x in a.arm_specs}  # every arm must be usable
+    backends = arm_backends(cfg, a.arm_specs)  # every arm must be usable, with its settings
     labels = stats.arm_labels([x.label for x in a.arm_specs])
     ctx = training.setup(cfg, plan, with_optimizer=not a.fwd_bwd_only)
     step_fn = training.fwd_bwd_step if a.fwd_bwd_only else training.train_step
@@ -261,7 +263,7 @@ def result(a, cfg, plan, flops_per_token: float, labels, times, losses, peak_gb,
         "benchmark": "ab_step_time",
         "env": environment.env_info(),
         "args": {k: v for k, v in vars(a).items() if k != "arm_specs"},
-        "arm_settings": {lab: {"backend": x.backend, **dict(x.overrides)} for lab, x in zip(labels, a.arm_specs)},
+        "arm_settings": {lab: arm_record(cfg, x) for lab, x in zip(labels, a.arm_specs)},
         "config": {
             "model": str(cfg.model.name), "pattern": str(cfg.model.hybrid_override_pattern),
             "parallel": {k: cfg.parallel[k] for k in cfg.parallel},

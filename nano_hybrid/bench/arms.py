@@ -52,6 +52,9 @@ def set_kernel_backend(model, backend) -> int:
 
 
 SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", "optim.fused", "train.fp8")
+# the helion backend's settings (kernels.settings.HelionSettings) as arm keys of helion arms: each such arm runs a
+# backend configured with the composed config's kernels.helion plus these
+HELION_PREFIX = "kernels.helion."
 
 
 def compose_over_defaults(gpu_defaults: list[str], cpu_defaults: list[str], overrides: list[str]):
@@ -79,19 +82,68 @@ class Arm:
 
 
 def parse_arm(spec: str) -> Arm:
-    """``backend[:key=value[:key=value...]]`` -> Arm; ``ValueError`` on a key that cannot switch in place."""
+    """``backend[:key=value[:key=value...]]`` -> Arm; ``ValueError`` on a key that cannot switch in place. Keys:
+    ``SWITCHABLE``, and for a helion arm ``kernels.helion.<setting>`` (any ``HelionSettings`` key)."""
     import yaml
+
+    from kernels.settings import HelionSettings
 
     backend, *items = [x.strip() for x in spec.split(":")]
     if not backend:
         raise ValueError(f"arm {spec!r} has no backend")
     ov = {}
+    helion_keys = tuple(HELION_PREFIX + k for k in HelionSettings.keys())
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in SWITCHABLE:
-            raise ValueError(f"arm {spec!r}: {item!r} is not key=value with a key from {', '.join(SWITCHABLE)}")
+        if not sep or key not in SWITCHABLE + helion_keys:
+            raise ValueError(f"arm {spec!r}: {item!r} is not key=value with a key from {', '.join(SWITCHABLE)} or "
+                             f"{HELION_PREFIX}<{'|'.join(HelionSettings.keys())}>")
+        if key.startswith(HELION_PREFIX) and backend != "helion":
+            raise ValueError(f"arm {spec!r}: {key} applies to helion arms only")
         ov[key] = yaml.safe_load(value)
     return Arm(backend, tuple(ov.items()))
+
+
+def arm_config(cfg, arm: Arm):
+    """A copy of ``cfg`` with the arm's backend and settings applied; keys the arm does not set keep the composed
+    config's values."""
+    import copy
+
+    from omegaconf import OmegaConf, open_dict
+
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        out.kernels.backend = arm.backend
+        for k, v in arm.overrides:
+            OmegaConf.update(out, k, v, force_add=True)
+    return out
+
+
+def arm_record(cfg, arm: Arm) -> dict:
+    """What a benchmark's JSON says of an arm: its backend, its own keys and, for helion, every resolved
+    ``kernels.helion`` setting it ran with."""
+    from kernels.settings import HelionSettings
+
+    rec = {"backend": arm.backend, **dict(arm.overrides)}
+    if arm.backend == "helion":
+        rec["kernels.helion"] = HelionSettings.from_mapping(arm_config(cfg, arm).kernels.get("helion") or {}).as_dict()
+    return rec
+
+
+def arm_backends(cfg, arms) -> dict:
+    """``{arm: KernelBackend}``, each resolved as a training run with the arm's config resolves its backend
+    (``nano_hybrid.model.build.resolve_backend``: ``kernels.deterministic`` and, for helion, the composed
+    ``kernels.helion`` settings plus the arm's own); a bad setting is a ConfigError naming the arm, before any work."""
+    from nano_hybrid.config import ConfigError
+    from nano_hybrid.model.build import resolve_backend
+
+    out = {}
+    for arm in dict.fromkeys(arms):
+        try:
+            out[arm] = resolve_backend(arm_config(cfg, arm))
+        except ConfigError as e:
+            raise ConfigError(f"arm {arm.label}: {e}") from None
+    return out
 
 
 def apply_arm(ctx, arm: Arm, backends: dict) -> None:
@@ -118,7 +170,7 @@ def apply_arm(ctx, arm: Arm, backends: dict) -> None:
 
     if str(values["train.fp8"]) not in FP8_RECIPES:
         raise ValueError(f"arm {arm.label}: train.fp8={values['train.fp8']!r}; choose one of {', '.join(FP8_RECIPES)}")
-    set_kernel_backend(ctx.model, backends[arm.backend])
+    set_kernel_backend(ctx.model, backends[arm])
     model = training.unwrap_model(ctx.model)
     # train.fp8: the chosen linears' matmul class is switched in place on the same Parameters (model/fp8.py)
     apply_fp8(model, str(values["train.fp8"]), tuple(str(k) for k in cfg.train.fp8_modules))

@@ -45,7 +45,7 @@ import gc
 import math
 
 from nano_hybrid.bench import environment, reporting, stats, training
-from nano_hybrid.bench.arms import parse_arm
+from nano_hybrid.bench.arms import arm_backends, arm_config, parse_arm
 
 
 DEFAULTS = ["model=tiny"]
@@ -192,21 +192,6 @@ def snapshot_diff(a: dict, b: dict) -> tuple[bool, float, str | None]:
 
 
 # ------------------------------------------------------------------------------------------ run
-def arm_config(cfg, spec):
-    """A copy of ``cfg`` with the arm's backend and settings (``arms.SWITCHABLE`` keys) applied; keys the arm
-    does not set keep the composed config's values."""
-    import copy
-
-    from omegaconf import OmegaConf, open_dict
-
-    arm = copy.deepcopy(cfg)
-    with open_dict(arm):
-        arm.kernels.backend = spec.backend
-        for k, v in spec.overrides:
-            OmegaConf.update(arm, k, v, force_add=True)
-    return arm
-
-
 def check_arm_settings(cfg, specs) -> None:
     """Each arm's settings checked as ``nano_hybrid.runconfig.validate`` checks the composed config's (optim.fused a
     bool, a known LM head + loss with a positive chunk size and no TP for the chunked ones): ConfigError naming the
@@ -230,19 +215,6 @@ def run(a) -> dict | None:
     cfg = compose_cfg(a)
     with training.scratch_run_dir(cfg, "nano_hybrid_loss_match_"):
         return _run(a, cfg)
-
-
-def check_backends(cfg, specs) -> None:
-    """Every arm's backend configured once before any work: a switch that does not apply to an arm is a
-    ConfigError naming it."""
-    from kernels.registry import KernelSwitchError, configure_backend
-    from nano_hybrid.config import ConfigError
-
-    for name in dict.fromkeys(x.backend for x in specs):
-        try:
-            configure_backend(name, deterministic=bool(cfg.kernels.deterministic))
-        except KernelSwitchError as e:  # a switch that does not apply to this arm
-            raise ConfigError(f"arm {name}: {e}") from None
 
 
 def train_arm(a, ctx, plan, cfg, label: str, spec, batches: list, ref: dict, say) -> dict:
@@ -310,7 +282,7 @@ def _run(a, cfg) -> dict | None:
 
     plan = training.validate(cfg)  # config, data, first backend, parallel sizes: fails early
     check_arm_settings(cfg, a.arm_specs)
-    check_backends(cfg, a.arm_specs)  # every arm must be usable before any work
+    arm_backends(cfg, a.arm_specs)  # every arm must be usable, with its settings, before any work
     dtype_name = str(plan.dtype).removeprefix("torch.")
     tol = tolerances(a, dtype_name)
     labels = stats.arm_labels([x.label for x in a.arm_specs])

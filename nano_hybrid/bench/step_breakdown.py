@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats, training
-from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, apply_arm, parse_arm
+from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, apply_arm, arm_backends, parse_arm
 
 
 CATEGORIES = (
@@ -653,12 +653,10 @@ def host_profile(step_fn, n: int, device, top: int) -> dict:
 def run(a) -> dict | None:
     import torch
 
-    from kernels.registry import get_backend
-
     cfg = compose_cfg(a)
     with training.scratch_run_dir(cfg, "nano_hybrid_breakdown_"):
         plan = training.validate(cfg)
-        backends = {x.backend: get_backend(x.backend) for x in a.arm_specs}
+        backends = arm_backends(cfg, a.arm_specs)
         labels = stats.arm_labels([x.label for x in a.arm_specs])
         ctx = training.setup(cfg, plan)
         ranges = None
