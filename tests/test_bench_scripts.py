@@ -849,11 +849,20 @@ def test_tune_kernels_takes_a_runs_overrides():
 def test_bench_layers_backend_options():
     import dataclasses
 
-    be = blay._backend("torch:zxbcdt_copy")
+    from nano_hybrid.config import compose
+
+    cfg = compose(["model=tiny", "kernels.helion.bwd_states_dtype=fp32"])
+    be = blay._backend("torch:zxbcdt_copy", cfg)
     assert be.name == "torch" and be.strided_zxbcdt is False
-    assert dataclasses.replace(blay._backend("torch"), strided_zxbcdt=True).strided_zxbcdt
-    with pytest.raises(SystemExit, match="unknown option"):
-        blay._backend("torch:bogus")
+    assert dataclasses.replace(blay._backend("torch", cfg), strided_zxbcdt=True).strided_zxbcdt
+    # helion entries run the composed kernels.helion settings plus their own keys
+    assert blay._backend("helion", cfg).settings.bwd_states_dtype == "fp32"
+    own = blay._backend("helion:kernels.helion.save_cumsum=false", cfg).settings
+    assert own.bwd_states_dtype == "fp32" and own.save_cumsum is False
+    with pytest.raises(SystemExit, match="bogus"):
+        blay._backend("torch:bogus", cfg)
+    with pytest.raises(SystemExit, match="only kernels.helion.<setting> keys or zxbcdt_copy"):
+        blay._backend("helion:optim.fused=true", cfg)
 
 
 def test_grad_match_compare_reports_error_cosine_and_scale_per_group():

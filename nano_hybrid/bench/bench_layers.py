@@ -30,27 +30,35 @@ from nano_hybrid.bench.arms import set_kernel_backend
 KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 
 
-def _backend(spec: str):
-    """A --backends entry: a backend name, or "helion:zxbcdt_copy" (the helion backend with the mixer's zxbcdt copy
-    that megatron makes for mamba-ssm, to measure what skipping it gains)."""
+def _backend(spec: str, cfg):
+    """A --backends entry: a backend name, optionally with ``kernels.helion.<setting>=value`` keys
+    (``helion:kernels.helion.bwd_states_dtype=fp32``), resolved as a training run resolves it (the composed config's
+    ``kernels.helion`` plus the entry's keys, ``arms.arm_backends``); or "helion:zxbcdt_copy" (the helion backend with
+    the mixer's zxbcdt copy that megatron makes for mamba-ssm, to measure what skipping it gains)."""
     import dataclasses
 
-    from kernels.registry import get_backend
+    from nano_hybrid.bench.arms import HELION_PREFIX, Arm, arm_backends, parse_arm
 
     name, _, opt = spec.partition(":")
-    be = get_backend(name)
     if opt == "zxbcdt_copy":
-        return dataclasses.replace(be, strided_zxbcdt=False)
-    if opt:
-        raise SystemExit(f"--backends: unknown option {opt!r} in {spec!r} (known: zxbcdt_copy)")
-    return be
+        return dataclasses.replace(arm_backends(cfg, [Arm(name)])[Arm(name)], strided_zxbcdt=False)
+    try:
+        arm = parse_arm(spec)
+    except ValueError as e:
+        raise SystemExit(f"--backends: {e}") from None
+    other = [k for k, _ in arm.overrides if not k.startswith(HELION_PREFIX)]
+    if other:
+        raise SystemExit(f"--backends: {spec!r}: only {HELION_PREFIX}<setting> keys or zxbcdt_copy apply to a layer "
+                         f"benchmark (got {', '.join(other)})")
+    return arm_backends(cfg, [arm])[arm]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="mamba_ssm",
-                   help="comma-separated kernel backends for the Mamba layer; the first is the baseline")
+                   help="comma-separated kernel backends for the Mamba layer, each backend[:kernels.helion.<setting>="
+                        "value...] or helion:zxbcdt_copy; the first is the baseline")
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on GPU, fp32 on CPU")
@@ -177,7 +185,7 @@ def run(a) -> dict:
         cfg.model.hybrid_override_pattern = bench_pattern
         cfg.kernels.backend = a.backend_list[0].partition(":")[0]
         cfg.model.seq_length = max(int(cfg.model.seq_length), a.seq)
-    backends = {b: _backend(b) for b in a.backend_list}  # fail early, one clear message
+    backends = {b: _backend(b, cfg) for b in a.backend_list}  # fail early, one clear message
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if cuda else "fp32")]
