@@ -6,6 +6,8 @@ the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx) and, u
 small fp32 (b, h, l) tensors dA_cumsum and dt_out (``HelionSettings.save_cumsum``); the backward recomputes the
 conv and the forward pieces it needs (chunk_state+state_passing in ``HelionSettings.bwd_states_dtype``; C.B^T in
 fp32; the chunk cumsum too without save_cumsum) and runs the Helion backward of ``kernels/ssd_helion_bwd.py``.
+With ``HelionSettings.save_conv_states`` the forward also keeps the conv output and the chunk states, and the
+backward recomputes only C.B^T (bitwise the same gradients, more activation memory).
 ``settings`` (a ``kernels.settings.HelionSettings``; the backend binds its own) picks those dtypes and options.
 
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
@@ -38,7 +40,8 @@ from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_he
 from kernels.mamba_split import split_dims
 from kernels.settings import HelionSettings
 from kernels.shapes import check_supported
-from kernels.ssd_helion import _pad_seq_idx, padded_len, ssd_chunk_pieces_helion, ssd_forward_helion
+from kernels.ssd_helion import (_pad_seq_idx, padded_len, ssd_bmm_chunk_helion, ssd_chunk_cumsum_helion,
+                                ssd_chunk_pieces_helion, ssd_forward_helion)
 from kernels.ssd_helion_bwd import ssd_backward_helion
 
 
@@ -86,7 +89,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx_padded, activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
-        out, out_x, dt_out, dA_cumsum, _, final_states = ssd_forward_helion(
+        out, out_x, dt_out, dA_cumsum, states_in, final_states = ssd_forward_helion(
             x.reshape(b, L, nheads, headdim), dt[:, :l], A, B.reshape(b, L, ngroups, dstate),
             C.reshape(b, L, ngroups, dstate), chunk_size, D=D, z=z.reshape(b, L, nheads, headdim), dt_bias=dt_bias,
             initial_states=initial_states, seq_idx=seq_idx_padded, dt_softplus=True, dt_limit=dt_limit,
@@ -95,9 +98,11 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         ctx.settings = settings
         if not settings.save_cumsum:
             dt_out = dA_cumsum = None
+        if not settings.save_conv_states:
+            xBC_conv = states_in = None
         # zxbcdt, out_x and seq_idx padded (when l is not a chunk multiple): the backward pads none of them again
         ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states,
-                              seq_idx_padded, dt_out, dA_cumsum)
+                              seq_idx_padded, dt_out, dA_cumsum, xBC_conv, states_in)
         ctx.dims = (nheads, headdim, dim, dstate, ngroups, chunk_size, l)
         ctx.dt_limit = dt_limit
         ctx.activation = activation
@@ -113,7 +118,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dout, *args):
         (zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx, dt_out,
-         dA_cumsum) = ctx.saved_tensors
+         dA_cumsum, xBC_conv, states_in) = ctx.saved_tensors
         nheads, headdim, dim, dstate, ngroups, chunk_size, l = ctx.dims
         dfinal = args[0] if ctx.return_final_states else None
         b, L, _ = zxbcdt.shape  # padded to the chunk (l valid rows)
@@ -123,16 +128,23 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         splits = [dim, dim + 2 * ngroups * dstate, nheads]
         z, xBC, dt = torch.split(zxbcdt, splits, dim=-1)
         dt = dt[:, :l]
-        xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation)  # recompute
+        if xBC_conv is None:  # recompute (save_conv_states keeps it from the forward)
+            xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx, ctx.activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
         x = x.reshape(b, L, nheads, headdim)
         B = B.reshape(b, L, ngroups, dstate)
         C = C.reshape(b, L, ngroups, dstate)
-        dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
-            B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
-            initial_states=initial_states, seq_idx=seq_idx,
-            state_dtype=torch.float32 if ctx.settings.bwd_states_dtype == "fp32" else x.dtype,
-            cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out))
+        if states_in is None:
+            dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
+                B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
+                initial_states=initial_states, seq_idx=seq_idx,
+                state_dtype=torch.float32 if ctx.settings.bwd_states_dtype == "fp32" else x.dtype,
+                cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out))
+        else:  # the forward's states (x's dtype, as bwd_states_dtype=input recomputes them): only C.B^T runs
+            if dA_cumsum is None:
+                dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True,
+                                                            dt_limit=ctx.dt_limit)
+            CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=torch.float32)
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)
         dz, dxBC_given, ddt = torch.split(dzxbcdt, splits, dim=-1)

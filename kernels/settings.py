@@ -19,6 +19,11 @@ bwd_dstates_dtype   input      dtype of the per-chunk state gradients dz_dstates
 save_cumsum         true       the fused op's forward keeps dA_cumsum and dt_out (two fp32 (b, h, l) tensors) for
                                its backward, which then launches no chunk cumsum; false recomputes them, as
                                mamba-ssm does. The values are bitwise the same either way.
+save_conv_states    false      the fused op's forward also keeps the conv output (b, l, di + 2 g n) and the states
+                               entering each chunk (b, nc, h, p, n, x's dtype) for its backward, which then runs
+                               neither the conv nor chunk_state + state_passing again: bitwise the same gradients,
+                               for a * l * (di + 2 g n + h p n / c) more bytes per layer (335 MB at Nano's 2 x 8192
+                               in bf16); needs bwd_states_dtype=input (the forward's states are in x's dtype)
 zxbcdt_in_place     true       the Mamba mixer hands the fused op its (l, b, d) in_proj output as a (b, l, d) view
                                and gets the gradient back in that layout (no copy either way); the op then writes y
                                in (l, b, d) memory order too, so the mixer's transpose to (l, b, d) copies nothing;
@@ -63,6 +68,7 @@ class HelionSettings:
     bwd_states_dtype: str = "input"
     bwd_dstates_dtype: str = "input"
     save_cumsum: bool = True
+    save_conv_states: bool = False
     zxbcdt_in_place: bool = True
     fast_launch: bool = True
     autotune: bool = False
@@ -86,6 +92,9 @@ class HelionSettings:
             if f.name == "cache_dir" and not isinstance(v, str):
                 raise HelionSettingsError(f"kernels.helion.cache_dir={v!r} must be a path (a string; \"\" for "
                                           "~/.cache/nano_hybrid/helion)")
+        if self.save_conv_states and self.bwd_states_dtype != "input":
+            raise HelionSettingsError("kernels.helion.save_conv_states=true needs kernels.helion.bwd_states_dtype=input "
+                                      f"(the forward's states are in x's dtype), got {self.bwd_states_dtype!r}")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -30,7 +30,9 @@ heads, ``k`` top-k, ``f`` expert FFN, ``fs`` shared-expert FFN, ``E`` experts, `
   output (saved by the next projection: a T_sp h);
 - Mamba (M): ``zxBCdt`` and ``out_x`` (saved by the fused split-conv1d-scan op: a T D_in + a T di), the
   gated output before the gated norm and that norm's output (saved by the norm and by out_proj: 2 a T di)
-  and the norm's fp32 rstd per group; the helion backend also keeps two fp32 (b, heads, l) tensors;
+  and the norm's fp32 rstd per group; the helion backend also keeps two fp32 (b, heads, l) tensors
+  (``kernels.helion.save_cumsum``) and, with ``kernels.helion.save_conv_states``, the conv output (a T (di + 2
+  groups x state)) and the states entering each chunk (a T / chunk x di x state);
 - attention (*): the fused QKV projection output, which the SDPA backward keeps (q, k, v are views:
   a T (heads + 2 groups) kv), the attention output (a T heads kv, saved by the output projection) and the
   fp32 log-sum-exp (4 T heads);
@@ -111,6 +113,7 @@ class Shape:
     optimizer: bool  # plan.optimizer=false: forward+backward only (no optimizer states, no step)
     lm_head_loss: str  # plain | chunked | chunked_compiled (model.lm_head_loss)
     lm_chunk: int  # model.lm_loss_chunk_tokens
+    helion_keeps: tuple[str, ...] = ()  # what the helion op keeps beyond mamba-ssm's: "cumsum", "conv_states"
 
     tp = property(lambda self: self.dims.tp)
     pp = property(lambda self: self.dims.pp)
@@ -202,8 +205,13 @@ def layer_activations(s: Shape, kind: str, modules: tuple[str, ...] = ()) -> dic
         if "ssd" not in rec:
             out["out_x"] = a * t * di
             out["gated_y"] = a * t * di + 4 * t * max(1, ar.mamba_num_groups // s.tp)
-            if s.backend == "helion":
+            if "cumsum" in s.helion_keeps:
                 out["cumsum"] = 2 * 4 * t * ar.mamba_num_heads / s.tp
+            if "conv_states" in s.helion_keeps:  # conv output and the states entering each chunk, x's dtype
+                c = ar.mamba_chunk_size
+                tc = s.mbs * math.ceil(s.seq / c) * c
+                out["conv_states"] = (a * tc * (ar.d_inner + 2 * ar.mamba_num_groups * ar.mamba_state_dim) / s.tp
+                                      + a * tc / c * ar.d_inner * ar.mamba_state_dim / s.tp)
         out["y_norm"] = a * t * di
     elif kind == "*":
         heads, groups = ar.num_attention_heads / s.tp, max(1, ar.num_query_groups // s.tp)
@@ -343,7 +351,21 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
         seq=int(cfg.train.seq_length), mbs=mbs, a=2 if precision == "bf16" else 4, dims=dims,
         num_microbatches=gbs // (mbs * dims.dp), backend=str(cfg.kernels.backend),
         optimizer=optimizer, lm_head_loss=m["lm_head_loss"], lm_chunk=m["lm_loss_chunk_tokens"],
+        helion_keeps=_helion_keeps(cfg),
     ), dims.world_size
+
+
+def _helion_keeps(cfg) -> tuple[str, ...]:
+    """The helion op's extra saved tensors under the run's ``kernels.helion`` settings (none for other backends)."""
+    if str(cfg.kernels.backend) != "helion":
+        return ()
+    from kernels.settings import HelionSettings, HelionSettingsError
+
+    try:
+        st = HelionSettings.from_mapping(cfg.kernels.get("helion") or {})
+    except HelionSettingsError as e:
+        raise ConfigError(str(e)) from None
+    return tuple(k for k, on in (("cumsum", st.save_cumsum), ("conv_states", st.save_conv_states)) if on)
 
 
 def _lcm(x: int, y: int) -> int:

@@ -211,6 +211,28 @@ def test_bench_kernels_args():
             bk.parse_args(bad)
 
 
+def test_bench_kernels_helion_settings_arms(tmp_path):
+    """--backend/--compare take kernels.helion.<setting> keys: the arm's label keys its results and names the file;
+    the helion op with save_conv_states gives bitwise the outputs and gradients of the default (CPU, interpret)."""
+    a = bk.parse_args(["--backend", "helion", "--compare", "helion:kernels.helion.save_conv_states=true"])
+    assert (a.backend, a.compare) == ("helion", "helion+save_conv_states-true")
+    assert bk.output_stem(a) == "kernels_helion_vs_helion+save_conv_states-true_nano"
+    assert bk._arm_backend(a.arm_specs[a.compare]).settings.save_conv_states is True
+    for bad in (["--backend", "helion", "--compare", "helion:optim.fused=true"],
+                ["--backend", "torch", "--compare", "torch:kernels.helion.save_cumsum=false"]):
+        with pytest.raises(SystemExit):
+            bk.parse_args(bad)
+    rc = bk.main(["--backend", "helion", "--compare", "helion:kernels.helion.save_conv_states=true", "--shape", "tiny",
+                  "--dtype", "fp32", "--rounds", "1", "--iters", "1", "--warmup", "0", "--profile-iters", "0",
+                  "--no-control", "--out", str(tmp_path)])
+    d = json.loads((tmp_path / "kernels_helion_vs_helion+save_conv_states-true_tiny.json").read_text())
+    assert rc == 0 and d["correctness"]["passed"]
+    assert max(d["correctness"]["helion+save_conv_states-true_vs_helion"].values()) == 0.0
+    assert d["backend_settings"]["helion+save_conv_states-true"]["save_conv_states"] is True
+    assert d["arm_settings"]["helion+save_conv_states-true"] == {"backend": "helion",
+                                                                 "kernels.helion.save_conv_states": True}
+
+
 def test_bench_kernels_unknown_backend_fails_clearly(tmp_path):
     from kernels.registry import UnknownBackendError
 

@@ -102,6 +102,53 @@ def test_saved_cumsum_gives_bitwise_equal_grads(monkeypatch):
     assert res[True][-1] == res[False][-1] + 2  # dA_cumsum and dt_out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("save_cumsum", [True, False])
+def test_saved_conv_and_states_give_bitwise_equal_grads(monkeypatch, dtype, save_cumsum):
+    """``save_conv_states``: the forward keeps the conv output and the chunk states, the backward runs neither the
+    conv nor chunk_state_passing again (only C.B^T, and the cumsum without save_cumsum); outputs and every gradient
+    are bitwise those of the recompute (odd seqlen, seq_idx, initial states)."""
+    from kernels import ssd_helion as sh
+
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    res, launched = {}, {}
+    real_run, real_conv = sh._run, msh._conv_fwd
+    for keep in (False, True):
+        calls = launched[keep] = []
+        monkeypatch.setattr(sh, "_run", lambda name, *a, calls=calls, **kw: calls.append(name) or real_run(name, *a, **kw))
+        monkeypatch.setattr(msh, "_conv_fwd", lambda *a, calls=calls: calls.append("conv1d_fwd") or real_conv(*a))
+        t = _case(b, l, h, p, g, n, seed=3, dtype=dtype)
+        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5))
+        ins = list(t.values()) + [t0]
+        for v in ins:
+            v.requires_grad_(True)
+        si = torch.zeros(b, l, dtype=torch.int32)
+        si[:, 20:] = 1
+        o, f = msh.mamba_split_conv1d_scan_combined_helion(
+            *t.values(), chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True,
+            settings=HelionSettings(save_cumsum=save_cumsum, save_conv_states=keep))
+        gen = torch.Generator().manual_seed(9)
+        loss = (o.float() * torch.randn(o.shape, generator=gen)).sum() + (f * torch.randn(f.shape, generator=gen)).sum()
+        kept = [s for s in o.grad_fn.saved_tensors if s is not None]
+        res[keep] = (o, f, *torch.autograd.grad(loss, ins))
+        if keep:  # the conv output (b, nc*c, di + 2 g n) and the states (b, nc, h, p, n) in x's dtype
+            assert [tuple(s.shape) for s in kept[-2:]] == [(b, 48, h * p + 2 * g * n), (b, 3, h, p, n)]
+            assert all(s.dtype == dtype for s in kept[-2:])
+    for i, (a, bb) in enumerate(zip(res[True], res[False])):
+        assert torch.equal(a, bb), f"output {i} differs with the saved conv output and states"
+    assert launched[False].count("conv1d_fwd") == 2 and launched[True].count("conv1d_fwd") == 1
+    assert launched[False].count("ssd_chunk_state_passing") == 2 and launched[True].count("ssd_chunk_state_passing") == 1
+    assert launched[True].count("ssd_bmm_chunk") == 2  # C.B^T in the backward (fp32) as without the setting
+    assert launched[True].count("ssd_chunk_cumsum") == (1 if save_cumsum else 2)
+
+
+def test_save_conv_states_needs_input_dtype_states():
+    from kernels.settings import HelionSettingsError
+
+    with pytest.raises(HelionSettingsError, match="save_conv_states=true needs kernels.helion.bwd_states_dtype=input"):
+        HelionSettings(save_conv_states=True, bwd_states_dtype="fp32")
+
+
 def _bf16_seq_case_grads(b, l, h, p, g, n, c, settings: HelionSettings) -> dict:
     """The fused op in bf16 with seq_idx (two sequences) and initial states: {"out", each input name, "init"} ->
     the output and the gradients of a fixed random projection of it."""

@@ -46,8 +46,10 @@ REL_ERR_TOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-3}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", required=True, help="baseline kernel backend A (torch | mamba_ssm | helion)")
-    p.add_argument("--compare", default=None, help="candidate backend B, timed side by side with A")
+    p.add_argument("--backend", required=True, help="baseline kernel backend A (torch | mamba_ssm | helion), "
+                                                     "helion optionally with :kernels.helion.<setting>=value keys")
+    p.add_argument("--compare", default=None, help="candidate backend B, timed side by side with A (same syntax), "
+                                                   "e.g. helion:kernels.helion.save_conv_states=true")
     p.add_argument("--shape", default="nano", choices=sorted(SHAPES), help="mixer shape (default nano)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -66,9 +68,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k in ("rounds", "iters"):
         if getattr(a, k) < 1:
             p.error(f"--{k} must be >= 1")
+    from nano_hybrid.bench.arms import HELION_PREFIX, parse_arm
+
+    # backend[:kernels.helion.<setting>=value...]: an arm's label (file-name safe) keys its results
+    a.arm_specs = {}
+    for k in ("backend", "compare"):
+        spec = getattr(a, k)
+        if spec is None:
+            continue
+        try:
+            arm = parse_arm(spec)
+        except ValueError as e:
+            p.error(str(e))
+        if any(not key.startswith(HELION_PREFIX) for key, _ in arm.overrides):
+            p.error(f"--{k} {spec!r}: only {HELION_PREFIX}<setting> keys apply to a kernel benchmark")
+        a.arm_specs[arm.label] = arm
+        setattr(a, k, arm.label)
     if a.compare is not None and a.compare == a.backend:
-        p.error("--compare must name a different backend than --backend (the A-vs-A control is built in)")
+        p.error("--compare must name a different backend or settings than --backend (the A-vs-A control is built in)")
     return a
+
+
+def _arm_backend(arm):
+    """The arm's backend: its name with the default settings plus the arm's ``kernels.helion.<setting>`` keys."""
+    from kernels.registry import get_backend
+    from nano_hybrid.bench.arms import HELION_PREFIX
+
+    helion = {k[len(HELION_PREFIX):]: v for k, v in arm.overrides}
+    return get_backend(arm.backend, helion=helion or None)
 
 
 def check_correctness(args, ops: dict) -> dict:
@@ -110,15 +137,13 @@ def kernel_tables(args, ops: dict, backends: list[str], device) -> dict:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from kernels.registry import get_backend
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but no CUDA GPU is visible")
     dtype = getattr(torch, DTYPES[args.dtype])
     shape = SHAPES[args.shape]
     backends = [args.backend] + ([args.compare] if args.compare else [])
-    be = {name: get_backend(name) for name in backends}  # fails early with one clear message
+    be = {name: _arm_backend(args.arm_specs[name]) for name in backends}  # fails early with one clear message
     params = make_params(shape, device, dtype, args.seed, zxbcdt_layout=args.zxbcdt_layout)
     ops = {name: MixerOp(be[name], shape, params, device, dtype) for name in backends}
 
@@ -155,7 +180,8 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "bench_kernels",
         "env": environment.env_info(),
         "backend_settings": {name: be[name].settings_dict() for name in backends},
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k != "arm_specs"},
+        "arm_settings": {lab: {"backend": x.backend, **dict(x.overrides)} for lab, x in args.arm_specs.items()},
         "shape": {**asdict(shape), "d_inner": shape.d_inner, "conv_dim": shape.conv_dim,
                   "zxbcdt_dim": shape.zxbcdt_dim, "group_size": shape.group_size, "name": args.shape},
         "dtype": args.dtype,
@@ -226,12 +252,12 @@ def output_stem(args) -> str:
 
 
 def main(argv=None) -> int:
-    from kernels.registry import BackendUnavailableError, UnknownBackendError
+    from kernels.registry import BackendUnavailableError, KernelSwitchError, UnknownBackendError
 
     args = parse_args(argv)
     try:
         res = run(args)
-    except (UnknownBackendError, BackendUnavailableError) as e:
+    except (UnknownBackendError, BackendUnavailableError, KernelSwitchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     out = Path(args.out) if args.out else reporting.default_out_dir()
