@@ -77,29 +77,33 @@ def test_fused_op_grads_match_reference(shape, seq, init, D2, save_cumsum, monke
     assert launched.count("ssd_chunk_scan") == 1 and "ssd_chunk_scan_cb16" not in launched, launched
 
 
-def test_saved_cumsum_gives_bitwise_equal_grads(monkeypatch):
+def _seq_init_case(settings: HelionSettings, dtype=torch.float32) -> tuple[tuple, list]:
+    """The fused op at batch 2, odd length 37, chunk 16, with seq_idx (two sequences) and initial states: (output,
+    final states, every gradient of a fixed random projection) and the tensors its backward keeps."""
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    t = _case(b, l, h, p, g, n, seed=3, dtype=dtype)
+    t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5))
+    ins = list(t.values()) + [t0]
+    for v in ins:
+        v.requires_grad_(True)
+    si = torch.zeros(b, l, dtype=torch.int32)
+    si[:, 20:] = 1
+    o, f = msh.mamba_split_conv1d_scan_combined_helion(
+        *t.values(), chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True,
+        settings=settings)
+    gen = torch.Generator().manual_seed(9)
+    loss = (o.float() * torch.randn(o.shape, generator=gen)).sum() + (f * torch.randn(f.shape, generator=gen)).sum()
+    kept = [s for s in o.grad_fn.saved_tensors if s is not None]
+    return (o, f, *torch.autograd.grad(loss, ins)), kept
+
+
+def test_saved_cumsum_gives_bitwise_equal_grads():
     """Keeping dA_cumsum / dt_out from the forward (save_cumsum, the default) changes no value: outputs and every
     gradient are bitwise those of the recompute (save_cumsum=False), odd seqlen, seq_idx, initial states."""
-    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
-    res = {}
-    for save in (True, False):
-        t = _case(b, l, h, p, g, n, seed=3)
-        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5))
-        ins = list(t.values()) + [t0]
-        for v in ins:
-            v.requires_grad_(True)
-        si = torch.zeros(b, l, dtype=torch.int32)
-        si[:, 20:] = 1
-        o, f = msh.mamba_split_conv1d_scan_combined_helion(
-            *t.values(), chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True,
-            settings=HelionSettings(save_cumsum=save))
-        gen = torch.Generator().manual_seed(9)
-        loss = (o * torch.randn(o.shape, generator=gen)).sum() + (f * torch.randn(f.shape, generator=gen)).sum()
-        saved = o.grad_fn.saved_tensors
-        res[save] = (o, f, *torch.autograd.grad(loss, ins), sum(s is not None for s in saved))
-    for i, (a, bb) in enumerate(zip(res[True][:-1], res[False][:-1])):
+    res = {save: _seq_init_case(HelionSettings(save_cumsum=save)) for save in (True, False)}
+    for i, (a, bb) in enumerate(zip(res[True][0], res[False][0])):
         assert torch.equal(a, bb), f"output {i} differs with the saved cumsum"
-    assert res[True][-1] == res[False][-1] + 2  # dA_cumsum and dt_out
+    assert len(res[True][1]) == len(res[False][1]) + 2  # dA_cumsum and dt_out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -110,29 +114,15 @@ def test_saved_conv_and_states_give_bitwise_equal_grads(monkeypatch, dtype, save
     are bitwise those of the recompute (odd seqlen, seq_idx, initial states)."""
     from kernels import ssd_helion as sh
 
-    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
     res, launched = {}, {}
     real_run, real_conv = sh._run, msh._conv_fwd
     for keep in (False, True):
         calls = launched[keep] = []
         monkeypatch.setattr(sh, "_run", lambda name, *a, calls=calls, **kw: calls.append(name) or real_run(name, *a, **kw))
         monkeypatch.setattr(msh, "_conv_fwd", lambda *a, calls=calls: calls.append("conv1d_fwd") or real_conv(*a))
-        t = _case(b, l, h, p, g, n, seed=3, dtype=dtype)
-        t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5))
-        ins = list(t.values()) + [t0]
-        for v in ins:
-            v.requires_grad_(True)
-        si = torch.zeros(b, l, dtype=torch.int32)
-        si[:, 20:] = 1
-        o, f = msh.mamba_split_conv1d_scan_combined_helion(
-            *t.values(), chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True,
-            settings=HelionSettings(save_cumsum=save_cumsum, save_conv_states=keep))
-        gen = torch.Generator().manual_seed(9)
-        loss = (o.float() * torch.randn(o.shape, generator=gen)).sum() + (f * torch.randn(f.shape, generator=gen)).sum()
-        kept = [s for s in o.grad_fn.saved_tensors if s is not None]
-        res[keep] = (o, f, *torch.autograd.grad(loss, ins))
+        res[keep], kept = _seq_init_case(HelionSettings(save_cumsum=save_cumsum, save_conv_states=keep), dtype)
         if keep:  # the conv output (b, nc*c, di + 2 g n) and the states (b, nc, h, p, n) in x's dtype
-            assert [tuple(s.shape) for s in kept[-2:]] == [(b, 48, h * p + 2 * g * n), (b, 3, h, p, n)]
+            assert [tuple(s.shape) for s in kept[-2:]] == [(2, 48, 4 * 8 + 2 * 2 * 16), (2, 3, 4, 8, 16)]
             assert all(s.dtype == dtype for s in kept[-2:])
     for i, (a, bb) in enumerate(zip(res[True], res[False])):
         assert torch.equal(a, bb), f"output {i} differs with the saved conv output and states"
