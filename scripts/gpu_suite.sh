@@ -150,7 +150,7 @@ st_data() {
 st_hf() { python3 scripts/hf_check.py | tee "$OUT/hf_check.jsonl"; }
 st_memory() { python3 scripts/plan_vs_measured.py --out "$OUT"; }
 st_fullsize() {
-    python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --fwd-bwd-only --warmup 2 --blocks 8 --block-steps 3 \
+    python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --fwd-bwd-only --warmup 2 --blocks 20 --block-steps 5 \
         --discard 1 --profile-steps 0 --tag fwdbwd --out "$OUT" model=nano30b model.num_moe_experts=32 \
         train.micro_batch_size=1 train.global_batch_size=1 train.seq_length=8192 train.memory_check=false
 }
