@@ -9,6 +9,9 @@
 #   tests        pytest -m gpu: every GPU test (kernels against mamba-ssm / causal-conv1d and the fp32 references)
 #   equivalence  scripts/kernel_equivalence.py against the kernels in $REFERENCE_TREE (bitwise outputs and gradients)
 #   kernels      the mixer op A/B (bench_kernels.py, Nano shape, A-vs-A control) and the SSD forward (bench_ssd_fwd.py)
+#   helion_next  the kernels stage's mixer op A/B and the kernel GPU tests again with the Helion wheel in
+#                $HELION_NEXT_WHEEL (installed into ./site_helion_next, ahead of ./site on PYTHONPATH): results in
+#                $OUT/helion_next, to set beside the kernels stage's (one Helion version per process)
 #   host         host (CPU) cost per mixer op fwd+bwd of each backend: launch time, wall, device, launches and the top
 #                host functions (scripts/profile_host.py, shapes nano and tp2)
 #   peer         the SSD forward against the fused peer kernel in $PEER_FILE at four shapes (bench_ssd_peer.py)
@@ -72,7 +75,7 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
-KNOWN="tests equivalence kernels host peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
+KNOWN="tests equivalence kernels helion_next host peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
 for group in "$@"; do
     IFS=+ read -ra members <<< "$group"
     [ "${#members[@]}" -gt 0 ] || { echo "error: empty stage group '$group'" >&2; exit 2; }
@@ -127,6 +130,21 @@ st_equivalence() {
 st_kernels() {
     python3 scripts/bench_kernels.py --backend "$A" --compare "${BACKENDS#*,}" --shape nano --rounds 6 --iters 8 \
         --out "$OUT" && python3 scripts/bench_ssd_fwd.py --shapes nano --rounds 6 --iters 8 --out "$OUT"
+}
+st_helion_next() {  # the mixer op A/B and the kernel GPU tests again with the Helion wheel $HELION_NEXT_WHEEL
+    [ -n "${HELION_NEXT_WHEEL:-}" ] || { echo "helion_next needs HELION_NEXT_WHEEL (a helion wheel file)"; return 2; }
+    local site="$REPO/site_helion_next" par=()
+    rm -rf "$site" && python3 -m pip install -q --no-deps --no-index --target "$site" "$HELION_NEXT_WHEEL" || return 1
+    python3 -c "import xdist" 2>/dev/null && par=(-n "${TESTS_WORKERS:-8}")
+    (
+        export PYTHONPATH="$site:$PYTHONPATH"
+        python3 -c "import importlib.metadata as m; print('helion', m.version('helion'))" \
+            && python3 scripts/bench_kernels.py --backend "$A" --compare "${BACKENDS#*,}" --shape nano --rounds 6 \
+                --iters 8 --out "$OUT/helion_next" \
+            && python3 -m pytest -v -m gpu -p no:cacheprovider "${par[@]}" tests/test_ssd_helion.py \
+                tests/test_ssd_helion_bwd.py tests/test_mamba_split_helion.py tests/test_causal_conv1d.py \
+                tests/test_rmsnorm_gated.py
+    )
 }
 st_host() {
     python3 scripts/profile_host.py --backends "$BACKENDS" --shape nano --out "$OUT" \

@@ -704,6 +704,12 @@ def test_shell_scripts_parse_and_gpu_suite_runs_named_stages(tmp_path):
     assert "=== [parity+convergence]" in r.stdout and "--- [parity] rc 1" in r.stdout
     assert "convergence needs 2 GPUs" in (out2 / "logs" / "convergence.log").read_text()
     assert (out2 / "parity.FAILED").exists() and (out2 / "convergence.FAILED").exists()
+    # a stage that needs a file names the variable that gives it
+    out3 = tmp_path / "out3"
+    env3 = {k: v for k, v in env.items() if k != "HELION_NEXT_WHEEL"}
+    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "helion_next"], cwd=root, capture_output=True, text=True,
+                       env={**env3, "OUT": str(out3)})
+    assert r.returncode == 1 and "helion_next needs HELION_NEXT_WHEEL" in (out3 / "logs" / "helion_next.log").read_text()
 
 
 @pytest.mark.slow
