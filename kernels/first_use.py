@@ -133,6 +133,7 @@ def tuned_call(
     if tuning.kernel_in_ref_mode(kernel):
         cfg = tuning.as_config(default if adjust is None else adjust(dict(tuning.as_config(default).config)))
         return tuning.run_interpret(kernel, args, cfg)
+    kernel = tuning.with_index_dtype_for(kernel, args)  # 64-bit indices where an argument reaches past int32 offsets
     bound = kernel.bind(tuple(args))
     cfg, how = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, seeds=seeds, atol=atol,
                              rtol=rtol, finalize=finalize, prepare=prepare, bound=bound)

@@ -3,7 +3,8 @@
 ================  ==================================================================================================
 dim               supported
 ================  ==================================================================================================
-batch, seqlen     any >= 1 (lengths that are not a multiple of the chunk are padded to whole chunks internally)
+batch, seqlen     any >= 1 (lengths that are not a multiple of the chunk are padded to whole chunks internally;
+                  a kernel whose arguments reach past 2^31 elements runs with 64-bit indices)
 nheads            any >= 1
 ngroups           1 .. nheads, dividing nheads (Mamba2 layouts: 1 group; Nemotron-H / Nano: 8)
 headdim           a power of two, 8 .. 256 (each head's (headdim, dstate) state is one tile)

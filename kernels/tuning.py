@@ -712,14 +712,59 @@ def launches_on_cuda(args: Sequence[object]) -> bool:
 
 
 
+# The largest element offset a kernel indexes with 32-bit integers. Helion picks 64-bit indices by itself only when a
+# tensor has more elements than this; a strided view (a slice of zxbcdt, a (b, l, d) view of (l, b, d) memory) can
+# have fewer elements and still reach offsets past it, which Helion's code generation refuses (IndexOffsetOutOfRange).
+INT32_INDEX_LIMIT = torch.iinfo(torch.int32).max
+_INT64_TWINS: dict[int, tuple[Any, Any]] = {}  # id(kernel) -> (kernel, its 64-bit index twin)
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    if t.numel() == 0:
+        return 0
+    return t.storage_offset() + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+
+
+def needs_int64_index(args: Sequence[object]) -> bool:
+    """Whether any tensor argument has more elements than ``INT32_INDEX_LIMIT`` or an element past that offset in its
+    storage (the storage offset included)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.numel() > INT32_INDEX_LIMIT or _max_offset(a) > INT32_INDEX_LIMIT:
+                return True
+        elif isinstance(a, (list, tuple)) and needs_int64_index(a):
+            return True
+    return False
+
+
+def with_index_dtype_for(kernel, args: Sequence[object]):
+    """``kernel``, or its twin with 64-bit indices (``index_dtype=torch.int64``, same function, configs and other
+    settings; made once per kernel) when ``needs_int64_index(args)`` and the kernel does not fix an index dtype."""
+    if getattr(getattr(kernel, "settings", None), "index_dtype", 0) is not None or not needs_int64_index(args):
+        return kernel
+    got = _INT64_TWINS.get(id(kernel))
+    if got is None or got[0] is not kernel:
+        twin = type(kernel)(kernel.fn, configs=kernel.configs,
+                            settings=dataclasses.replace(kernel.settings, index_dtype=torch.int64))
+        got = _INT64_TWINS[id(kernel)] = (kernel, twin)
+    return got[1]
+
+
 def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any], *,
              rt: Runtime | None = None, bound=None) -> Callable:
-    """Compiled callable of ``kernel`` for this argument signature and config (cached in the runtime).
+    """Compiled callable of ``kernel`` for this argument signature and config (cached in the runtime); with 64-bit
+    indices where an argument reaches past 32-bit offsets (``with_index_dtype_for``; ``bound`` is then ignored unless
+    it is the twin's).
 
     With ``NANO_HELION_DUMP_DIR`` set (``kernels.debug``), each compilation also writes the normalized config and the
     generated Triton source there (``<kernel>_<sha>.py``): a diagnostic for comparing what two
     processes actually run for the same kernel, config and argument signature."""
     rt = rt or runtime()
+    wide = with_index_dtype_for(kernel, args)
+    if wide is not kernel:
+        kernel = wide
+        if bound is not None and getattr(bound, "kernel", None) is not wide:
+            bound = None
     cfg = with_flat_pid(as_config(config))
     key = (id(kernel), _arg_signature(args), cfg.to_json())
     fn = rt.compiled.get(key)

@@ -186,3 +186,56 @@ def test_fitting_configs_come_out_unchanged(name):
         refit = tuning.fit_config(nano, fitted)
     assert refit.config["static_ranges"] == [False]
     nano.config_spec.normalized_config(refit)
+
+
+def _check_int64_twins(names: list[str]) -> dict:
+    """Per kernel (in a spawned worker), with one argument a view whose last element lies past 2^31 in its storage
+    (meta tensors: no memory): Helion's code generation of the kernel itself and of the twin with 64-bit indices that
+    ``tuning.compiled`` uses, each with its stored config. Returns {name: (32-bit result, twin result)}, and where the
+    twin does not lower on meta tensors, its result at a small shape on CPU tensors as a third item."""
+    registry = tuner.discover_tunable_kernels()
+    _empty_factories()
+    tuning.clear_caches()
+    md = dict(b=2, l=256, h=8, g=2, p=64, n=128, c=128, w=4)
+
+    def codegen(kernel, name, args, case):
+        try:
+            bound = kernel.bind(tuple(args))
+            cfg, _ = tuning.stored_config(name, kernel, args, case.dims, case.default, arch="sm90", bound=bound)
+            bound.to_triton_code(bound.config_spec.normalized_config(cfg))
+            return "ok"
+        except Exception as e:  # noqa: BLE001 - the result names it
+            return type(e).__name__
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            case = registry[name][1](dict(md), "cpu")
+            kernel = _compiled_mode_kernel(case.kernel)
+            meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in case.args]
+            i = next(j for j, a in enumerate(meta) if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] >= 2)
+            stride = list(meta[i].stride())
+            stride[0] = 2**31 // (meta[i].shape[0] - 1) + 1024
+            meta[i] = torch.empty_strided(meta[i].shape, stride, dtype=meta[i].dtype, device="meta")
+            twin = tuning.with_index_dtype_for(kernel, meta)
+            assert twin is not kernel and twin.settings.index_dtype == torch.int64
+            res = (codegen(kernel, name, meta, case), codegen(twin, name, meta, case))
+            # where meta tensors do not lower, the twin's code at the small shape (CPU tensors) instead
+            out[name] = res if res[1] == "ok" else (*res, codegen(twin, name, case.args, case))
+    return out
+
+
+def test_every_kernel_has_a_64_bit_index_twin_for_views_past_int32_offsets():
+    """A (b, l, d) view of zxbcdt's (l, b, d) memory at a long sequence (Nano widths: past 208k tokens per micro-batch)
+    has fewer elements than 2^31 but offsets past it; Helion picks 64-bit indices by element count only and then
+    refuses to generate the kernel. At such a view Helion refuses every kernel and generates its 64-bit twin.
+    ``ssd_bwd_dt`` does not lower on meta tensors (an Inductor limitation, as for the grid above): its twin is
+    generated at a small shape instead, and its view case runs on the GPU
+    (tests/test_mamba_split_helion.py::test_views_past_int32_offsets_match_the_reference)."""
+    names = sorted(tuner.discover_tunable_kernels())
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        got = pool.submit(_check_int64_twins, names).result()
+    want = {n: ("IndexOffsetOutOfRangeForInt32", "ok") for n in names if n != "ssd_bwd_dt"}
+    want["ssd_bwd_dt"] = ("InductorLoweringError", "InductorLoweringError", "ok")
+    assert got == want

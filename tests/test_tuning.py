@@ -520,6 +520,35 @@ def test_search_takes_the_first_candidate_that_launches_as_its_reference(tmp_pat
         tuner.search(k, (x,), cands[:1], budget_s=60, reference=cands[0])
 
 
+def test_views_past_32_bit_offsets_run_a_64_bit_index_twin(tmp_path, monkeypatch):
+    """A strided view with fewer elements than the 32-bit limit can still reach past it in its storage (a slice of
+    zxbcdt in Megatron's (l, b, d) memory at a long sequence): the kernel runs as its twin with 64-bit indices (made
+    once per kernel, same function and configs), chosen from the arguments at the first call of a signature. The
+    limit is lowered here so that small tensors cross it."""
+    monkeypatch.setattr(tuning, "INT32_INDEX_LIMIT", 1000)
+    lbd = torch.zeros(40, 2, 16)  # (l, b, d) memory: 1280 elements
+    z = lbd.transpose(0, 1)[:, :, 8:]  # (b, l, 8) view: 640 elements, the last at offset 1279
+    assert z.numel() < 1000 and tuning.needs_int64_index([torch.zeros(3), z])
+    assert not tuning.needs_int64_index([lbd[:10].transpose(0, 1)]) and tuning.needs_int64_index([[torch.zeros(1001)]])
+    k = helion.kernel(_scale_rows_fn, static_shapes=True)
+    twin = tuning.with_index_dtype_for(k, (z,))
+    assert twin is not k and twin.settings.index_dtype == torch.int64 and twin.fn is k.fn
+    assert tuning.with_index_dtype_for(k, (z,)) is twin and tuning.with_index_dtype_for(k, (torch.zeros(4),)) is k
+    assert tuning.with_index_dtype_for(twin, (z,)) is twin  # a kernel that fixes its index dtype keeps it
+    # tuned_call binds and compiles the twin for such a call, the kernel itself otherwise
+    k, log = _fits_smem(monkeypatch, tmp_path, max_block=64)
+    bound_type = type(k.bind((torch.randn(64, 32),)))
+    seen = []
+    runs = bound_type.compile_config
+    monkeypatch.setattr(bound_type, "compile_config",
+                        lambda self, cfg, allow_print=False: seen.append(self.kernel.settings.index_dtype)
+                        or runs(self, cfg, allow_print))
+    wide = torch.zeros(64, 32)[:, :15]  # 960 elements, the last at offset 2030 of its storage
+    torch.testing.assert_close(first_use.tuned_call("k", k, (wide,), dict(m=64), DEFAULT), wide * 2.0)
+    first_use.tuned_call("k", k, (torch.zeros(16, 32),), dict(m=16), DEFAULT)
+    assert seen == [torch.int64, None]
+
+
 def test_launch_misfit_follows_helions_autotuner_classification():
     from triton.runtime.errors import OutOfResources
 
