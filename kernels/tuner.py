@@ -38,7 +38,8 @@ import torch
 import helion
 
 from kernels import debug
-from kernels.tuning import as_config, compiled, config_to_dict, file_lock, full_config, launch_misfit
+from kernels.tuning import (as_config, compiled, config_to_dict, file_lock, full_config, launch_misfit,
+                            with_index_dtype_for)
 
 # Model-level shape presets (Nemotron-3 Nano mixer dims per rank). Kernel TuneCase builders derive their own kernel
 # dims from these. "nano" is the benchmark shape; nano_b1 (recipe nano30b_slice_h200), nano_b4_l4096
@@ -309,6 +310,7 @@ def search(
     log = log or (lambda s: None)
     t0 = time.monotonic()
     args = tuple(args)
+    kernel = with_index_dtype_for(kernel, args)
     first = as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
     results: list[dict] = []
     ref_cfg = ref_out = None
@@ -464,6 +466,7 @@ def tune_call(
     on copies of the call's arguments. Returns ``(winner, time_ms, meta)``; the winner is a full config
     (``kernels.tuning.full_config``)."""
     t0 = time.monotonic()
+    kernel = with_index_dtype_for(kernel, args)
     work = tuple(_copy_arg(a) for a in args)
     cands = [*map(as_config, start), *candidate_configs(kernel, work, seeds=seeds, n_random=16)]
     best, results = search(kernel, work, cands, budget_s=budget_s, atol=atol, rtol=rtol, finalize=finalize,
