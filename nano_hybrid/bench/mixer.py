@@ -57,7 +57,7 @@ SHAPES = {
 
 # The shape grid of bench_shape_grid.py (and tune_kernels.py --shapes), name -> shape: Nano (64 heads, 8 groups) per
 # tensor-parallel rank and at other batch x length splits; packed documents (seq_idx); Mamba2 layers (1 group, chunk
-# 256; 2.7B: 80 heads of 64, 130M-like: 24 heads); Nemotron-H 8B (128 heads, 8 groups).
+# 256; 2.7B: 80 heads of 64, 130M-like: 24 heads); Nemotron-H 8B (128 heads, 8 groups); a long-context micro-batch.
 _NANO = dict(headdim=64, d_state=128)
 GRID: dict[str, tuple[MixerShape, int]] = {  # (shape, documents per sequence; 1: no seq_idx)
     "nano_tp1": (MixerShape(batch=1, seqlen=8192, nheads=64, ngroups=8, **_NANO), 1),
@@ -76,6 +76,9 @@ GRID: dict[str, tuple[MixerShape, int]] = {  # (shape, documents per sequence; 1
     "nemh_8b_docs4": (MixerShape(batch=1, seqlen=8192, nheads=128, ngroups=8, **_NANO), 4),
     # model=nano_proxy as recipe convergence_seeds_h200 runs it (16 heads of Nano's dims, micro-batch 4 x 1024)
     "nano_proxy": (MixerShape(batch=4, seqlen=1024, nheads=16, ngroups=8, **_NANO), 1),
+    # a long-context micro-batch (e.g. 512k tokens at context parallel 2): zxbcdt's (l, b, d) memory spans 2.7e9
+    # elements, past 32-bit offsets; last in the grid's order
+    "nano_b1_l262144": (MixerShape(batch=1, seqlen=262144, nheads=64, ngroups=8, **_NANO), 1),
     # CPU smoke-test size only (torch backend)
     "tiny": (MixerShape(batch=1, seqlen=200, nheads=4, headdim=16, ngroups=2, d_state=16, chunk_size=64), 2),
 }
