@@ -456,11 +456,11 @@ _LAUNCH_MISFIT_TYPES = ("OutOfResources", "PTXASError", "CompilationError", "Inv
 
 
 def launch_misfit(err: BaseException) -> str | None:
-    """Why ``err``, raised by a kernel's compile or first launch with a config, means that its config does not fit this GPU (a
-    shared-memory or register budget, a grid limit, a Triton compile failure at this config), or None for any other
-    error: those are not a config's doing and propagate (an out-of-memory error, a CUDA error that leaves the
-    context unusable, an error in the kernel's host code). Helion's own autotuner classification decides, as it does
-    for its candidates (``helion.autotuner.logger.classify_triton_exception``)."""
+    """Why ``err``, raised by a kernel's compile or first launch with a config, means that the config does not fit
+    this GPU (a shared-memory or register budget, a grid limit, a Triton compile failure at this config), or None for
+    any other error: those are not a config's doing and propagate (an out-of-memory error, a CUDA error that leaves
+    the context unusable, an error in the kernel's host code). Helion's own autotuner classification decides, as it
+    does for its candidates (``helion.autotuner.logger.classify_triton_exception``)."""
     from helion.autotuner.logger import classify_triton_exception, match_unrecoverable_runtime_error
 
     text = f"{type(err).__name__}: {err}"
