@@ -217,7 +217,13 @@ def test_bench_kernels_helion_settings_arms(tmp_path):
     a = bk.parse_args(["--backend", "helion", "--compare", "helion:kernels.helion.save_conv_states=true"])
     assert (a.backend, a.compare) == ("helion", "helion+save_conv_states-true")
     assert bk.output_stem(a) == "kernels_helion_vs_helion+save_conv_states-true_nano"
-    assert bk._arm_backend(a.arm_specs[a.compare]).settings.save_conv_states is True
+    assert arms.op_backend(a.arm_specs[a.compare]).settings.save_conv_states is True
+    with pytest.raises(ValueError, match="only kernels.helion.<setting> keys apply to an op benchmark"):
+        arms.parse_op_arm("helion:train.fp8=rowwise")
+    with pytest.raises(SystemExit):  # profile_host refuses a bad arm before it needs a GPU
+        from nano_hybrid.bench import profile_host
+
+        profile_host.main(["--backends", "mamba_ssm,helion:optim.fused=true"])
     for bad in (["--backend", "helion", "--compare", "helion:optim.fused=true"],
                 ["--backend", "torch", "--compare", "torch:kernels.helion.save_cumsum=false"]):
         with pytest.raises(SystemExit):
@@ -889,7 +895,7 @@ def test_bench_layers_backend_options():
     assert own.bwd_states_dtype == "fp32" and own.save_cumsum is False
     with pytest.raises(SystemExit, match="bogus"):
         blay._backend("torch:bogus", cfg)
-    with pytest.raises(SystemExit, match="only kernels.helion.<setting> keys or zxbcdt_copy"):
+    with pytest.raises(SystemExit, match="only kernels.helion.<setting> keys apply .*zxbcdt_copy"):
         blay._backend("helion:optim.fused=true", cfg)
 
 

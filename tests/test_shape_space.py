@@ -105,8 +105,9 @@ def test_supported_corners_run_on_the_gpu(b, l, h, p, g, n, c, seq, dtype):
     do = torch.randn(out_r.shape, generator=torch.Generator().manual_seed(1)).cuda()
     g_h = torch.autograd.grad((out_h.float() * do).sum(), list(leaves_h.values()))
     g_r = torch.autograd.grad((out_r * do).sum(), list(leaves_r.values()))
-    # fp32 inputs may take TF32 dots (10-bit mantissa), 16-bit inputs round to 8 / 11 bits: relative L2 per tensor
-    tol = 5e-3 if dtype == torch.float32 else 2e-2
+    # relative L2 per tensor: fp32 inputs may take TF32 dots (10-bit mantissa; sums of up to 256 terms), 16-bit
+    # inputs round to 8 / 11 bits; a wrong index or mask gives errors of order 1
+    tol = 1e-2 if dtype == torch.float32 else 2e-2
     for name, a, r in [("out", out_h, out_r), *zip(t, g_h, g_r)]:
         rel = ((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-12)).item()
         assert rel < tol, f"{name}: relative L2 error {rel:.3e}"

@@ -104,6 +104,25 @@ def parse_arm(spec: str) -> Arm:
     return Arm(backend, tuple(ov.items()))
 
 
+def parse_op_arm(spec: str) -> Arm:
+    """An arm of an op-level benchmark (no training config): ``backend[:kernels.helion.<setting>=value...]``;
+    ``ValueError`` for any other key."""
+    arm = parse_arm(spec)
+    other = [k for k, _ in arm.overrides if not k.startswith(HELION_PREFIX)]
+    if other:
+        raise ValueError(f"arm {spec!r}: only {HELION_PREFIX}<setting> keys apply to an op benchmark "
+                         f"(got {', '.join(other)})")
+    return arm
+
+
+def op_backend(arm: Arm):
+    """An op-level arm's backend: its name with the default settings plus the arm's ``kernels.helion`` keys."""
+    from kernels.registry import get_backend
+
+    helion = {k[len(HELION_PREFIX):]: v for k, v in arm.overrides}
+    return get_backend(arm.backend, helion=helion or None)
+
+
 def arm_config(cfg, arm: Arm):
     """A copy of ``cfg`` with the arm's backend and settings applied; keys the arm does not set keep the composed
     config's values."""

@@ -34,6 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
+from nano_hybrid.bench.arms import op_backend
 from nano_hybrid.bench.mixer import OPS, SHAPES, MixerOp, add_zxbcdt_layout_arg, check_against, make_params
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
@@ -68,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k in ("rounds", "iters"):
         if getattr(a, k) < 1:
             p.error(f"--{k} must be >= 1")
-    from nano_hybrid.bench.arms import HELION_PREFIX, parse_arm
+    from nano_hybrid.bench.arms import parse_op_arm
 
     # backend[:kernels.helion.<setting>=value...]: an arm's label (file-name safe) keys its results
     a.arm_specs = {}
@@ -77,25 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if spec is None:
             continue
         try:
-            arm = parse_arm(spec)
+            arm = parse_op_arm(spec)
         except ValueError as e:
-            p.error(str(e))
-        if any(not key.startswith(HELION_PREFIX) for key, _ in arm.overrides):
-            p.error(f"--{k} {spec!r}: only {HELION_PREFIX}<setting> keys apply to a kernel benchmark")
+            p.error(f"--{k}: {e}")
         a.arm_specs[arm.label] = arm
         setattr(a, k, arm.label)
     if a.compare is not None and a.compare == a.backend:
         p.error("--compare must name a different backend or settings than --backend (the A-vs-A control is built in)")
     return a
-
-
-def _arm_backend(arm):
-    """The arm's backend: its name with the default settings plus the arm's ``kernels.helion.<setting>`` keys."""
-    from kernels.registry import get_backend
-    from nano_hybrid.bench.arms import HELION_PREFIX
-
-    helion = {k[len(HELION_PREFIX):]: v for k, v in arm.overrides}
-    return get_backend(arm.backend, helion=helion or None)
 
 
 def check_correctness(args, ops: dict) -> dict:
@@ -143,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, DTYPES[args.dtype])
     shape = SHAPES[args.shape]
     backends = [args.backend] + ([args.compare] if args.compare else [])
-    be = {name: _arm_backend(args.arm_specs[name]) for name in backends}  # fails early with one clear message
+    be = {name: op_backend(args.arm_specs[name]) for name in backends}  # fails early with one clear message
     params = make_params(shape, device, dtype, args.seed, zxbcdt_layout=args.zxbcdt_layout)
     ops = {name: MixerOp(be[name], shape, params, device, dtype) for name in backends}
 

@@ -35,9 +35,9 @@ def profile_backend(name: str, shape, params, iters: int, top: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from kernels.registry import get_backend
+    from nano_hybrid.bench.arms import op_backend, parse_op_arm
 
-    op = mixer.MixerOp(get_backend(name), shape, params, torch.device("cuda"), torch.bfloat16)
+    op = mixer.MixerOp(op_backend(parse_op_arm(name)), shape, params, torch.device("cuda"), torch.bfloat16)
     for _ in range(3):
         op.mixer_fwdbwd()
     torch.cuda.synchronize()
@@ -85,12 +85,20 @@ def profile_backend(name: str, shape, params, iters: int, top: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backends", default="mamba_ssm,helion")
+    ap.add_argument("--backends", default="mamba_ssm,helion",
+                    help="comma list of backend[:kernels.helion.<setting>=value...]")
     ap.add_argument("--shape", default="nano", choices=sorted(mixer.SHAPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    from nano_hybrid.bench.arms import parse_op_arm
+
+    for spec in args.backends.split(","):
+        try:
+            parse_op_arm(spec)
+        except ValueError as e:
+            ap.error(str(e))
     import torch
 
     if not torch.cuda.is_available():
