@@ -636,3 +636,35 @@ def test_views_past_int32_offsets_match_the_reference():
         assert torch.isfinite(a).all(), nm
         rel = ((a - r).norm() / r.norm()).item()
         assert rel < 2e-2, f"{nm}: relative L2 error {rel:.2e}"
+
+
+def test_mixer_with_saved_conv_states_gives_the_same_gradients(monkeypatch):
+    """``kernels.helion.save_conv_states=true`` reaches the model's Mamba mixer through the run config: its op runs the
+    conv once per forward + backward instead of twice, and the layer's output and every gradient are bitwise those of
+    the default."""
+    from nano_hybrid.config import compose
+    from nano_hybrid.model import build_model
+    from nano_hybrid.parallel import destroy_parallel, initialize_parallel
+
+    res, convs = {}, []
+    real_conv = msh._conv_fwd
+    monkeypatch.setattr(msh, "_conv_fwd", lambda *a: convs.append(1) or real_conv(*a))
+    for keep in (False, True):
+        convs.clear()
+        cfg = compose(["model=tiny", "kernels.backend=helion", f"kernels.helion.save_conv_states={str(keep).lower()}"])
+        initialize_parallel(cfg)
+        try:
+            torch.manual_seed(0)
+            mixer = next(m for m in build_model(cfg, device="cpu").modules() if type(m).__name__ == "BackendMambaMixer")
+            assert mixer.kernel_backend.settings.save_conv_states is keep
+            x = torch.randn(2 * mixer.chunk_size + 5, 2, cfg.model.hidden_size, generator=torch.Generator().manual_seed(1),
+                            requires_grad=True)
+            y, _ = mixer(x)
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+            grads = torch.autograd.grad((y * dy).sum(), [x, *mixer.parameters()])
+            res[keep] = (y, *grads)
+            assert len(convs) == (1 if keep else 2)
+        finally:
+            destroy_parallel()
+    for i, (a, bb) in enumerate(zip(res[False], res[True])):
+        assert torch.equal(a, bb), f"tensor {i} differs with save_conv_states"
