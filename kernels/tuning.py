@@ -618,14 +618,16 @@ def stored_config(
 # running a kernel with a fixed config
 
 def _arg_signature(args: Sequence[object]) -> tuple:
-    """Hashable signature of kernel arguments: what a compiled Helion kernel is specialised on.
+    """Hashable signature of kernel arguments: what a compiled Helion kernel is specialised on, and each tensor's
+    storage offset (with its shape and strides it decides whether the call needs 64-bit indices,
+    ``with_index_dtype_for``).
 
     Called once per kernel launch (tuned_call's fast path), so it stays cheap: torch.Size, stride
     tuples and torch.device are hashable as they are."""
     sig = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            sig.append((a.dtype, a.shape, a.stride(), a.device))
+            sig.append((a.dtype, a.shape, a.stride(), a.device, a.storage_offset()))
         elif a is None or isinstance(a, (int, float, bool, str)):
             sig.append((type(a), a))
         elif isinstance(a, (tuple, list)):
@@ -739,7 +741,8 @@ def needs_int64_index(args: Sequence[object]) -> bool:
 
 def with_index_dtype_for(kernel, args: Sequence[object]):
     """``kernel``, or its twin with 64-bit indices (``index_dtype=torch.int64``, same function, configs and other
-    settings; made once per kernel) when ``needs_int64_index(args)`` and the kernel does not fix an index dtype."""
+    settings; made once per kernel) when ``needs_int64_index(args)`` and the kernel does not fix an index dtype.
+    Callers decide once per argument signature (``_arg_signature``: shapes, strides and storage offsets)."""
     if getattr(getattr(kernel, "settings", None), "index_dtype", 0) is not None or not needs_int64_index(args):
         return kernel
     got = _INT64_TWINS.get(id(kernel))

@@ -569,6 +569,9 @@ def test_arg_signature_distinguishes_layouts():
     assert tuning._arg_signature((a,)) != tuning._arg_signature((a.double(),))
     assert tuning._arg_signature((a, None)) != tuning._arg_signature((a, 0))
     assert tuning._arg_signature((a, 1)) != tuning._arg_signature((a, True))
+    # the same shape and strides at another storage offset (whether 64-bit indices are needed can differ)
+    b = torch.zeros(5, 8)
+    assert tuning._arg_signature((b[:4],)) == tuning._arg_signature((a,)) != tuning._arg_signature((b[1:],))
 
 
 def test_time_limit_interrupts_a_slow_candidate():
