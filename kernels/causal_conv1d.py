@@ -78,6 +78,7 @@ from helion.autotuner import PowerOfTwoFragment  # noqa: E402
 
 from kernels import first_use, tuning  # noqa: E402
 from kernels import tuner  # noqa: E402
+from kernels.shapes import padded_len  # noqa: E402
 
 
 # Backward: a rolling-window walk that reads each x / dout element about once and computes the
@@ -453,7 +454,7 @@ def causal_conv1d_update_helion(x, conv_state, weight, bias=None, activation=Non
 def _conv_case(kind: str):
     def build(dims: dict, device) -> tuner.TuneCase:
         # the fused op runs the conv over the sequence padded to whole chunks (its zxbcdt is padded once)
-        b, l = dims["b"], -(-dims["l"] // dims["c"]) * dims["c"]
+        b, l = dims["b"], padded_len(dims["l"], dims["c"])
         d = dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"]  # conv channels (x, B, C)
         width_total = 2 * dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"] + dims["h"]  # zxBCdt
         gen = torch.Generator(device="cpu").manual_seed(0)

@@ -39,9 +39,9 @@ from kernels import tuning
 from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
 from kernels.settings import HelionSettings
-from kernels.shapes import check_supported
-from kernels.ssd_helion import (_pad_seq_idx, padded_len, ssd_bmm_chunk_helion, ssd_chunk_cumsum_helion,
-                                ssd_chunk_pieces_helion, ssd_forward_helion)
+from kernels.shapes import check_supported, padded_len
+from kernels.ssd_helion import (_pad_seq_idx, ssd_bmm_chunk_helion, ssd_chunk_cumsum_helion, ssd_chunk_pieces_helion,
+                                ssd_forward_helion)
 from kernels.ssd_helion_bwd import ssd_backward_helion
 
 

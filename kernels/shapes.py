@@ -32,6 +32,11 @@ POW2_RANGES = {"headdim": (8, 256), "dstate": (8, 256), "chunk_size": (16, 256)}
 CONV_WIDTHS = (2, 3, 4)
 
 
+def padded_len(l: int, chunk_size: int) -> int:
+    """The sequence length the Mamba-2 kernels run at: l rounded up to a multiple of ``chunk_size``."""
+    return -(-l // chunk_size) * chunk_size
+
+
 class UnsupportedShapeError(ValueError):
     """A dim or option of a call that the helion backend does not support (one line naming it)."""
 

@@ -46,6 +46,7 @@ import helion.language as hl
 
 from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
+from kernels.shapes import padded_len
 from kernels.ssd import _pad_len
 from kernels.ssd import _pad_seq_idx as _pad_seq_idx_ref
 
@@ -379,11 +380,6 @@ def _run(name: str, dims: dict[str, int], limits: list[int], args: tuple, config
 # ----------------------------------------------------------------------------------------------
 # Input checks and padding helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def padded_len(l: int, chunk_size: int) -> int:
-    """The sequence length the kernels run at: l rounded up to a multiple of ``chunk_size``."""
-    return -(-l // chunk_size) * chunk_size
 
 
 def _check_lengths(l: int, L: int, **tensors: torch.Tensor | None) -> None:

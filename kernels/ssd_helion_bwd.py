@@ -42,7 +42,8 @@ import helion.language as hl
 from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
 from kernels.ssd import _pad_len, _pad_seq_idx
-from kernels.ssd_helion import _check_lengths, padded_len
+from kernels.shapes import padded_len
+from kernels.ssd_helion import _check_lengths
 
 _LOG2E = 1.4426950408889634
 
