@@ -77,17 +77,25 @@ def test_fused_op_grads_match_reference(shape, seq, init, D2, save_cumsum, monke
     assert launched.count("ssd_chunk_scan") == 1 and "ssd_chunk_scan_cb16" not in launched, launched
 
 
+def _seq_init_inputs(b, l, h, p, g, n, *, seed, init_seed, split, dtype=torch.float32, weights_in_dtype=False):
+    """``_case`` inputs and initial states (all requiring grad) and a seq_idx of two sequences split at ``split``."""
+    t = _case(b, l, h, p, g, n, seed=seed, dtype=dtype)
+    if weights_in_dtype:
+        t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].to(dtype), t["conv1d_bias"].to(dtype)
+    t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(init_seed))
+    for v in [*t.values(), t0]:
+        v.requires_grad_(True)
+    si = torch.zeros(b, l, dtype=torch.int32)
+    si[:, split:] = 1
+    return t, t0, si
+
+
 def _seq_init_case(settings: HelionSettings, dtype=torch.float32) -> tuple[tuple, list]:
     """The fused op at batch 2, odd length 37, chunk 16, with seq_idx (two sequences) and initial states: (output,
     final states, every gradient of a fixed random projection) and the tensors its backward keeps."""
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
-    t = _case(b, l, h, p, g, n, seed=3, dtype=dtype)
-    t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5))
+    t, t0, si = _seq_init_inputs(b, l, h, p, g, n, seed=3, init_seed=5, split=20, dtype=dtype)
     ins = list(t.values()) + [t0]
-    for v in ins:
-        v.requires_grad_(True)
-    si = torch.zeros(b, l, dtype=torch.int32)
-    si[:, 20:] = 1
     o, f = msh.mamba_split_conv1d_scan_combined_helion(
         *t.values(), chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True,
         settings=settings)
@@ -142,14 +150,9 @@ def test_save_conv_states_needs_input_dtype_states():
 def _bf16_seq_case_grads(b, l, h, p, g, n, c, settings: HelionSettings) -> dict:
     """The fused op in bf16 with seq_idx (two sequences) and initial states: {"out", each input name, "init"} ->
     the output and the gradients of a fixed random projection of it."""
-    t = _case(b, l, h, p, g, n, seed=4, dtype=torch.bfloat16)
-    t["conv1d_weight"], t["conv1d_bias"] = t["conv1d_weight"].bfloat16(), t["conv1d_bias"].bfloat16()
-    t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(6))
+    t, t0, si = _seq_init_inputs(b, l, h, p, g, n, seed=4, init_seed=6, split=21, dtype=torch.bfloat16,
+                                 weights_in_dtype=True)
     ins = list(t.values()) + [t0]
-    for v in ins:
-        v.requires_grad_(True)
-    si = torch.zeros(b, l, dtype=torch.int32)
-    si[:, 21:] = 1
     o = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, initial_states=t0, seq_idx=si,
                                                     headdim=p, ngroups=g, settings=settings)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(8)).to(o.dtype)
