@@ -123,3 +123,38 @@ def multi_tensor_ops(kind: str):
     finally:
         for module, name, local in done:
             setattr(module, name, local)
+
+
+# ------------------------------------------------------------------------------------------ the LR schedule
+# What the run's OptimizerParamScheduler is built from: each quantity and the config key(s) that set it.
+SCHEDULE_KEYS = {
+    "init_lr": "optim.init_lr",
+    "lr": "optim.lr",
+    "min_lr": "optim.min_lr",
+    "warmup_iters": "optim.warmup_iters",
+    "decay_iters": "decay steps (optim.lr_decay_iters, else train.train_iters)",
+    "decay_style": "optim.decay_style",
+    "wsd_decay_iters": "WSD decay steps (optim.wsd_decay_fraction of the decay steps)",
+    "wsd_decay_style": "optim.wsd_decay_style",
+    "weight_decay": "optim.weight_decay",
+}
+
+
+def lr_schedule(cfg) -> dict:
+    """The LR / weight-decay schedule of a run config (``cfg.optim`` and ``cfg.train.train_iters``; a mapping or a
+    DictConfig, also a checkpoint's saved config from before ``optim.lr_decay_iters`` existed): the values
+    ``nano_hybrid.trainer.build_optimizer`` gives megatron's OptimizerParamScheduler, keyed as ``SCHEDULE_KEYS``.
+    The decay runs over ``optim.lr_decay_iters`` steps (null: ``train.train_iters``); WSD decays over its final
+    ``wsd_decay_fraction``; steps past the decay stay at ``min_lr``."""
+    o, t = cfg["optim"], cfg["train"]
+    decay = o.get("lr_decay_iters")
+    decay = int(t["train_iters"]) if decay is None else int(decay)
+    style = str(o["decay_style"])
+    wsd = style == "WSD"
+    return {
+        "init_lr": float(o["init_lr"]), "lr": float(o["lr"]), "min_lr": float(o["min_lr"]),
+        "warmup_iters": int(o["warmup_iters"]), "decay_iters": decay, "decay_style": style,
+        "wsd_decay_iters": max(1, round(float(o["wsd_decay_fraction"]) * decay)) if wsd else None,
+        "wsd_decay_style": str(o["wsd_decay_style"]) if wsd else None,
+        "weight_decay": float(o["weight_decay"]),
+    }

@@ -74,7 +74,7 @@ NUMERIC_KEYS = (
     ("optim.lr", "float", False), ("optim.min_lr", "float", False), ("optim.init_lr", "float", False),
     ("optim.weight_decay", "float", False), ("optim.clip_grad", "float", False), ("optim.adam_beta1", "float", False),
     ("optim.adam_beta2", "float", False), ("optim.adam_eps", "float", False), ("optim.warmup_iters", "int", False),
-    ("optim.wsd_decay_fraction", "float", True), ("train.exit_after_minutes", "float", True),
+    ("optim.lr_decay_iters", "int", True), ("optim.wsd_decay_fraction", "float", True), ("train.exit_after_minutes", "float", True),
     ("train.torch_threads", "int", True),
     ("data.num_workers", "int", True), ("data.prepare_workers", "int", True),
     ("data.tokenizer.vocab_size", "int", True), ("data.tokenizer.num_special_tokens", "int", True),
@@ -144,8 +144,14 @@ def validate_optim(o: DictConfig, train_iters: int) -> None:
         raise ConfigError(f"optim.init_lr={o.init_lr} must be in [0, optim.lr={o.lr}]")
     if float(o.weight_decay) < 0 or float(o.clip_grad) < 0:
         raise ConfigError(f"optim.weight_decay={o.weight_decay} and optim.clip_grad={o.clip_grad} must be >= 0")
-    if not 0 <= int(o.warmup_iters) < train_iters:
-        raise ConfigError(f"optim.warmup_iters={o.warmup_iters} must be in [0, train.train_iters={train_iters})")
+    if not isinstance(o.get("override_scheduler", False), bool):
+        raise ConfigError(f"optim.override_scheduler={o.override_scheduler!r} must be true or false")
+    decay = o.get("lr_decay_iters")
+    if decay is None:
+        if not 0 <= int(o.warmup_iters) < train_iters:
+            raise ConfigError(f"optim.warmup_iters={o.warmup_iters} must be in [0, train.train_iters={train_iters})")
+    elif not 0 <= int(o.warmup_iters) < int(decay):
+        raise ConfigError(f"optim.warmup_iters={o.warmup_iters} must be in [0, optim.lr_decay_iters={decay})")
     style = str(o.decay_style)
     if style not in ("WSD", "cosine", "linear", "constant"):
         raise ConfigError(f"optim.decay_style={style!r}; choose WSD, cosine, linear or constant")

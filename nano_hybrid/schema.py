@@ -149,10 +149,16 @@ class OptimSchema:
     adam_eps: float = doc("Adam epsilon", 1.0e-8)
     clip_grad: float = doc("gradient-norm clip (0: none)", 1.0)
     warmup_iters: int = doc("linear warmup steps (Nano: 333 at GBS 3072)", 30)
+    lr_decay_iters: Optional[int] = doc("steps the schedule decays over (WSD: its final wsd_decay_fraction of them); "
+                                        "null: train.train_iters. Steps past it stay at min_lr, so a run extended "
+                                        "with a larger train.train_iters keeps its schedule when this is pinned", None)
     decay_style: str = doc("WSD | cosine | linear | constant", "WSD")
     wsd_decay_fraction: Optional[float] = doc("WSD: final fraction of train_iters spent decaying", 0.2)
     wsd_decay_style: Optional[str] = doc("WSD decay shape: linear | cosine | exponential | minus_sqrt", "linear")
     init_lr: float = doc("lr at step 0 of the warmup", 0.0)
+    override_scheduler: bool = doc("resume: follow this config's LR / weight-decay schedule from the checkpoint's "
+                                   "step; false: a checkpoint saved under another schedule is refused with one line "
+                                   "naming the differences (Megatron's --override-opt_param-scheduler)", False)
     fused: bool = doc("torch's fused AdamW kernel (one launch per dtype group); false: torch's default", True)
     multi_tensor: str = doc("megatron's multi-tensor ops where neither apex nor transformer-engine provides them "
                             "(gradient norm, clipping, main-to-model parameter copies): foreach (torch._foreach_*: a "
@@ -174,6 +180,10 @@ class CheckpointSchema:
                        "failing one moves to <dir>/corrupt/ and the previous one loads)", True)
     check_free_space: bool = doc("before any work, refuse to start when dir's filesystem lacks room for "
                                  "(keep_last + 1) checkpoints", True)
+    allow_data_change: bool = doc("resume: continue at the checkpoint's consumed samples although the training data "
+                                  "differs from the checkpoint's run (train.seq_length, seed, data.kind / paths / "
+                                  "weights / split / tokenizer), said in one line; false: refuse with one line "
+                                  "naming the differences", False)
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def build_optimizer(plan: RunPlan, cfg: DictConfig, ddp):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from nano_hybrid.optim import set_adam_fused
+    from nano_hybrid.optim import lr_schedule, set_adam_fused
 
     o = cfg.optim
     use_dist_opt = bool(cfg.parallel.use_distributed_optimizer)
@@ -214,22 +214,27 @@ def build_optimizer(plan: RunPlan, cfg: DictConfig, ddp):
     with cpu_compat_mode(plan):
         optimizer = get_megatron_optimizer(opt_config, [ddp])
     set_adam_fused(optimizer, bool(o.fused))  # optim.fused: torch's fused AdamW kernel
-    iters = int(cfg.train.train_iters)
-    style = str(o.decay_style)
+    sched = lr_schedule(cfg)
+    # On resume the checkpoint's schedule must equal this one (Checkpointer.check_resume refuses a difference before
+    # any work unless optim.override_scheduler): megatron asserts the equality as a last check, or with the override
+    # takes this config's values (its state_dict holds neither init_lr nor the WSD fields, which always come from here).
+    override = bool(o.get("override_scheduler", False))
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=float(o.init_lr),
-        max_lr=float(o.lr),
-        min_lr=float(o.min_lr),
-        lr_warmup_steps=int(o.warmup_iters),
-        lr_decay_steps=iters,
-        lr_decay_style=style,
-        start_wd=float(o.weight_decay),
-        end_wd=float(o.weight_decay),
-        wd_incr_steps=iters,
+        init_lr=sched["init_lr"],
+        max_lr=sched["lr"],
+        min_lr=sched["min_lr"],
+        lr_warmup_steps=sched["warmup_iters"],
+        lr_decay_steps=sched["decay_iters"],
+        lr_decay_style=sched["decay_style"],
+        start_wd=sched["weight_decay"],
+        end_wd=sched["weight_decay"],
+        wd_incr_steps=sched["decay_iters"],
         wd_incr_style="constant",
-        wsd_decay_steps=max(1, round(float(o.wsd_decay_fraction) * iters)) if style == "WSD" else None,
-        lr_wsd_decay_style=str(o.wsd_decay_style) if style == "WSD" else None,
+        wsd_decay_steps=sched["wsd_decay_iters"],
+        lr_wsd_decay_style=sched["wsd_decay_style"],
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=override,
     )
     return optimizer, scheduler
 
@@ -533,6 +538,9 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
         with open_dict(cfg):
             cfg.logger.wandb.id = checkpointer.resume_wandb_run_id
     say = (lambda msg: print(msg, flush=True)) if plan.dims.is_main else (lambda msg: None)
+    if resume:  # the checkpoint's LR schedule and training data against this run's, before any work
+        for note in decided_on_rank0(checkpointer.check_resume, cfg):
+            say(note)
     prepare_data(plan, cfg, say)
     dataset, valid_dataset = build_dataset(plan, cfg)
     # checkpoint.init_from_hf starts a fresh run only; a run that resumes loads its own checkpoint

@@ -236,7 +236,8 @@ def test_sigterm_saves_and_exits_zero_then_resume_continues(tmp_path):
 def test_refuses_incompatible_and_missing(runs, tmp_path):
     ck = runs["A"] / "checkpoints" / f"iter_{2 * N:07d}"
     p, p_missing = side_by_side(
-        lambda: train(tmp_path / "D", "train.train_iters=2", "model.vocab_size=640", f"checkpoint.load={ck}"),
+        lambda: train(tmp_path / "D", f"train.train_iters={2 * N + 2}", f"optim.lr_decay_iters={2 * N}",
+                      "model.vocab_size=640", f"checkpoint.load={ck}"),
         lambda: train(tmp_path / "E", "train.train_iters=2", f"checkpoint.load={tmp_path / 'nowhere'}"))
     assert p.returncode == 2, p.stderr[-2000:]
     err = [x for x in p.stderr.splitlines() if x.startswith("error:")]
@@ -244,6 +245,56 @@ def test_refuses_incompatible_and_missing(runs, tmp_path):
     assert not (tmp_path / "D" / "metrics.jsonl").exists() or not records(tmp_path / "D")
     p = p_missing
     assert p.returncode == 2 and "no such checkpoint" in p.stderr and "refusing to start from scratch" in p.stderr
+
+
+def _errors(p: subprocess.CompletedProcess) -> list[str]:
+    return [x for x in p.stderr.splitlines() if x.startswith("error:")]
+
+
+def test_resume_refuses_another_schedule_other_data_or_a_step_past_the_end(runs, tmp_path):
+    ck = runs["A"] / "checkpoints" / f"iter_{2 * N:07d}"  # A: 2N steps, schedule over 2N steps
+    longer, data, past = side_by_side(
+        lambda: train(tmp_path / "L", f"train.train_iters={2 * N + 2}", f"checkpoint.load={ck}"),
+        lambda: train(tmp_path / "S", f"train.train_iters={2 * N + 2}", f"optim.lr_decay_iters={2 * N}",
+                      "train.seq_length=32", "seed=7", f"checkpoint.load={ck}"),
+        lambda: train(tmp_path / "P", f"train.train_iters={2 * N - 1}", f"checkpoint.load={ck}"))
+    for p, name in ((longer, "L"), (data, "S"), (past, "P")):
+        assert p.returncode == 2 and len(_errors(p)) == 1, p.stderr[-2000:]
+        assert not (tmp_path / name / "metrics.jsonl").exists()  # refused before any work
+    err = _errors(longer)[0]  # a longer run decays over other steps: refused, naming both ways on
+    assert f"decay steps (optim.lr_decay_iters, else train.train_iters) {2 * N} -> {2 * N + 2}" in err, err
+    assert "optim.override_scheduler=true" in err and f"optim.lr_decay_iters={2 * N}" in err, err
+    err = _errors(data)[0]
+    assert "train.seq_length 64 -> 32" in err and "seed 1234 -> 7" in err and "checkpoint.allow_data_change=true" in err
+    assert "LR schedule" not in err  # the pinned decay keeps the checkpoint's schedule
+    assert f"is at step {2 * N}, past train.train_iters={2 * N - 1}" in _errors(past)[0]
+
+
+def test_resume_extends_on_its_schedule_or_follows_the_new_one_when_told(runs, tmp_path):
+    ck = runs["A"] / "checkpoints" / f"iter_{2 * N:07d}"
+    n = 2 * N + 2
+    pinned, override, fresh, moved = side_by_side(
+        lambda: train(tmp_path / "X", f"train.train_iters={n}", f"optim.lr_decay_iters={2 * N}", f"checkpoint.load={ck}"),
+        lambda: train(tmp_path / "Y", f"train.train_iters={n}", "optim.lr=2e-3", "optim.override_scheduler=true",
+                      f"checkpoint.load={ck}"),
+        lambda: train(tmp_path / "Z", f"train.train_iters={n}", "optim.lr=2e-3", "checkpoint.interval=0"),
+        lambda: train(tmp_path / "W", f"train.train_iters={2 * N + 1}", f"optim.lr_decay_iters={2 * N}",
+                      "train.seq_length=32", "checkpoint.allow_data_change=true", f"checkpoint.load={ck}"))
+    for p in (pinned, override, fresh, moved):
+        _assert_ok(p)
+    lr_a = {r["step"]: r["lr"] for r in records(runs["A"])}
+    lr_x = {r["step"]: r["lr"] for r in records(tmp_path / "X")}
+    assert sorted(lr_x) == [2 * N + 1, n] and lr_x[2 * N + 1] == lr_x[n] == 1e-5  # past the decay: optim.min_lr
+    # the override continues on the new schedule: the lr an uninterrupted run of that schedule has at those steps
+    assert f"resuming step {2 * N} on this config's LR schedule (optim.override_scheduler=true)" in override.stdout
+    lr_y = {r["step"]: r["lr"] for r in records(tmp_path / "Y")}
+    lr_z = {r["step"]: r["lr"] for r in records(tmp_path / "Z")}
+    assert sorted(lr_y) == [2 * N + 1, n] and all(lr_y[s] == lr_z[s] for s in lr_y), (lr_y, lr_z)
+    assert lr_y[2 * N + 1] != lr_a[2 * N]
+    assert "on changed training data (checkpoint.allow_data_change=true)" in moved.stdout
+    assert "train.seq_length 64 -> 32" in moved.stdout
+    (rec,) = records(tmp_path / "W")
+    assert rec["step"] == 2 * N + 1 and rec["consumed_samples"] == (2 * N + 1) * 4
 
 
 def test_distributed_optimizer_resume_is_bitwise_identical(tmp_path):

@@ -42,9 +42,10 @@ def check_settings(c) -> None:
         v = c.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise ConfigError(f"checkpoint.{key}={v!r} must be a whole number or null")
-    for key in ("verify", "check_free_space"):
-        if not isinstance(c.get(key), bool):
-            raise ConfigError(f"checkpoint.{key}={c.get(key)!r} must be true or false")
+    for key in ("verify", "check_free_space", "allow_data_change"):
+        v = c.get(key, _CHECKPOINT_DEFAULTS[key])
+        if not isinstance(v, bool):
+            raise ConfigError(f"checkpoint.{key}={v!r} must be true or false")
     if c.get("dir") in (None, ""):
         raise ConfigError("checkpoint.dir is empty")
     interval, keep_last = int(c.get("interval") or 0), int(c.get("keep_last") or 0)
@@ -175,6 +176,91 @@ def check_compatible(meta: dict, model, optimizer, path: Path) -> None:
         raise CheckpointError(f"{path}: checkpoint has no optimizer state; cannot resume training from it")
 
 
+# ------------------------------------------------------------------------------------- resume settings
+# The settings that place a run in its training data: under another value the checkpoint's consumed samples count
+# samples of another length, shuffle, corpus, blend or tokenization.
+DATA_KEYS = ("train.seq_length", "seed", "data.kind", "data.paths", "data.weights", "data.split",
+             "data.tokenizer.type", "data.tokenizer.path", "data.tokenizer.vocab_size",
+             "data.tokenizer.num_special_tokens", "data.tokenizer.pattern")
+_ABSENT = "<not set>"
+
+
+def saved_run_config(ckpt: Path) -> dict | None:
+    """The resolved run config saved beside checkpoint ``ckpt`` (its ``config.yaml``; None when it has none)."""
+    f = Path(ckpt) / "config.yaml"
+    if not f.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(f), resolve=False)
+    except Exception as e:  # noqa: BLE001 (yaml and OmegaConf raise several types)
+        raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _select(tree, dotted: str):
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+def resume_changes(saved: dict, cfg) -> tuple[dict, dict]:
+    """(LR-schedule changes, training-data changes) from the checkpoint's run config ``saved`` to ``cfg``: ``{key:
+    (saved value, this run's)}``, schedule keys as ``nano_hybrid.optim.SCHEDULE_KEYS``, data keys as ``DATA_KEYS``."""
+    from omegaconf import OmegaConf
+
+    from nano_hybrid.optim import lr_schedule
+
+    now = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    before, after = lr_schedule(saved), lr_schedule(now)
+    schedule = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    data = {k: (_select(saved, k), _select(now, k)) for k in DATA_KEYS if _select(saved, k) != _select(now, k)}
+    return schedule, data
+
+
+def check_resume_settings(cfg, ckpt: Path, step: int) -> list[str]:
+    """Rank 0, before any work: refuse (CheckpointError, one line) to resume checkpoint ``ckpt`` (at ``step``) past
+    ``train.train_iters``, under another LR schedule than the one it was saved with unless ``optim.override_scheduler``, or on other training data
+    unless ``checkpoint.allow_data_change``; returns the notices to print for the changes those settings accept."""
+    iters = int(cfg.train.train_iters)
+    if step > iters:
+        raise CheckpointError(f"{ckpt} is at step {step}, past train.train_iters={iters}: there is nothing to train "
+                              f"(set train.train_iters above {step} to train on)")
+    saved = saved_run_config(ckpt)
+    if saved is None:
+        return [f"{ckpt} holds no config.yaml: this run's LR schedule and data settings are not checked against it"]
+    from nano_hybrid.optim import SCHEDULE_KEYS
+
+    schedule, data = resume_changes(saved, cfg)
+    notes = []
+    if schedule:
+        said = "; ".join(f"{SCHEDULE_KEYS[k]} {a} -> {b}" for k, (a, b) in schedule.items())
+        if not bool(cfg.optim.get("override_scheduler", False)):
+            hint = ""
+            if ("decay_iters" in schedule and set(schedule) <= {"decay_iters", "wsd_decay_iters"}
+                    and _select(saved, "optim.lr_decay_iters") in (None, _ABSENT)):
+                hint = f"; to train on past the checkpoint's schedule, set optim.lr_decay_iters={schedule['decay_iters'][0]}"
+            raise CheckpointError(
+                f"{ckpt}: this run's LR schedule differs from the checkpoint's ({said}); resume with the checkpoint's "
+                f"values, or set optim.override_scheduler=true to follow this config's schedule from step {step}{hint}")
+        notes.append(f"resuming step {step} on this config's LR schedule (optim.override_scheduler=true): {said}")
+    if data:
+        said = "; ".join(f"{k} {a} -> {b}" for k, (a, b) in data.items())
+        if not bool(cfg.checkpoint.get("allow_data_change", False)):
+            raise CheckpointError(
+                f"{ckpt}: this run's training data differs from the checkpoint's ({said}), so its "
+                f"consumed samples would point elsewhere; resume with the checkpoint's values, or set "
+                f"checkpoint.allow_data_change=true to continue after the checkpoint's consumed samples on this data")
+        notes.append(f"resuming step {step} on changed training data (checkpoint.allow_data_change=true), after the "
+                     f"checkpoint's consumed samples: {said}")
+    if step == iters:
+        notes.append(f"{ckpt} is at step {step} = train.train_iters: nothing to train")
+    return notes
+
+
 # ------------------------------------------------------------------------------------------- save
 def _save_stage(fn, root: Path, ckpt: Path, step: int) -> None:
     """Run one stage of a save on every rank; when any rank fails, remove the partial directory and raise one line
@@ -294,6 +380,19 @@ def _read_rng(path: Path, meta: dict) -> dict | None:
         raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
 
 
+def _override_param_group_lrs(scheduler, saved: dict) -> None:
+    """optim.override_scheduler: megatron's parameter groups carry their own ``max_lr`` / ``min_lr``, which the
+    optimizer's state restored from the checkpoint; scale them to this config's schedule (keeping any per-group
+    multiplier) and set this step's lr again, or the loaded peak and floor would stay in force."""
+    old_max, old_min = float(saved.get("max_lr", scheduler.max_lr)), float(saved.get("min_lr", scheduler.min_lr))
+    for group in scheduler.optimizer.param_groups:
+        if "max_lr" in group:
+            group["max_lr"] = group["max_lr"] * scheduler.max_lr / old_max if old_max > 0 else scheduler.max_lr
+        if "min_lr" in group:
+            group["min_lr"] = group["min_lr"] * scheduler.min_lr / old_min if old_min > 0 else scheduler.min_lr
+    scheduler.step(increment=0)
+
+
 def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, *, restore_rng: bool = True) -> LoadedCheckpoint:
     """Load a complete checkpoint into model/optimizer/scheduler; restore this rank's RNG streams unless told not to.
 
@@ -309,7 +408,13 @@ def load_checkpoint(path: str | Path, model, optimizer=None, scheduler=None, *, 
     if scheduler is not None:
         if "scheduler" not in loaded:
             raise CheckpointError(f"{path}: checkpoint has no scheduler state")
-        scheduler.load_state_dict(loaded["scheduler"])
+        try:
+            scheduler.load_state_dict(loaded["scheduler"])
+        except AssertionError as e:  # megatron: a schedule value differs and no override was asked for
+            raise CheckpointError(f"{path}: {e} (set optim.override_scheduler=true to follow this config's "
+                                  "schedule)") from None
+        if getattr(scheduler, "override_opt_param_scheduler", False):
+            _override_param_group_lrs(scheduler, loaded["scheduler"])
     rng_state = _read_rng(path, meta)
     if rng_state is not None and restore_rng:
         mcore_io.set_rng_state(rng_state)
@@ -380,6 +485,12 @@ class Checkpointer:
         self._rng_state = loaded.rng_state
         self.last_saved_step = train_state.step
         return loaded
+
+    def check_resume(self, cfg) -> list[str]:
+        """Rank 0, before any work: ``check_resume_settings`` for the located checkpoint (no notices on a fresh
+        start)."""
+        path = self.locate()
+        return [] if path is None else check_resume_settings(cfg, path, self.resume_step)
 
     @property
     def resume_step(self) -> int:
