@@ -107,7 +107,8 @@ class DataSchema:
     prepare_if_missing: Optional[str] = doc("a missing path: stdlib = build the stdlib corpus there; null = fail",
                                             "stdlib")
     prepare_workers: int = doc("tokenizer processes when building a missing corpus", 1)
-    cache_dir: Optional[str] = doc("GPTDataset index cache (null: <dir of first path>/cache)", None)
+    cache_dir: Optional[str] = doc("GPTDataset index cache (null: <dir of first path>/cache), in a subfolder keyed by "
+                                   "the data files' sizes and times (a corpus written again gets new indices)", None)
     num_workers: int = doc("DataLoader workers per rank", 0)
     corpus_dir: Optional[str] = doc("data=corpus: the scripts/prepare_corpus.py folder its paths point into", None)
 

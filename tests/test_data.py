@@ -141,3 +141,23 @@ def test_tokenizer_vocab_padding():
     tok = ByteTokenizer()
     assert tok.vocab_size == 258 and tok.padded_vocab_size(128) == 384
     assert np.array_equal(tok.tokenize("é"), [0xC3, 0xA9])
+
+
+def test_a_corpus_written_again_at_its_prefix_gets_new_sample_indices(tmp_path):
+    # megatron names its index cache after the dataset settings only; the cache folder is keyed by the files
+    files = []
+    for i in range(40):
+        (tmp_path / f"doc{i:02d}.txt").write_text(f"document {i} " * (5 + i % 7), encoding="utf-8")
+        files.append(tmp_path / f"doc{i:02d}.txt")
+    prefix = tmp_path / "out" / "c"
+    write_indexed_dataset(files, prefix)
+    big = build_train_dataset(indexed_spec(prefix), ByteTokenizer(), 32, 20, seed=7)
+    write_indexed_dataset(files[:3], prefix)  # the same prefix, far fewer documents
+    small = build_train_dataset(indexed_spec(prefix), ByteTokenizer(), 32, 20, seed=7)
+    fresh = build_train_dataset(indexed_spec(prefix, cache_dir=str(tmp_path / "fresh_cache")), ByteTokenizer(), 32, 20,
+                                seed=7)
+    assert len(small) == len(fresh) < len(big)
+    for i in range(len(small)):  # the same samples as a build that never saw the first corpus
+        assert np.array_equal(small[i]["tokens"].numpy(), fresh[i]["tokens"].numpy())
+    caches = sorted(p.name for p in (prefix.parent / "cache").iterdir())
+    assert len(caches) == 2 and all(c.startswith("data-") for c in caches)

@@ -7,6 +7,7 @@ Sample order: the GPTDataset's own (seeded) shuffle; the sampler walks it sequen
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -83,6 +84,22 @@ def missing_paths(spec: DataSpec) -> list[str]:
     return [p for p in spec.paths + spec.valid_paths if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file())]
 
 
+def index_cache_dir(spec: DataSpec) -> str:
+    """Where megatron keeps the sample indices of ``spec``'s prefixes: ``data.cache_dir`` (null: ``<dir of the first
+    path>/cache``) / a key of the .bin/.idx files' paths, sizes and modification times. megatron names its cache files
+    after the dataset settings, not the data, so a corpus written again at the same prefix (``prepare_data.py``,
+    Megatron's ``preprocess_data.py``) would reuse indices of the old documents; under the key it gets new ones."""
+    import hashlib
+
+    root = spec.cache_dir or str(Path(spec.paths[0]).parent / "cache")
+    h = hashlib.sha1()
+    for prefix in [*spec.paths, *(spec.valid_paths or [])]:
+        for suffix in (".idx", ".bin"):
+            st = os.stat(f"{prefix}{suffix}")
+            h.update(f"{prefix}{suffix}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return str(Path(root) / f"data-{h.hexdigest()[:16]}")
+
+
 def build_datasets(spec: DataSpec, tokenizer, seq_length: int, num_samples: int, seed: int, valid_samples: int = 0):
     """(train, valid) as built by megatron-core's BlendedMegatronDatasetBuilder (GPTDataset, a BlendedDataset
     over several prefixes, or MockGPTDataset). The validation split comes from ``spec.split`` (Megatron's
@@ -104,7 +121,7 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, num_samples: int,
         missing = missing_paths(spec)
         if missing:
             raise DataConfigError(f"data path(s) not found: {', '.join(p + '.bin/.idx' for p in missing)}")
-        cache = spec.cache_dir or str(Path(spec.paths[0]).parent / "cache")
+        cache = index_cache_dir(spec)
         weights = list(spec.weights) if spec.weights else None
         if spec.valid_paths:
             blend_per_split = [(list(spec.paths), weights), (list(spec.valid_paths), None), None]
