@@ -163,3 +163,27 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path, capsys, case):
     assert not (out / "manifest.json").exists()
     with pytest.raises(CorpusError):
         _settings(tmp_path / "nope").validate()
+
+
+@pytest.mark.parametrize("case", ["not_a_corpus", "a_file", "holds_the_root"])
+def test_force_replaces_only_a_corpus_folder_and_never_its_sources(tmp_path, capsys, case):
+    root = _tree(tmp_path / "src")
+    out = {"not_a_corpus": tmp_path / "notes", "a_file": tmp_path / "notes.txt", "holds_the_root": tmp_path}[case]
+    if case == "not_a_corpus":
+        out.mkdir()
+        (out / "NOTES.txt").write_text("keep me\n")
+    elif case == "a_file":
+        out.write_text("keep me\n")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    args = ["--root", str(root), "--output", str(out), "--tokenizer", "byte", "--valid-packages", "pkgv", "--force"]
+    assert prepare_corpus.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing removed, nothing written
+
+
+def test_force_rebuilds_a_corpus_folder(tmp_path):
+    root = _tree(tmp_path / "src")
+    first = build_corpus(_settings(root), tmp_path / "c", BYTE)
+    again = build_corpus(_settings(root), tmp_path / "c", BYTE, force=True)
+    assert again["content_sha256"] == first["content_sha256"]

@@ -331,6 +331,16 @@ def build_corpus(settings: CorpusSettings, out_dir: str | Path, tokenizer: Token
         raise CorpusError(f"workers must be a positive integer, got {workers!r}")
     if out_dir.exists() and not force:
         raise CorpusError(f"{out_dir} exists (check it with --check, or rebuild it with --force)")
+    if out_dir.exists():  # --force replaces a corpus folder, and nothing else
+        if not out_dir.is_dir() or not (out_dir / "manifest.json").is_file():
+            raise CorpusError(f"{out_dir} exists and is not a corpus folder (no manifest.json): --force replaces only "
+                              "a corpus this tool wrote; choose another --output")
+    out_real = out_dir.resolve()
+    for root in settings.roots:
+        r = Path(root).resolve()
+        if r == out_real or out_real in r.parents:
+            raise CorpusError(f"--output {out_dir} holds --root {root}: the corpus folder must not contain its "
+                              "sources")
     try:
         tokenizer.check_files()
         main_tok = build_tokenizer(tokenizer)
