@@ -189,6 +189,7 @@ def _check_train(cfg: DictConfig) -> tuple[int, int, int, int]:
 
 def _check_layout(cfg: DictConfig, env: LaunchEnv, mbs: int, gbs: int, device: torch.device) -> ParallelDims:
     """The parallel layout against the model, the world size, the batch and this GPU: the run's layout record."""
+    from nano_hybrid.model.config import GROUPED_MM_ALIGN
     from nano_hybrid.model.lm_loss import check_lm_head_parallel
 
     dims = ParallelDims.build(cfg, env)  # names the offending numbers
@@ -198,6 +199,14 @@ def _check_layout(cfg: DictConfig, env: LaunchEnv, mbs: int, gbs: int, device: t
                                int(cfg.parallel.tensor_model_parallel_size))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    etp = int(cfg.parallel.expert_tensor_parallel_size)
+    width = cfg.model.get("moe_ffn_hidden_size") or cfg.model.get("ffn_hidden_size")
+    if ("E" in str(cfg.model.hybrid_override_pattern) and str(cfg.model.moe_experts_impl) == "grouped" and width
+            and etp > 1 and (int(width) // etp) % GROUPED_MM_ALIGN):
+        raise ConfigError(
+            f"model.moe_experts_impl=grouped (torch._grouped_mm) needs each expert-tensor-parallel rank's expert width "
+            f"{width} / parallel.expert_tensor_parallel_size={etp} to be a multiple of {GROUPED_MM_ALIGN}; use "
+            "model.moe_experts_impl=sequential or another expert_tensor_parallel_size")
     if gbs % (mbs * dp):
         raise ConfigError(
             f"train.global_batch_size={gbs} must be a multiple of train.micro_batch_size={mbs} x data-parallel size {dp}"

@@ -34,6 +34,16 @@ CASES = [
     (["data.paths=[/nonexistent/corpus]", "data.prepare_if_missing=web"], "data.prepare_if_missing='web'"),
     (["kernels.backend=cudnn"], "cudnn"),
     (["parallel=tp2"], "world"),
+    # model dims that megatron or torch would only reject after start-up (a traceback, or a crash at the first step)
+    (["model.mamba_chunk_size=0"], "model.mamba_chunk_size=0 must be a positive integer"),
+    (["model.mamba_conv_width=-1"], "model.mamba_conv_width=-1 must be a positive integer"),
+    (["model.mamba_num_groups=0"], "model.mamba_num_groups=0 must be a positive integer"),
+    (["model.mamba_num_heads=7"], "model.mamba_num_heads=7 must be divisible by model.mamba_num_groups=2"),
+    (["model.moe_router_topk=0"], "model.moe_router_topk=0 must be a positive integer"),
+    (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by=0 must be a positive integer"),
+    (["model.num_query_groups=3"], "model.num_attention_heads=4 must be divisible by model.num_query_groups=3"),
+    (["model.hidden_size=250"], "use model.moe_experts_impl=sequential"),
+    (["model.moe_ffn_hidden_size=254"], "the expert width 254 to be multiples of 8"),
 ]
 
 

@@ -111,6 +111,10 @@ def model_dict(model_cfg: Any) -> dict:
     return m  # type: ignore[return-value]
 
 
+# torch._grouped_mm takes operands whose rows are 16-byte aligned: widths that are multiples of 8 in bf16 (4 in fp32)
+GROUPED_MM_ALIGN = 8
+
+
 def check_model_cfg(m: dict) -> None:
     """Fail early, naming the key, on a malformed model config."""
     missing = [k for k in REQUIRED if m.get(k) is None]
@@ -144,14 +148,54 @@ def check_model_cfg(m: dict) -> None:
         raise ConfigError("model.hybrid_override_pattern has attention layers (*) but model.num_attention_heads is not set")
     if m["position_embedding_type"] not in ("none", "rope", "learned_absolute"):
         raise ConfigError(f"model.position_embedding_type={m.get('position_embedding_type')!r}; use none, rope or learned_absolute")
-    for k in ("hidden_size", "vocab_size", "seq_length"):
-        if not isinstance(m[k], int) or m[k] <= 0:
-            raise ConfigError(f"model.{k}={m[k]!r} must be a positive integer")
-    if m.get("mamba_num_heads") and m.get("mamba_num_groups") and m["mamba_num_heads"] % m["mamba_num_groups"]:
-        raise ConfigError(
-            f"model.mamba_num_heads={m['mamba_num_heads']} must be divisible by model.mamba_num_groups={m['mamba_num_groups']}")
-    if m.get("num_moe_experts") and m["moe_router_topk"] > m["num_moe_experts"]:
-        raise ConfigError(f"model.moe_router_topk={m['moe_router_topk']} > model.num_moe_experts={m['num_moe_experts']}")
+    def positive(k: str, nullable: bool = False) -> None:
+        v = m.get(k)
+        if v is None and nullable:
+            return
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"model.{k}={v!r} must be a positive integer" + (" or null" if nullable else ""))
+
+    for k in ("hidden_size", "vocab_size", "seq_length", "make_vocab_size_divisible_by"):
+        positive(k)
+    for k in ("ffn_hidden_size", "kv_channels", "num_query_groups", "moe_ffn_hidden_size",
+              "moe_shared_expert_intermediate_size"):
+        positive(k, nullable=True)
+    if "M" in pat:
+        for k in ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_width"):
+            positive(k)
+        positive("mamba_num_heads", nullable=True)
+        heads = m.get("mamba_num_heads")
+        if heads is None:  # megatron: d_inner = 2 x hidden_size in heads of mamba_head_dim
+            if (2 * m["hidden_size"]) % m["mamba_head_dim"]:
+                raise ConfigError(f"model.mamba_num_heads=null needs 2 x model.hidden_size={m['hidden_size']} to be a "
+                                  f"multiple of model.mamba_head_dim={m['mamba_head_dim']}; set model.mamba_num_heads")
+            heads = 2 * m["hidden_size"] // m["mamba_head_dim"]
+        if heads % m["mamba_num_groups"]:
+            raise ConfigError(f"model.mamba_num_heads={heads} must be divisible by "
+                              f"model.mamba_num_groups={m['mamba_num_groups']}")
+    if "*" in pat:
+        positive("num_attention_heads")
+        groups = m.get("num_query_groups") or m["num_attention_heads"]
+        if m["num_attention_heads"] % groups:
+            raise ConfigError(f"model.num_attention_heads={m['num_attention_heads']} must be divisible by "
+                              f"model.num_query_groups={groups}")
+        if m.get("kv_channels") is None and m["hidden_size"] % m["num_attention_heads"]:
+            raise ConfigError(f"model.hidden_size={m['hidden_size']} must be divisible by model.num_attention_heads="
+                              f"{m['num_attention_heads']} (or set model.kv_channels)")
+    if "E" in pat:
+        positive("num_moe_experts")
+        positive("moe_router_topk")
+        if m["moe_router_topk"] > m["num_moe_experts"]:
+            raise ConfigError(f"model.moe_router_topk={m['moe_router_topk']} > model.num_moe_experts={m['num_moe_experts']}")
+        width = m.get("moe_ffn_hidden_size") or m.get("ffn_hidden_size")
+        if width is None:
+            raise ConfigError("model.hybrid_override_pattern has MoE layers (E) but neither model.moe_ffn_hidden_size "
+                              "nor model.ffn_hidden_size is set")
+        if m["moe_experts_impl"] == "grouped" and (m["hidden_size"] % GROUPED_MM_ALIGN or width % GROUPED_MM_ALIGN):
+            raise ConfigError(
+                f"model.moe_experts_impl=grouped (torch._grouped_mm) needs model.hidden_size={m['hidden_size']} and the "
+                f"expert width {width} to be multiples of {GROUPED_MM_ALIGN} (16-byte rows in bf16); use "
+                "model.moe_experts_impl=sequential for these widths")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
