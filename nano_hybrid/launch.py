@@ -10,7 +10,9 @@ validates the config for the job's world size, so bad input is one ``error: ...`
 process group, no worker and nothing written. Then it runs torchrun in this process with ``-m nano_hybrid.train``;
 when a worker fails, the worker's own one-line error is the report (no torchrun failure summary and traceback),
 and the exit code is the failed worker's. A worker that dies without such a line (a crash, a signal) gets one
-``error:`` line naming its rank, exit code or signal.
+``error:`` line naming its rank, exit code or signal. A stop signal to the launcher (SIGTERM from a scheduler,
+Ctrl-C) reaches the workers, which save and stop; the launcher then exits 0, or 1 with one line when torchrun had
+to kill workers that did not stop within its grace period.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import os
 import sys
 
-from nano_hybrid.errors import EXIT_BAD_INPUT, filter_startup_warnings, report_error
+from nano_hybrid.errors import EXIT_BAD_INPUT, EXIT_FAILED, filter_startup_warnings, report_error
 
 filter_startup_warnings()
 
@@ -60,12 +62,20 @@ def validate_for(overrides: list[str], world_size: int | None) -> None:
 
 
 class _DropWorkerFailureLog(logging.Filter):
-    """torchrun's agent logs each failed worker, and the signal it sends the others, as it stops a job; the
-    launcher reports the failure itself."""
+    """torchrun's agent logs each failed worker, the stop signal it got and the signal it sends the workers, as it
+    stops a job; the launcher reports the failure itself, the workers say that they stop. It also notes whether
+    the agent had to kill a worker that did not stop in time (``forced``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.forced = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
-        return "failed (exitcode" not in msg and "closing signal" not in msg
+        if "Unable to shutdown process" in msg:
+            self.forced = True
+            return False
+        return not any(s in msg for s in ("failed (exitcode", "closing signal", "death signal"))
 
 
 def _failure_line(err) -> tuple[str | None, int]:
@@ -86,6 +96,7 @@ def _failure_line(err) -> tuple[str | None, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -105,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
         report_error(str(e), rank=0)
         return EXIT_BAD_INPUT
+    quiet = _DropWorkerFailureLog()
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
-        logging.getLogger(name).addFilter(_DropWorkerFailureLog())
+        logging.getLogger(name).addFilter(quiet)
     try:
         run(args)
     except ChildFailedError as err:
@@ -114,7 +126,28 @@ def main(argv: list[str] | None = None) -> int:
         if line is not None:
             report_error(line, rank=0)
         return code
+    except SignalException as e:  # SIGTERM / SIGINT / SIGHUP to the launcher: torchrun passed it on to the workers,
+        # which save and stop (nano_hybrid.signals), and waited for them
+        if quiet.forced:
+            report_error(f"the launcher got {_signal_name(e.sigval)} and the workers did not stop within "
+                         f"{STOP_GRACE_S} s, so torchrun killed them; the last complete checkpoint stays the one that "
+                         "loads", rank=0)
+            return EXIT_FAILED
+        return 0
     return 0
+
+
+# torchrun's agent gives the workers this long to stop after passing a stop signal on, then kills them
+STOP_GRACE_S = 30
+
+
+def _signal_name(sig) -> str:
+    import signal
+
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 if __name__ == "__main__":

@@ -176,3 +176,55 @@ def test_launcher_reports_one_line_before_and_after_the_workers_start(tmp_path):
     assert p.returncode == 2 and len(ours) == 1 and "validation split" in ours[0], p.stderr[-3000:]
     assert "ChildFailedError" not in p.stderr and "Traceback" not in p.stderr and "Root Cause" not in p.stderr
     assert not (tmp_path / "r2").exists()
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_zero(tmp_path):
+    """A scheduler's SIGTERM to python -m nano_hybrid.launch (only the launcher): torchrun passes it to the workers,
+    which finish their step, save and stop; the launcher exits 0 without torchrun's signal traceback."""
+    run_dir = tmp_path / "r"
+    cmd = [sys.executable, "-m", "nano_hybrid.launch", "--standalone", "--nproc-per-node", "2", "parallel=dp2",
+           *COMMON, "train.train_iters=100000", "checkpoint.interval=0", f"run_dir={run_dir}"]
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(OMP_NUM_THREADS="1"), stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            m = run_dir / "metrics.jsonl"
+            while time.monotonic() < deadline and proc.poll() is None:
+                if m.is_file() and len(m.read_text().splitlines()) >= 2:
+                    break
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)  # the launcher alone
+            rc = proc.wait(timeout=120)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert rc == 0, stderr[-3000:]
+    assert "got SIGTERM" in stdout and "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
+    step = records(run_dir)[-1]["step"]
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+
+
+def test_launcher_says_when_torchrun_killed_workers_that_did_not_stop(monkeypatch, capsys):
+    """After a stop signal torchrun's agent waits for the workers, then kills those still running and logs it: the
+    launcher then exits 1 with one line (the workers' own stop could not finish its checkpoint)."""
+    import logging
+
+    import torch.distributed.run as trun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from nano_hybrid import launch
+
+    def run(args):
+        log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        log.warning("Unable to shutdown process %s via %s, forcefully exiting via %s", 123, signal.SIGTERM, "SIGKILL")
+        raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(trun, "run", run)
+    monkeypatch.setattr(launch, "validate_for", lambda overrides, world: None)
+    assert launch.main(["--standalone", "--nproc-per-node", "2", "model=tiny"]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and err[0].startswith("error: the launcher got SIGTERM and the workers did not stop"), err
