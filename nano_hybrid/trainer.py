@@ -302,6 +302,23 @@ def report_data_epochs(dataset, num_samples: int, seq_length: int, consumed_samp
     return epochs
 
 
+def report_validation_size(valid_dataset, eval_iters: int, global_batch_size: int, seq_length: int, say) -> bool:
+    """Warn when one validation reads more tokens than the validation split holds (its samples then repeat within
+    an evaluation); returns whether it does."""
+    from nano_hybrid.data import train_split_tokens
+
+    tokens = train_split_tokens(valid_dataset)
+    need = eval_iters * global_batch_size * seq_length
+    if not tokens or need <= tokens:
+        return False
+    fits = tokens // (global_batch_size * seq_length)
+    say(f"warning: each validation reads {need:,} tokens ({eval_iters} x {global_batch_size} samples x {seq_length}) "
+        f"but the validation split holds {tokens:,}, so its samples repeat within an evaluation; "
+        + (f"set train.eval_iters <= {fits}" if fits else "the split holds less than one global batch: use more "
+           "validation data (data.split, data.valid_paths)") + " for a validation loss without repeats")
+    return True
+
+
 def _reduced_loss(reports: list, device: torch.device) -> float:
     """Loss over the global batch: sum(loss), sum(tokens) over micro-batches, then over all ranks (ratios are
     unchanged by TP replicas; PP stages other than the last contribute zeros)."""
@@ -560,6 +577,8 @@ def _build(cls, cfg: DictConfig, plan: RunPlan, *, with_optimizer: bool, resume:
     if plan.dims.is_main:
         report_data_epochs(dataset, t.train_iters * t.global_batch_size, plan.seq_length,
                            state.consumed_samples, say)
+        if valid_dataset is not None:
+            report_validation_size(valid_dataset, plan.eval_iters, t.global_batch_size, plan.seq_length, say)
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     logger = _start_logger(cfg, plan, run_dir, checkpointer.resume_step, unwrapped)

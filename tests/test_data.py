@@ -161,3 +161,23 @@ def test_a_corpus_written_again_at_its_prefix_gets_new_sample_indices(tmp_path):
         assert np.array_equal(small[i]["tokens"].numpy(), fresh[i]["tokens"].numpy())
     caches = sorted(p.name for p in (prefix.parent / "cache").iterdir())
     assert len(caches) == 2 and all(c.startswith("data-") for c in caches)
+
+
+def test_a_validation_longer_than_its_split_is_said(tmp_path):
+    from nano_hybrid.data import build_valid_dataset, train_split_tokens
+    from nano_hybrid.trainer import report_validation_size
+
+    files = []
+    for i in range(20):
+        (tmp_path / f"doc{i:02d}.txt").write_text(f"document {i} " * 8, encoding="utf-8")
+        files.append(tmp_path / f"doc{i:02d}.txt")
+    prefix = tmp_path / "out" / "v"
+    write_indexed_dataset(files, prefix)
+    valid = build_valid_dataset(indexed_spec(prefix, split="50,50,0"), ByteTokenizer(), 32, 4, seed=1)
+    tokens = train_split_tokens(valid)
+    fits = tokens // (4 * 32)
+    assert fits >= 1
+    said = []
+    assert not report_validation_size(valid, fits, 4, 32, said.append) and said == []
+    assert report_validation_size(valid, fits + 1, 4, 32, said.append)
+    assert len(said) == 1 and said[0].startswith("warning:") and f"set train.eval_iters <= {fits}" in said[0], said
