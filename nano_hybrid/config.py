@@ -2,8 +2,8 @@
 
 We use Hydra's compose API with the overrides taken from the command line (as Megatron-Bridge does)
 rather than ``@hydra.main``: no working-directory change and no per-rank ``${now:}`` output dirs under
-torchrun. ``recipe=NAME`` expands to the override list in ``recipes/NAME.yaml``; overrides given on the
-command line after it win.
+torchrun. ``recipe=NAME`` expands to the override list in ``recipes/NAME.yaml``; the other overrides on the command
+line win over it, before or after it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ def list_recipes() -> list[str]:
 
 
 def expand_recipe(overrides: list[str]) -> list[str]:
-    """Replace ``recipe=NAME`` with the overrides listed in ``recipes/NAME.yaml``."""
+    """The overrides listed in each ``recipes/NAME.yaml`` of a ``recipe=NAME``, then the other overrides in their
+    order: an override given with a recipe wins over the recipe's own, wherever it stands on the command line."""
     out: list[str] = []
+    rest: list[str] = []
     for ov in overrides:
         if ov.startswith("recipe="):
             name = ov.split("=", 1)[1]
@@ -37,8 +39,8 @@ def expand_recipe(overrides: list[str]) -> list[str]:
                 raise ConfigError(f"recipe file {path} has no 'overrides' list")
             out.extend(str(x) for x in recipe.overrides)
         else:
-            out.append(ov)
-    return out
+            rest.append(ov)
+    return out + rest
 
 
 def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
@@ -79,9 +81,13 @@ def _hint(msg: str, overrides: list[str], config_name: str) -> str:
     if found:
         return f"; options: {', '.join(group_options(found.group(1))) or 'none'}"
     found = re.match(r"Could not override '([^']+)'", msg)
-    if not found or "." not in found.group(1):
+    if not found:
         return ""
     key = found.group(1)
+    if "." not in key:  # a top-level key or group: the config's own keys and the group names
+        names = sorted({*group_names(), "recipe", *(str(k) for k in _top_level_keys(overrides, key, config_name))})
+        match = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+        return f": no such key or group; did you mean {match[0]}?" if match else ": no such key or group"
     parent, _, name = key.rpartition(".")
     others = [ov for ov in overrides if not ov.lstrip("+~").startswith(key + "=")]
     try:  # the same config without the failing override: its keys under the same parent
@@ -92,6 +98,19 @@ def _hint(msg: str, overrides: list[str], config_name: str) -> str:
         return ""
     match = difflib.get_close_matches(name, [str(k) for k in node.keys()], n=1, cutoff=0.6)
     return f": no such key; did you mean {parent}.{match[0]}?" if match else ": no such key"
+
+
+def group_names() -> list[str]:
+    """The config groups (folders under ``configs/``)."""
+    return sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
+
+
+def _top_level_keys(overrides: list[str], key: str, config_name: str) -> list[str]:
+    others = [ov for ov in overrides if not ov.lstrip("+~").startswith(key + "=")]
+    try:
+        return list(compose(others, config_name).keys())
+    except ConfigError:
+        return []
 
 
 def overrides_from_argv(argv: list[str]) -> list[str]:

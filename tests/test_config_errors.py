@@ -127,3 +127,18 @@ assert [str(x.message) for x in w] == ["nano_hybrid kernels: recorded"] and w[0]
     assert lines[0] == "nano_hybrid kernels: no tuned sm90 config for k at m4; using its default (said once per kernel)"
     assert "max_num_sm_multipler" not in p.stderr
     assert any(line.endswith("UserWarning: some other warning") for line in lines[1:]), p.stderr
+
+
+def test_an_override_wins_over_the_recipe_before_or_after_it():
+    from nano_hybrid.config import compose
+
+    base = int(compose(["recipe=tiny_cpu"]).train.micro_batch_size)
+    for argv in (["train.micro_batch_size=3", "recipe=tiny_cpu"], ["recipe=tiny_cpu", "train.micro_batch_size=3"]):
+        assert int(compose(argv).train.micro_batch_size) == 3 != base
+
+
+@pytest.mark.parametrize("override,hint", [("modle=tiny", "did you mean model?"), ("sed=3", "did you mean seed?")])
+def test_a_misspelt_top_level_key_or_group_gets_the_closest_name(override, hint, tmp_path, capsys):
+    assert main([override, f"run_dir={tmp_path / 'run'}"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and err[0].endswith(hint), err
