@@ -112,7 +112,14 @@ def default_corpus_roots() -> list[str]:
 def train_iters_of(overrides: list[str], recipe_iters: int) -> int:
     for ov in reversed(overrides):
         if ov.startswith("train.train_iters="):
-            return int(ov.split("=", 1)[1])
+            value = ov.split("=", 1)[1]
+            try:
+                iters = int(value)
+            except ValueError:
+                iters = 0
+            if iters < 1:
+                raise StudyConfigError(f"override train.train_iters={value}: give a whole number of steps >= 1")
+            return iters
     return recipe_iters
 
 

@@ -67,6 +67,8 @@ def test_plan_of_the_long_run_alone(tmp_path):
     ({"seeds": [1, 1]}, "two different seeds"),
     ({"extra": ["seed=4"]}, "set by the launcher"),
     ({"extra": ["train.train_iters"]}, "KEY=VALUE"),
+    ({"extra": ["train.train_iters=abc"]}, "train.train_iters=abc: give a whole number"),
+    ({"long_extra": ["train.train_iters=0"]}, "train.train_iters=0: give a whole number"),
     ({"wandb": "online"}, "offline or disabled"),
 ])
 def test_bad_plans_are_refused(tmp_path, kw, match):
@@ -255,6 +257,13 @@ def test_long_stops_reach_the_launcher_from_the_command_line(tmp_path, capsys):
     assert convergence_study.main(["--arms", "none", "--long-iters", "100", "--long-stops", "150", "--dry-run",
                                    "--out", str(tmp_path / "s")]) == 2
     assert "--long-stops 150" in capsys.readouterr().err
+
+
+def test_a_train_iters_override_that_is_not_a_number_is_one_line(tmp_path, capsys):
+    assert convergence_study.main(["--dry-run", "--out", str(tmp_path / "s"), "train.train_iters=abc"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: override train.train_iters=abc"), err
+    assert not (tmp_path / "s").exists()
 
 
 def checkpointed_step_of(run):

@@ -118,3 +118,32 @@ def test_too_few_runs_and_missing_runs_are_errors(tmp_path):
         compare_arms({"a": a, "b": [load_run(_run(tmp_path, "b1", 1, 1.0))]}, "a")
     with pytest.raises(StudyError, match="no metrics.jsonl"):
         load_run(tmp_path / "absent")
+
+
+def test_a_run_listed_twice_in_an_arm_is_refused(tmp_path, capsys):
+    a1, a2 = _run(tmp_path, "a1", 1, 1.0), _run(tmp_path, "a2", 2, 1.0)
+    b = [str(_run(tmp_path, f"b{s}", s, 1.0)) for s in (1, 2)]
+    out = tmp_path / "o"
+    capsys.readouterr()
+    rc = compare_seeds.main(["--arm", f"a={a1},{tmp_path}/../{tmp_path.name}/a1/metrics.jsonl",
+                             "--arm", "b=" + ",".join(b), "--no-plots", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: arm a lists the run") and "twice" in err[0]
+    assert not out.exists()
+    assert compare_seeds.main(["--arm", f"a={a1},{a2}", "--arm", "b=" + ",".join(b), "--no-plots",
+                               "--out", str(out)]) == 0
+
+
+@pytest.mark.parametrize("sub", ["", "x"])
+def test_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, sub):
+    a = [str(_run(tmp_path, f"a{s}", s, 1.0)) for s in (1, 2)]
+    b = [str(_run(tmp_path, f"b{s}", s, 1.0)) for s in (1, 2)]
+    f = tmp_path / "report"
+    f.write_text("kept\n")
+    capsys.readouterr()
+    rc = compare_seeds.main(["--arm", "a=" + ",".join(a), "--arm", "b=" + ",".join(b), "--no-plots",
+                             "--out", str(f / sub if sub else f)])
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: --out ") and "existing file" in err[0]
+    assert cap.out == "" and f.read_text() == "kept\n"

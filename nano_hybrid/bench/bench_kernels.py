@@ -246,8 +246,9 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     try:
+        reporting.check_args(args)
         res = run(args)
-    except (UnknownBackendError, BackendUnavailableError, KernelSwitchError) as e:
+    except (ValueError, UnknownBackendError, BackendUnavailableError, KernelSwitchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     out = Path(args.out) if args.out else reporting.default_out_dir()

@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     if set(ops) - {"rmsnorm", "conv1d"}:
         ap.error(f"--ops: unknown {sorted(set(ops) - {'rmsnorm', 'conv1d'})}")
     if not torch.cuda.is_available():
-        print("bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
+        print("error: bench_norm_conv.py needs a CUDA GPU", file=sys.stderr)
         return EXIT_BAD_INPUT
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))  # wheelhouse README
     out_dir = Path(os.environ.get("OUT", "runs/bench/h200"))

@@ -35,6 +35,7 @@ from pathlib import Path
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, make_params, op_zxbcdt,
                                      rel_err, zxbcdt_leaf, zxbcdt_leaf_name)
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 QUICK = ("nano_tp1", "nano_b8_l2048", "m2_2p7b_c256", "nemh_8b")
@@ -192,17 +193,22 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> 
     return rec
 
 
-def run(args) -> dict:
+def make_backends(args) -> dict:
+    """The baseline's and the candidate's backends; an unknown or unavailable backend or a bad setting raises the
+    registry's one-line error."""
+    from kernels.registry import get_backend
+
+    return {args.baseline: get_backend(args.baseline),
+            args.candidate: get_backend(args.candidate, args.helion_settings if args.candidate == "helion" else None)}
+
+
+def run(args, backends: dict | None = None) -> dict:
     import warnings
 
     import torch
 
-    from kernels.registry import get_backend
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backends = {args.baseline: get_backend(args.baseline),
-                args.candidate: get_backend(args.candidate, args.helion_settings if args.candidate == "helion"
-                                            else None)}
+    backends = backends or make_backends(args)
     res = {"benchmark": "bench_shape_grid", "env": environment.env_info(), "args": {k: v for k, v in vars(args).items()},
            "backend_settings": {k: v.settings_dict() for k, v in backends.items()}, "shapes": {}}
     t_all = time.perf_counter()
@@ -304,8 +310,16 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from kernels.registry import BackendUnavailableError, KernelSwitchError, UnknownBackendError
+
     args = parse_args(argv)
-    res = run(args)
+    try:
+        reporting.check_args(args)
+        backends = make_backends(args)
+    except (ValueError, UnknownBackendError, BackendUnavailableError, KernelSwitchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    res = run(args, backends)
     out = Path(args.out) if args.out else reporting.default_out_dir()
     js, md = reporting.write_results(out, "shape_grid", res, markdown(res))
     print(markdown(res))

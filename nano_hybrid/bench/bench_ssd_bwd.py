@@ -22,15 +22,28 @@ import traceback
 from pathlib import Path
 
 from nano_hybrid.bench import bench_kernels, environment, reporting
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 def main(argv=None) -> int:
+    from kernels.registry import BackendUnavailableError, UnknownBackendError, get_backend
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="nano,tp2,l4096b4")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    try:
+        unknown = [s for s in a.shapes.split(",") if s not in bench_kernels.SHAPES]
+        if unknown:
+            raise ValueError(f"--shapes: unknown {unknown}; known: {', '.join(sorted(bench_kernels.SHAPES))}")
+        reporting.check_args(a)
+        for name in ("mamba_ssm", "helion"):
+            get_backend(name)
+    except (ValueError, UnknownBackendError, BackendUnavailableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     out = Path(a.out) if a.out else reporting.default_out_dir()
     summary = {"env": environment.env_info(), "baseline_ms_nano_h200": 5.44, "target_speedup": 1.6, "shapes": {}}
     rc = 0

@@ -26,6 +26,7 @@ from kernels import ssd
 from kernels import ssd_helion as sh
 from kernels import tuner
 from nano_hybrid.bench import environment, reporting, stats
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 def _mamba():
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="output dir (default $OUT or runs/bench/<gpu>)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_ssd_fwd.py needs a CUDA GPU")
+        print("error: bench_ssd_fwd.py needs a CUDA GPU", file=sys.stderr)
+        return EXIT_BAD_INPUT
     m = _mamba()
     env = environment.env_info()
     from kernels.settings import HelionSettings

@@ -51,7 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="training steps before the export (default 5)")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="export dtype (default: the training dtype)")
     ap.add_argument("--rtol", type=float, default=None, help="pass bound on |mean loss difference| / mean loss")
-    ap.add_argument("--out", default=None, help="export folder (default: a temporary folder, removed afterwards)")
+    ap.add_argument("--out", default=None,
+                    help="export folder, new or empty (default: a temporary folder, removed afterwards)")
     return reporting.parse_args_with_overrides(ap, argv)
 
 
@@ -138,10 +139,17 @@ def main(argv=None) -> int:
     import torch
 
     from nano_hybrid.config import ConfigError, compose
+    from nano_hybrid.hf.bridge import HFBridgeError, check_out_dir
 
     if a.steps < 1:
         print("error: --steps must be >= 1", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if a.out is not None:
+        try:
+            check_out_dir(a.out)
+        except HFBridgeError as e:
+            print(f"error: --out {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
     try:
         cfg = compose([*defaults, f"train.train_iters={a.steps}", *a.overrides])

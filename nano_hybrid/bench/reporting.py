@@ -38,6 +38,37 @@ def default_out_dir() -> Path:
     return REPO_ROOT / "runs" / "bench" / gpu_slug(name)
 
 
+def check_out_dir(out_dir: Path | str, what: str = "--out") -> Path:
+    """``out_dir`` as a results folder, checked before any measuring: a ValueError (one line) when it is an
+    existing file, lies under a file, or its nearest existing folder is not writable."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{what} {out} is an existing file, not a folder")
+    above = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not above.is_dir():
+        raise ValueError(f"{what} {out}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {out}: {above} is not writable")
+    return out
+
+
+# the least number of bootstrap resamples stats.bootstrap_ratio_ci accepts
+MIN_N_BOOT = 100
+
+
+def check_args(a) -> None:
+    """The checks of the arguments that the benchmark tools share (``--out``, ``$OUT``, ``--n-boot``), made
+    before any measuring: a ValueError with one line. The default folder under the repository is not checked here
+    (naming it asks the GPU for its name)."""
+    if getattr(a, "out", None):
+        check_out_dir(a.out)
+    elif os.environ.get("OUT"):
+        check_out_dir(os.environ["OUT"], "$OUT")
+    n_boot = getattr(a, "n_boot", None)
+    if n_boot is not None and n_boot < MIN_N_BOOT:
+        raise ValueError(f"--n-boot must be >= {MIN_N_BOOT} for a meaningful interval, got {n_boot}")
+
+
 def write_results(out_dir: Path | str, stem: str, data: dict, markdown: str) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -51,10 +82,10 @@ def write_results(out_dir: Path | str, stem: str, data: dict, markdown: str) -> 
 
 def bench_main(argv, parse_args: Callable, run: Callable, stem: Callable, markdown: Callable[[dict], str],
                exit_code: Callable[[dict], int] = lambda res: 0) -> int:
-    """The benchmark scripts' ``main``: parse ``argv``, ``res = run(args)`` (a bad config, data path or
-    kernel backend is one line on stderr and exit code 2; ``None``, e.g. on a rank other than 0, writes
-    nothing), then write ``<stem(res, args)>.json`` / ``.md`` under ``--out`` (default
-    ``default_out_dir()``), print the markdown and return ``exit_code(res)``."""
+    """The benchmark scripts' ``main``: parse ``argv``, check the shared arguments (``check_args``), ``res =
+    run(args)`` (a bad argument, config, data path or kernel backend is one line on stderr and exit code 2, before
+    any measuring; ``None``, e.g. on a rank other than 0, writes nothing), then write ``<stem(res, args)>.json`` /
+    ``.md`` under ``--out`` (default ``default_out_dir()``), print the markdown and return ``exit_code(res)``."""
     import sys
     import warnings
 
@@ -64,6 +95,11 @@ def bench_main(argv, parse_args: Callable, run: Callable, stem: Callable, markdo
     from nano_hybrid.data import DataConfigError
 
     a = parse_args(argv)
+    try:
+        check_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         res = run(a)
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:

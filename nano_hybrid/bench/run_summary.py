@@ -10,7 +10,8 @@ single-GPU run with the same global batch, seed and data): per-step relative los
 |loss - ref| / |ref| over the first --steps steps; the check passes when every step has both losses,
 none is NaN, the largest difference is <= --rtol and the step-1 difference is <= --rtol-first (and,
 with --mean-rtol, the mean of the per-step differences is <= --mean-rtol).
-Exit code 1 when the check fails (the JSON is written either way).
+Exit code 1 when the check fails (the JSON is written either way); a missing, empty or non-JSON metrics file stops
+with one ``error: ...`` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from nano_hybrid.bench import stats
+from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
 def load_metrics(run_dir: Path | str) -> list[dict]:
@@ -41,7 +44,10 @@ def load_metrics(run_dir: Path | str) -> list[dict]:
     if not recs:
         raise ValueError(f"{p} holds no records")
     # after a resume the same step may appear twice: keep the last record of each step
-    by_step = {int(r["step"]): r for r in recs}
+    try:
+        by_step = {int(r["step"]): r for r in recs}
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{p}: a record without a step number (not a run's metrics.jsonl)") from None
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -131,12 +137,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the JSON here (default: print only)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.rtol <= 0 or a.rtol_first <= 0 or a.skip < 0 or (a.mean_rtol is not None and a.mean_rtol <= 0):
-        p.error("--steps must be >= 1, --rtol/--rtol-first/--mean-rtol > 0, --skip >= 0")
-    recs = load_metrics(a.run_dir)
+        print("error: --steps must be >= 1, --rtol/--rtol-first/--mean-rtol > 0, --skip >= 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        recs = load_metrics(a.run_dir)
+        ref = load_metrics(a.ref) if a.ref else None
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     res = {"run_dir": str(a.run_dir), "label": a.label, "summary": summarize_run(recs, a.skip)}
     ok = res["summary"]["no_nan"]
     if a.ref:
-        ref = load_metrics(a.ref)
         res["ref_dir"] = str(a.ref)
         res["ref_summary"] = summarize_run(ref, a.skip)
         res["loss_check"] = compare_losses(recs, ref, a.steps, a.rtol, a.rtol_first, a.mean_rtol)

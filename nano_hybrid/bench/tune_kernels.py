@@ -119,10 +119,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available():
-        print("tune_kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("error: tune_kernels.py needs a CUDA GPU", file=sys.stderr)
         return EXIT_BAD_INPUT
     if tuning.interpret_mode():
-        print("unset HELION_INTERPRET to tune", file=sys.stderr)
+        print("error: tune_kernels.py needs HELION_INTERPRET unset (it tunes compiled kernels)", file=sys.stderr)
         return EXIT_BAD_INPUT
 
     pairs = pairs_of(names, shape_dims)

@@ -232,7 +232,10 @@ def extract_tekken(dest: str | Path = TEKKEN_131K_PATH, source: str | Path | Non
     source = Path(source)
     if not source.is_file():
         raise TokenizerError(f"Tekken file not found: {source}")
-    raw = json.loads(source.read_text(encoding="utf-8"))
+    try:
+        raw = json.loads(source.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{source} is not a Tekken JSON file ({e})") from None
     cfg = raw.get("config", {}) if isinstance(raw, dict) else {}
     if cfg.get("default_vocab_size") != 131072 or cfg.get("default_num_special_tokens") != 1000:
         raise TokenizerError(f"{source} is not a 131,072-entry Tekken file with 1,000 special ids: {cfg}")
@@ -241,8 +244,9 @@ def extract_tekken(dest: str | Path = TEKKEN_131K_PATH, source: str | Path | Non
     if cfg.get("pattern") != _PATTERN_TIKTOKEN_V2:
         raise TokenizerError(f"{source}: its split regex is not Megatron's TikTokenizer v2 pattern")
     inner = cfg["default_vocab_size"] - cfg["default_num_special_tokens"]
-    vocab = raw["vocab"][:inner]
-    if len(vocab) != inner or any(v.get("rank") != i for i, v in enumerate(vocab)):
+    vocab = raw.get("vocab")
+    vocab = vocab[:inner] if isinstance(vocab, list) else []
+    if len(vocab) != inner or any(not isinstance(v, dict) or v.get("rank") != i for i, v in enumerate(vocab)):
         raise TokenizerError(f"{source}: expected ranks 0..{inner - 1} in order")
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -85,11 +85,27 @@ def _write_config_and_tokenizer(out: Path, m: dict, vocab: int, dtype: torch.dty
     return files
 
 
-def _prepare_out(out_dir: str | Path) -> Path:
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Refuse an export folder that is an existing file, a non-empty folder or lies under a file (one line)."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise HFBridgeError(f"{out} exists and is not empty (choose a new folder)")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        if any(out.iterdir()):
+            raise HFBridgeError(f"{out} exists and is not empty (choose a new folder)")
+    elif out.exists():
+        raise HFBridgeError(f"{out} is an existing file (choose a new folder)")
+    else:
+        above = next(p for p in out.absolute().parents if p.exists())
+        if not above.is_dir():
+            raise HFBridgeError(f"{out}: {above} is a file, not a folder (choose a new folder)")
+    return out
+
+
+def _prepare_out(out_dir: str | Path) -> Path:
+    out = check_out_dir(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HFBridgeError(f"{out}: cannot create the folder ({e.strerror})") from None
     return out
 
 
@@ -119,6 +135,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, *, dtype: str = "bf
     """Write the HF folder for a saved checkpoint; returns the folder."""
     if dtype not in DTYPES:
         raise HFBridgeError(f"dtype {dtype!r}; choose bf16 or fp32")
+    check_out_dir(out_dir)
     t0 = time.perf_counter()
     path = resolve_checkpoint(ckpt)
     run_cfg = OmegaConf.load(path / "config.yaml")
@@ -158,6 +175,7 @@ def export_model(model_chunks, cfg, out_dir: str | Path, *, dtype: str = "bf16",
     """Write the HF folder for a model in memory (every tensor whole on this process)."""
     if dtype not in DTYPES:
         raise HFBridgeError(f"dtype {dtype!r}; choose bf16 or fp32")
+    check_out_dir(out_dir)
     from megatron.core.utils import unwrap_model
 
     chunks = [unwrap_model(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]

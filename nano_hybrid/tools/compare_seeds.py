@@ -8,8 +8,9 @@ mean, std, min, max of the final validation loss; per arm against the baseline t
 difference, 95% Welch t interval over seeds, the paired interval when both arms ran the same seeds, and whether
 --reference-diff (relative) is inside the Welch interval) and OUT/seed_bands.png (training and validation loss
 bands per arm, and the per-step difference of arm means with its 95% band). The method is in
-nano_hybrid/seedstudy.py. Bad input (a missing run, runs whose tokens per step differ, < 2 runs in an arm, no
-common validation step) stops with one `error: ...` line and exit code 2.
+nano_hybrid/seedstudy.py. Bad input (a missing run, a run listed twice in an arm, runs whose tokens per step
+differ, < 2 runs in an arm, no common validation step, an --out that is a file) stops with one `error: ...` line
+and exit code 2.
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     return name, paths
 
 
+def run_dir_of(path: str) -> Path:
+    """The resolved run directory of a RUN_DIR argument (a run folder or its metrics.jsonl, as load_run reads it)."""
+    p = Path(path)
+    return (p if p.is_dir() else p.parent).resolve()
+
+
+def check_out(out: Path) -> None:
+    """Refuse an --out that is an existing file or lies under one (the report folder is created there)."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise StudyError(f"--out {out}: {p} is an existing file, not a folder")
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=RUN[,RUN...]", help="one arm's runs (repeat)")
@@ -44,11 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.smooth < 1:
             raise StudyError(f"--smooth must be >= 1, got {args.smooth}")
+        check_out(args.out)
         arms: dict = {}
         for text in args.arm:
             name, paths = parse_arm(text)
             if name in arms:
                 raise StudyError(f"arm {name} given twice")
+            seen: dict[Path, str] = {}
+            for p in paths:
+                d = run_dir_of(p)
+                if d in seen:
+                    raise StudyError(f"arm {name} lists the run {d} twice ({seen[d]} and {p}); each run is one seed")
+                seen[d] = p
             arms[name] = [load_run(p) for p in paths]
         if len(arms) < 2:
             raise StudyError("give at least two --arm groups")

@@ -11,15 +11,19 @@ JSONL lines ({"text": ...}) are documents, tokenized exactly as Megatron-LM's to
 recursively for --suffix files. --tokenizer takes byte, tekken131k (the 131,072-entry Tekken BPE at
 data/tokenizers/tekken_131k.json, see scripts/prepare_tokenizer.py), tiktoken:PATH.json or hf:PATH (a
 tokenizer folder or tokenizer.json). Bad input (missing, unreadable or empty file, a JSONL line without the
-key, a missing tokenizer file) stops with one `error: ...` line (file and line named) and exit code 2.
+key, a missing tokenizer file, an --output that is a folder or cannot be written) stops with one `error: ...` line
+(file and line named) and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 
 # megatron-core warns on import that TE/Apex are absent; the tokenizers and the dataset builder do not use them.
@@ -29,6 +33,22 @@ from nano_hybrid.data.prepare import DataPreparationError, stdlib_sources, text_
 from nano_hybrid.data.tokenizer import TokenizerError, TokenizerSpec, spec_from_arg
 from nano_hybrid.errors import EXIT_BAD_INPUT
 from nano_hybrid.schema import DataSchema, defaults
+
+
+def check_output(output: str) -> None:
+    """Refuse an output prefix that ends with a path separator or names a folder, or whose folder cannot be
+    created or written (a file on the way, a read-only or virtual file system), before any tokenizing."""
+    seps = tuple(filter(None, (os.sep, os.altsep)))
+    prefix = Path(output)
+    if output.endswith(seps) or prefix.name in ("", ".", "..") or prefix.is_dir():
+        raise DataPreparationError(f"--output {output}: give a file prefix (folder/name), not a folder")
+    above = next(p for p in prefix.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise DataPreparationError(f"--output {output}: {above} is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".prepare_data_probe", dir=above))
+    except OSError as e:
+        raise DataPreparationError(f"--output {output}: cannot write in {above} ({e.strerror})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     try:
+        check_output(args.output)
         spec = spec_from_arg(args.tokenizer, args.vocab_size, args.num_special_tokens, args.pattern)
         spec.check_files()
         files = stdlib_sources() if args.input is None else text_sources(args.input, tuple(args.suffix))
