@@ -66,6 +66,13 @@ def test_prepare_data_script(tmp_path):
     assert mod.main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "o" / "x")]) == 0
     assert (tmp_path / "o" / "x.bin").stat().st_size == 2 * (len("# title\n") + 1)  # uint16 tokens
     assert mod.main(["--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o" / "y")]) == 2
+    # an existing dataset is replaced only with --force
+    (tmp_path / "in" / "b.md").write_text("# more\n")
+    before = (tmp_path / "o" / "x.bin").read_bytes()
+    assert mod.main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "o" / "x")]) == 2
+    assert (tmp_path / "o" / "x.bin").read_bytes() == before
+    assert mod.main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "o" / "x"), "--force"]) == 0
+    assert (tmp_path / "o" / "x.bin").stat().st_size == 2 * (len("# title\n") + 1 + len("# more\n") + 1)
 
 
 def test_stdlib_sources_are_sorted_and_nonempty():

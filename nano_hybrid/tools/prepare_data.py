@@ -11,8 +11,8 @@ JSONL lines ({"text": ...}) are documents, tokenized exactly as Megatron-LM's to
 recursively for --suffix files. --tokenizer takes byte, tekken131k (the 131,072-entry Tekken BPE at
 data/tokenizers/tekken_131k.json, see scripts/prepare_tokenizer.py), tiktoken:PATH.json or hf:PATH (a
 tokenizer folder or tokenizer.json). Bad input (missing, unreadable or empty file, a JSONL line without the
-key, a missing tokenizer file, an --output that is a folder or cannot be written) stops with one `error: ...` line
-(file and line named) and exit code 2.
+key, a missing tokenizer file, an --output that is a folder or cannot be written, an existing dataset at --output
+without --force) stops with one `error: ...` line (file and line named) and exit code 2.
 """
 
 from __future__ import annotations
@@ -68,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="end each document with the tokenizer's eod id (default on)")
     ap.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--force", action="store_true", help="replace an existing dataset at --output")
     args = ap.parse_args(argv)
     try:
         check_output(args.output)
+        if not args.force and any(os.path.exists(f"{args.output}{ext}") for ext in (".bin", ".idx")):
+            raise DataPreparationError(f"--output {args.output}: a dataset exists there ({args.output}.bin/.idx); "
+                                       "pass --force to replace it, or choose another prefix")
         spec = spec_from_arg(args.tokenizer, args.vocab_size, args.num_special_tokens, args.pattern)
         spec.check_files()
         files = stdlib_sources() if args.input is None else text_sources(args.input, tuple(args.suffix))
