@@ -35,7 +35,9 @@ heads, ``k`` top-k, ``f`` expert FFN, ``fs`` shared-expert FFN, ``E`` experts, `
   groups x state)) and the states entering each chunk (a T / chunk x di x state);
 - attention (*): the fused QKV projection output, which the SDPA backward keeps (q, k, v are views:
   a T (heads + 2 groups) kv), the attention output (a T heads kv, saved by the output projection) and the
-  fp32 log-sum-exp (4 T heads);
+  fp32 log-sum-exp (4 T heads); ``model.attention_impl=unfused`` (megatron's DotProductAttention) keeps the
+  softmax probabilities instead, in fp32 and cast to the training dtype for the product with V
+  ((4 + a) mbs heads s^2; 4 mbs heads s^2 in fp32);
 - MoE (E), all-gather dispatch (tokens stay local up to EP): the router's fp32 logits / scores / probs
   (~5 x 4 T E), each token's k copies in expert order (a T k h, saved by the first grouped GEMM), the expert
   FFN before and after the activation (2 a T k f), the fp32 routing weights and int64 permutation indices
@@ -114,6 +116,7 @@ class Shape:
     lm_head_loss: str  # plain | chunked | chunked_compiled (model.lm_head_loss)
     lm_chunk: int  # model.lm_loss_chunk_tokens
     helion_keeps: tuple[str, ...] = ()  # what the helion op keeps beyond mamba-ssm's: "cumsum", "conv_states"
+    attention_impl: str = "sdpa"  # model.attention_impl: unfused keeps the (s x s) softmax probabilities
 
     tp = property(lambda self: self.dims.tp)
     pp = property(lambda self: self.dims.pp)
@@ -218,7 +221,10 @@ def layer_activations(s: Shape, kind: str, modules: tuple[str, ...] = ()) -> dic
         out["qkv"] = a * t * (heads + 2 * groups) * ar.kv_channels
         out["attn_out"] = a * t * heads * ar.kv_channels
         if "core_attn" not in rec:
-            out["lse"] = 4 * t * heads
+            if s.attention_impl == "unfused":  # softmax in fp32 (kept), cast to the training dtype for probs x V
+                out["attn_probs"] = (4 + (a if a != 4 else 0)) * s.mbs * heads * s.seq * s.seq
+            else:
+                out["lse"] = 4 * t * heads
     elif kind == "E":
         if "moe" in rec:
             if "layernorm" not in rec:
@@ -326,6 +332,7 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
     ``plan.gpus``, else the smallest world the layout fills)."""
     m = model_dict(cfg.model)
     check_model_cfg(m)
+    _check_plan_numbers(cfg)
     if dims is None:
         if world_size is None:
             p = cfg.parallel
@@ -351,8 +358,27 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
         seq=int(cfg.train.seq_length), mbs=mbs, a=2 if precision == "bf16" else 4, dims=dims,
         num_microbatches=gbs // (mbs * dims.dp), backend=str(cfg.kernels.backend),
         optimizer=optimizer, lm_head_loss=m["lm_head_loss"], lm_chunk=m["lm_loss_chunk_tokens"],
-        helion_keeps=_helion_keeps(cfg),
+        helion_keeps=_helion_keeps(cfg), attention_impl=str(m["attention_impl"]),
     ), dims.world_size
+
+
+PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                  "expert_tensor_parallel_size", "context_parallel_size")
+
+
+def _check_plan_numbers(cfg) -> None:
+    """The numbers the planner reads, checked as training checks them (ConfigError naming the key)."""
+    from nano_hybrid.runconfig import _positive_int, check_numbers
+
+    check_numbers(cfg)
+    for key in ("train.micro_batch_size", "train.global_batch_size", "train.seq_length",
+                *(f"parallel.{k}" for k in PARALLEL_SIZES)):
+        _positive_int(cfg, key)
+    gpus = cfg.plan.gpus
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0):
+        raise ConfigError(f"plan.gpus={gpus!r} must be a positive integer or null")
+    if str(cfg.train.precision) not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.precision={cfg.train.precision!r}; choose auto, bf16 or fp32")
 
 
 def _helion_keeps(cfg) -> tuple[str, ...]:

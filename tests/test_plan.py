@@ -254,3 +254,29 @@ def test_helion_saved_tensors_follow_its_settings():
     with pytest.raises(Exception, match="save_conv_states=true needs"):
         shape_from_cfg(compose([*base, "kernels.backend=helion", "kernels.helion.save_conv_states=true",
                                 "kernels.helion.bwd_states_dtype=fp32"]))
+
+
+def test_unfused_attention_keeps_the_softmax_probabilities():
+    from nano_hybrid.plan import layer_activations
+
+    base = ["model=nano30b", "train.micro_batch_size=1", "train.global_batch_size=1", "train.seq_length=4096"]
+    sdpa, _ = shape_from_cfg(compose(base))
+    unfused, _ = shape_from_cfg(compose([*base, "model.attention_impl=unfused"]))
+    a, b = layer_activations(sdpa, "*"), layer_activations(unfused, "*")
+    heads = sdpa.arch.num_attention_heads
+    assert b["attn_probs"] == (4 + 2) * 1 * heads * 4096 ** 2 and "lse" not in b  # fp32 softmax + its bf16 copy
+    assert {k: v for k, v in a.items() if k != "lse"} == {k: v for k, v in b.items() if k != "attn_probs"}
+    assert "attn_probs" not in layer_activations(unfused, "*", ("core_attn",))  # recomputed with the core attention
+
+
+@pytest.mark.parametrize("override,key", [
+    ("plan.gpus=abc", "plan.gpus"), ("train.seq_length=-5", "train.seq_length"),
+    ("train.micro_batch_size=2.5", "train.micro_batch_size"), ("train.precision=fp16", "train.precision"),
+    ("parallel.expert_model_parallel_size=0", "parallel.expert_model_parallel_size"),
+])
+def test_plan_refuses_numbers_training_refuses(override, key, capsys):
+    from nano_hybrid.plan import main
+
+    assert main(["model=nano30b", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {key}"), err
