@@ -174,3 +174,44 @@ def test_prepare_data_refuses_an_output_it_cannot_write_before_tokenizing(saved,
     before = _tree(saved.parent)
     _one_error(capsys, prepare_data.main(["--input", str(src), "--output", out, "--no-progress"]), "--output", needle)
     assert _tree(saved.parent) == before
+
+
+@pytest.mark.parametrize("committed_status,written", [("skipped_budget", False), ("ok", True), ("mismatch", True)])
+def test_tune_kernels_replaces_a_committed_config_only_after_timing_it(monkeypatch, committed_status, written):
+    """A search whose budget ends before the shape's committed config had its turn never compared its winner with
+    it: the config file keeps the committed entry."""
+    import argparse
+    import types
+
+    from nano_hybrid.bench import tune_kernels as tk
+
+    committed = {"block_sizes": [64], "num_warps": 4}
+    spec_default = {"block_sizes": [16], "num_warps": 4}
+
+    def candidates(args, case, name, run):
+        run["committed_config"] = committed
+        return [spec_default, committed]
+
+    results = [{"config": spec_default, "status": "ok", "time_ms": 2.0},
+               {"config": committed, "status": committed_status, "time_ms": 1.0 if committed_status == "ok" else None}]
+    best = committed if committed_status == "ok" else spec_default
+    recorded = []
+    monkeypatch.setattr(tk, "candidates", candidates)
+    monkeypatch.setattr(tk.tuner, "search", lambda *a, **k: (best, results))
+    monkeypatch.setattr(tk.tuning, "full_config", lambda kernel, args, cfg: cfg)
+    monkeypatch.setattr(tk.tuning, "record", lambda *a, **k: recorded.append(a) or "path")
+    case = types.SimpleNamespace(dims={"b": 1}, kernel=None, args=(), atol=1e-2, rtol=1e-2, finalize=None,
+                                 prepare=None, default=spec_default)
+    args = argparse.Namespace(no_write=False, out_root=None, rep_ms=10, timing_lock=None)
+    run: dict = {}
+    tk.search_pair(args, case, "rmsnorm_fwd", "nano", 1.0, run, 0.0)
+    assert bool(recorded) == written and run.get("kept_committed", False) == (not written)
+
+
+@pytest.mark.parametrize("flag", [["--budget-min", "0"], ["--budget-s", "-5"]])
+def test_tune_kernels_refuses_a_budget_that_is_not_positive(flag, capsys):
+    from nano_hybrid.bench import tune_kernels as tk
+
+    with pytest.raises(SystemExit) as e:
+        tk.main(["--list", *flag])
+    assert e.value.code == 2 and "the budget must be > 0" in capsys.readouterr().err

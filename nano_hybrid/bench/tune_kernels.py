@@ -96,6 +96,8 @@ def main(argv=None) -> int:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.budget_s is not None:
         args.budget_min = args.budget_s / 60.0
+    if not args.budget_min > 0:
+        ap.error(f"the budget must be > 0 (--budget-min {args.budget_min}, --budget-s {args.budget_s})")
     if args.timer is not None:
         os.environ["NANO_TUNE_TIMER"] = args.timer  # read by tuner.time_fn here and in the child processes
 
@@ -198,6 +200,7 @@ def candidates(args, case, name: str, run: dict) -> list:
         run["start"] = {"how": how, "key": near_key}
         if how == "exact":
             run["committed_ms"] = entry.get("time_ms")
+            run["committed_config"] = tuning.config_to_dict(committed)
         cands[1:1] = near  # right after the reference: a short budget still times them
         seen: set[str] = set()  # a neighbour can equal a seed: time each config once
         cands = [c for c in cands if not (c.to_json() in seen or seen.add(c.to_json()))]
@@ -223,7 +226,13 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
         n_candidates=len(cands), n_tried=sum(r["status"] != "skipped_budget" for r in results),
         n_ok=len(ok), status_counts=_counts(results), candidates=results,
     )
-    if not args.no_write:
+    committed = run.get("committed_config")
+    if committed is not None and not any(r["config"] == committed and r["status"] != "skipped_budget" for r in results):
+        # the search ended before the shape's own config had its turn: the winner was never compared with it
+        run["kept_committed"] = True
+        print("   the search's budget ended before it timed this shape's committed config: the config file keeps it",
+              flush=True)
+    elif not args.no_write:
         # the normalized config (every key explicit), so the committed file does not leave
         # anything for Helion to fill in differently in another process
         try:
