@@ -113,6 +113,26 @@ def _top_level_keys(overrides: list[str], key: str, config_name: str) -> list[st
         return []
 
 
+HELP_FLAGS = ("-h", "--help")
+
+
+def usage(doc: str | None) -> str:
+    """An entry point's ``--help``: its module doc, then the config groups with their options and the recipes."""
+    lines = [(doc or "").strip(), "", "Hydra overrides (key=value, group=option); the groups and their options:"]
+    lines += [f"  {g:<11} {', '.join(group_options(g))}" for g in group_names()]
+    lines += [f"  {'recipe':<11} {', '.join(list_recipes())}",
+              "Every key, its type, default and doc: nano_hybrid/schema.py"]
+    return "\n".join(lines)
+
+
+def help_requested(argv: list[str], doc: str | None) -> bool:
+    """Print ``usage(doc)`` when ``argv`` asks for help (-h / --help); whether it did."""
+    if not any(a in HELP_FLAGS for a in argv):
+        return False
+    print(usage(doc))
+    return True
+
+
 def overrides_from_argv(argv: list[str]) -> list[str]:
     bad = [a for a in argv if a.startswith("-") and a not in ("--",)]
     if bad:

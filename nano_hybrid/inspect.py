@@ -43,13 +43,16 @@ def inspect_model(overrides: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nano_hybrid.config import ConfigError, overrides_from_argv
+    from nano_hybrid.config import ConfigError, help_requested, overrides_from_argv
     from nano_hybrid.errors import EXIT_BAD_INPUT, filter_startup_warnings
 
     warnings.filterwarnings("ignore")
     filter_startup_warnings()  # megatron's log records of the local specs (nano_hybrid/errors.py)
+    argv = sys.argv[1:] if argv is None else argv
+    if help_requested(argv, __doc__):
+        return 0
     try:
-        out = inspect_model(overrides_from_argv(sys.argv[1:] if argv is None else argv))
+        out = inspect_model(overrides_from_argv(argv))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -520,10 +520,13 @@ def format_text(plan: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nano_hybrid.config import compose, overrides_from_argv
+    from nano_hybrid.config import compose, help_requested, overrides_from_argv
 
+    argv = sys.argv[1:] if argv is None else argv
+    if help_requested(argv, __doc__):
+        return 0
     try:
-        cfg = compose(overrides_from_argv(sys.argv[1:] if argv is None else argv))
+        cfg = compose(overrides_from_argv(argv))
         fmt = cfg.plan.format
         if fmt not in ("text", "json"):
             raise ConfigError(f"plan.format={fmt!r}; choose text or json")

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     # __main__, and must not pay for megatron, the kernels and the trainer again
     filter_startup_warnings()  # known harmless megatron-core start-up warnings (no TE/Apex): nano_hybrid/errors.py
     from kernels.registry import BackendUnavailableError, UnknownBackendError
-    from nano_hybrid.config import ConfigError, compose, overrides_from_argv
+    from nano_hybrid.config import ConfigError, compose, help_requested, overrides_from_argv
     from nano_hybrid.data import DataConfigError, DataPreparationError
     from nano_hybrid.runconfig import validate
     from nano_hybrid.signals import ExitRequest
@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.monotonic()  # train.exit_after_minutes counts from here (start-up included)
     argv = sys.argv[1:] if argv is None else argv
+    if help_requested(argv, __doc__):
+        return 0
     try:
         cfg = compose(overrides_from_argv(argv))
         plan = validate(cfg)

@@ -142,3 +142,13 @@ def test_a_misspelt_top_level_key_or_group_gets_the_closest_name(override, hint,
     assert main([override, f"run_dir={tmp_path / 'run'}"]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and err[0].endswith(hint), err
+
+
+@pytest.mark.parametrize("module", ["train", "plan", "inspect"])
+def test_help_prints_the_usage_and_the_config_groups(module, capsys):
+    import importlib
+
+    assert importlib.import_module(f"nano_hybrid.{module}").main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(importlib.import_module(f"nano_hybrid.{module}").__doc__.strip()[:40])
+    assert "nano30b_slice" in out and "tiny_cpu" in out
