@@ -36,7 +36,7 @@ from pathlib import Path
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.arms import op_backend
 from nano_hybrid.bench.mixer import OPS, SHAPES, MixerOp, add_zxbcdt_layout_arg, check_against, make_params
-from nano_hybrid.errors import EXIT_BAD_INPUT
+from nano_hybrid.errors import EXIT_BAD_INPUT, ConfigError
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda requested but no CUDA GPU is visible")
+        raise ConfigError("--device cuda requested but no CUDA GPU is visible")
     dtype = getattr(torch, DTYPES[args.dtype])
     shape = SHAPES[args.shape]
     backends = [args.backend] + ([args.compare] if args.compare else [])

@@ -25,6 +25,7 @@ import argparse
 
 from nano_hybrid.bench import environment, reporting, stats, training
 from nano_hybrid.bench.arms import set_kernel_backend
+from nano_hybrid.errors import ConfigError
 
 
 KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
@@ -45,7 +46,7 @@ def _backend(spec: str, cfg):
     try:
         arm = parse_op_arm(spec)
     except ValueError as e:
-        raise SystemExit(f"--backends: {e} (or helion:zxbcdt_copy)") from None
+        raise ConfigError(f"--backends: {e} (or helion:zxbcdt_copy)") from None
     return arm_backends(cfg, [arm])[arm]
 
 
@@ -186,7 +187,7 @@ def run(a) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if cuda else "fp32")]
     if dtype == torch.bfloat16 and not cuda:
-        raise SystemExit("--dtype bf16 needs a CUDA GPU (CPU runs in fp32)")
+        raise ConfigError("--dtype bf16 needs a CUDA GPU (CPU runs in fp32)")
     labels_m = stats.arm_labels(a.backend_list + ([] if a.no_control else [a.backend_list[0]]))
 
     initialize_parallel(cfg)

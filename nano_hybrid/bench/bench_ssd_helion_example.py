@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
+from nano_hybrid.errors import ConfigError
 
 SHAPES = {
     # Nemotron-3 Nano's mixer at mbs 2 x 8192 (TP1): 64 heads x 64, 8 groups, d_state 128
@@ -187,7 +188,7 @@ def references(t: dict, chunk: int) -> dict:
 
 def run(args) -> dict:
     if not torch.cuda.is_available():
-        raise SystemExit("error: bench_ssd_helion_example.py needs a CUDA GPU")
+        raise ConfigError("bench_ssd_helion_example.py needs a CUDA GPU")
     eng, n_kernels = load_example(args.example_dir)
     fns = arms(eng, args.chunk)
     res = {"env": environment.env_info(), "args": vars(args), "arms": list(fns), "example_kernels": n_kernels,

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
+from nano_hybrid.errors import ConfigError
 
 
 # Nano Mamba-2 mixer shapes (chunk 128, headdim 64, d_state 128); tp2 = the per-rank shape at TP=2
@@ -122,7 +123,7 @@ def reference(t: dict) -> torch.Tensor:
 
 def run(args) -> dict:
     if not torch.cuda.is_available():
-        raise SystemExit("error: bench_ssd_peer.py needs a CUDA GPU")
+        raise ConfigError("bench_ssd_peer.py needs a CUDA GPU")
     peer = load_peer(args.peer_file)
     fns = arms(peer)
     res = {"env": environment.env_info(), "args": vars(args), "chunk_size": CHUNK, "arms": list(fns), "shapes": {}}
