@@ -170,7 +170,8 @@ def test_refused_resume_leaves_the_run_directory_unchanged(tmp_path, capsys):
     before = _tree(run)
     assert "config.yaml" in before and any(k.startswith("checkpoints/iter_") for k in before)
     capsys.readouterr()
-    rc = main(["data=mock", *TINY, "train.train_iters=4", "model.vocab_size=640", f"run_dir={run}"])
+    rc = main(["data=mock", *TINY, "train.train_iters=4", "optim.lr_decay_iters=2", "model.vocab_size=640",
+               f"run_dir={run}"])
     _one_error(capsys, rc, "vocab size differs")
     assert _tree(run) == before  # config.yaml, metrics.jsonl and the checkpoints as they were
 

@@ -883,7 +883,7 @@ def test_tune_kernels_takes_a_runs_overrides():
 def test_bench_layers_backend_options():
     import dataclasses
 
-    from nano_hybrid.config import compose
+    from nano_hybrid.config import ConfigError, compose
 
     cfg = compose(["model=tiny", "kernels.helion.bwd_states_dtype=fp32"])
     be = blay._backend("torch:zxbcdt_copy", cfg)
@@ -893,9 +893,9 @@ def test_bench_layers_backend_options():
     assert blay._backend("helion", cfg).settings.bwd_states_dtype == "fp32"
     own = blay._backend("helion:kernels.helion.save_cumsum=false", cfg).settings
     assert own.bwd_states_dtype == "fp32" and own.save_cumsum is False
-    with pytest.raises(SystemExit, match="bogus"):
+    with pytest.raises(ConfigError, match="bogus"):
         blay._backend("torch:bogus", cfg)
-    with pytest.raises(SystemExit, match="only kernels.helion.<setting> keys apply .*zxbcdt_copy"):
+    with pytest.raises(ConfigError, match="only kernels.helion.<setting> keys apply .*zxbcdt_copy"):
         blay._backend("helion:optim.fused=true", cfg)
 
 

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = ["model=tiny", "model.hybrid_override_pattern=M*EM*E", "kernels.backend=torch", "data=mock",
              "model.seq_length=32", "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=4",
              "train.device=cpu", "optim.warmup_iters=1", "logger.wandb.mode=disabled", "parallel=pp2",
-             "checkpoint.interval=2", "checkpoint.save_on_exit=false"]
+             "checkpoint.interval=2", "checkpoint.save_on_exit=false", "optim.lr_decay_iters=3"]
 
 
 def _torchrun(run_dir, *extra):
