@@ -1,7 +1,9 @@
 """FP8 GEMM microbenchmark: bf16 vs torchao float8 tensorwise vs rowwise at the Nano linear shapes (fwd+bwd).
 
     python scripts/bench_fp8_gemm.py                       # M=16384, the three Nano shapes, H200: ~1-2 min
-    python scripts/bench_fp8_gemm.py --m 256 --iters 3     # CPU smoke run (eager, torch's CPU _scaled_mm)
+    python scripts/bench_fp8_gemm.py --m 64 --shapes 256x512 --warmup 1 --iters 3   # CPU smoke run: ~10 s on 2 cores
+                                                          # (eager; torch's CPU _scaled_mm takes ~0.3 s per fp8 call
+                                                          # even at this size, hours at the Nano shapes)
 
 Per shape (K -> N) and arm: ``y = x @ w.T`` with x [M, K], w [N, K] in bf16 and ``y.backward(dy)`` (the three GEMMs
 of a linear: output, grad_input, grad_weight), the fp8 arms through ``nano_hybrid.model.fp8.fp8_linear`` (the
