@@ -215,3 +215,15 @@ def test_tune_kernels_refuses_a_budget_that_is_not_positive(flag, capsys):
     with pytest.raises(SystemExit) as e:
         tk.main(["--list", *flag])
     assert e.value.code == 2 and "the budget must be > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", ["grad_match", "kernel_equivalence"])
+def test_check_tools_refuse_out_that_is_a_file_before_any_work(tool, tmp_path, capsys):
+    import importlib
+
+    mod = importlib.import_module(f"nano_hybrid.bench.{tool}")
+    out = tmp_path / "results"
+    out.write_text("keep\n")
+    assert mod.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out {out} is an existing file, not a folder"] and out.read_text() == "keep\n"

@@ -245,6 +245,11 @@ def main(argv=None) -> int:
     from nano_hybrid.data import DataConfigError
 
     try:
+        reporting.check_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         res = run(a)
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError, KernelSwitchError) as e:
         print(f"error: {e}", file=sys.stderr)

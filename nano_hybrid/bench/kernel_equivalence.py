@@ -106,6 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="output directory (default runs/kernel_equivalence)")
     a = ap.parse_args(argv)
+    try:
+        reporting.check_args(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if not a.reference_tree:
         print("error: --reference-tree DIR is required (a directory holding a kernels/ package)", file=sys.stderr)
         return EXIT_BAD_INPUT
