@@ -227,3 +227,14 @@ def test_check_tools_refuse_out_that_is_a_file_before_any_work(tool, tmp_path, c
     assert mod.main(["--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --out {out} is an existing file, not a folder"] and out.read_text() == "keep\n"
+
+
+def test_run_summary_refuses_an_explicit_skip_that_leaves_no_step(tmp_path, capsys):
+    from nano_hybrid.bench import run_summary
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "loss": 2.0, "step_time_s": 0.1}}\n' for i in (1, 2, 3)))
+    _one_error(capsys, run_summary.main([str(run), "--skip", "3"]), "--skip 3 leaves no step to time")
+    assert run_summary.main([str(run), "--skip", "2"]) == 0
+    assert run_summary.main([str(run)]) == 0  # the default skip (5): a run shorter than it is timed whole

@@ -145,6 +145,11 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    short = min(len(recs), len(ref) if ref else len(recs))
+    if a.skip >= short and any(x == "--skip" or x.startswith("--skip=") for x in (sys.argv[1:] if argv is None else argv)):
+        # an explicit --skip is honoured or refused; the default times every step of a run shorter than it
+        print(f"error: --skip {a.skip} leaves no step to time (the run holds {short} steps)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     res = {"run_dir": str(a.run_dir), "label": a.label, "summary": summarize_run(recs, a.skip)}
     ok = res["summary"]["no_nan"]
     if a.ref:
