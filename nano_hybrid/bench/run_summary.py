@@ -55,7 +55,10 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def summarize_run(recs: list[dict], skip: int = 5) -> dict:
+DEFAULT_SKIP = 5  # warm-up steps left out of the step-time medians
+
+
+def summarize_run(recs: list[dict], skip: int = DEFAULT_SKIP) -> dict:
     losses = [r.get("loss") for r in recs]
     bad = [int(r["step"]) for r in recs if not _finite(r.get("loss"))]
     timed = recs[skip:] if len(recs) > skip else recs
@@ -132,10 +135,14 @@ def main(argv=None) -> int:
     p.add_argument("--rtol-first", type=float, default=5e-3, help="max relative difference at the first step")
     p.add_argument("--mean-rtol", type=float, default=None,
                    help="also require the mean per-step relative difference <= this (default: not checked)")
-    p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of step-time medians")
+    p.add_argument("--skip", type=int, default=None,
+                   help=f"warm-up steps left out of step-time medians (default {DEFAULT_SKIP}; a run shorter than the "
+                        "default is timed whole)")
     p.add_argument("--label", default=None)
     p.add_argument("--out", default=None, help="write the JSON here (default: print only)")
     a = p.parse_args(argv)
+    explicit_skip = a.skip is not None
+    a.skip = DEFAULT_SKIP if a.skip is None else a.skip
     if a.steps < 1 or a.rtol <= 0 or a.rtol_first <= 0 or a.skip < 0 or (a.mean_rtol is not None and a.mean_rtol <= 0):
         print("error: --steps must be >= 1, --rtol/--rtol-first/--mean-rtol > 0, --skip >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -146,8 +153,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     short = min(len(recs), len(ref) if ref else len(recs))
-    if a.skip >= short and any(x == "--skip" or x.startswith("--skip=") for x in (sys.argv[1:] if argv is None else argv)):
-        # an explicit --skip is honoured or refused; the default times every step of a run shorter than it
+    if explicit_skip and a.skip >= short:  # an explicit --skip is honoured or refused
         print(f"error: --skip {a.skip} leaves no step to time (the run holds {short} steps)", file=sys.stderr)
         return EXIT_BAD_INPUT
     res = {"run_dir": str(a.run_dir), "label": a.label, "summary": summarize_run(recs, a.skip)}
