@@ -5,7 +5,8 @@
 Checks, in order: numeric keys, the train loop's sizes, device and precision, the optimizer, the parallel layout
 against the model and the world size, the LM head's parallel form, the memory planner (on a GPU), tokenizer
 against the model's embedding, validation and data paths (with their recorded tokenizer and fingerprint), the
-kernel backend, the W&B mode and ``checkpoint.init_from_hf``.
+kernel backend, the W&B mode and ``checkpoint.init_from_hf``, and with the helion backend the Mamba mixer's dims
+against the kernels' shape space.
 """
 
 from __future__ import annotations
@@ -304,6 +305,25 @@ def _check_writable_dir(path: Path, key: str, why: str) -> None:
             from None
 
 
+def _check_mixer_shape(cfg: DictConfig, dtype: torch.dtype) -> None:
+    """helion backend: the Mamba mixer dims one rank calls (``mixer_dims``) in the run's dtype lie inside the
+    kernels' shape space (``kernels/shapes.py``); anything else is one ConfigError naming the dim before any work."""
+    from kernels.shapes import UnsupportedShapeError, check_supported
+    from nano_hybrid.model.config import mixer_dims, model_dict
+
+    if "M" not in str(model_dict(cfg.model)["hybrid_override_pattern"]):
+        return
+    d = mixer_dims(cfg)
+    try:
+        check_supported(nheads=d["h"], headdim=d["p"], ngroups=d["g"], dstate=d["n"], chunk_size=d["c"],
+                        dtype=dtype, conv_width=d["w"], batch=d["b"], seqlen=d["l"],
+                        op="kernels.backend=helion (the Mamba mixer of one rank)")
+    except UnsupportedShapeError as e:
+        raise ConfigError(f"{e}; the model sets it through model.mamba_* (heads and groups per tensor-parallel rank), "
+                          "train.precision and train.micro_batch_size / seq_length; or use kernels.backend=mamba_ssm"
+                          ) from None
+
+
 def _check_run_io(cfg: DictConfig):
     """The kernel backend (resolved and returned), the W&B mode and the ``checkpoint.init_from_hf`` folder."""
     from nano_hybrid.metrics import WANDB_MODES
@@ -351,6 +371,8 @@ def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
     eval_interval, eval_iters = _check_eval(cfg)
     spec = _check_data(cfg, tok_spec, eval_interval)
     backend = _check_run_io(cfg)
+    if backend.settings is not None:  # helion
+        _check_mixer_shape(cfg, dtype)
     return RunPlan(
         run=RunConfig.from_cfg(cfg),
         dims=dims,

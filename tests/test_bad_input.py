@@ -240,3 +240,23 @@ def test_exported_config_loads_its_tokenizer_without_the_mistral_regex_warning(t
             hf_logging.disable_propagation()
         assert any("fix_mistral_regex" in r.getMessage() for r in caplog.records) == warned, version
         assert tok(text, add_special_tokens=False).input_ids == list(want)  # the ids the run trained on
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["model.mamba_head_dim=12", "model.mamba_num_heads=8"], "headdim=12"),
+    (["model.mamba_chunk_size=512"], "chunk_size=512"),
+    # fp32 (CPU training): a 256 x 256 state is a 256 KiB tile, past the kernels' 128 KiB
+    (["model.mamba_head_dim=256", "model.mamba_state_dim=256", "model.mamba_num_heads=2", "model.mamba_num_groups=1"],
+     "headdim x dstate = 256 x 256 in float32"),
+])
+def test_helion_mixer_shape_outside_the_shape_space_is_one_line_before_work(extra, needle, tmp_path, capsys):
+    """With kernels.backend=helion, Mamba dims the kernels do not support stop the run at validation with one line
+    naming the dim and the model keys, before any model is built; the torch backend takes the same dims."""
+    overrides = [o for o in TINY if not o.startswith("kernels.backend=")]
+    rc = main(["data=mock", *overrides, *extra, "kernels.backend=helion", f"run_dir={tmp_path / 'run'}"])
+    _one_error(capsys, rc, needle, "model.mamba_*")
+    assert not (tmp_path / "run").exists()
+    from nano_hybrid.config import compose
+    from nano_hybrid.runconfig import validate
+
+    validate(compose(["data=mock", *overrides, *extra, "kernels.backend=torch", f"run_dir={tmp_path / 'run2'}"]))

@@ -111,6 +111,18 @@ def model_dict(model_cfg: Any) -> dict:
     return m  # type: ignore[return-value]
 
 
+def mamba_heads(m: dict) -> int:
+    """The Mamba mixer's head count: ``model.mamba_num_heads``, or megatron's d_inner = 2 x hidden_size in heads of
+    ``model.mamba_head_dim`` when it is null (a ConfigError when that does not divide)."""
+    heads = m.get("mamba_num_heads")
+    if heads is None:
+        if (2 * m["hidden_size"]) % m["mamba_head_dim"]:
+            raise ConfigError(f"model.mamba_num_heads=null needs 2 x model.hidden_size={m['hidden_size']} to be a "
+                              f"multiple of model.mamba_head_dim={m['mamba_head_dim']}; set model.mamba_num_heads")
+        heads = 2 * m["hidden_size"] // m["mamba_head_dim"]
+    return int(heads)
+
+
 # torch._grouped_mm takes operands whose rows are 16-byte aligned: widths that are multiples of 8 in bf16 (4 in fp32)
 GROUPED_MM_ALIGN = 8
 
@@ -164,12 +176,7 @@ def check_model_cfg(m: dict) -> None:
         for k in ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_width"):
             positive(k)
         positive("mamba_num_heads", nullable=True)
-        heads = m.get("mamba_num_heads")
-        if heads is None:  # megatron: d_inner = 2 x hidden_size in heads of mamba_head_dim
-            if (2 * m["hidden_size"]) % m["mamba_head_dim"]:
-                raise ConfigError(f"model.mamba_num_heads=null needs 2 x model.hidden_size={m['hidden_size']} to be a "
-                                  f"multiple of model.mamba_head_dim={m['mamba_head_dim']}; set model.mamba_num_heads")
-            heads = 2 * m["hidden_size"] // m["mamba_head_dim"]
+        heads = mamba_heads(m)
         if heads % m["mamba_num_groups"]:
             raise ConfigError(f"model.mamba_num_heads={heads} must be divisible by "
                               f"model.mamba_num_groups={m['mamba_num_groups']}")
@@ -273,9 +280,9 @@ def mixer_dims(cfg: DictConfig) -> dict[str, int]:
     par = cfg.parallel
     tp = int(par.tensor_model_parallel_size)
     cp = int(par.context_parallel_size)
-    h, g = int(m.get("mamba_num_heads") or 0), int(m["mamba_num_groups"])
-    if not h:
-        raise ConfigError(f"model {m.get('name')!r} has no Mamba mixer (model.mamba_num_heads is not set)")
+    if "M" not in m["hybrid_override_pattern"]:
+        raise ConfigError(f"model {m.get('name')!r} has no Mamba mixer (no M in model.hybrid_override_pattern)")
+    h, g = mamba_heads(m), int(m["mamba_num_groups"])
     for key, v in (("model.mamba_num_heads", h), ("model.mamba_num_groups", g)):
         if v % tp:
             raise ConfigError(f"{key}={v} is not divisible by parallel.tensor_model_parallel_size={tp}")
