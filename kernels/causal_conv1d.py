@@ -493,4 +493,12 @@ def _conv_case(kind: str):
     return build
 
 
-TUNABLE_KERNELS = {"conv1d_fwd": _conv_case("fwd"), "conv1d_bwd": _conv_case("bwd")}
+def _conv_dims(dims: dict) -> dict:
+    """The kernel dims of ``_conv_case`` at model dims ``dims``: the fused op's channel-last bf16 conv over x, B, C,
+    the sequence padded to whole chunks, SiLU, no seq_idx."""
+    return dict(b=dims["b"], l=padded_len(dims["l"], dims["c"]),
+                d=dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"], w=dims["w"], cl=1, seq=0, act=1, dt="bfloat16")
+
+
+TUNABLE_KERNELS = {"conv1d_fwd": tuner.TunableKernel(_conv_case("fwd"), _conv_dims),
+                   "conv1d_bwd": tuner.TunableKernel(_conv_case("bwd"), _conv_dims)}

@@ -423,4 +423,11 @@ def _rmsnorm_case(kind: str):
     return build
 
 
-TUNABLE_KERNELS = {"rmsnorm_fwd": _rmsnorm_case("fwd"), "rmsnorm_bwd": _rmsnorm_case("bwd")}
+def _rmsnorm_case_dims(dims: dict) -> dict:
+    """The kernel dims of ``_rmsnorm_case`` at model dims ``dims`` (Megatron's path: no z, norm after the gate)."""
+    n = dims["h"] * dims["p"]
+    return _norm_dims(dims["b"] * dims["l"], dims["g"], n // dims["g"], False, False, torch.bfloat16)
+
+
+TUNABLE_KERNELS = {"rmsnorm_fwd": tuner.TunableKernel(_rmsnorm_case("fwd"), _rmsnorm_case_dims),
+                   "rmsnorm_bwd": tuner.TunableKernel(_rmsnorm_case("bwd"), _rmsnorm_case_dims)}

@@ -36,6 +36,7 @@ Each (kernel, config) pair is one ``helion.kernel`` with a fixed config: no auto
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -920,4 +921,20 @@ def _tune_case(name: str):
     return build
 
 
-TUNABLE_KERNELS = {name: _tune_case(name) for name in _BODIES}
+def _kernel_dims(name: str, md: dict) -> dict:
+    """The kernel dims ``_kernel_args`` gives kernel ``name`` at model dims ``md`` (nothing allocated or run)."""
+    b, l, h, p, g, n, c = (md[k] for k in ("b", "l", "h", "p", "g", "n", "c"))
+    L = padded_len(l, c)
+    if name == "ssd_chunk_cumsum":
+        return dict(b=b, l=l, h=h, c=c)
+    if name == "ssd_state_passing":
+        return dict(b=b, h=h, d=p * n, nc=L // c)
+    if name == "ssd_bmm_chunk":
+        return dict(b=b, l=L, g=g, n=n, c=c)
+    if name in ("ssd_chunk_state", "ssd_chunk_state_passing", "ssd_chunk_scan", "ssd_chunk_scan_cb16"):
+        return dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
+    raise KeyError(name)
+
+
+TUNABLE_KERNELS = {name: tuner.TunableKernel(_tune_case(name), functools.partial(_kernel_dims, name))
+                   for name in _BODIES}

@@ -32,6 +32,7 @@ CB (b, nc, g, c, c) fp32, seq_idx (b, l) int. ``seqlen % chunk_size != 0`` is ha
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -615,4 +616,14 @@ def _tune_builder(name: str):
     return build
 
 
-TUNABLE_KERNELS = {name: _tune_builder(name) for name in _KERNELS}
+def _kernel_dims(name: str, dims: dict) -> dict:
+    """The kernel dims ``_example_args`` gives kernel ``name`` at model dims ``dims`` (nothing allocated)."""
+    b, l, h, p, g, n, c = (dims[k] for k in ("b", "l", "h", "p", "g", "n", "c"))
+    kd = dict(b=b, l=padded_len(l, c), h=h, p=p, g=g, n=n, c=c)
+    if name not in _KERNELS:
+        raise KeyError(name)
+    return dict(kd, blk=_state_split(p * n)) if name == "ssd_bwd_state_passing" else kd
+
+
+TUNABLE_KERNELS = {name: tuner.TunableKernel(_tune_builder(name), functools.partial(_kernel_dims, name))
+                   for name in _KERNELS}

@@ -9,10 +9,11 @@ the reference config's outputs (the kernel's spec default), then timed in-proces
 (``triton.testing.do_bench`` median when available). Candidates that fail to compile, crash, or disagree are skipped
 and logged; the wall-clock budget is respected between candidates.
 
-Each kernel module may expose ``TUNABLE_KERNELS: dict[str, Callable[[dict, torch.device], TuneCase]]``: the callable
-receives *model dims* (b, l, h, p, g, n, c, w: a ``SHAPE_PRESETS`` entry, or the dims a run's config gives) and
-returns a ``TuneCase`` (kernel, args, kernel dims, seed configs, tolerances). ``discover_tunable_kernels()`` imports
-every ``kernels.*`` module and collects them.
+Each kernel module may expose ``TUNABLE_KERNELS: dict[str, TunableKernel]``. Called with *model dims* (b, l, h, p,
+g, n, c, w: a ``SHAPE_PRESETS`` entry, or the dims a run's config gives) and a device, a ``TunableKernel`` builds a
+``TuneCase`` (kernel, args, kernel dims, seed configs, tolerances); its ``dims(model_dims)`` gives the kernel dims
+alone (the shape key of a config entry) without allocating or running anything, so finding the pairs that lack a
+config costs nothing. ``discover_tunable_kernels()`` imports every ``kernels.*`` module and collects them.
 
 Nothing in a training step calls this module unless ``kernels.helion.autotune`` is on (``tune_call``, from
 ``kernels.first_use.tune_first_use``, in a child process on a GPU).
@@ -79,6 +80,19 @@ class TuneCase:
     # args -> None, run before each candidate's checked run: poison output buffers passed as
     # arguments (e.g. fill with NaN) so a candidate that leaves elements unwritten fails the check.
     prepare: Callable[[tuple], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TunableKernel:
+    """A tunable kernel of ``TUNABLE_KERNELS``: ``build(model_dims, device)`` its search case (inputs allocated, and
+    for some kernels computed by the kernels before it); ``dims(model_dims)`` the kernel dims that case has, computed
+    from the model dims alone. Calling it builds the case."""
+
+    build: Callable[[dict, Any], TuneCase]
+    dims: Callable[[dict], dict]
+
+    def __call__(self, model_dims: dict, device: Any) -> TuneCase:
+        return self.build(model_dims, device)
 
 
 def grid_seeds(**axes: Iterable[Any]) -> list[dict]:
@@ -403,11 +417,11 @@ def search(
 _NOT_KERNEL_MODULES = ("tuning", "tuner", "first_use", "registry", "settings", "debug", "shapes")
 
 
-def discover_tunable_kernels() -> dict[str, tuple[str, Callable]]:
-    """``{kernel_name: (module_name, case_builder)}`` from every ``kernels.*`` module's TUNABLE_KERNELS."""
+def discover_tunable_kernels() -> dict[str, tuple[str, TunableKernel]]:
+    """``{kernel_name: (module_name, TunableKernel)}`` from every ``kernels.*`` module's TUNABLE_KERNELS."""
     import kernels as _pkg
 
-    found: dict[str, tuple[str, Callable]] = {}
+    found: dict[str, tuple[str, TunableKernel]] = {}
     for mod in pkgutil.iter_modules(_pkg.__path__):
         if mod.name in _NOT_KERNEL_MODULES or mod.name.startswith("_"):
             continue
@@ -415,6 +429,9 @@ def discover_tunable_kernels() -> dict[str, tuple[str, Callable]]:
         for name, builder in getattr(m, "TUNABLE_KERNELS", {}).items():
             if name in found:
                 raise ValueError(f"tunable kernel {name!r} defined in both {found[name][0]} and kernels.{mod.name}")
+            if not isinstance(builder, TunableKernel):
+                raise TypeError(f"kernels.{mod.name}.TUNABLE_KERNELS[{name!r}] is a {type(builder).__name__}, "
+                                "not a kernels.tuner.TunableKernel")
             found[name] = (f"kernels.{mod.name}", builder)
     return found
 

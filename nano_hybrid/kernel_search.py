@@ -21,7 +21,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
 
 from kernels import first_use, tuner, tuning
 from kernels.registry import HELION_TRAINING_KERNELS
@@ -35,24 +34,23 @@ def pairs_of(names: list[str], shape_dims: Mapping[str, dict]) -> list[tuple[str
 
 
 def missing_pairs(registry: dict, names: list[str], shape_dims: dict[str, dict], root: Path | None,
-                  device: str = "cuda", arch: str | None = None) -> list[tuple[str, str]]:
+                  arch: str | None = None) -> list[tuple[str, str]]:
     """The ``(kernel, shape)`` pairs of ``names`` x ``shape_dims`` (shape by shape) without an exact config for
     ``arch`` (default: this GPU's) in the committed configs, nor under ``root`` when given (a user cache); the kernel
-    dims come from each kernel's own case at that shape."""
-    device = torch.device(device)
+    dims come from each kernel's ``TunableKernel.dims`` at that shape (no case is built: nothing is allocated or run)."""
     roots = [None] if root is None else [None, root]
     missing = []
     for name, shape in pairs_of(names, shape_dims):
-        dims = registry[name][1](dict(shape_dims[shape]), device).dims  # the case once per pair (it allocates)
+        dims = registry[name][1].dims(dict(shape_dims[shape]))
         if all(tuning.lookup(name, dims, arch=arch, root=r)[0] != "exact" for r in roots):
             missing.append((name, shape))
     return missing
 
 
 def missing_kernels(registry: dict, names: list[str], shape_dims: dict[str, dict], root: Path | None,
-                    device: str = "cuda", arch: str | None = None) -> list[str]:
+                    arch: str | None = None) -> list[str]:
     """The kernels of ``names`` (in that order) with at least one of ``missing_pairs``."""
-    missing = {name for name, _ in missing_pairs(registry, names, shape_dims, root, device=device, arch=arch)}
+    missing = {name for name, _ in missing_pairs(registry, names, shape_dims, root, arch=arch)}
     return [name for name in names if name in missing]
 
 

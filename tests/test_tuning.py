@@ -894,23 +894,49 @@ def test_tuner_copies_arguments_with_their_strides_and_passes_broadcast_views():
     assert _copy_arg(3) == 3 and _copy_arg(None) is None
 
 
-def test_tune_kernels_missing_names_the_kernels_without_an_exact_config(monkeypatch):
+def test_tune_kernels_missing_names_the_kernels_without_an_exact_config():
     """``tune_kernels.py --missing``: at the nano_proxy shape the committed sm90 files hold exact configs for every
     kernel but the five SSD backward kernels listed; a user-cache root with nothing in it adds none; with the Nano
     shape beside it, only the proxy's pairs are missing (the Nano shape's kernels are not tuned again)."""
     from nano_hybrid.kernel_search import missing_kernels, missing_pairs
 
-    monkeypatch.setenv("HELION_INTERPRET", "1")  # the cases are built on the CPU
     registry = tuner.discover_tunable_kernels()
     shapes = {"proxy": dict(tuner.SHAPE_PRESETS["nano_proxy"])}
-    got = missing_kernels(registry, sorted(registry), shapes, None, device="cpu", arch="sm90")
+    got = missing_kernels(registry, sorted(registry), shapes, None, arch="sm90")
     assert got == ["ssd_bwd_db", "ssd_bwd_dc_dcb", "ssd_bwd_dt", "ssd_bwd_dx", "ssd_bwd_state_passing"]
-    assert missing_kernels(registry, ["conv1d_fwd", "ssd_bwd_dx"], shapes, Path("/nonexistent-root"), device="cpu",
+    assert missing_kernels(registry, ["conv1d_fwd", "ssd_bwd_dx"], shapes, Path("/nonexistent-root"),
                            arch="sm90") == ["ssd_bwd_dx"]
     # per (kernel, shape) pair: beside the Nano shape (every kernel committed there) only the proxy's five remain
     shapes["nano"] = dict(tuner.SHAPE_PRESETS["nano"])
-    assert missing_pairs(registry, sorted(registry), shapes, None, device="cpu", arch="sm90") == [
+    assert missing_pairs(registry, sorted(registry), shapes, None, arch="sm90") == [
         (name, "proxy") for name in got]
+
+
+@pytest.mark.parametrize("md", [
+    dict(b=1, l=64, h=4, p=16, g=2, n=16, c=32, w=4),  # whole chunks
+    dict(b=2, l=70, h=3, p=8, g=1, n=8, c=32, w=3),  # a partial last chunk, 1 group, conv width 3
+    dict(b=1, l=5, h=2, p=8, g=2, n=16, c=16, w=4),  # shorter than one chunk
+], ids=["whole", "partial", "short"])
+def test_tunable_kernel_dims_equal_the_dims_of_its_built_case(md, monkeypatch):
+    """``TunableKernel.dims`` (what ``missing_pairs`` reads, without building anything) is the kernel dims of the case
+    the search builds, for every tunable kernel: a pair found missing is the pair the search tunes and stores."""
+    monkeypatch.setenv("HELION_INTERPRET", "1")  # the cases are built on the CPU
+    for name, (_, tk) in sorted(tuner.discover_tunable_kernels().items()):
+        assert tk.dims(dict(md)) == tk(dict(md), "cpu").dims, name
+
+
+def test_missing_pairs_builds_no_case(monkeypatch):
+    """Finding the pairs without a config of the whole grid builds no search case (it allocated the inputs and
+    compiled the forward kernels of every pair on the GPU first)."""
+    from nano_hybrid.bench.mixer import GRID
+    from nano_hybrid.kernel_search import missing_pairs
+
+    registry = {name: (mod, tuner.TunableKernel(lambda *a: pytest.fail("a case was built"), tk.dims))
+                for name, (mod, tk) in tuner.discover_tunable_kernels().items()}
+    shapes = {k: dict(b=s.batch, l=s.seqlen, h=s.nheads, p=s.headdim, g=s.ngroups, n=s.d_state, c=s.chunk_size,
+                      w=s.d_conv) for k, (s, docs) in GRID.items() if docs == 1}
+    got = missing_pairs(registry, sorted(registry), shapes, None, arch="sm90")
+    assert ("ssd_bwd_dx", "nano_b1_l262144") in got and ("ssd_bwd_dx", "nano_b2_l8192") not in got
 
 
 def test_a_config_file_that_cannot_be_used_is_one_error_naming_it(tmp_path, monkeypatch):
