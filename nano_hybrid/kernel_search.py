@@ -21,7 +21,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-
 from kernels import first_use, tuner, tuning
 from kernels.registry import HELION_TRAINING_KERNELS
 
