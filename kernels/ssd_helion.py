@@ -583,17 +583,41 @@ def ssd_cumsum_states_helion(
     initial_states: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
+    fuse_state_passing: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dA_cumsum, dt_out, states_in, final_states): chunk_cumsum then chunk_state_passing.
 
     dt (b, l, h) is the raw dt (strided slices are read in place); B (b, l, g, n), x (b, l, h, p) and seq_idx may have
     length l or already be padded to nc * c; A, dt_bias, dt_softplus, dt_limit as ``ssd_chunk_cumsum_helion``;
-    initial_states, state_dtype as ``ssd_chunk_state_passing_helion``."""
+    initial_states, state_dtype as ``ssd_chunk_state_passing_helion``; ``fuse_state_passing`` as ``ssd_states_helion``."""
     dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                                 dt_limit=dt_limit)
-    states_in, final_states = ssd_chunk_state_passing_helion(
-        B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
+    states_in, final_states = ssd_states_helion(
+        B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype,
+        fuse_state_passing=fuse_state_passing)
     return dA_cumsum, dt_out, states_in, final_states
+
+
+def ssd_states_helion(
+    B: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dA_cumsum: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
+    fuse_state_passing: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states_in (b, nc, h, p, n) in ``state_dtype``, final_states (b, h, p, n) fp32) from the cumsum piece's
+    dt / dA_cumsum (b, h, nc, c): ``ssd_chunk_state_passing_helion`` (one kernel), or with
+    ``fuse_state_passing=False`` ``ssd_chunk_state_helion`` then ``ssd_state_passing_helion`` (two kernels, the
+    per-chunk states in fp32 between them)."""
+    if fuse_state_passing:
+        return ssd_chunk_state_passing_helion(B, x, dt, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx,
+                                              state_dtype=state_dtype)
+    states = ssd_chunk_state_helion(B, x, dt, dA_cumsum, seq_idx=seq_idx)
+    return ssd_state_passing_helion(states, dA_cumsum[..., -1], initial_states=initial_states, seq_idx=seq_idx,
+                                    chunk_size=dt.shape[-1], state_dtype=state_dtype or B.dtype)
 
 
 def ssd_bmm_chunk_helion(
@@ -636,6 +660,7 @@ def ssd_chunk_pieces_helion(
     state_dtype: torch.dtype | None = None,
     cumsum: tuple[torch.Tensor, torch.Tensor] | None = None,
     cb_dtype: torch.dtype = torch.float32,
+    fuse_state_passing: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything chunk_scan and the backward read: (dA_cumsum, dt_out, states_in, final_states, CB) from the chunk
     cumsum, chunk_state_passing and the bmm. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n).
@@ -643,12 +668,14 @@ def ssd_chunk_pieces_helion(
     bmm run. CB is in ``cb_dtype``."""
     if cumsum is not None:
         dA_cumsum, dt_out = cumsum
-        states_in, final_states = ssd_chunk_state_passing_helion(
-            B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
+        states_in, final_states = ssd_states_helion(
+            B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype,
+            fuse_state_passing=fuse_state_passing)
     else:
         dA_cumsum, dt_out, states_in, final_states = ssd_cumsum_states_helion(
             B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-            initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype)
+            initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype,
+            fuse_state_passing=fuse_state_passing)
     CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=cb_dtype)
     return dA_cumsum, dt_out, states_in, final_states, CB
 
@@ -734,7 +761,7 @@ def ssd_forward_helion(
     have x's length.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
     ``fuse_state_passing=False`` runs chunk_state and state_passing as two kernels (the per-chunk fp32 states go
-    through memory), for comparisons with mamba-ssm's kernels one by one. ``seq_major``: out and out_x in (l, b)
+    through memory; ``HelionSettings.fuse_state_passing``). ``seq_major``: out and out_x in (l, b)
     memory order (``ssd_chunk_scan_helion``)."""
     _check_chunk(chunk_size)
     if x.dim() != 4 or B.dim() != 4 or dt.dim() != 3:
@@ -757,20 +784,11 @@ def ssd_forward_helion(
     xp, Bp, Cp, zp = (_pad_seq(t, L) for t in (x, B, C, z))
     sidx = _pad_seq_idx(seq_idx, L)
     sdtype = state_dtype or C.dtype
-    if fuse_state_passing:
-        dA_cumsum, dt_out, states_in, final_states, CB = ssd_chunk_pieces_helion(
-            Bp, xp, Cp, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-            initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, cb_dtype=forward_cb_dtype(x.dtype),
-        )
-    else:
-        dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                                    dt_limit=dt_limit)
-        states = ssd_chunk_state_helion(Bp, xp, dt_out, dA_cumsum, seq_idx=sidx)
-        states_in, final_states = ssd_state_passing_helion(
-            states, dA_cumsum[..., -1], initial_states=initial_states, seq_idx=sidx, chunk_size=chunk_size,
-            state_dtype=sdtype,
-        )
-        CB = ssd_bmm_chunk_helion(Cp, Bp, chunk_size, seq_idx=sidx, cb_dtype=forward_cb_dtype(x.dtype))
+    dA_cumsum, dt_out, states_in, final_states, CB = ssd_chunk_pieces_helion(
+        Bp, xp, Cp, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, cb_dtype=forward_cb_dtype(x.dtype),
+        fuse_state_passing=fuse_state_passing,
+    )
     out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx,
                                        seq_major=seq_major)
     if lx != L:

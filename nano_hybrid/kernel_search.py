@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kernels import first_use, tuner, tuning
-from kernels.registry import HELION_TRAINING_KERNELS
+from kernels.registry import helion_training_kernels
 
 TUNE_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tune_kernels.py"
 
@@ -125,7 +125,7 @@ def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: flo
 
 def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=True)) -> list[str]:
     """``kernels.helion.autotune`` before a run's first step: tune every kernel a training step calls
-    (``kernels.registry.HELION_TRAINING_KERNELS``) that has no exact config (committed, or in the user cache) at the
+    with ``settings`` (``kernels.registry.helion_training_kernels``) that has no exact config (committed, or in the user cache) at the
     run's mixer dims ``dims`` on this GPU, ``settings.autotune_jobs`` isolated
     searches at a time, each with the first-use budget ``settings.autotune_budget_s``, winners into the user cache.
     The first call of each kernel then finds its config, instead of searching one kernel after the other in the
@@ -137,7 +137,7 @@ def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=
     key = tuning.shape_key(**dims)
     registry = tuner.discover_tunable_kernels()
     with tuning.file_lock(root / arch / f"pretune.{key}"):
-        names = missing_kernels(registry, sorted(HELION_TRAINING_KERNELS), {key: dict(dims)}, root)
+        names = missing_kernels(registry, sorted(helion_training_kernels(settings)), {key: dict(dims)}, root)
         if not names:
             return []
         jobs = min(settings.autotune_jobs, len(names))

@@ -71,8 +71,9 @@ def classify(ops: list[str]) -> dict:
                 view=dict(sorted(view.items())))
 
 
-def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1) -> dict:
-    """Counts of one forward and backward at (b, l) with chunk 16 (``l`` 32 is two whole chunks)."""
+def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1, settings=None) -> dict:
+    """Counts of one forward and backward at (b, l) with chunk 16 (``l`` 32 is two whole chunks), with the op's
+    ``settings`` (a ``HelionSettings``; None: the defaults)."""
     from kernels import mamba_split_helion as msh
 
     h, p, g, n, c = 4, 8, 2, 16, 16
@@ -95,7 +96,8 @@ def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1) -> dic
     try:
         with counter:
             y = msh.mamba_split_conv1d_scan_combined_helion(
-                zxbcdt, w, bias, dt_bias, A, D, c, initial_states=init_s, seq_idx=si, headdim=p, ngroups=g)
+                zxbcdt, w, bias, dt_bias, A, D, c, initial_states=init_s, seq_idx=si, headdim=p, ngroups=g,
+                settings=settings)
         fwd = list(counter.ops)
         counter.ops.clear()
         with counter:

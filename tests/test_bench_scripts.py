@@ -823,10 +823,14 @@ def test_tune_kernels_jobs_share_the_budget(monkeypatch):
         tk.main(["--kernels", kernels, "--jobs", "0"])
     # the default kernels: a run's overrides tune what its training step calls, presets every tunable kernel
     assert tk.main(["model=nano_proxy", "train.seq_length=1024", "--budget-s", "140"]) == 0
-    assert got["names"] == sorted(tk.HELION_TRAINING_KERNELS) and got["jobs"] == 1
+    assert got["names"] == sorted(tk.helion_training_kernels()) and got["jobs"] == 1
+    # with the run's kernels.helion settings: the split state passing calls its two kernels instead of the fused one
+    assert tk.main(["model=nano_proxy", "train.seq_length=1024", "kernels.helion.fuse_state_passing=false",
+                    "--budget-s", "140"]) == 0
+    assert "ssd_state_passing" in got["names"] and "ssd_chunk_state_passing" not in got["names"]
     assert tk.main(["--shapes", "nano", "--budget-s", "140"]) == 0
     assert got["names"] == sorted(tk.tuner.discover_tunable_kernels()) and len(got["names"]) > len(
-        tk.HELION_TRAINING_KERNELS)
+        tk.helion_training_kernels())
 
 
 def test_tune_kernels_run_children_at_once_and_in_turn(tmp_path):
@@ -1074,7 +1078,7 @@ def test_pretune_tunes_the_missing_kernels_at_once_then_nothing(monkeypatch, tmp
     s = HelionSettings(autotune=True, autotune_budget_s=20, autotune_jobs=2, cache_dir=str(tmp_path / "cache"))
     assert tk.pretune(dims, s, say=lines.append) == ["ssd_bwd_db @ x (timeout)"]
     assert seen["root"] == tmp_path / "cache" and list(seen["shapes"].values()) == [dims]
-    assert seen["names"] == sorted(tk.HELION_TRAINING_KERNELS)  # what a training step calls, not every tunable kernel
+    assert seen["names"] == sorted(tk.helion_training_kernels(s))  # what a training step calls, not every kernel
     assert seen["jobs"] == 2 and seen["timeout_s"] == 20 + tk.ISOLATE_OVERHEAD_S + tk.first_use.SEARCH_MARGIN_S
     assert [c[c.index("--kernels") + 1] for c in seen["cmds"]] == ["conv1d_fwd", "ssd_bwd_dx", "ssd_bwd_db"]
     for c in seen["cmds"]:

@@ -140,6 +140,28 @@ def test_saved_conv_and_states_give_bitwise_equal_grads(monkeypatch, dtype, save
     assert launched[True].count("ssd_chunk_cumsum") == (1 if save_cumsum else 2)
 
 
+@pytest.mark.parametrize("save_conv_states", [False, True])
+def test_split_state_passing_matches_the_fused_kernel(monkeypatch, save_conv_states):
+    """``fuse_state_passing=false``: chunk_state then state_passing (two kernels, fp32 states between them) in the
+    forward and the backward's recompute, instead of chunk_state_passing; outputs, final states and every gradient
+    equal the fused kernel's within fp32 rounding (odd seqlen, seq_idx, initial states)."""
+    from kernels import ssd_helion as sh
+
+    res, launched = {}, {}
+    real_run = sh._run
+    for fused in (True, False):
+        calls = launched[fused] = []
+        monkeypatch.setattr(sh, "_run", lambda name, *a, calls=calls, **kw: calls.append(name) or real_run(name, *a, **kw))
+        res[fused], _ = _seq_init_case(HelionSettings(fuse_state_passing=fused, save_conv_states=save_conv_states))
+    for i, (a, bb) in enumerate(zip(res[True], res[False])):
+        # fp32 throughout: the two paths sum the same products in another order
+        assert torch.allclose(a, bb, rtol=1e-5, atol=1e-5 * max(1.0, bb.abs().max().item())), f"output {i}"
+    n = 1 if save_conv_states else 2  # the forward, and the backward's recompute
+    assert launched[True].count("ssd_chunk_state_passing") == n and "ssd_state_passing" not in launched[True]
+    assert launched[False].count("ssd_chunk_state") == launched[False].count("ssd_state_passing") == n
+    assert "ssd_chunk_state_passing" not in launched[False]
+
+
 def test_save_conv_states_needs_input_dtype_states():
     from kernels.settings import HelionSettingsError
 
@@ -560,24 +582,31 @@ def test_short_and_partial_chunk_shapes_vs_mamba_ssm(b, l, doc):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")
-def test_training_kernels_are_what_a_training_step_calls(monkeypatch):
-    """``registry.HELION_TRAINING_KERNELS`` (what a run's pretuning tunes) is exactly the set of tunable kernels that
-    the fused op's forward + backward (with and without seq_idx) and the gated RMSNorm's forward + backward call."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_state_passing", "split_state_passing"])
+def test_training_kernels_are_what_a_training_step_calls(monkeypatch, fused):
+    """``registry.helion_training_kernels(settings)`` (what a run's pretuning tunes) is exactly the set of tunable
+    kernels that the fused op's forward + backward (with and without seq_idx) and the gated RMSNorm's forward +
+    backward call with those settings."""
     from fused_op_counts import count
 
     from kernels import first_use
-    from kernels.registry import HELION_TRAINING_KERNELS, get_backend
+    from kernels.registry import HELION_TRAINING_KERNELS, get_backend, helion_training_kernels
+    from kernels.settings import HelionSettings
     from kernels.tuner import discover_tunable_kernels
 
+    settings = HelionSettings(fuse_state_passing=fused)
     called = set()
     orig = first_use.tuned_call
     monkeypatch.setattr(first_use, "tuned_call", lambda name, *a, **k: called.add(name) or orig(name, *a, **k))
-    count(seq=False)
-    count(seq=True)
+    count(seq=False, settings=settings)
+    count(seq=True, settings=settings)
     norm = get_backend("helion").RMSNormGated(32, eps=1e-5, group_size=16, norm_before_gate=False)
     x = torch.randn(2, 5, 32, requires_grad=True)
     norm(x, torch.randn(2, 5, 32)).square().sum().backward()
-    assert called == set(HELION_TRAINING_KERNELS) and called <= set(discover_tunable_kernels())
+    assert called == set(helion_training_kernels(settings)) and called <= set(discover_tunable_kernels())
+    assert ("ssd_chunk_state_passing" in called) == fused and ("ssd_state_passing" in called) != fused
+    if fused:
+        assert helion_training_kernels(settings) == HELION_TRAINING_KERNELS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")

@@ -46,10 +46,11 @@ class MixerShape:
                     c=self.chunk_size, w=self.d_conv)
 
 
-# Nano 30B-A3B mixer shapes (docs/ARCHITECTURE.md). tp2 = one rank's share at tensor-parallel 2.
+# Nano 30B-A3B mixer shapes (docs/ARCHITECTURE.md). tp2 / tp8 = one rank's share at tensor-parallel 2 / 8.
 SHAPES = {
     "nano": MixerShape(batch=2, seqlen=8192, nheads=64, headdim=64, ngroups=8, d_state=128),
     "tp2": MixerShape(batch=2, seqlen=8192, nheads=32, headdim=64, ngroups=4, d_state=128),
+    "tp8": MixerShape(batch=1, seqlen=8192, nheads=8, headdim=64, ngroups=1, d_state=128),
     "l4096b4": MixerShape(batch=4, seqlen=4096, nheads=64, headdim=64, ngroups=8, d_state=128),
     # CPU smoke-test size only (not a benchmark).
     "tiny": MixerShape(batch=1, seqlen=256, nheads=4, headdim=16, ngroups=2, d_state=16, chunk_size=64),

@@ -10,7 +10,7 @@ tensor-parallel rank, head dim, state dim, chunk, conv width). Without overrides
 ``bench_shape_grid.py``'s shapes without packed documents (``grid``: all of them; to tune a grid before it runs).
 
 Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuner.discover_tunable_kernels``); with a
-run's overrides the default is the kernels a training step calls (``kernels.registry.HELION_TRAINING_KERNELS``);
+run's overrides the default is the kernels a training step calls (``kernels.registry.helion_training_kernels``);
 shapes are ``kernels.tuner.SHAPE_PRESETS`` names. The budget is split evenly over (kernel, shape)
 pairs. Candidates: the kernel's default config, its hand-written seeds (shuffled with a fixed seed),
 then random configs from the bound kernel's config space; each is compiled as a fixed config,
@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 
 from kernels import first_use, tuner, tuning
-from kernels.registry import HELION_TRAINING_KERNELS
+from kernels.registry import helion_training_kernels
+from kernels.settings import HelionSettings, HelionSettingsError
 from nano_hybrid.kernel_search import child_commands, missing_pairs, pairs_of, run_children
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
@@ -55,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="a run's overrides (as for nano_hybrid.train): tune the mixer shapes it calls")
     ap.add_argument("--kernels", default=None,
-                    help="comma list of tunable kernel names, 'training' (the kernels a training step calls: "
-                    "kernels.registry.HELION_TRAINING_KERNELS; the default with a run's overrides) or 'all' (the "
-                    "default with presets)")
+                    help="comma list of tunable kernel names, 'training' (the kernels a training step calls with "
+                    "the run's kernels.helion settings: kernels.registry.helion_training_kernels; the default with a "
+                    "run's overrides) or 'all' (the default with presets)")
     ap.add_argument("--shapes", "--shape", dest="shapes", default=None,
                     help=f"comma list of presets (default nano without overrides): {', '.join(tuner.SHAPE_PRESETS)}; "
                     "or of bench_shape_grid.py's shapes without packed documents ('grid': all of those)")
@@ -110,7 +111,10 @@ def main(argv=None) -> int:
     if which == "all":
         names = sorted(registry)
     elif which == "training":
-        names = sorted(HELION_TRAINING_KERNELS)
+        try:
+            names = sorted(helion_training_kernels(run_settings(args.overrides)))
+        except ValueError as e:
+            ap.error(str(e))
     else:
         names = [k.strip() for k in which.split(",") if k.strip()]
     unknown = [k for k in names if k not in registry]
@@ -248,6 +252,18 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
         run["written"] = str(path)
     print(f"   winner {best_ms * 1000:.1f} us (generic default {run['generic_default_ms']}) "
           f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}", flush=True)
+
+
+def run_settings(overrides: list[str]) -> HelionSettings | None:
+    """The ``kernels.helion`` settings of the run ``overrides`` describe (None without overrides: the defaults)."""
+    if not overrides:
+        return None
+    from nano_hybrid.config import ConfigError, compose
+
+    try:
+        return HelionSettings.from_mapping(compose(list(overrides)).kernels.get("helion") or {})
+    except (ConfigError, HelionSettingsError) as e:
+        raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
 
 
 def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | None) -> dict[str, dict]:
