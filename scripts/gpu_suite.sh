@@ -8,7 +8,8 @@
 # $OUT and its log to $OUT/logs/STAGE.log):
 #   tests        pytest -m gpu: every GPU test (kernels against mamba-ssm / causal-conv1d and the fp32 references)
 #   equivalence  scripts/kernel_equivalence.py against the kernels in $REFERENCE_TREE (bitwise outputs and gradients)
-#   kernels      the mixer op A/B (bench_kernels.py, Nano shape, A-vs-A control) and the SSD forward (bench_ssd_fwd.py)
+#   kernels      the mixer op A/B (bench_kernels.py, A-vs-A control) at each shape of $KERNEL_SHAPES (default "nano";
+#                e.g. "nano tp8") and the SSD forward (bench_ssd_fwd.py, Nano shape)
 #   helion_next  the kernels stage's mixer op A/B and the kernel GPU tests again with the Helion wheel in
 #                $HELION_NEXT_WHEEL (installed into ./site_helion_next, ahead of ./site on PYTHONPATH): results in
 #                $OUT/helion_next, to set beside the kernels stage's (one Helion version per process)
@@ -127,9 +128,13 @@ st_equivalence() {
     [ -n "${REFERENCE_TREE:-}" ] || { echo "equivalence needs REFERENCE_TREE (a folder holding the reference kernels/)"; return 2; }
     python3 scripts/kernel_equivalence.py --reference-tree "$REFERENCE_TREE" --out "$OUT"
 }
-st_kernels() {
-    python3 scripts/bench_kernels.py --backend "$A" --compare "${BACKENDS#*,}" --shape nano --rounds 6 --iters 8 \
-        --out "$OUT" && python3 scripts/bench_ssd_fwd.py --shapes nano --rounds 6 --iters 8 --out "$OUT"
+st_kernels() {  # the mixer op A/B at each of $KERNEL_SHAPES (default nano), then the SSD forward at nano
+    local shape
+    for shape in ${KERNEL_SHAPES:-nano}; do
+        python3 scripts/bench_kernels.py --backend "$A" --compare "${BACKENDS#*,}" --shape "$shape" --rounds 6 \
+            --iters 8 --out "$OUT" || return 1
+    done
+    python3 scripts/bench_ssd_fwd.py --shapes nano --rounds 6 --iters 8 --out "$OUT"
 }
 st_helion_next() {  # the mixer op A/B and the kernel GPU tests again with the Helion wheel $HELION_NEXT_WHEEL
     [ -n "${HELION_NEXT_WHEEL:-}" ] || { echo "helion_next needs HELION_NEXT_WHEEL (a helion wheel file)"; return 2; }
