@@ -386,14 +386,10 @@ def test_vs_mamba_ssm_nano_shape_bf16():
         assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bwd_states_dtype_nano_bf16():
-    """Nano shape, bf16: the backward's recomputed states in bf16 (bwd_states_dtype "input", the default), and also its
-    dstates in bf16 (bwd_dstates_dtype "input"), against fp32 for both (mamba-ssm's choice): the relative L2
-    error against the fp32 torch reference of every gradient, and of the dt columns of d_zxbcdt (where the ddA sums
-    end up), may grow by at most 10% + 1e-4 (printed for the results README)."""
-    b, l, h, p, g, n, c = 2, 8192, 64, 64, 8, 128, 128
+def _gpu_bf16_runner(b, l, h, p, g, n, c):
+    """``_case``'s inputs on the GPU in bf16 (conv weight and bias too): (their names, ``run(fn, cast, **extra)``),
+    which calls the op ``fn`` on them (``cast``: in fp32, for the reference) and returns [out, every input's gradient
+    of a fixed random projection of out], all as fp32."""
     t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16)
     t["conv1d_weight"] = t["conv1d_weight"].bfloat16()
     t["conv1d_bias"] = t["conv1d_bias"].bfloat16()
@@ -403,10 +399,27 @@ def test_bwd_states_dtype_nano_bf16():
         leaves = {k: (v.float() if cast else v).detach().requires_grad_(True) for k, v in t.items()}
         out = fn(*leaves.values(), **kw, **extra)
         do = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(out.dtype)
-        res = [out.float()] + [x.float() for x in torch.autograd.grad((out.float() * do.float()).sum(), list(leaves.values()))]
+        return [out.float()] + [x.float() for x in torch.autograd.grad((out.float() * do.float()).sum(),
+                                                                        list(leaves.values()))]
+
+    return list(t), run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bwd_states_dtype_nano_bf16():
+    """Nano shape, bf16: the backward's recomputed states in bf16 (bwd_states_dtype "input", the default), and also its
+    dstates in bf16 (bwd_dstates_dtype "input"), against fp32 for both (mamba-ssm's choice): the relative L2
+    error against the fp32 torch reference of every gradient, and of the dt columns of d_zxbcdt (where the ddA sums
+    end up), may grow by at most 10% + 1e-4 (printed for the results README)."""
+    h = 64
+    inputs, run_op = _gpu_bf16_runner(2, 8192, h, 64, 8, 128, 128)
+
+    def run(fn, cast, **extra):
+        res = run_op(fn, cast, **extra)
         return res + [res[1][..., -h:]]  # + the ddt columns
 
-    names = ["out"] + list(t) + ["ddt columns"]
+    names = ["out"] + inputs + ["ddt columns"]
     ref = run(mamba_split_conv1d_scan_combined_ref, True)
     errs = {}
     for mode, states, dstates in (("fp32", "fp32", "fp32"), ("states", "input", "fp32"), ("states+dstates", "input", "input")):
@@ -427,24 +440,12 @@ def test_state_settings_on_the_gpu_tp8_bf16():
     """Nano at TP8 (1 x 8192, 8 heads, 1 group), bf16, compiled: ``save_conv_states`` gives outputs and gradients
     bitwise equal to the default's; ``fuse_state_passing=false`` (two kernels, fp32 states between them) has each
     relative L2 error against the fp32 torch reference within 10% + 1e-4 of the fused kernel's."""
-    b, l, h, p, g, n, c = 1, 8192, 8, 64, 1, 128, 128
-    t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16)
-    t["conv1d_weight"] = t["conv1d_weight"].bfloat16()
-    t["conv1d_bias"] = t["conv1d_bias"].bfloat16()
-    kw = dict(chunk_size=c, headdim=p, ngroups=g)
-
-    def run(fn, cast, **extra):
-        leaves = {k: (v.float() if cast else v).detach().requires_grad_(True) for k, v in t.items()}
-        out = fn(*leaves.values(), **kw, **extra)
-        do = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(out.dtype)
-        return [out.float()] + [x.float() for x in torch.autograd.grad((out.float() * do.float()).sum(),
-                                                                        list(leaves.values()))]
-
+    inputs, run = _gpu_bf16_runner(1, 8192, 8, 64, 1, 128, 128)
     ref = run(mamba_split_conv1d_scan_combined_ref, True)
     got = {name: run(msh.mamba_split_conv1d_scan_combined_helion, False, settings=HelionSettings(**st))
            for name, st in (("default", {}), ("save_conv_states", dict(save_conv_states=True)),
                             ("split", dict(fuse_state_passing=False)))}
-    names = ["out"] + list(t)
+    names = ["out"] + inputs
     for nm, a, bb in zip(names, got["default"], got["save_conv_states"]):
         assert torch.equal(a, bb), f"{nm}: save_conv_states differs from the recompute"
     for nm, fused, split, r in zip(names, got["default"], got["split"], ref):
