@@ -926,8 +926,8 @@ def test_tunable_kernel_dims_equal_the_dims_of_its_built_case(md, monkeypatch):
 
 
 def test_missing_pairs_builds_no_case(monkeypatch):
-    """Finding the pairs without a config of the whole grid builds no search case (it allocated the inputs and
-    compiled the forward kernels of every pair on the GPU first)."""
+    """Finding the pairs without a config of the whole grid builds no search case (a case allocates its inputs, and
+    an SSD forward case runs the kernels before it on the GPU)."""
     from nano_hybrid.bench.mixer import GRID
     from nano_hybrid.kernel_search import missing_pairs
 
