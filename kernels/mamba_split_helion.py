@@ -93,7 +93,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
             x.reshape(b, L, nheads, headdim), dt[:, :l], A, B.reshape(b, L, ngroups, dstate),
             C.reshape(b, L, ngroups, dstate), chunk_size, D=D, z=z.reshape(b, L, nheads, headdim), dt_bias=dt_bias,
             initial_states=initial_states, seq_idx=seq_idx_padded, dt_softplus=True, dt_limit=dt_limit,
-            fuse_state_passing=settings.fuse_state_passing, seq_major=seq_major(zxbcdt),
+            state_passing=settings.state_passing, seq_major=seq_major(zxbcdt),
         )
         ctx.settings = settings
         if not settings.save_cumsum:
@@ -140,7 +140,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
                 initial_states=initial_states, seq_idx=seq_idx,
                 state_dtype=torch.float32 if ctx.settings.bwd_states_dtype == "fp32" else x.dtype,
                 cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out),
-                fuse_state_passing=ctx.settings.fuse_state_passing)
+                state_passing=ctx.settings.state_passing)
         else:  # the forward's states (x's dtype, as bwd_states_dtype=input recomputes them): only C.B^T runs
             if dA_cumsum is None:
                 dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True,

@@ -24,13 +24,16 @@ save_conv_states    false      the fused op's forward also keeps the conv output
                                neither the conv nor chunk_state + state_passing again: bitwise the same gradients,
                                for a * l * (di + 2 g n + h p n / c) more bytes per layer (335 MB at Nano's 2 x 8192
                                in bf16); needs bwd_states_dtype=input (the forward's states are in x's dtype)
-fuse_state_passing  true       chunk_state + state_passing as one kernel (``ssd_chunk_state_passing``: one program
-                               per (batch, head, headdim block, dstate block) walks the chunks in order, the
-                               running state in registers) in the forward and the backward's recompute; false: two
-                               kernels (``ssd_chunk_state`` over every chunk at once, its fp32 states written, then
-                               ``ssd_state_passing``), more programs where batch x heads is small (8 heads per
-                               rank at TP8), and a transient fp32 (b, nc, h, p, n) states tensor (268 MB at
-                               Nano's 2 x 8192). Equal within fp32 rounding of the states, not bitwise.
+state_passing       auto       how the forward (and the backward's recompute) computes the states entering each
+                               chunk: "fused" (``ssd_chunk_state_passing``: one program per (batch, head, headdim
+                               block, dstate block) walks the chunks in order, the running state in registers),
+                               "split" (``ssd_chunk_state`` over every chunk at once, its fp32 states written, then
+                               ``ssd_state_passing``: more programs where batch x heads is small, a transient fp32
+                               (b, nc, h, p, n) tensor) or "auto": per shape, the path with the smaller sum of
+                               tuned kernel times where both paths have exact configs, else "split" where the fused
+                               kernel would have fewer programs than a third of the GPU's SMs
+                               (``kernels.ssd_helion.choose_state_passing``). Equal within fp32 rounding of the
+                               states, not bitwise.
 zxbcdt_in_place     true       the Mamba mixer hands the fused op its (l, b, d) in_proj output as a (b, l, d) view
                                and gets the gradient back in that layout (no copy either way); the op then writes y
                                in (l, b, d) memory order too, so the mixer's transpose to (l, b, d) copies nothing;
@@ -63,6 +66,7 @@ from collections.abc import Mapping
 from typing import Any
 
 DTYPE_CHOICES = ("input", "fp32")
+STATE_PASSING_CHOICES = ("auto", "fused", "split")
 _DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype")
 
 
@@ -76,7 +80,7 @@ class HelionSettings:
     bwd_dstates_dtype: str = "input"
     save_cumsum: bool = True
     save_conv_states: bool = False
-    fuse_state_passing: bool = True
+    state_passing: str = "auto"
     zxbcdt_in_place: bool = True
     fast_launch: bool = True
     autotune: bool = False
@@ -91,6 +95,9 @@ class HelionSettings:
                 raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be true or false")
             if f.name in _DTYPE_KEYS and v not in DTYPE_CHOICES:
                 raise HelionSettingsError(f"kernels.helion.{f.name}={v!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+            if f.name == "state_passing" and v not in STATE_PASSING_CHOICES:
+                raise HelionSettingsError(f"kernels.helion.state_passing={v!r}; choose one of "
+                                          f"{', '.join(STATE_PASSING_CHOICES)}")
             if f.type == "float":
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                     raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be a number of seconds > 0")

@@ -47,6 +47,7 @@ import helion.language as hl
 
 from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
+from kernels.settings import STATE_PASSING_CHOICES
 from kernels.shapes import padded_len
 from kernels.ssd import _pad_len
 from kernels.ssd import _pad_seq_idx as _pad_seq_idx_ref
@@ -583,19 +584,86 @@ def ssd_cumsum_states_helion(
     initial_states: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
-    fuse_state_passing: bool = True,
+    state_passing: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dA_cumsum, dt_out, states_in, final_states): chunk_cumsum then chunk_state_passing.
 
     dt (b, l, h) is the raw dt (strided slices are read in place); B (b, l, g, n), x (b, l, h, p) and seq_idx may have
     length l or already be padded to nc * c; A, dt_bias, dt_softplus, dt_limit as ``ssd_chunk_cumsum_helion``;
-    initial_states, state_dtype as ``ssd_chunk_state_passing_helion``; ``fuse_state_passing`` as ``ssd_states_helion``."""
+    initial_states, state_dtype as ``ssd_chunk_state_passing_helion``; ``state_passing`` as ``ssd_states_helion``."""
     dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                                 dt_limit=dt_limit)
     states_in, final_states = ssd_states_helion(
         B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype,
-        fuse_state_passing=fuse_state_passing)
+        state_passing=state_passing)
     return dA_cumsum, dt_out, states_in, final_states
+
+
+# "auto" state passing without tuned times for both paths: the fused kernel's programs at 64 x 64 (headdim x dstate)
+# blocks, the blocks of its tuned sm90 configs, against the GPU's SMs. Its tuned times on one H200 (kernels/configs/
+# sm90) are larger than the split path's at 1 x 8192 with 8 and 16 heads (16 and 32 programs: 72 vs 37 and 52 us) and
+# smaller from 32 heads on (64 programs and more: 70 vs 77 us at 32 heads, 106 vs 242 us at 2 x 8192 with 64 heads).
+FUSED_STATE_BLOCK = 64
+AUTO_SPLIT_BELOW_SM_FRACTION = 1 / 3
+
+
+def fused_state_programs(b: int, h: int, p: int, n: int) -> int:
+    """The programs of ``ssd_chunk_state_passing`` at (headdim, dstate) blocks of ``FUSED_STATE_BLOCK``: one per
+    (batch, head, headdim block, dstate block); each walks all the chunks in order."""
+    blk = FUSED_STATE_BLOCK
+    return b * h * -(-p // blk) * -(-n // blk)
+
+
+def choose_state_passing(state_passing: str, dims: dict[str, int], *, arch: str, sm_count: int | None,
+                         root=None, cache_root=None) -> tuple[bool, str]:
+    """``(fused, why)``: whether the chunk states at ``dims`` (b, l (padded), h, p, g, n, c) run as the fused
+    ``ssd_chunk_state_passing`` or as ``ssd_chunk_state`` then ``ssd_state_passing``
+    (``HelionSettings.state_passing``). "fused" / "split" decide; "auto" compares the tuned times of the exact
+    configs of the three kernels (committed files under ``root``, else the user cache ``cache_root``) where all three
+    have one, else splits where the fused kernel has fewer programs (``fused_state_programs``) than
+    ``AUTO_SPLIT_BELOW_SM_FRACTION`` of ``sm_count`` SMs; without a GPU (``sm_count`` None) fused."""
+    if state_passing not in STATE_PASSING_CHOICES:
+        raise ValueError(f"state_passing={state_passing!r}; choose one of {', '.join(STATE_PASSING_CHOICES)}")
+    if state_passing != "auto":
+        return state_passing == "fused", f"kernels.helion.state_passing={state_passing}"
+    b, L, h, p, n, c = (dims[k] for k in ("b", "l", "h", "p", "n", "c"))
+    times = [tuning.tuned_time_ms(name, kd, arch, root, cache_root) for name, kd in (
+        ("ssd_chunk_state_passing", dims), ("ssd_chunk_state", dims),
+        ("ssd_state_passing", dict(b=b, h=h, d=p * n, nc=L // c)))]
+    if None not in times:
+        t_f, t_cs, t_sp = (t * 1e3 for t in times)
+        fused = t_f <= t_cs + t_sp
+        return fused, f"tuned times: fused {t_f:.1f} us, split {t_cs:.1f} + {t_sp:.1f} us"
+    if sm_count is None:
+        return True, "no GPU: the fused kernel"
+    progs = fused_state_programs(b, h, p, n)
+    fused = progs >= AUTO_SPLIT_BELOW_SM_FRACTION * sm_count
+    return fused, (f"no tuned times for both paths; the fused kernel's {progs} programs are "
+                   f"{'at least' if fused else 'fewer than'} a third of {sm_count} SMs")
+
+
+def _fused_states_here(state_passing: str, B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor) -> bool:
+    """``choose_state_passing`` for this call, decided once per shape and runtime (the forward and the backward's
+    recompute take the same path); an "auto" decision on a GPU is said once per shape."""
+    if state_passing != "auto":
+        return choose_state_passing(state_passing, {}, arch="", sm_count=None)[0]
+    b, L, h, p = x.shape
+    g, n = B.shape[2:]
+    _, _, nc, c = dt.shape
+    dims = dict(b=b, l=nc * c, h=h, p=p, g=g, n=n, c=c)
+    rt = tuning.runtime()
+    on_gpu = x.is_cuda and not tuning.interpret_mode()
+    arch = tuning.current_arch() if on_gpu else "cpu"
+    key = ("state_passing", arch, tuning.shape_key(**dims))
+    if key not in rt.decisions:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else None
+        fused, why = choose_state_passing("auto", dims, arch=arch, sm_count=sms, cache_root=rt.cache_root)
+        rt.decisions[key] = fused
+        if on_gpu:
+            tuning.warn_once("ssd_states", f"auto:{key}",
+                             f"nano_hybrid kernels: state passing at {key[2]}: {'fused' if fused else 'split'} "
+                             f"({why}; kernels.helion.state_passing=auto)")
+    return rt.decisions[key]
 
 
 def ssd_states_helion(
@@ -606,13 +674,13 @@ def ssd_states_helion(
     initial_states: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
-    fuse_state_passing: bool = True,
+    state_passing: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(states_in (b, nc, h, p, n) in ``state_dtype``, final_states (b, h, p, n) fp32) from the cumsum piece's
-    dt / dA_cumsum (b, h, nc, c): ``ssd_chunk_state_passing_helion`` (one kernel), or with
-    ``fuse_state_passing=False`` ``ssd_chunk_state_helion`` then ``ssd_state_passing_helion`` (two kernels, the
-    per-chunk states in fp32 between them)."""
-    if fuse_state_passing:
+    dt / dA_cumsum (b, h, nc, c): ``ssd_chunk_state_passing_helion`` (one kernel, ``state_passing="fused"``), or
+    ``ssd_chunk_state_helion`` then ``ssd_state_passing_helion`` (two kernels, the per-chunk states in fp32 between
+    them, ``"split"``); ``"auto"`` chooses per shape (``choose_state_passing``)."""
+    if _fused_states_here(state_passing, B, x, dt):
         return ssd_chunk_state_passing_helion(B, x, dt, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx,
                                               state_dtype=state_dtype)
     states = ssd_chunk_state_helion(B, x, dt, dA_cumsum, seq_idx=seq_idx)
@@ -660,7 +728,7 @@ def ssd_chunk_pieces_helion(
     state_dtype: torch.dtype | None = None,
     cumsum: tuple[torch.Tensor, torch.Tensor] | None = None,
     cb_dtype: torch.dtype = torch.float32,
-    fuse_state_passing: bool = True,
+    state_passing: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything chunk_scan and the backward read: (dA_cumsum, dt_out, states_in, final_states, CB) from the chunk
     cumsum, chunk_state_passing and the bmm. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n).
@@ -670,12 +738,12 @@ def ssd_chunk_pieces_helion(
         dA_cumsum, dt_out = cumsum
         states_in, final_states = ssd_states_helion(
             B, x, dt_out, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype,
-            fuse_state_passing=fuse_state_passing)
+            state_passing=state_passing)
     else:
         dA_cumsum, dt_out, states_in, final_states = ssd_cumsum_states_helion(
             B, x, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
             initial_states=initial_states, seq_idx=seq_idx, state_dtype=state_dtype,
-            fuse_state_passing=fuse_state_passing)
+            state_passing=state_passing)
     CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=cb_dtype)
     return dA_cumsum, dt_out, states_in, final_states, CB
 
@@ -748,7 +816,7 @@ def ssd_forward_helion(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype | None = None,
-    fuse_state_passing: bool = True,
+    state_passing: str = "auto",
     seq_major: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """All forward pieces, like mamba-ssm's ``_mamba_chunk_scan_combined_fwd``:
@@ -760,8 +828,8 @@ def ssd_forward_helion(
     (``padded_len``; the padded rows are never read into a valid position or the final state). out and out_x
     have x's length.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
-    ``fuse_state_passing=False`` runs chunk_state and state_passing as two kernels (the per-chunk fp32 states go
-    through memory; ``HelionSettings.fuse_state_passing``). ``seq_major``: out and out_x in (l, b)
+    ``state_passing``: chunk_state and state_passing as one kernel ("fused"), as two (the per-chunk fp32 states go
+    through memory, "split"), or chosen per shape ("auto"; ``ssd_states_helion``). ``seq_major``: out and out_x in (l, b)
     memory order (``ssd_chunk_scan_helion``)."""
     _check_chunk(chunk_size)
     if x.dim() != 4 or B.dim() != 4 or dt.dim() != 3:
@@ -787,7 +855,7 @@ def ssd_forward_helion(
     dA_cumsum, dt_out, states_in, final_states, CB = ssd_chunk_pieces_helion(
         Bp, xp, Cp, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
         initial_states=initial_states, seq_idx=sidx, state_dtype=sdtype, cb_dtype=forward_cb_dtype(x.dtype),
-        fuse_state_passing=fuse_state_passing,
+        state_passing=state_passing,
     )
     out, out_x = ssd_chunk_scan_helion(CB, xp, dt_out, dA_cumsum, Cp, states_in, D=D, z=zp, seq_idx=sidx,
                                        seq_major=seq_major)

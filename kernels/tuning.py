@@ -103,6 +103,8 @@ class Runtime:
     # (tag, id(kernel), argument signature) -> compiled callable: the per-call fast path (no config lookup, no
     # Config objects, no JSON per call once a signature has been seen)
     fast: dict = dataclasses.field(default_factory=dict)
+    # per-shape choices between kernel paths made from the stored configs (e.g. ``ssd_helion.choose_state_passing``)
+    decisions: dict = dataclasses.field(default_factory=dict)
 
     @property
     def cache_root(self) -> Path:
@@ -111,6 +113,7 @@ class Runtime:
     def clear(self) -> None:
         self.compiled.clear()
         self.fast.clear()
+        self.decisions.clear()
 
 
 _RUNTIMES: dict[HelionSettings, Runtime] = {}
@@ -318,6 +321,19 @@ def lookup(kernel_name: str, dims: Mapping[str, Any], arch: str | None = None, r
     if near:
         return "nearest", near[0][0], near[0][1]
     return "none", None, None
+
+
+def tuned_time_ms(kernel_name: str, dims: Mapping[str, Any], arch: str | None = None, root: Path | None = None,
+                  cache_root: Path | None = None) -> float | None:
+    """The tuned time (ms) stored with the exact entry for ``dims``: the committed file's (``root``), else the user
+    cache's (``cache_root``, when given); None where neither has an entry with a time."""
+    key = shape_key(**dims)
+    arch = arch or current_arch()
+    for where in (root, cache_root) if cache_root is not None else (root,):
+        t = _entries(kernel_name, arch, where).get(key, {}).get("time_ms")
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0:
+            return float(t)
+    return None
 
 
 def nearest_entries(entries: Mapping[str, dict], dims: Mapping[str, Any]) -> list[tuple[str, dict]]:

@@ -825,7 +825,7 @@ def test_tune_kernels_jobs_share_the_budget(monkeypatch):
     assert tk.main(["model=nano_proxy", "train.seq_length=1024", "--budget-s", "140"]) == 0
     assert got["names"] == sorted(tk.helion_training_kernels()) and got["jobs"] == 1
     # with the run's kernels.helion settings: the split state passing calls its two kernels instead of the fused one
-    assert tk.main(["model=nano_proxy", "train.seq_length=1024", "kernels.helion.fuse_state_passing=false",
+    assert tk.main(["model=nano_proxy", "train.seq_length=1024", "kernels.helion.state_passing=split",
                     "--budget-s", "140"]) == 0
     assert "ssd_state_passing" in got["names"] and "ssd_chunk_state_passing" not in got["names"]
     assert tk.main(["--shapes", "nano", "--budget-s", "140"]) == 0

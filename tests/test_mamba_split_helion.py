@@ -142,7 +142,7 @@ def test_saved_conv_and_states_give_bitwise_equal_grads(monkeypatch, dtype, save
 
 @pytest.mark.parametrize("save_conv_states", [False, True])
 def test_split_state_passing_matches_the_fused_kernel(monkeypatch, save_conv_states):
-    """``fuse_state_passing=false``: chunk_state then state_passing (two kernels, fp32 states between them) in the
+    """``state_passing=split``: chunk_state then state_passing (two kernels, fp32 states between them) in the
     forward and the backward's recompute, instead of chunk_state_passing; outputs, final states and every gradient
     equal the fused kernel's within fp32 rounding (odd seqlen, seq_idx, initial states)."""
     from kernels import ssd_helion as sh
@@ -152,7 +152,8 @@ def test_split_state_passing_matches_the_fused_kernel(monkeypatch, save_conv_sta
     for fused in (True, False):
         calls = launched[fused] = []
         monkeypatch.setattr(sh, "_run", lambda name, *a, calls=calls, **kw: calls.append(name) or real_run(name, *a, **kw))
-        res[fused], _ = _seq_init_case(HelionSettings(fuse_state_passing=fused, save_conv_states=save_conv_states))
+        res[fused], _ = _seq_init_case(HelionSettings(state_passing="fused" if fused else "split",
+                                                       save_conv_states=save_conv_states))
     for i, (a, bb) in enumerate(zip(res[True], res[False])):
         # fp32 throughout: the two paths sum the same products in another order
         assert torch.allclose(a, bb, rtol=1e-5, atol=1e-5 * max(1.0, bb.abs().max().item())), f"output {i}"
@@ -438,19 +439,32 @@ def test_bwd_states_dtype_nano_bf16():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_state_settings_on_the_gpu_tp8_bf16():
     """Nano at TP8 (1 x 8192, 8 heads, 1 group), bf16, compiled: ``save_conv_states`` gives outputs and gradients
-    bitwise equal to the default's; ``fuse_state_passing=false`` (two kernels, fp32 states between them) has each
-    relative L2 error against the fp32 torch reference within 10% + 1e-4 of the fused kernel's."""
-    inputs, run = _gpu_bf16_runner(1, 8192, 8, 64, 1, 128, 128)
+    bitwise equal to the recompute's; ``state_passing=split`` (two kernels, fp32 states between them) has each
+    relative L2 error against the fp32 torch reference within 10% + 1e-4 of the fused kernel's; ``auto`` is bitwise
+    the path ``choose_state_passing`` names for this shape on this GPU."""
+    from kernels import ssd_helion as sh
+    from kernels import tuning
+
+    b, l, h, p, g, n, c = 1, 8192, 8, 64, 1, 128, 128
+    inputs, run = _gpu_bf16_runner(b, l, h, p, g, n, c)
     ref = run(mamba_split_conv1d_scan_combined_ref, True)
     got = {name: run(msh.mamba_split_conv1d_scan_combined_helion, False, settings=HelionSettings(**st))
-           for name, st in (("default", {}), ("save_conv_states", dict(save_conv_states=True)),
-                            ("split", dict(fuse_state_passing=False)))}
+           for name, st in (("fused", dict(state_passing="fused")),
+                            ("save_conv_states", dict(state_passing="fused", save_conv_states=True)),
+                            ("split", dict(state_passing="split")), ("auto", {}))}
     names = ["out"] + inputs
-    for nm, a, bb in zip(names, got["default"], got["save_conv_states"]):
+    for nm, a, bb in zip(names, got["fused"], got["save_conv_states"]):
         assert torch.equal(a, bb), f"{nm}: save_conv_states differs from the recompute"
-    for nm, fused, split, r in zip(names, got["default"], got["split"], ref):
+    for nm, fused, split, r in zip(names, got["fused"], got["split"], ref):
         ef, es = (((x - r).norm() / r.norm()).item() for x in (fused, split))
         assert es <= 1.1 * ef + 1e-4, f"{nm}: split state passing rel err {es:.3e} vs fused {ef:.3e}"
+    fused, why = sh.choose_state_passing(
+        "auto", dict(b=b, l=l, h=h, p=p, g=g, n=n, c=c), arch=tuning.current_arch(),
+        sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+        cache_root=tuning.runtime_for(HelionSettings()).cache_root)
+    print(f"state_passing=auto at Nano TP8: {'fused' if fused else 'split'} ({why})")
+    for nm, a, bb in zip(names, got["auto"], got["fused" if fused else "split"]):
+        assert torch.equal(a, bb), f"{nm}: auto differs from the path it chose"
 
 
 @pytest.mark.gpu
@@ -614,11 +628,12 @@ def test_short_and_partial_chunk_shapes_vs_mamba_ssm(b, l, doc):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_state_passing", "split_state_passing"])
-def test_training_kernels_are_what_a_training_step_calls(monkeypatch, fused):
+@pytest.mark.parametrize("mode", ["fused", "split"])
+def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode):
     """``registry.helion_training_kernels(settings)`` (what a run's pretuning tunes) is exactly the set of tunable
     kernels that the fused op's forward + backward (with and without seq_idx) and the gated RMSNorm's forward +
-    backward call with those settings."""
+    backward call with those settings; with ``state_passing=auto`` (the default) it is both paths' kernels, whose
+    tuned times choose between them."""
     from fused_op_counts import count
 
     from kernels import first_use
@@ -626,7 +641,7 @@ def test_training_kernels_are_what_a_training_step_calls(monkeypatch, fused):
     from kernels.settings import HelionSettings
     from kernels.tuner import discover_tunable_kernels
 
-    settings = HelionSettings(fuse_state_passing=fused)
+    settings = HelionSettings(state_passing=mode)
     called = set()
     orig = first_use.tuned_call
     monkeypatch.setattr(first_use, "tuned_call", lambda name, *a, **k: called.add(name) or orig(name, *a, **k))
@@ -636,9 +651,11 @@ def test_training_kernels_are_what_a_training_step_calls(monkeypatch, fused):
     x = torch.randn(2, 5, 32, requires_grad=True)
     norm(x, torch.randn(2, 5, 32)).square().sum().backward()
     assert called == set(helion_training_kernels(settings)) and called <= set(discover_tunable_kernels())
+    fused = mode == "fused"
     assert ("ssd_chunk_state_passing" in called) == fused and ("ssd_state_passing" in called) != fused
-    if fused:
-        assert helion_training_kernels(settings) == HELION_TRAINING_KERNELS
+    split_kernels = {"ssd_chunk_state", "ssd_state_passing"}
+    assert set(HELION_TRAINING_KERNELS) == set(helion_training_kernels(HelionSettings()))
+    assert set(HELION_TRAINING_KERNELS) == (called | split_kernels if fused else called | {"ssd_chunk_state_passing"})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")

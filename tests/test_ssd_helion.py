@@ -98,7 +98,7 @@ def test_pieces_match_reference(case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "split"])
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
 def test_forward_matches_reference_and_recurrence(case, fuse):
     b, l, h, p, g, n, c, brk = CASES[case]
@@ -106,7 +106,7 @@ def test_forward_matches_reference_and_recurrence(case, fuse):
     kw = dict(D=t["Dp"] if fuse else t["D"], z=t["z"], dt_bias=t["dt_bias"], initial_states=t["init"],
               seq_idx=t["seq_idx"] if brk else None, dt_softplus=True, dt_limit=(0.0, 1.5))
     ref = ssd.ssd_forward_ref(t["x"], t["dt"], t["A"], t["B"], t["C"], c, **kw)
-    got = sh.ssd_forward_helion(t["x"], t["dt"], t["A"], t["B"], t["C"], c, fuse_state_passing=fuse, **kw)
+    got = sh.ssd_forward_helion(t["x"], t["dt"], t["A"], t["B"], t["C"], c, state_passing="fused" if fuse else "split", **kw)
     for name, a, r in zip(["out", "out_x", "dt_out", "dA_cumsum", "states_in", "final_states"], got, ref):
         _close(a, r, 1e-4, name)
     y64, fin64 = ssd.ssd_recurrence_fp64(t["x"], t["dt"], t["A"], t["B"], t["C"], **kw)
@@ -199,7 +199,7 @@ def test_forward_launches_and_cb_dtype(monkeypatch):
     sh.ssd_forward_helion(*args32, **kw32)
     assert names == ["ssd_chunk_cumsum", "ssd_chunk_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"], names
     names.clear()
-    sh.ssd_forward_helion(*args32, fuse_state_passing=False, **kw32)
+    sh.ssd_forward_helion(*args32, state_passing="split", **kw32)
     assert names == ["ssd_chunk_cumsum", "ssd_chunk_state", "ssd_state_passing", "ssd_bmm_chunk", "ssd_chunk_scan"]
     assert sh.forward_cb_dtype(torch.bfloat16) == torch.bfloat16 and sh.forward_cb_dtype(torch.float32) == torch.float32
     x, dt, A, B, C, c = args
@@ -213,6 +213,93 @@ def test_forward_launches_and_cb_dtype(monkeypatch):
         sh.ssd_chunk_scan_helion(CB, x, dto, dA, C, st)
     with pytest.raises(ValueError, match="reads CB in torch.float32"):
         sh.ssd_chunk_scan_helion(CB16, x.float(), dto, dA, C.float(), st.float())
+
+
+def _store_times(root, arch, times_us, dims):
+    """Committed-style config files under ``root`` with one exact entry per state kernel at ``dims``."""
+    from kernels import tuning
+
+    b, L, h, p, n, c = (dims[k] for k in ("b", "l", "h", "p", "n", "c"))
+    kdims = {"ssd_chunk_state_passing": dims, "ssd_chunk_state": dims,
+             "ssd_state_passing": dict(b=b, h=h, d=p * n, nc=L // c)}
+    for name, t in times_us.items():
+        tuning.record(name, kdims[name], {"block_sizes": [16, 16, 16]}, t / 1e3, arch=arch, root=root)
+
+
+def test_state_passing_choice(tmp_path):
+    """``state_passing``: "fused" / "split" decide; "auto" takes the smaller sum of the three kernels' tuned times
+    where all three have exact entries (committed, else the user cache), else splits where the fused kernel's
+    programs are fewer than a third of the SMs, and runs the fused kernel without a GPU; a bad value is refused."""
+    from kernels.settings import HelionSettings, HelionSettingsError
+
+    tp8 = dict(b=1, l=8192, h=8, p=64, g=1, n=128, c=128)
+    nano = dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128)
+    kw = dict(arch="sm90", sm_count=132, root=tmp_path / "committed", cache_root=tmp_path / "cache")
+    assert sh.choose_state_passing("fused", tp8, **kw)[0] is True
+    assert sh.choose_state_passing("split", nano, **kw)[0] is False
+    with pytest.raises(ValueError, match="state_passing='on'; choose one of auto, fused, split"):
+        sh.choose_state_passing("on", tp8, **kw)
+    with pytest.raises(HelionSettingsError, match="kernels.helion.state_passing=True; choose one of auto, fused, split"):
+        HelionSettings(state_passing=True)
+    # no tuned times: the programs of the fused kernel (b * h * (p / 64) * (n / 64)) against a third of the SMs
+    assert sh.fused_state_programs(1, 8, 64, 128) == 16 and sh.fused_state_programs(2, 64, 64, 128) == 256
+    fused, why = sh.choose_state_passing("auto", tp8, **kw)
+    assert fused is False and "16 programs are fewer than a third of 132 SMs" in why
+    assert sh.choose_state_passing("auto", dict(tp8, h=32), **kw)[0] is True  # 64 programs >= 44
+    assert sh.choose_state_passing("auto", dict(tp8, h=32), **dict(kw, sm_count=200))[0] is False  # 64 < 66.7
+    assert sh.choose_state_passing("auto", tp8, **dict(kw, sm_count=None)) == (True, "no GPU: the fused kernel")
+    # tuned times for two of the three kernels are not enough
+    _store_times(kw["root"], "sm90", {"ssd_chunk_state_passing": 40.0, "ssd_chunk_state": 12.0}, tp8)
+    assert sh.choose_state_passing("auto", tp8, **kw)[0] is False
+    # the third in the user cache: the sums decide (40 < 12 + 30), also against the rule
+    _store_times(kw["cache_root"], "sm90", {"ssd_state_passing": 30.0}, tp8)
+    fused, why = sh.choose_state_passing("auto", tp8, **kw)
+    assert fused is True and why == "tuned times: fused 40.0 us, split 12.0 + 30.0 us"
+    _store_times(kw["root"], "sm90", {"ssd_chunk_state_passing": 45.0}, tp8)  # now 45 > 42
+    assert sh.choose_state_passing("auto", tp8, **kw)[0] is False
+    # another arch reads its own files only
+    assert sh.choose_state_passing("auto", tp8, **dict(kw, arch="sm100"))[1].startswith("no tuned times")
+    # a non-finite stored time is no time
+    _store_times(kw["root"], "sm90", {"ssd_chunk_state_passing": float("nan")}, dict(tp8, h=16))
+    _store_times(kw["root"], "sm90", {"ssd_chunk_state": 1.0, "ssd_state_passing": 1.0}, dict(tp8, h=16))
+    assert sh.choose_state_passing("auto", dict(tp8, h=16), **kw)[1].startswith("no tuned times")
+
+
+def test_state_passing_auto_on_the_committed_sm90_configs():
+    """The committed sm90 tuned times make "auto" split at Nano's TP8 and TP4 ranks (1 x 8192, 8 and 16 heads) and
+    fuse at TP1 / TP2 and at Nano's 2 x 8192 (64 heads)."""
+    want = {(1, 8): False, (1, 16): False, (1, 32): True, (1, 64): True, (2, 64): True}
+    for (b, h), fused in want.items():
+        dims = dict(b=b, l=8192, h=h, p=64, g=max(1, h // 8), n=128, c=128)
+        got, why = sh.choose_state_passing("auto", dims, arch="sm90", sm_count=132)
+        assert got is fused and why.startswith("tuned times"), (b, h, why)
+
+
+@pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
+def test_state_passing_is_decided_once_per_shape(monkeypatch):
+    """The fused op's forward and its backward's recompute take the path decided at the first call of a shape, once
+    per runtime; "auto" on the CPU runs the fused kernel."""
+    from fused_op_counts import count
+
+    from kernels import tuning
+    from kernels.settings import HelionSettings
+
+    calls, launched = [], []
+    real_choose, real_run = sh.choose_state_passing, sh._run
+    monkeypatch.setattr(sh, "choose_state_passing",
+                        lambda mode, dims, **kw: calls.append((mode, dims, kw)) or (False, "test"))
+    monkeypatch.setattr(sh, "_run", lambda name, *a, **kw: launched.append(name) or real_run(name, *a, **kw))
+    settings = HelionSettings(cache_dir="/nonexistent/auto-test")
+    tuning.runtime_for(settings).clear()
+    count(settings=settings)
+    count(settings=settings)
+    assert len(calls) == 1 and calls[0][0] == "auto" and calls[0][2]["sm_count"] is None
+    assert calls[0][1] == dict(b=1, l=32, h=4, p=8, g=2, n=16, c=16)
+    assert launched.count("ssd_chunk_state") == launched.count("ssd_state_passing") == 4  # 2 x (fwd + recompute)
+    assert "ssd_chunk_state_passing" not in launched
+    tuning.runtime_for(settings).clear()
+    monkeypatch.setattr(sh, "choose_state_passing", real_choose)
+    assert sh.choose_state_passing("auto", calls[0][1], **calls[0][2])[0] is True
 
 
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
@@ -349,5 +436,5 @@ def test_gpu_nano_vs_fp32_reference_and_mamba_ssm(with_seq):
     _close(got[5], m[5], 1e-2, "final_states vs mamba-ssm")
     _close(got[4].float(), m[4].float(), 2e-2, "states_in vs mamba-ssm")
     # the fused and unfused state paths agree
-    unf = sh.ssd_forward_helion(*args, fuse_state_passing=False, **kw)
+    unf = sh.ssd_forward_helion(*args, state_passing="split", **kw)
     _close(unf[0], got[0], 1e-2, "unfused vs fused out")
