@@ -1193,3 +1193,37 @@ def test_gpu_suite_archive_holds_the_output_without_checkpoints(tmp_path):
     assert {"stages.tsv", "logs/parity.log", "logs/convergence.log", "parity.FAILED",
             "convergence_seeds/long_helion/metrics.jsonl"} <= names
     assert not any("checkpoints" in n for n in names)
+
+
+def test_triton_source_dumps_and_compares(tmp_path):
+    """scripts/triton_source.py writes each kernel's Triton source at a shape with the config a run selects (on the
+    CPU, compiled mode), and ``--compare`` names the pairs whose source differs from an earlier dump, with their diff;
+    it refuses interpret mode and a --compare folder it did not write."""
+    env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
+    cmd = [sys.executable, str(SCRIPTS / "triton_source.py"), "--kernels", "ssd_bmm_chunk,rmsnorm_fwd",
+           "--shapes", "nano_b4_l1024"]
+
+    def run(*extra, env=env):
+        return subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+
+    r = run("--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    man = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert set(man["pairs"]) == {"nano_b4_l1024/ssd_bmm_chunk", "nano_b4_l1024/rmsnorm_fwd"} and man["arch"] == "sm90"
+    src = (tmp_path / "a" / "nano_b4_l1024" / "ssd_bmm_chunk.py").read_text()
+    assert "@triton.jit" in src and man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["how"] in ("exact", "nearest")
+    r = run("--out", str(tmp_path / "b"), "--compare", str(tmp_path / "a"))
+    assert r.returncode == 0 and "2 identical, 0 differing" in r.stdout, r.stdout + r.stderr[-2000:]
+    # an edited source (as after a kernel edit or another Helion version) is named, with its diff
+    (tmp_path / "a" / "nano_b4_l1024" / "ssd_bmm_chunk.py").write_text(src.replace("@triton.jit", "@triton.jit\n# edited"))
+    man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["sha256"] = "0" * 64
+    (tmp_path / "a" / "manifest.json").write_text(json.dumps(man))
+    r = run("--out", str(tmp_path / "c"), "--compare", str(tmp_path / "a"))
+    assert r.returncode == 0 and "1 identical, 1 differing: ssd_bmm_chunk at 1 shape(s)" in r.stdout, r.stdout
+    summary = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert summary["differing"] == ["nano_b4_l1024/ssd_bmm_chunk"] and summary["identical"] == ["nano_b4_l1024/rmsnorm_fwd"]
+    assert "-# edited" in (tmp_path / "c" / "compare.diff").read_text()
+    r = run("--out", str(tmp_path / "d"), "--compare", str(tmp_path / "nothing"))
+    assert r.returncode == 2 and "no manifest.json there" in r.stderr
+    r = run("--out", str(tmp_path / "e"), env={**env, "HELION_INTERPRET": "1"})
+    assert r.returncode == 2 and "needs HELION_INTERPRET unset" in r.stderr
