@@ -1212,6 +1212,9 @@ def test_triton_source_dumps_and_compares(tmp_path):
     assert set(man["pairs"]) == {"nano_b4_l1024/ssd_bmm_chunk", "nano_b4_l1024/rmsnorm_fwd"} and man["arch"] == "sm90"
     src = (tmp_path / "a" / "nano_b4_l1024" / "ssd_bmm_chunk.py").read_text()
     assert "@triton.jit" in src and man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["how"] in ("exact", "nearest")
+    entry = man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]
+    asks_block_ptr = "block_ptr" in json.dumps(entry["config"].get("indexing"))
+    assert entry["block_ptr_as_pointer"] is (asks_block_ptr and not man["triton_has_block_ptr"])
     r = run("--out", str(tmp_path / "b"), "--compare", str(tmp_path / "a"))
     assert r.returncode == 0 and "2 identical, 0 differing" in r.stdout, r.stdout + r.stderr[-2000:]
     # an edited source (as after a kernel edit or another Helion version) is named, with its diff

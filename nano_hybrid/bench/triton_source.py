@@ -13,7 +13,8 @@ overrides); the config is the one a run on ``--arch`` takes from the committed f
 when given), as ``kernels.first_use.select_config`` chooses it without a search. The arguments are uninitialized CPU
 tensors of the run's shapes. A binding without a GPU drops the device-only config keys (``tuning.DEVICE_KEYS``, TMA
 descriptors): a pair whose stored config sets one of them is marked ``device_keys`` in the manifest, and its GPU
-source may differ from this one.
+source may differ from this one. So is a config that asks for ``block_ptr`` indexing where this host's Triton has
+no block pointers (removed in Triton 3.9; Helion then generates pointer indexing): ``block_ptr_as_pointer``.
 
 Output under ``--out``: ``<shape>/<kernel>.py`` and ``manifest.json`` (versions, arch, shapes, per pair: the
 normalized config, how it was chosen, the source's sha256); with ``--compare``, ``compare.json`` (identical /
@@ -32,6 +33,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from helion._compat import supports_block_ptr
 
 from kernels import first_use, tuner, tuning
 from nano_hybrid.bench.environment import env_info
@@ -65,6 +67,7 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
     """Write each (shape, kernel)'s Triton source under ``out``; returns the manifest."""
     registry = tuner.discover_tunable_kernels()
     rt = tuning.Runtime(tuning.HelionSettings(cache_dir=cache_dir or str(out / "no-user-cache")))
+    block_ptr = supports_block_ptr()
     pairs = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -85,12 +88,14 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                 pairs[f"{shape}/{name}"] = {
                     "kernel_dims": dict(case.dims), "how": how, "config": tuning.config_to_dict(cfg),
                     "device_keys": sorted(k for k in tuning.DEVICE_KEYS if stored.get(k)),
+                    "block_ptr_as_pointer": not block_ptr and "block_ptr" in json.dumps(cfg.config.get("indexing")),
                     "sha256": sha256(source),
                 }
     env = env_info()
     return {"what": "Triton source of each tunable Helion kernel at each shape, with the config a run on the arch "
                     "selects from the stored files (nano_hybrid/bench/triton_source.py)",
             "arch": arch, "helion": env["helion"], "torch": env["torch"], "triton": env["triton"],
+            "triton_has_block_ptr": block_ptr,
             "git_commit": env["git_commit"], "shapes": shape_dims, "kernels": names, "pairs": pairs,
             "notices": sorted({str(w.message) for w in caught})}
 
@@ -116,7 +121,10 @@ def compare(new: dict, old: dict, new_dir: Path, old_dir: Path) -> tuple[dict, s
                "new": {k: new.get(k) for k in ("helion", "triton", "git_commit")},
                "identical": sorted(same), "differing": sorted(differ),
                "only_new": sorted(set(new["pairs"]) - set(old["pairs"])),
-               "only_old": sorted(set(old["pairs"]) - set(new["pairs"]))}
+               "only_old": sorted(set(old["pairs"]) - set(new["pairs"])),
+               # pairs whose source on a GPU host may differ from this host's (device-only keys, block pointers)
+               "unlike_gpu": sorted(p for p, e in new["pairs"].items()
+                                    if e.get("device_keys") or e.get("block_ptr_as_pointer"))}
     return summary, "".join(diffs)
 
 
@@ -168,4 +176,7 @@ def main(argv=None) -> int:
               f"{len(summary['differing'])} differing" + ("".join(
                   f"{', ' if i else ': '}{k} at {v} shape(s)" for i, (k, v) in enumerate(sorted(by_kernel.items())))
                   if by_kernel else "") + f"; {out / 'compare.diff'}")
+        if summary["unlike_gpu"]:
+            print(f"{len(summary['unlike_gpu'])} pair(s) generate other source on a GPU host (device-only config keys, or "
+                  f"block pointers this Triton lacks): see compare.json 'unlike_gpu'")
     return 0
