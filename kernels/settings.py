@@ -67,6 +67,7 @@ from typing import Any
 
 DTYPE_CHOICES = ("input", "fp32")
 STATE_PASSING_CHOICES = ("auto", "fused", "split")
+STATE_PASSING_NOTICE = "nano_hybrid kernels: state passing at"  # how the one line of an "auto" decision begins
 _DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype")
 
 

@@ -47,7 +47,7 @@ import helion.language as hl
 
 from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
-from kernels.settings import STATE_PASSING_CHOICES
+from kernels.settings import STATE_PASSING_CHOICES, STATE_PASSING_NOTICE
 from kernels.shapes import padded_len
 from kernels.ssd import _pad_len
 from kernels.ssd import _pad_seq_idx as _pad_seq_idx_ref
@@ -661,7 +661,7 @@ def _fused_states_here(state_passing: str, B: torch.Tensor, x: torch.Tensor, dt:
         rt.decisions[key] = fused
         if on_gpu:
             tuning.warn_once("ssd_states", f"auto:{key}",
-                             f"nano_hybrid kernels: state passing at {key[2]}: {'fused' if fused else 'split'} "
+                             f"{STATE_PASSING_NOTICE} {key[2]}: {'fused' if fused else 'split'} "
                              f"({why}; kernels.helion.state_passing=auto)")
     return rt.decisions[key]
 

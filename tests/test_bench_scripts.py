@@ -1034,6 +1034,28 @@ def test_bench_shape_grid_smoke_on_cpu(tmp_path, capsys):
     assert "earlier_call" not in other["shapes"]["tiny"] and "other settings" in capsys.readouterr().out
 
 
+def test_shape_grid_keeps_the_state_passing_line_apart_from_config_notices(monkeypatch, tmp_path):
+    """A shape's record lists the config notices (nearest shape, default) and, apart, the line of the
+    state-passing path ``state_passing=auto`` took, so the notice count is the kernels without an exact config."""
+    import warnings
+
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    def fake_shape(name, args, backends, device, log):
+        warnings.warn("nano_hybrid kernels: no tuned sm90 config for ssd_bwd_dx at k; using the nearest tuned shape")
+        warnings.warn("nano_hybrid kernels: state passing at k: split (tuned times: fused 72.3 us, split 12.6 + "
+                      "24.0 us; kernels.helion.state_passing=auto)")
+        warnings.warn("unrelated library warning")
+        return {}
+
+    monkeypatch.setattr(bsg, "run_shape", fake_shape)
+    args = bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--device", "cpu",
+                           "--out", str(tmp_path)])
+    rec = bsg.run(args, backends={})["shapes"]["tiny"]
+    assert [m.split(";")[0] for m in rec["notices"]] == ["nano_hybrid kernels: no tuned sm90 config for ssd_bwd_dx at k"]
+    assert len(rec["state_passing"]) == 1 and rec["state_passing"][0].startswith("nano_hybrid kernels: state passing")
+
+
 def test_tune_kernels_takes_the_grid_shapes():
     """--shapes also names bench_shape_grid.py's shapes (their model dims), so a grid can be tuned before it runs;
     the grid's packed-document shapes are refused by name (the offline cases build no seq_idx), unknown names too."""

@@ -15,6 +15,7 @@ contiguous (b, l, d) tensor instead. Reported per shape:
   backend's largest kernels (``device_kernels``);
 - errors: relative L2 of the output and every gradient against fp32 mamba-ssm, for helion bf16 and, next to it,
   mamba-ssm's own bf16 (the error a correct bf16 kernel has);
+- the state-passing path ``kernels.helion.state_passing=auto`` took (its one line, ``state_passing``);
 - the kernels' config notices (nearest shape / default / tuned, from ``kernels.first_use.select_config``) and the
   first-call time (compile + selection + any first-use tuning). With ``--kernels-helion autotune=true`` a shape
   without packed documents first has its missing kernels tuned several at a time (``nano_hybrid.kernel_search.pretune``, as a
@@ -32,6 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
+from kernels.settings import STATE_PASSING_NOTICE
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, make_params, op_zxbcdt,
                                      rel_err, zxbcdt_leaf, zxbcdt_leaf_name)
@@ -231,7 +233,9 @@ def run(args, backends: dict | None = None) -> dict:
             except Exception as e:  # noqa: BLE001 - recorded; the next shape still runs
                 rec = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 print(rec["traceback"], file=sys.stderr, flush=True)
-        rec["notices"] = sorted({str(x.message) for x in w if "nano_hybrid kernels" in str(x.message)})
+        said = sorted({str(x.message) for x in w if "nano_hybrid kernels" in str(x.message)})
+        rec["notices"] = [m for m in said if not m.startswith(STATE_PASSING_NOTICE)]
+        rec["state_passing"] = [m for m in said if m.startswith(STATE_PASSING_NOTICE)]
         rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
         res["shapes"][name] = rec
         if args.out:  # what has run so far survives a time limit
