@@ -16,6 +16,9 @@
 #   host         host (CPU) cost per mixer op fwd+bwd of each backend: launch time, wall, device, launches and the top
 #                host functions (scripts/profile_host.py, shapes nano and tp2)
 #   peer         the SSD forward against the fused peer kernel in $PEER_FILE at four shapes (bench_ssd_peer.py)
+#   ssd_peers    the SSD op fwd+bwd beside the open peers: the Helion project's Mamba-2 SSD example (folder
+#                $EXAMPLE_DIR) and flash-linear-attention's chunk_simple_gla (folder $FLA_DIR holding its fla package);
+#                either or both; shapes $PEER_SHAPES (default nano) (bench_ssd_helion_example.py)
 #   layers       per-layer A/B at Nano widths and the 52-layer projection (bench_layers.py)
 #   step         nano30b_slice training-step A/B (ab_step_time.py)
 #   loss_match   50-step loss match of torch, helion, mamba_ssm (backend_loss_match.py)
@@ -76,7 +79,7 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
-KNOWN="tests equivalence kernels helion_next host peer layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
+KNOWN="tests equivalence kernels helion_next host peer ssd_peers layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
 for group in "$@"; do
     IFS=+ read -ra members <<< "$group"
     [ "${#members[@]}" -gt 0 ] || { echo "error: empty stage group '$group'" >&2; exit 2; }
@@ -158,6 +161,11 @@ st_host() {
 st_peer() {
     [ -n "${PEER_FILE:-}" ] || { echo "peer needs PEER_FILE (the fork's ssd_fused5.py)"; return 2; }
     python3 scripts/bench_ssd_peer.py --peer-file "$PEER_FILE" --out "$OUT"
+}
+st_ssd_peers() {
+    [ -n "${EXAMPLE_DIR:-}${FLA_DIR:-}" ] || { echo "ssd_peers needs EXAMPLE_DIR and/or FLA_DIR (the peers' folders)"; return 2; }
+    python3 scripts/bench_ssd_helion_example.py ${EXAMPLE_DIR:+--example-dir "$EXAMPLE_DIR"} \
+        ${FLA_DIR:+--fla-dir "$FLA_DIR"} --shapes "${PEER_SHAPES:-nano}" --out "$OUT"
 }
 st_layers() { python3 scripts/bench_layers.py --backends "$BACKENDS" --out "$OUT"; }
 st_step() {

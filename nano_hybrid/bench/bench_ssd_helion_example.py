@@ -1,10 +1,17 @@
-"""The SSD op forward + backward beside the Helion project's own Mamba-2 SSD example.
+"""The SSD op forward + backward beside the Helion project's own Mamba-2 SSD example and flash-linear-attention's
+``chunk_simple_gla``, the open peers that compute the same scan.
 
-The peer is ``examples/linear/example_mamba2_ssd.py`` of pytorch/helion: a chunked linear-attention engine whose
-``MAMBA2_SSD`` variant computes ``o_t = q_t^T S_t``, ``S_t = exp(g_t) S_{t-1} + k_t v_t^T`` on head-first inputs, with
-its pretuned sm90 configs (``_helion_aot_linear_attention_engine_cuda_sm90.py``, read through Helion's
-``AOTAutotuneCache``). It is not part of this repository: pass the folder that holds the example's ``linear``
-package with ``--example-dir`` (e.g. a checkout's ``examples/``).
+- The Helion example is ``examples/linear/example_mamba2_ssd.py`` of pytorch/helion: a chunked linear-attention engine
+  whose ``MAMBA2_SSD`` variant computes ``o_t = q_t^T S_t``, ``S_t = exp(g_t) S_{t-1} + k_t v_t^T`` on head-first
+  inputs, with its pretuned sm90 configs (``_helion_aot_linear_attention_engine_cuda_sm90.py``, read through Helion's
+  ``AOTAutotuneCache``). Pass the folder that holds the example's ``linear`` package with ``--example-dir`` (e.g. a
+  checkout's ``examples/``).
+- flash-linear-attention (fla-org/flash-linear-attention, Triton kernels) computes the same recurrence as simple GLA,
+  ``o_t = sum_{s<=t} scale q_t.k_s exp(G_t - G_s) v_s`` with ``G`` the cumulative sum of the head-wise gate ``g``, on
+  ``[B, T, H, K]`` inputs. Pass the folder that holds its ``fla`` package (an unpacked ``fla-core`` wheel) with
+  ``--fla-dir``; it runs at its own default chunk size. Its ``einops`` dependency must be importable.
+
+Neither peer is part of this repository; at least one folder is needed.
 
 Two contracts, each with mamba-ssm beside it, all on the same values (chunk ``--chunk``):
 
@@ -12,17 +19,19 @@ Two contracts, each with mamba-ssm beside it, all on the same values (chunk ``--
   ``mamba_ssm`` is ``mamba_chunk_scan_combined`` (autograd), ``helion`` is this project's SSD forward and backward
   kernels (``kernels.ssd_helion`` / ``kernels.ssd_helion_bwd``, the backward recomputing its chunk pieces as the
   fused op does), gradients for x, dt, B, C, z, D, dt_bias;
-- the example's: ``y = SSD(x, dt, A, B, C)`` with ``dt`` already positive, no D, no z; ``mamba_ssm_plain`` is
-  ``mamba_chunk_scan_combined`` on it (gradients for x, dt, B, C), ``helion_example`` the example with ``q = C``,
-  ``k = B`` expanded to every head, ``v = x * dt``, ``g = A * dt`` (head-first, built once outside the timed region),
-  gradients for q, k, v: it does not see the group sharing of B/C nor the dt chain rule;
+- the peers': ``y = SSD(x, dt, A, B, C)`` with ``dt`` already positive, no D, no z; ``mamba_ssm_plain`` is
+  ``mamba_chunk_scan_combined`` on it (gradients for x, dt, B, C). Both peers take ``q = C`` and ``k = B`` expanded
+  to every head, ``v = x * dt`` and ``g = A * dt`` (built once outside the timed region), so neither sees the group
+  sharing of B/C nor the dt chain rule. ``helion_example`` (head-first) gives gradients for q, k, v;
+  ``fla_simple_gla`` gives them for q, k, v and g (the gate's gradient is the dt path's);
 - ``mamba_ssm#2``: the A-vs-A control of ``mamba_ssm``.
 
 Per shape: median fwd+bwd wall time per call over alternating rounds (CUDA events), the speedup against mamba_ssm
 with a 95% bootstrap interval, device time per call (torch.profiler), and the largest relative error of the output
 against the fp32 reference.
 
-    python scripts/bench_ssd_helion_example.py --example-dir .peer/helion_examples/examples [--shapes nano]
+    python scripts/bench_ssd_helion_example.py --example-dir .peer/helion_examples/examples \
+        [--fla-dir .peer/fla] [--shapes nano]
 """
 
 from __future__ import annotations
@@ -49,7 +58,8 @@ SHAPES = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--example-dir", required=True, help="folder holding the Helion example's `linear` package")
+    p.add_argument("--example-dir", default=None, help="folder holding the Helion example's `linear` package")
+    p.add_argument("--fla-dir", default=None, help="folder holding flash-linear-attention's `fla` package")
     p.add_argument("--shapes", default="nano", help=f"comma list of {sorted(SHAPES)}")
     p.add_argument("--chunk", type=int, default=128, help="chunk size of every arm")
     p.add_argument("--rounds", type=int, default=6)
@@ -61,8 +71,12 @@ def parse_args(argv=None):
     bad = [s for s in args.shapes if s not in SHAPES]
     if bad:
         p.error(f"--shapes: unknown {bad}; known {sorted(SHAPES)}")
-    if not (Path(args.example_dir) / "linear" / "linear_attention_engine.py").is_file():
+    if not (args.example_dir or args.fla_dir):
+        p.error("give --example-dir (the Helion example) and/or --fla-dir (flash-linear-attention)")
+    if args.example_dir and not (Path(args.example_dir) / "linear" / "linear_attention_engine.py").is_file():
         p.error(f"--example-dir {args.example_dir}: no linear/linear_attention_engine.py there")
+    if args.fla_dir and not (Path(args.fla_dir) / "fla" / "ops" / "simple_gla" / "chunk.py").is_file():
+        p.error(f"--fla-dir {args.fla_dir}: no fla/ops/simple_gla/chunk.py there")
     return args
 
 
@@ -79,6 +93,14 @@ def load_example(example_dir: str | Path):
             obj.settings.autotune_cache = "AOTAutotuneCache"
             n += 1
     return eng, n
+
+
+def load_fla(fla_dir: str | Path):
+    """flash-linear-attention's ``chunk_simple_gla`` from the ``fla`` package in ``fla_dir``."""
+    sys.path.insert(0, str(Path(fla_dir).resolve()))
+    from fla.ops.simple_gla import chunk_simple_gla  # noqa: E402  (the peer's package)
+
+    return chunk_simple_gla
 
 
 def inputs(shape: dict, device="cuda", dtype=torch.bfloat16, seed=0) -> dict:
@@ -98,26 +120,27 @@ def inputs(shape: dict, device="cuda", dtype=torch.bfloat16, seed=0) -> dict:
     )
 
 
-def example_inputs(t: dict) -> dict:
-    """The example's head-first arguments for the plain SSD: q = C, k = B per head, v = x * dt, g = A * dt."""
-    h = t["x"].shape[2]
-    rep = h // t["B"].shape[2]
-    per_head = lambda m: m.repeat_interleave(rep, dim=2).transpose(1, 2).contiguous()  # noqa: E731
+def peer_inputs(t: dict) -> dict:
+    """The peers' arguments for the plain SSD, ``[B, T, H, ...]``: q = C and k = B per head, v = x * dt, g = A * dt
+    (fp32)."""
+    rep = t["x"].shape[2] // t["B"].shape[2]
     dt = t["dt"].float()
-    return dict(
-        q=per_head(t["C"]), k=per_head(t["B"]),
-        v=(t["x"].float() * dt[..., None]).to(t["x"].dtype).transpose(1, 2).contiguous(),
-        g=(t["A"][None, None, :] * dt).transpose(1, 2).contiguous(),
-        dy=t["dy"].transpose(1, 2).contiguous(),
-    )
+    return dict(q=t["C"].repeat_interleave(rep, dim=2), k=t["B"].repeat_interleave(rep, dim=2),
+                v=(t["x"].float() * dt[..., None]).to(t["x"].dtype), g=t["A"][None, None, :] * dt, dy=t["dy"])
+
+
+def example_inputs(t: dict) -> dict:
+    """The Helion example's head-first arguments: ``peer_inputs`` with heads before time."""
+    return {k: v.transpose(1, 2).contiguous() for k, v in peer_inputs(t).items()}
 
 
 def _leaves(t: dict, keys, backward: bool) -> dict:
     return {k: t[k].detach().requires_grad_(backward) for k in keys}
 
 
-def arms(eng, chunk: int) -> dict:
-    """name -> fn(t, backward=True) returning the output (b, l, h, p); ``contract`` of each in ``CONTRACT``."""
+def arms(eng, chunk: int, fla_gla=None) -> dict:
+    """name -> fn(t, backward=True) returning the output (b, l, h, p); ``contract`` of each in ``CONTRACT``.
+    ``eng``: the Helion example's engine module or None; ``fla_gla``: ``chunk_simple_gla`` or None."""
     if "selective_scan_cuda" not in sys.modules:
         sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -128,7 +151,7 @@ def arms(eng, chunk: int) -> dict:
     from kernels.ssd_helion_bwd import ssd_backward_helion
 
     settings = get_backend("helion").settings
-    ex_fwd = eng.get_helion_fwd_kernel(eng.LinearAttentionVariant.MAMBA2_SSD)
+    ex_fwd = eng.get_helion_fwd_kernel(eng.LinearAttentionVariant.MAMBA2_SSD) if eng is not None else None
 
     def mamba(t, backward=True):
         v = _leaves(t, ("x", "dt_raw", "B", "C", "z", "D", "dt_bias"), backward)
@@ -166,12 +189,25 @@ def arms(eng, chunk: int) -> dict:
             y.backward(e["dy"])
         return y.transpose(1, 2)
 
-    return {"mamba_ssm": mamba, "helion": helion, "mamba_ssm_plain": mamba_plain, "helion_example": example,
-            "mamba_ssm#2": mamba}
+    def fla(t, backward=True):
+        e = t["peer"]
+        v = _leaves(e, ("q", "k", "v", "g"), backward)
+        y, _ = fla_gla(v["q"], v["k"], v["v"], v["g"], scale=1.0)
+        if backward:
+            y.backward(e["dy"])
+        return y
+
+    fns = {"mamba_ssm": mamba, "helion": helion, "mamba_ssm_plain": mamba_plain}
+    if ex_fwd is not None:
+        fns["helion_example"] = example
+    if fla_gla is not None:
+        fns["fla_simple_gla"] = fla
+    fns["mamba_ssm#2"] = mamba
+    return fns
 
 
 CONTRACT = {"mamba_ssm": "megatron", "helion": "megatron", "mamba_ssm_plain": "plain", "helion_example": "plain",
-            "mamba_ssm#2": "megatron"}
+            "fla_simple_gla": "plain", "mamba_ssm#2": "megatron"}
 
 
 def references(t: dict, chunk: int) -> dict:
@@ -189,12 +225,13 @@ def references(t: dict, chunk: int) -> dict:
 def run(args) -> dict:
     if not torch.cuda.is_available():
         raise ConfigError("bench_ssd_helion_example.py needs a CUDA GPU")
-    eng, n_kernels = load_example(args.example_dir)
-    fns = arms(eng, args.chunk)
+    eng, n_kernels = load_example(args.example_dir) if args.example_dir else (None, 0)
+    fns = arms(eng, args.chunk, load_fla(args.fla_dir) if args.fla_dir else None)
     res = {"env": environment.env_info(), "args": vars(args), "arms": list(fns), "example_kernels": n_kernels,
            "shapes": {}}
     for sname in args.shapes:
         t = inputs(SHAPES[sname])
+        t["peer"] = peer_inputs(t)
         t["example"] = example_inputs(t)
         failed, errs = {}, {}
         refs = references(t, args.chunk)
@@ -233,7 +270,8 @@ def run(args) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = ["# SSD op fwd+bwd: mamba-ssm, helion and the Helion project's Mamba-2 SSD example", "",
+    lines = ["# SSD op fwd+bwd: mamba-ssm, helion and the open peers (Helion's Mamba-2 SSD example, "
+             "flash-linear-attention's chunk_simple_gla)", "",
              reporting.env_markdown(res["env"]), ""]
     for sname, r in res["shapes"].items():
         s = r["shape"]
