@@ -584,7 +584,7 @@ def ssd_cumsum_states_helion(
     initial_states: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
-    state_passing: str = "auto",
+    state_passing: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dA_cumsum, dt_out, states_in, final_states): chunk_cumsum then chunk_state_passing.
 
@@ -642,19 +642,36 @@ def choose_state_passing(state_passing: str, dims: dict[str, int], *, arch: str,
                    f"{'at least' if fused else 'fewer than'} a third of {sm_count} SMs")
 
 
-def _fused_states_here(state_passing: str, B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor) -> bool:
-    """``choose_state_passing`` for this call, decided once per shape and runtime (the forward and the backward's
-    recompute take the same path); an "auto" decision on a GPU is said once per shape."""
+def _state_key(dims: dict[str, int], arch: str) -> tuple[str, str, str]:
+    return ("state_passing", arch, tuning.shape_key(**dims))
+
+
+def state_passing_taken(settings, dims: dict[str, int]) -> str | None:
+    """"fused" or "split": the path the runtime of ``settings`` (a ``HelionSettings``) took at ``dims`` (b, l
+    (padded), h, p, g, n, c) on this device's arch, or None where it has not run there (what benchmarks record)."""
+    arch = tuning.current_arch() if torch.cuda.is_available() and not tuning.interpret_mode() else "cpu"
+    if settings.state_passing != "auto":
+        return settings.state_passing
+    fused = tuning.runtime_for(settings).decisions.get(_state_key(dims, arch))
+    return None if fused is None else ("fused" if fused else "split")
+
+
+def _fused_states_here(state_passing: str | None, B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor) -> bool:
+    """``choose_state_passing`` for this call (``state_passing`` None: the current runtime's setting), decided once
+    per shape and runtime (the forward and the backward's recompute take the same path); an "auto" decision on a GPU
+    is said once per shape."""
+    rt = tuning.runtime()
+    if state_passing is None:
+        state_passing = rt.settings.state_passing
     if state_passing != "auto":
         return choose_state_passing(state_passing, {}, arch="", sm_count=None)[0]
     b, L, h, p = x.shape
     g, n = B.shape[2:]
     _, _, nc, c = dt.shape
     dims = dict(b=b, l=nc * c, h=h, p=p, g=g, n=n, c=c)
-    rt = tuning.runtime()
     on_gpu = x.is_cuda and not tuning.interpret_mode()
     arch = tuning.current_arch() if on_gpu else "cpu"
-    key = ("state_passing", arch, tuning.shape_key(**dims))
+    key = _state_key(dims, arch)
     if key not in rt.decisions:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else None
         fused, why = choose_state_passing("auto", dims, arch=arch, sm_count=sms, cache_root=rt.cache_root)
@@ -674,12 +691,13 @@ def ssd_states_helion(
     initial_states: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
-    state_passing: str = "auto",
+    state_passing: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(states_in (b, nc, h, p, n) in ``state_dtype``, final_states (b, h, p, n) fp32) from the cumsum piece's
     dt / dA_cumsum (b, h, nc, c): ``ssd_chunk_state_passing_helion`` (one kernel, ``state_passing="fused"``), or
     ``ssd_chunk_state_helion`` then ``ssd_state_passing_helion`` (two kernels, the per-chunk states in fp32 between
-    them, ``"split"``); ``"auto"`` chooses per shape (``choose_state_passing``)."""
+    them, ``"split"``); ``"auto"`` chooses per shape (``choose_state_passing``); None: the setting of the runtime the
+    call runs in (``tuning.use``; the defaults' outside one)."""
     if _fused_states_here(state_passing, B, x, dt):
         return ssd_chunk_state_passing_helion(B, x, dt, dA_cumsum, initial_states=initial_states, seq_idx=seq_idx,
                                               state_dtype=state_dtype)
@@ -728,7 +746,7 @@ def ssd_chunk_pieces_helion(
     state_dtype: torch.dtype | None = None,
     cumsum: tuple[torch.Tensor, torch.Tensor] | None = None,
     cb_dtype: torch.dtype = torch.float32,
-    state_passing: str = "auto",
+    state_passing: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Everything chunk_scan and the backward read: (dA_cumsum, dt_out, states_in, final_states, CB) from the chunk
     cumsum, chunk_state_passing and the bmm. Arguments as ``ssd_cumsum_states_helion`` plus C (b, l, g, n).
@@ -816,7 +834,7 @@ def ssd_forward_helion(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     state_dtype: torch.dtype | None = None,
-    state_passing: str = "auto",
+    state_passing: str | None = None,
     seq_major: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """All forward pieces, like mamba-ssm's ``_mamba_chunk_scan_combined_fwd``:
@@ -829,7 +847,8 @@ def ssd_forward_helion(
     have x's length.
     states_in is in ``state_dtype`` or C.dtype; final_states, dt_out, dA_cumsum fp32.
     ``state_passing``: chunk_state and state_passing as one kernel ("fused"), as two (the per-chunk fp32 states go
-    through memory, "split"), or chosen per shape ("auto"; ``ssd_states_helion``). ``seq_major``: out and out_x in (l, b)
+    through memory, "split"), or chosen per shape ("auto"); None takes the runtime's setting (``ssd_states_helion``).
+    ``seq_major``: out and out_x in (l, b)
     memory order (``ssd_chunk_scan_helion``)."""
     _check_chunk(chunk_size)
     if x.dim() != 4 or B.dim() != 4 or dt.dim() != 3:

@@ -326,7 +326,9 @@ def lookup(kernel_name: str, dims: Mapping[str, Any], arch: str | None = None, r
 def tuned_time_ms(kernel_name: str, dims: Mapping[str, Any], arch: str | None = None, root: Path | None = None,
                   cache_root: Path | None = None) -> float | None:
     """The tuned time (ms) stored with the exact entry for ``dims``: the committed file's (``root``), else the user
-    cache's (``cache_root``, when given); None where neither has an entry with a time."""
+    cache's (``cache_root``, when given), the order in which a call takes exact configs; None where neither has an
+    entry with a time. (No kernel is bound here: a committed entry whose config no longer fits the kernel, which the
+    call then skips for the user cache's, still gives its time.)"""
     key = shape_key(**dims)
     arch = arch or current_arch()
     for where in (root, cache_root) if cache_root is not None else (root,):

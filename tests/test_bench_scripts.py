@@ -1034,14 +1034,25 @@ def test_bench_shape_grid_smoke_on_cpu(tmp_path, capsys):
     assert "earlier_call" not in other["shapes"]["tiny"] and "other settings" in capsys.readouterr().out
 
 
-def test_shape_grid_keeps_the_state_passing_line_apart_from_config_notices(monkeypatch, tmp_path):
-    """A shape's record lists the config notices (nearest shape, default) and, apart, the line of the
-    state-passing path ``state_passing=auto`` took, so the notice count is the kernels without an exact config."""
+def test_shape_grid_records_the_state_passing_path_apart_from_config_notices(monkeypatch, tmp_path):
+    """A shape's record lists the config notices (nearest shape, default) without the one line of an "auto"
+    state-passing decision, and records the path the helion backend's runtime took at the shape ("split" here),
+    also where an earlier shape with the same kernel dims already said it."""
     import warnings
 
+    from kernels import tuning
+    from kernels.registry import get_backend
+    from kernels.settings import HelionSettings
+    from kernels.ssd_helion import _state_key
     from nano_hybrid.bench import bench_shape_grid as bsg
 
+    settings = HelionSettings(cache_dir=str(tmp_path / "cache"))
+    shape = bsg.GRID["tiny"][0]
+    dims = dict(b=shape.batch, l=-(-shape.seqlen // shape.chunk_size) * shape.chunk_size, h=shape.nheads,
+                p=shape.headdim, g=shape.ngroups, n=shape.d_state, c=shape.chunk_size)
+
     def fake_shape(name, args, backends, device, log):
+        tuning.runtime_for(settings).decisions[_state_key(dims, "cpu")] = False
         warnings.warn("nano_hybrid kernels: no tuned sm90 config for ssd_bwd_dx at k; using the nearest tuned shape")
         warnings.warn("nano_hybrid kernels: state passing at k: split (tuned times: fused 72.3 us, split 12.6 + "
                       "24.0 us; kernels.helion.state_passing=auto)")
@@ -1051,9 +1062,15 @@ def test_shape_grid_keeps_the_state_passing_line_apart_from_config_notices(monke
     monkeypatch.setattr(bsg, "run_shape", fake_shape)
     args = bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--device", "cpu",
                            "--out", str(tmp_path)])
-    rec = bsg.run(args, backends={})["shapes"]["tiny"]
+    helion = get_backend("helion", helion=settings.as_dict())
+    try:
+        rec = bsg.run(args, backends={"torch": get_backend("torch"), "helion": helion})["shapes"]["tiny"]
+    finally:
+        tuning.runtime_for(settings).clear()
     assert [m.split(";")[0] for m in rec["notices"]] == ["nano_hybrid kernels: no tuned sm90 config for ssd_bwd_dx at k"]
-    assert len(rec["state_passing"]) == 1 and rec["state_passing"][0].startswith("nano_hybrid kernels: state passing")
+    assert rec["state_passing"] == "split"
+    assert bsg._state_passing_taken(get_backend("torch"), "tiny") is None
+    assert bsg._state_passing_taken(get_backend("helion", helion=dict(state_passing="fused")), "tiny") == "fused"
 
 
 def test_tune_kernels_takes_the_grid_shapes():
@@ -1223,7 +1240,7 @@ def test_triton_source_dumps_and_compares(tmp_path):
     it refuses interpret mode and a --compare folder it did not write."""
     env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
     cmd = [sys.executable, str(SCRIPTS / "triton_source.py"), "--kernels", "ssd_bmm_chunk,rmsnorm_fwd",
-           "--shapes", "nano_b4_l1024"]
+           "--shapes", "nano_b4_l1024,nano_proxy"]
 
     def run(*extra, env=env):
         return subprocess.run(cmd + list(extra), capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
@@ -1231,22 +1248,27 @@ def test_triton_source_dumps_and_compares(tmp_path):
     r = run("--out", str(tmp_path / "a"))
     assert r.returncode == 0, r.stderr[-3000:]
     man = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert set(man["pairs"]) == {"nano_b4_l1024/ssd_bmm_chunk", "nano_b4_l1024/rmsnorm_fwd"} and man["arch"] == "sm90"
+    assert set(man["pairs"]) == {f"{s}/{k}" for s in ("nano_b4_l1024", "nano_proxy")
+                                 for k in ("ssd_bmm_chunk", "rmsnorm_fwd")} and man["arch"] == "sm90"
     src = (tmp_path / "a" / "nano_b4_l1024" / "ssd_bmm_chunk.py").read_text()
     assert "@triton.jit" in src and man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["how"] in ("exact", "nearest")
-    entry = man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]
-    asks_block_ptr = "block_ptr" in json.dumps(entry["config"].get("indexing"))
-    assert entry["block_ptr_as_pointer"] is (asks_block_ptr and not man["triton_has_block_ptr"])
+    assert set(man["host_indexing"]) == {"block_ptr", "tensor_descriptor"}
+    assert man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["indexing_as_pointer"] == []  # its config asks for pointers
+    # nano_proxy's committed rmsnorm_fwd config asks for TMA descriptors: pointers where this host has none
+    proxy = man["pairs"]["nano_proxy/rmsnorm_fwd"]
+    assert "tensor_descriptor" in json.dumps(proxy["config"]["indexing"]) and proxy["how"] == "exact"
+    assert proxy["indexing_as_pointer"] == ([] if man["host_indexing"]["tensor_descriptor"] else ["tensor_descriptor"])
     r = run("--out", str(tmp_path / "b"), "--compare", str(tmp_path / "a"))
-    assert r.returncode == 0 and "2 identical, 0 differing" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert r.returncode == 0 and "4 identical, 0 differing" in r.stdout, r.stdout + r.stderr[-2000:]
     # an edited source (as after a kernel edit or another Helion version) is named, with its diff
     (tmp_path / "a" / "nano_b4_l1024" / "ssd_bmm_chunk.py").write_text(src.replace("@triton.jit", "@triton.jit\n# edited"))
     man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["sha256"] = "0" * 64
     (tmp_path / "a" / "manifest.json").write_text(json.dumps(man))
     r = run("--out", str(tmp_path / "c"), "--compare", str(tmp_path / "a"))
-    assert r.returncode == 0 and "1 identical, 1 differing: ssd_bmm_chunk at 1 shape(s)" in r.stdout, r.stdout
+    assert r.returncode == 0 and "3 identical, 1 differing: ssd_bmm_chunk at 1 shape(s)" in r.stdout, r.stdout
     summary = json.loads((tmp_path / "c" / "compare.json").read_text())
-    assert summary["differing"] == ["nano_b4_l1024/ssd_bmm_chunk"] and summary["identical"] == ["nano_b4_l1024/rmsnorm_fwd"]
+    assert summary["differing"] == ["nano_b4_l1024/ssd_bmm_chunk"] and "nano_b4_l1024/rmsnorm_fwd" in summary["identical"]
+    assert ("nano_proxy/rmsnorm_fwd" in summary["unlike_gpu"]) is bool(proxy["indexing_as_pointer"])
     assert "-# edited" in (tmp_path / "c" / "compare.diff").read_text()
     r = run("--out", str(tmp_path / "d"), "--compare", str(tmp_path / "nothing"))
     assert r.returncode == 2 and "no manifest.json there" in r.stderr

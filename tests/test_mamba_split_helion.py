@@ -654,7 +654,6 @@ def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode):
     fused = mode == "fused"
     assert ("ssd_chunk_state_passing" in called) == fused and ("ssd_state_passing" in called) != fused
     split_kernels = {"ssd_chunk_state", "ssd_state_passing"}
-    assert set(HELION_TRAINING_KERNELS) == set(helion_training_kernels(HelionSettings()))
     assert set(HELION_TRAINING_KERNELS) == (called | split_kernels if fused else called | {"ssd_chunk_state_passing"})
 
 

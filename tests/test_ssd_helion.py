@@ -250,7 +250,7 @@ def test_state_passing_choice(tmp_path):
     assert sh.choose_state_passing("auto", tp8, **dict(kw, sm_count=None)) == (True, "no GPU: the fused kernel")
     # tuned times for two of the three kernels are not enough
     _store_times(kw["root"], "sm90", {"ssd_chunk_state_passing": 40.0, "ssd_chunk_state": 12.0}, tp8)
-    assert sh.choose_state_passing("auto", tp8, **kw)[0] is False
+    assert sh.choose_state_passing("auto", tp8, **kw)[1].startswith("no tuned times for both paths")
     # the third in the user cache: the sums decide (40 < 12 + 30), also against the rule
     _store_times(kw["cache_root"], "sm90", {"ssd_state_passing": 30.0}, tp8)
     fused, why = sh.choose_state_passing("auto", tp8, **kw)
@@ -266,13 +266,14 @@ def test_state_passing_choice(tmp_path):
 
 
 def test_state_passing_auto_on_the_committed_sm90_configs():
-    """The committed sm90 tuned times make "auto" split at Nano's TP8 and TP4 ranks (1 x 8192, 8 and 16 heads) and
-    fuse at TP1 / TP2 and at Nano's 2 x 8192 (64 heads)."""
-    want = {(1, 8): False, (1, 16): False, (1, 32): True, (1, 64): True, (2, 64): True}
-    for (b, h), fused in want.items():
-        dims = dict(b=b, l=8192, h=h, p=64, g=max(1, h // 8), n=128, c=128)
+    """The committed sm90 tuned times make "auto" split at Nano's TP8 and TP4 ranks (1 x 8192, 8 and 16 heads) and at
+    Mamba2-2.7B's chunk 256 (80 heads, 1 group), and fuse at TP1 / TP2 and at Nano's 2 x 8192 (64 heads)."""
+    want = {(1, 8, 1, 128): False, (1, 16, 2, 128): False, (1, 32, 4, 128): True, (1, 64, 8, 128): True,
+            (2, 64, 8, 128): True, (1, 80, 1, 256): False}
+    for (b, h, g, c), fused in want.items():
+        dims = dict(b=b, l=8192, h=h, p=64, g=g, n=128, c=c)
         got, why = sh.choose_state_passing("auto", dims, arch="sm90", sm_count=132)
-        assert got is fused and why.startswith("tuned times"), (b, h, why)
+        assert got is fused and why.startswith("tuned times"), (b, h, c, why)
 
 
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")

@@ -15,7 +15,7 @@ contiguous (b, l, d) tensor instead. Reported per shape:
   backend's largest kernels (``device_kernels``);
 - errors: relative L2 of the output and every gradient against fp32 mamba-ssm, for helion bf16 and, next to it,
   mamba-ssm's own bf16 (the error a correct bf16 kernel has);
-- the state-passing path ``kernels.helion.state_passing=auto`` took (its one line, ``state_passing``);
+- the chunk-state path the helion backend took (``kernels.helion.state_passing``: "fused" or "split");
 - the kernels' config notices (nearest shape / default / tuned, from ``kernels.first_use.select_config``) and the
   first-call time (compile + selection + any first-use tuning). With ``--kernels-helion autotune=true`` a shape
   without packed documents first has its missing kernels tuned several at a time (``nano_hybrid.kernel_search.pretune``, as a
@@ -137,6 +137,20 @@ def _fp32_params(p: dict) -> dict:
     return q
 
 
+def _state_passing_taken(backend, name: str) -> str | None:
+    """The chunk-state path ("fused" / "split") the helion backend took at grid shape ``name``
+    (``kernels.helion.state_passing``), None for another backend or a shape it did not run."""
+    settings = getattr(backend, "settings", None)
+    if settings is None or name not in GRID:
+        return None
+    from kernels.shapes import padded_len
+    from kernels.ssd_helion import state_passing_taken
+
+    sh = GRID[name][0]
+    return state_passing_taken(settings, dict(b=sh.batch, l=padded_len(sh.seqlen, sh.chunk_size), h=sh.nheads,
+                                              p=sh.headdim, g=sh.ngroups, n=sh.d_state, c=sh.chunk_size))
+
+
 def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> dict:
     """One shape's record; ``log`` gets a line as each phase starts (a time limit then shows where it stopped)."""
     import torch
@@ -235,7 +249,7 @@ def run(args, backends: dict | None = None) -> dict:
                 print(rec["traceback"], file=sys.stderr, flush=True)
         said = sorted({str(x.message) for x in w if "nano_hybrid kernels" in str(x.message)})
         rec["notices"] = [m for m in said if not m.startswith(STATE_PASSING_NOTICE)]
-        rec["state_passing"] = [m for m in said if m.startswith(STATE_PASSING_NOTICE)]
+        rec["state_passing"] = _state_passing_taken(backends.get(args.candidate), name)
         rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
         res["shapes"][name] = rec
         if args.out:  # what has run so far survives a time limit

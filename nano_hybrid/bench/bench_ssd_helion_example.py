@@ -193,6 +193,8 @@ def arms(eng, chunk: int, fla_gla=None) -> dict:
         e = t["peer"]
         v = _leaves(e, ("q", "k", "v", "g"), backward)
         y, _ = fla_gla(v["q"], v["k"], v["v"], v["g"], scale=1.0)
+        if y.shape != v["v"].shape:  # a release that reads [B, H, T, ...] (head_first) would not match
+            raise ValueError(f"chunk_simple_gla returned {tuple(y.shape)} for [B, T, H, V] = {tuple(v['v'].shape)}")
         if backward:
             y.backward(e["dy"])
         return y

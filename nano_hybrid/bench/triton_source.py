@@ -13,8 +13,9 @@ overrides); the config is the one a run on ``--arch`` takes from the committed f
 when given), as ``kernels.first_use.select_config`` chooses it without a search. The arguments are uninitialized CPU
 tensors of the run's shapes. A binding without a GPU drops the device-only config keys (``tuning.DEVICE_KEYS``, TMA
 descriptors): a pair whose stored config sets one of them is marked ``device_keys`` in the manifest, and its GPU
-source may differ from this one. So is a config that asks for ``block_ptr`` indexing where this host's Triton has
-no block pointers (removed in Triton 3.9; Helion then generates pointer indexing): ``block_ptr_as_pointer``.
+source may differ from this one. So is a config whose indexing asks for block pointers where this host's Triton has
+none (removed in Triton 3.9) or for TMA descriptors without a GPU that has them: Helion generates pointer indexing
+here (``indexing_as_pointer``). ``--compare`` lists both kinds as ``unlike_gpu``.
 
 Output under ``--out``: ``<shape>/<kernel>.py`` and ``manifest.json`` (versions, arch, shapes, per pair: the
 normalized config, how it was chosen, the source's sha256); with ``--compare``, ``compare.json`` (identical /
@@ -33,7 +34,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from helion._compat import supports_block_ptr
+from helion._compat import supports_block_ptr, supports_tensor_descriptor
 
 from kernels import first_use, tuner, tuning
 from nano_hybrid.bench.environment import env_info
@@ -63,11 +64,29 @@ def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def stored_config(name: str, kernel, case, how: str, arch: str, rt, bound) -> dict:
+    """The stored config, as stored, that the selection took (``how``: "exact" from the committed file, "cache"
+    from the user cache, "nearest" the first nearest tuned shape whose config fits); {} for a default."""
+    c = tuning.choice_for(name, kernel, case.args, case.dims, case.default, arch=arch, rt=rt, bound=bound)
+    if c is None or how not in ("exact", "cache", "nearest"):
+        return {}
+    if how == "exact":
+        return tuning.lookup(name, case.dims, arch=arch)[2]["config"]
+    if how == "cache":
+        return c.cache_entry()["config"]
+    for source, key, entry in c.nearest():
+        if c.fits(entry["config"], source, key) is not None:
+            return entry["config"]
+    return {}
+
+
 def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, cache_dir: str | None) -> dict:
     """Write each (shape, kernel)'s Triton source under ``out``; returns the manifest."""
     registry = tuner.discover_tunable_kernels()
     rt = tuning.Runtime(tuning.HelionSettings(cache_dir=cache_dir or str(out / "no-user-cache")))
-    block_ptr = supports_block_ptr()
+    # indexing kinds a config may ask for that this host's Triton lowers as pointers (Triton >= 3.9 has no block
+    # pointers; TMA descriptors need a GPU that has them)
+    host_indexing = {"block_ptr": supports_block_ptr(), "tensor_descriptor": supports_tensor_descriptor()}
     pairs = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -83,19 +102,20 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                 cfg = bound.config_spec.normalized_config(cfg)
                 source = bound.to_triton_code(cfg)
                 (out / shape / f"{name}.py").write_text(source)
-                _, _, entry = tuning.lookup(name, case.dims, arch=arch)
-                stored = (entry or {}).get("config", {}) if how in ("exact", "nearest") else {}
+                stored = stored_config(name, kernel, case, how, arch, rt, bound)
+                indexing = json.dumps(cfg.config.get("indexing"))
                 pairs[f"{shape}/{name}"] = {
                     "kernel_dims": dict(case.dims), "how": how, "config": tuning.config_to_dict(cfg),
                     "device_keys": sorted(k for k in tuning.DEVICE_KEYS if stored.get(k)),
-                    "block_ptr_as_pointer": not block_ptr and "block_ptr" in json.dumps(cfg.config.get("indexing")),
+                    "indexing_as_pointer": [kind for kind, here in host_indexing.items()
+                                            if not here and kind in indexing],
                     "sha256": sha256(source),
                 }
     env = env_info()
     return {"what": "Triton source of each tunable Helion kernel at each shape, with the config a run on the arch "
                     "selects from the stored files (nano_hybrid/bench/triton_source.py)",
             "arch": arch, "helion": env["helion"], "torch": env["torch"], "triton": env["triton"],
-            "triton_has_block_ptr": block_ptr,
+            "host_indexing": host_indexing,
             "git_commit": env["git_commit"], "shapes": shape_dims, "kernels": names, "pairs": pairs,
             "notices": sorted({str(w.message) for w in caught})}
 
@@ -122,9 +142,10 @@ def compare(new: dict, old: dict, new_dir: Path, old_dir: Path) -> tuple[dict, s
                "identical": sorted(same), "differing": sorted(differ),
                "only_new": sorted(set(new["pairs"]) - set(old["pairs"])),
                "only_old": sorted(set(old["pairs"]) - set(new["pairs"])),
-               # pairs whose source on a GPU host may differ from this host's (device-only keys, block pointers)
+               # pairs whose source on a GPU host may differ from this host's (device-only keys, indexing kinds
+               # this host lowers as pointers)
                "unlike_gpu": sorted(p for p, e in new["pairs"].items()
-                                    if e.get("device_keys") or e.get("block_ptr_as_pointer"))}
+                                    if e.get("device_keys") or e.get("indexing_as_pointer"))}
     return summary, "".join(diffs)
 
 
@@ -177,6 +198,6 @@ def main(argv=None) -> int:
                   f"{', ' if i else ': '}{k} at {v} shape(s)" for i, (k, v) in enumerate(sorted(by_kernel.items())))
                   if by_kernel else "") + f"; {out / 'compare.diff'}")
         if summary["unlike_gpu"]:
-            print(f"{len(summary['unlike_gpu'])} pair(s) generate other source on a GPU host (device-only config keys, or "
-                  f"block pointers this Triton lacks): see compare.json 'unlike_gpu'")
+            print(f"{len(summary['unlike_gpu'])} pair(s) may generate other source on a GPU host (device-only config "
+                  f"keys, or block pointers / TMA descriptors this host lacks): see compare.json 'unlike_gpu'")
     return 0
