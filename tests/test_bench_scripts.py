@@ -237,6 +237,8 @@ def test_bench_kernels_helion_settings_arms(tmp_path):
     assert d["backend_settings"]["helion+save_conv_states-true"]["save_conv_states"] is True
     assert d["arm_settings"]["helion+save_conv_states-true"] == {"backend": "helion",
                                                                  "kernels.helion.save_conv_states": True}
+    # the chunk-state path each arm took (state_passing=auto: the fused kernel without a GPU)
+    assert d["state_passing"] == {"helion": "fused", "helion+save_conv_states-true": "fused"}
 
 
 def test_bench_kernels_unknown_backend_fails_clearly(tmp_path):
@@ -1069,8 +1071,8 @@ def test_shape_grid_records_the_state_passing_path_apart_from_config_notices(mon
         tuning.runtime_for(settings).clear()
     assert [m.split(";")[0] for m in rec["notices"]] == ["nano_hybrid kernels: no tuned sm90 config for ssd_bwd_dx at k"]
     assert rec["state_passing"] == "split"
-    assert bsg._state_passing_taken(get_backend("torch"), "tiny") is None
-    assert bsg._state_passing_taken(get_backend("helion", helion=dict(state_passing="fused")), "tiny") == "fused"
+    assert bsg.state_passing_taken(get_backend("torch"), shape) is None
+    assert bsg.state_passing_taken(get_backend("helion", helion=dict(state_passing="fused")), shape) == "fused"
 
 
 def test_tune_kernels_takes_the_grid_shapes():

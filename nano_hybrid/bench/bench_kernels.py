@@ -35,7 +35,8 @@ from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.arms import op_backend
-from nano_hybrid.bench.mixer import OPS, SHAPES, MixerOp, add_zxbcdt_layout_arg, check_against, make_params
+from nano_hybrid.bench.mixer import (OPS, SHAPES, MixerOp, add_zxbcdt_layout_arg, check_against, make_params,
+                                     state_passing_taken)
 from nano_hybrid.errors import EXIT_BAD_INPUT, ConfigError
 
 
@@ -186,6 +187,9 @@ def run(args: argparse.Namespace) -> dict:
                             "forward + backward",
         },
         "times_ms": summary,
+        # the chunk-state path each helion arm took at this shape (kernels.helion.state_passing)
+        "state_passing": {name: state_passing_taken(be[name], shape) for name in backends
+                          if getattr(be[name], "settings", None) is not None},
         "ratios": ratios,
         "correctness": correctness,
         "kernels": kernels,

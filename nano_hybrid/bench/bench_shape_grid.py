@@ -36,7 +36,7 @@ from pathlib import Path
 from kernels.settings import STATE_PASSING_NOTICE
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, make_params, op_zxbcdt,
-                                     rel_err, zxbcdt_leaf, zxbcdt_leaf_name)
+                                     rel_err, state_passing_taken, zxbcdt_leaf, zxbcdt_leaf_name)
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
@@ -137,20 +137,6 @@ def _fp32_params(p: dict) -> dict:
     return q
 
 
-def _state_passing_taken(backend, name: str) -> str | None:
-    """The chunk-state path ("fused" / "split") the helion backend took at grid shape ``name``
-    (``kernels.helion.state_passing``), None for another backend or a shape it did not run."""
-    settings = getattr(backend, "settings", None)
-    if settings is None or name not in GRID:
-        return None
-    from kernels.shapes import padded_len
-    from kernels.ssd_helion import state_passing_taken
-
-    sh = GRID[name][0]
-    return state_passing_taken(settings, dict(b=sh.batch, l=padded_len(sh.seqlen, sh.chunk_size), h=sh.nheads,
-                                              p=sh.headdim, g=sh.ngroups, n=sh.d_state, c=sh.chunk_size))
-
-
 def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> dict:
     """One shape's record; ``log`` gets a line as each phase starts (a time limit then shows where it stopped)."""
     import torch
@@ -249,7 +235,7 @@ def run(args, backends: dict | None = None) -> dict:
                 print(rec["traceback"], file=sys.stderr, flush=True)
         said = sorted({str(x.message) for x in w if "nano_hybrid kernels" in str(x.message)})
         rec["notices"] = [m for m in said if not m.startswith(STATE_PASSING_NOTICE)]
-        rec["state_passing"] = _state_passing_taken(backends.get(args.candidate), name)
+        rec["state_passing"] = state_passing_taken(backends.get(args.candidate), GRID[name][0])
         rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
         res["shapes"][name] = rec
         if args.out:  # what has run so far survives a time limit

@@ -60,6 +60,19 @@ SHAPES = {
 # tensor-parallel rank and at other batch x length splits; packed documents (seq_idx); Mamba2 layers (1 group, chunk
 # 256; 2.7B: 80 heads of 64, 130M-like: 24 heads); Nemotron-H 8B (128 heads, 8 groups); a long-context micro-batch.
 _NANO = dict(headdim=64, d_state=128)
+def state_passing_taken(backend, shape: MixerShape) -> str | None:
+    """The chunk-state path ("fused" / "split", ``kernels.helion.state_passing``) the helion ``backend`` took at
+    ``shape``; None for another backend, or a shape it has not run."""
+    settings = getattr(backend, "settings", None)
+    if settings is None:
+        return None
+    from kernels.shapes import padded_len
+    from kernels.ssd_helion import state_passing_taken as taken
+
+    return taken(settings, dict(b=shape.batch, l=padded_len(shape.seqlen, shape.chunk_size), h=shape.nheads,
+                                p=shape.headdim, g=shape.ngroups, n=shape.d_state, c=shape.chunk_size))
+
+
 GRID: dict[str, tuple[MixerShape, int]] = {  # (shape, documents per sequence; 1: no seq_idx)
     "nano_tp1": (MixerShape(batch=1, seqlen=8192, nheads=64, ngroups=8, **_NANO), 1),
     "nano_tp2": (MixerShape(batch=1, seqlen=8192, nheads=32, ngroups=4, **_NANO), 1),
