@@ -1238,10 +1238,13 @@ def test_gpu_suite_archive_holds_the_output_without_checkpoints(tmp_path):
 
 def test_triton_source_dumps_and_compares(tmp_path):
     """scripts/triton_source.py writes each kernel's Triton source at a shape with the config a run selects (on the
-    CPU, compiled mode), and ``--compare`` names the pairs whose source differs from an earlier dump, with their diff;
-    it refuses interpret mode and a --compare folder it did not write."""
+    CPU, compiled mode) and marks the configs whose indexing this host lowers otherwise than a GPU would;
+    ``--compare`` names the pairs whose source differs from an earlier dump, with their diff; it refuses interpret
+    mode and a --compare folder it did not write."""
+    from nano_hybrid.bench import triton_source as ts
+
     env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
-    cmd = [sys.executable, str(SCRIPTS / "triton_source.py"), "--kernels", "ssd_bmm_chunk,rmsnorm_fwd",
+    cmd = [sys.executable, str(SCRIPTS / "triton_source.py"), "--kernels", "rmsnorm_fwd",
            "--shapes", "nano_b4_l1024,nano_proxy"]
 
     def run(*extra, env=env):
@@ -1250,28 +1253,25 @@ def test_triton_source_dumps_and_compares(tmp_path):
     r = run("--out", str(tmp_path / "a"))
     assert r.returncode == 0, r.stderr[-3000:]
     man = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert set(man["pairs"]) == {f"{s}/{k}" for s in ("nano_b4_l1024", "nano_proxy")
-                                 for k in ("ssd_bmm_chunk", "rmsnorm_fwd")} and man["arch"] == "sm90"
-    src = (tmp_path / "a" / "nano_b4_l1024" / "ssd_bmm_chunk.py").read_text()
-    assert "@triton.jit" in src and man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["how"] in ("exact", "nearest")
+    assert set(man["pairs"]) == {"nano_b4_l1024/rmsnorm_fwd", "nano_proxy/rmsnorm_fwd"} and man["arch"] == "sm90"
+    src = (tmp_path / "a" / "nano_b4_l1024" / "rmsnorm_fwd.py").read_text()
+    assert "@triton.jit" in src and man["pairs"]["nano_b4_l1024/rmsnorm_fwd"]["how"] in ("exact", "nearest")
     assert set(man["host_indexing"]) == {"block_ptr", "tensor_descriptor"}
-    assert man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["indexing_as_pointer"] == []  # its config asks for pointers
     # nano_proxy's committed rmsnorm_fwd config asks for TMA descriptors: pointers where this host has none
     proxy = man["pairs"]["nano_proxy/rmsnorm_fwd"]
     assert "tensor_descriptor" in json.dumps(proxy["config"]["indexing"]) and proxy["how"] == "exact"
     assert proxy["indexing_as_pointer"] == ([] if man["host_indexing"]["tensor_descriptor"] else ["tensor_descriptor"])
     r = run("--out", str(tmp_path / "b"), "--compare", str(tmp_path / "a"))
-    assert r.returncode == 0 and "4 identical, 0 differing" in r.stdout, r.stdout + r.stderr[-2000:]
-    # an edited source (as after a kernel edit or another Helion version) is named, with its diff
-    (tmp_path / "a" / "nano_b4_l1024" / "ssd_bmm_chunk.py").write_text(src.replace("@triton.jit", "@triton.jit\n# edited"))
-    man["pairs"]["nano_b4_l1024/ssd_bmm_chunk"]["sha256"] = "0" * 64
-    (tmp_path / "a" / "manifest.json").write_text(json.dumps(man))
-    r = run("--out", str(tmp_path / "c"), "--compare", str(tmp_path / "a"))
-    assert r.returncode == 0 and "3 identical, 1 differing: ssd_bmm_chunk at 1 shape(s)" in r.stdout, r.stdout
-    summary = json.loads((tmp_path / "c" / "compare.json").read_text())
-    assert summary["differing"] == ["nano_b4_l1024/ssd_bmm_chunk"] and "nano_b4_l1024/rmsnorm_fwd" in summary["identical"]
+    assert r.returncode == 0 and "2 identical, 0 differing" in r.stdout, r.stdout + r.stderr[-2000:]
+    summary = json.loads((tmp_path / "b" / "compare.json").read_text())
     assert ("nano_proxy/rmsnorm_fwd" in summary["unlike_gpu"]) is bool(proxy["indexing_as_pointer"])
-    assert "-# edited" in (tmp_path / "c" / "compare.diff").read_text()
+    # an edited source (as after a kernel edit or another Helion version) is named, with its diff
+    (tmp_path / "a" / "nano_b4_l1024" / "rmsnorm_fwd.py").write_text(src.replace("@triton.jit", "@triton.jit\n# edited"))
+    man["pairs"]["nano_b4_l1024/rmsnorm_fwd"]["sha256"] = "0" * 64
+    new = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    summary, diff = ts.compare(new, man, tmp_path / "b", tmp_path / "a")
+    assert summary["differing"] == ["nano_b4_l1024/rmsnorm_fwd"] and summary["identical"] == ["nano_proxy/rmsnorm_fwd"]
+    assert "-# edited" in diff
     r = run("--out", str(tmp_path / "d"), "--compare", str(tmp_path / "nothing"))
     assert r.returncode == 2 and "no manifest.json there" in r.stderr
     r = run("--out", str(tmp_path / "e"), env={**env, "HELION_INTERPRET": "1"})
