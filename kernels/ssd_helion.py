@@ -602,7 +602,8 @@ def ssd_cumsum_states_helion(
 # "auto" state passing without tuned times for both paths: the fused kernel's programs at 64 x 64 (headdim x dstate)
 # blocks, the blocks of its tuned sm90 configs, against the GPU's SMs. Its tuned times on one H200 (kernels/configs/
 # sm90) are larger than the split path's at 1 x 8192 with 8 and 16 heads (16 and 32 programs: 72 vs 37 and 52 us) and
-# smaller from 32 heads on (64 programs and more: 70 vs 77 us at 32 heads, 106 vs 242 us at 2 x 8192 with 64 heads).
+# smaller from 32 heads on (64 programs and more: 70 vs 77 us at 32 heads, 106 vs 242 us at 2 x 8192 with 64 heads),
+# except at 80 heads in chunks of 256 (160 programs: 117 vs 104 us), where the tuned times decide.
 FUSED_STATE_BLOCK = 64
 AUTO_SPLIT_BELOW_SM_FRACTION = 1 / 3
 
