@@ -643,17 +643,18 @@ def choose_state_passing(state_passing: str, dims: dict[str, int], *, arch: str,
                    f"{'at least' if fused else 'fewer than'} a third of {sm_count} SMs")
 
 
-def _state_key(dims: dict[str, int], arch: str) -> tuple[str, str, str]:
-    return ("state_passing", arch, tuning.shape_key(**dims))
+def _state_key(dims: dict[str, int], on_gpu: bool) -> tuple:
+    """The runtime's ``decisions`` key of a shape: plain ints, cheap to build on every call."""
+    return ("state_passing", on_gpu, *(dims[k] for k in ("b", "l", "h", "p", "g", "n", "c")))
 
 
 def state_passing_taken(settings, dims: dict[str, int]) -> str | None:
     """"fused" or "split": the path the runtime of ``settings`` (a ``HelionSettings``) took at ``dims`` (b, l
-    (padded), h, p, g, n, c) on this device's arch, or None where it has not run there (what benchmarks record)."""
-    arch = tuning.current_arch() if torch.cuda.is_available() and not tuning.interpret_mode() else "cpu"
+    (padded), h, p, g, n, c) on this process's device, or None where it has not run there (what benchmarks record)."""
     if settings.state_passing != "auto":
         return settings.state_passing
-    fused = tuning.runtime_for(settings).decisions.get(_state_key(dims, arch))
+    on_gpu = torch.cuda.is_available() and not tuning.interpret_mode()
+    fused = tuning.runtime_for(settings).decisions.get(_state_key(dims, on_gpu))
     return None if fused is None else ("fused" if fused else "split")
 
 
@@ -666,22 +667,21 @@ def _fused_states_here(state_passing: str | None, B: torch.Tensor, x: torch.Tens
         state_passing = rt.settings.state_passing
     if state_passing != "auto":
         return choose_state_passing(state_passing, {}, arch="", sm_count=None)[0]
-    b, L, h, p = x.shape
-    g, n = B.shape[2:]
     _, _, nc, c = dt.shape
-    dims = dict(b=b, l=nc * c, h=h, p=p, g=g, n=n, c=c)
     on_gpu = x.is_cuda and not tuning.interpret_mode()
-    arch = tuning.current_arch() if on_gpu else "cpu"
-    key = _state_key(dims, arch)
-    if key not in rt.decisions:
+    dims = dict(b=x.shape[0], l=nc * c, h=x.shape[2], p=x.shape[3], g=B.shape[2], n=B.shape[3], c=c)
+    key = _state_key(dims, on_gpu)
+    fused = rt.decisions.get(key)
+    if fused is None:
+        arch = tuning.current_arch() if on_gpu else "cpu"
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else None
         fused, why = choose_state_passing("auto", dims, arch=arch, sm_count=sms, cache_root=rt.cache_root)
         rt.decisions[key] = fused
         if on_gpu:
-            tuning.warn_once("ssd_states", f"auto:{key}",
-                             f"{STATE_PASSING_NOTICE} {key[2]}: {'fused' if fused else 'split'} "
+            tuning.warn_once("ssd_states", f"auto:{tuning.shape_key(**dims)}",
+                             f"{STATE_PASSING_NOTICE} {tuning.shape_key(**dims)}: {'fused' if fused else 'split'} "
                              f"({why}; kernels.helion.state_passing=auto)")
-    return rt.decisions[key]
+    return fused
 
 
 def ssd_states_helion(

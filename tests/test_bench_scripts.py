@@ -1054,7 +1054,7 @@ def test_shape_grid_records_the_state_passing_path_apart_from_config_notices(mon
                 p=shape.headdim, g=shape.ngroups, n=shape.d_state, c=shape.chunk_size)
 
     def fake_shape(name, args, backends, device, log):
-        tuning.runtime_for(settings).decisions[_state_key(dims, "cpu")] = False
+        tuning.runtime_for(settings).decisions[_state_key(dims, False)] = False
         warnings.warn("nano_hybrid kernels: no tuned sm90 config for ssd_bwd_dx at k; using the nearest tuned shape")
         warnings.warn("nano_hybrid kernels: state passing at k: split (tuned times: fused 72.3 us, split 12.6 + "
                       "24.0 us; kernels.helion.state_passing=auto)")
