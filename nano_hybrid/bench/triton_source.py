@@ -67,11 +67,11 @@ def sha256(text: str) -> str:
 def stored_config(name: str, kernel, case, how: str, arch: str, rt, bound) -> dict:
     """The stored config, as stored, that the selection took (``how``: "exact" from the committed file, "cache"
     from the user cache, "nearest" the first nearest tuned shape whose config fits); {} for a default."""
-    c = tuning.choice_for(name, kernel, case.args, case.dims, case.default, arch=arch, rt=rt, bound=bound)
-    if c is None or how not in ("exact", "cache", "nearest"):
-        return {}
     if how == "exact":
         return tuning.lookup(name, case.dims, arch=arch)[2]["config"]
+    if how not in ("cache", "nearest"):
+        return {}
+    c = tuning.choice_for(name, kernel, case.args, case.dims, case.default, arch=arch, rt=rt, bound=bound)
     if how == "cache":
         return c.cache_entry()["config"]
     for source, key, entry in c.nearest():
