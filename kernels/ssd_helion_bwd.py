@@ -205,8 +205,7 @@ def ssd_bwd_dx(
 #     gts * decay * dt, and dC[ti] += dCB[ti, tk] @ B[tk]. dCB is stored in x's dtype (the dots round it to that
 #     dtype anyway): (b, nc, g, c, c) is 34 MB at the Nano shape.
 #   ssd_bwd_db: grid (row tiles of c as s, g, nc, b). dB[s] = sum_h decay dt x_h[s] @ dL_h
-#     + sum_{t >= s} dCB[t, s]^T C[t], the entries of dCB above the diagonal (never written) masked to zero.
-#     Registers: (bm x n) fp32 accumulators and one (bm x c) block.
+#     + sum_{t >= s} dCB[t, s]^T C[t], the entries of dCB above the diagonal (never written) masked to zero. Registers: (bm x n) fp32 accumulators and one (bm x c) block.
 @helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dc_dcb(
     x: torch.Tensor,  # (b, nc, c, h, p)
