@@ -200,12 +200,11 @@ def ssd_bwd_dx(
 #   (one kernel that keeps the whole-chunk dB accumulator, dC and dCB tiles live across serial head x tile loops runs
 #   ~8 programs per SM with one CTA each, and memory latency is not hidden).
 #   ssd_bwd_dc_dcb: grid (row tiles of c, g, nc, b), 2048 programs at bm 64. Per head: ds = dout_x[ti] @ S
-#     (dC state part, ddacs_prev). Then per column tile tk up to the row tile's end (dCB is causal: the tiles
-#     past it are zero and are neither computed nor stored), the dCB block summed over the group's heads,
-#     gts * decay * dt, and dC[ti] += dCB[ti, tk] @ B[tk]. dCB is stored in x's dtype (the dots round it to that
-#     dtype anyway): (b, nc, g, c, c) is 34 MB at the Nano shape.
+#     (dC state part, ddacs_prev) and the dCB row block gts * decay * dt over the whole chunk. Then
+#     dC[ti] += dCB[ti, :] @ B, and dCB is stored in x's dtype (the dots round it to that dtype anyway):
+#     (b, nc, g, c, c) is 34 MB at the Nano shape.
 #   ssd_bwd_db: grid (row tiles of c as s, g, nc, b). dB[s] = sum_h decay dt x_h[s] @ dL_h
-#     + sum_{t >= s} dCB[t, s]^T C[t], the entries of dCB above the diagonal (never written) masked to zero. Registers: (bm x n) fp32 accumulators and one (bm x c) block.
+#     + sum_{t >= s} dCB[t, s]^T C[t]. Registers: (bm x n) fp32 accumulators and one (bm x c) block.
 @helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dc_dcb(
     x: torch.Tensor,  # (b, nc, c, h, p)
@@ -226,39 +225,33 @@ def ssd_bwd_dc_dcb(
     ddacs_prev = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
     dCB = torch.empty([b, nc, g, c, c], dtype=x.dtype, device=x.device)
     bm = hl.register_block_size(16, 128)
-    bk = hl.register_block_size(16, 128)
     for ti, tg, tc, tb in hl.tile([c, g, nc, b], block_size=[bm, 1, 1, 1]):
         ib = tb.begin
         ic = tc.begin
         ig = tg.begin
         C_i = C[ib, ic, ti, ig, :].to(torch.float32)
         dc = hl.zeros([ti, n], dtype=torch.float32)
+        dcb = hl.zeros([ti, c], dtype=torch.float32)
         for hh in hl.grid(hpg):
             ih = ig * hpg + hh
             acs_i = dA_cumsum[ib, ih, ic, ti]
-            ds = hl.dot(dout_x[ib, ic, ti, ih, :], states_in[ib, ic, ih, :, :].to(x.dtype))  # (bm, n)
+            acs = dA_cumsum[ib, ih, ic, :]
+            dot_i = dout_x[ib, ic, ti, ih, :]
+            ds = hl.dot(dot_i, states_in[ib, ic, ih, :, :].to(x.dtype))  # (bm, n)
             pscale = torch.exp2(acs_i * _LOG2E)
             if prev_keep is not None:
                 pscale = pscale * prev_keep[ib, ic, ti]
             dc = dc + ds * pscale[:, None]
             ddacs_prev[ib, ih, ic, ti] = torch.sum(ds * C_i, dim=1) * pscale
-        # dCB[t, s] is zero for s > t (causal): only the column tiles up to this row tile's end; ssd_bwd_db reads
-        # the entries above the diagonal that no tile writes as zero
-        for tk in hl.tile(0, ti.end, block_size=bk):
-            dcb = hl.zeros([ti, tk], dtype=torch.float32)
-            causal = ti.index[:, None] >= tk.index[None, :]
-            for hh in hl.grid(hpg):
-                ih = ig * hpg + hh
-                acs_i = dA_cumsum[ib, ih, ic, ti]
-                acs_k = dA_cumsum[ib, ih, ic, tk]
-                gts = hl.dot(dout_x[ib, ic, ti, ih, :], x[ib, ic, tk, ih, :].T)  # (bm, bk): dout_x[t] . x[s]
-                seg = torch.clamp(torch.where(causal, acs_i[:, None] - acs_k[None, :], float("-inf")), max=0.0)  # see ssd_bwd_dx
-                dcb = dcb + gts * torch.exp2(seg * _LOG2E) * dt[ib, ih, ic, tk][None, :]
-            if same_seq is not None:
-                dcb = dcb * same_seq[ib, ic, ti, tk]
-            dcb_c = dcb.to(x.dtype)
-            dCB[ib, ic, ig, ti, tk] = dcb_c
-            dc = hl.dot(dcb_c, B[ib, ic, tk, ig, :], acc=dc)
+            gts = hl.dot(dot_i, x[ib, ic, :, ih, :].T)  # (bm, c): dout_x[t] . x[s]
+            causal = ti.index[:, None] >= hl.arange(c)[None, :]
+            seg = torch.clamp(torch.where(causal, acs_i[:, None] - acs[None, :], float("-inf")), max=0.0)  # see ssd_bwd_dx
+            dcb = dcb + gts * torch.exp2(seg * _LOG2E) * dt[ib, ih, ic, :][None, :]
+        if same_seq is not None:
+            dcb = dcb * same_seq[ib, ic, ti, :]
+        dcb_c = dcb.to(x.dtype)
+        dCB[ib, ic, ig, ti, :] = dcb_c
+        dc = hl.dot(dcb_c, B[ib, ic, :, ig, :], acc=dc)
         dC[ib, ic, ti, ig, :] = dc.to(dC.dtype)
     return ddacs_prev, dCB
 
@@ -296,8 +289,7 @@ def ssd_bwd_db(
             db = hl.dot(xsc, dL[ib, ic, ih, :, :].to(x.dtype), acc=db)
         # dCB[t, s] is zero for t < s (causal): only the row tiles from this tile's start on
         for tt in hl.tile(si.begin, c, block_size=bk):
-            dcb = torch.where(tt.index[:, None] >= si.index[None, :], dCB[ib, ic, ig, tt, si], 0.0)  # t >= s only
-            db = hl.dot(dcb.T, C[ib, ic, tt, ig, :], acc=db)
+            db = hl.dot(dCB[ib, ic, ig, tt, si].T, C[ib, ic, tt, ig, :], acc=db)
         dB[ib, ic, si, ig, :] = db.to(dB.dtype)
     return dB
 
@@ -355,13 +347,12 @@ _DEFAULTS = {
     "ssd_bwd_dz_dstates": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
     "ssd_bwd_state_passing": helion.Config(block_sizes=[], num_warps=4, num_stages=1),
     "ssd_bwd_dx": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
-    "ssd_bwd_dc_dcb": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
+    "ssd_bwd_dc_dcb": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
     "ssd_bwd_db": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
     "ssd_bwd_dt": helion.Config(block_sizes=[], num_warps=4, num_stages=1),
 }
 # block-size seeds of kernels with more than one block size (others use _BLOCK_SEEDS)
 _MULTI_BLOCK_SEEDS = {
-    "ssd_bwd_dc_dcb": [[64, 64], [32, 32], [32, 64], [64, 32], [128, 64], [64, 128], [128, 128], [16, 32]],
     "ssd_bwd_db": [[64, 64], [32, 32], [32, 64], [64, 32], [128, 64], [64, 128], [32, 128], [16, 64]],
     "ssd_bwd_dx": [[64, 64], [32, 32], [32, 64], [64, 32], [64, 128], [32, 128], [128, 64], [128, 128]],
 }
