@@ -8,6 +8,9 @@
 # $OUT and its log to $OUT/logs/STAGE.log):
 #   tests        pytest -m gpu: every GPU test (kernels against mamba-ssm / causal-conv1d and the fp32 references)
 #   equivalence  scripts/kernel_equivalence.py against the kernels in $REFERENCE_TREE (bitwise outputs and gradients)
+#   trees        the mixer op's device time and per-call time with the kernels in $REFERENCE_TREE against this tree's
+#                (scripts/ab_kernel_trees.py: bench_kernels processes alternated per tree, $TREES_PROCESSES each, default
+#                2; mamba-ssm in every process as the A-vs-A control; shape $TREES_SHAPE, default nano)
 #   kernels      the mixer op A/B (bench_kernels.py, A-vs-A control) at each shape of $KERNEL_SHAPES (default "nano";
 #                e.g. "nano tp8") and the SSD forward (bench_ssd_fwd.py, Nano shape)
 #   helion_next  the kernels stage's mixer op A/B and the kernel GPU tests again with the Helion wheel in
@@ -52,7 +55,7 @@
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheel folders for scripts/gpu_setup.sh, ':' between
 # folders, e.g. the GPU wheelhouse and wandb's; SKIP_SETUP=1 when the packages are installed), ARCHIVE (a .tgz written
 # at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
-# for the A/B stages), REFERENCE_TREE (equivalence), PEER_FILE (peer), RECIPE (convergence, default
+# for the A/B stages), REFERENCE_TREE (equivalence, trees), PEER_FILE (peer), RECIPE (convergence, default
 # convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long: steps at which the run is
 # stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune),
 # SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
@@ -79,7 +82,7 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
-KNOWN="tests equivalence kernels helion_next host peer ssd_peers layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
+KNOWN="tests equivalence trees kernels helion_next host peer ssd_peers layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
 for group in "$@"; do
     IFS=+ read -ra members <<< "$group"
     [ "${#members[@]}" -gt 0 ] || { echo "error: empty stage group '$group'" >&2; exit 2; }
@@ -130,6 +133,11 @@ st_tests() {  # -v: each test's result is in the log as it finishes, also when t
 st_equivalence() {
     [ -n "${REFERENCE_TREE:-}" ] || { echo "equivalence needs REFERENCE_TREE (a folder holding the reference kernels/)"; return 2; }
     python3 scripts/kernel_equivalence.py --reference-tree "$REFERENCE_TREE" --out "$OUT"
+}
+st_trees() {
+    [ -n "${REFERENCE_TREE:-}" ] || { echo "trees needs REFERENCE_TREE (a folder holding the reference kernels/)"; return 2; }
+    python3 scripts/ab_kernel_trees.py --reference-tree "$REFERENCE_TREE" --shape "${TREES_SHAPE:-nano}" \
+        --processes "${TREES_PROCESSES:-2}" --out "$OUT/ab_kernel_trees"
 }
 st_kernels() {  # the mixer op A/B at each of $KERNEL_SHAPES (default nano), then the SSD forward at nano
     local shape

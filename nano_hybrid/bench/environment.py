@@ -45,6 +45,8 @@ def env_info() -> dict:
         "causal_conv1d": _pkg_version("causal-conv1d") or _pkg_version("causal_conv1d"),
         "megatron_core": _pkg_version("megatron-core") or _pkg_version("megatron_core"),
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
+        "kernels_dir": _kernels_dir(),
         "gpu": None,
         "gpu_count": 0,
         "sm_count": None,
@@ -54,6 +56,24 @@ def env_info() -> dict:
         info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), sm_count=p.multi_processor_count,
                     gpu_mem_gib=round(p.total_memory / 2**30, 1), capability=f"sm_{p.major}{p.minor}")
     return info
+
+
+def _git_dirty() -> bool | None:
+    """True when tracked files differ from the commit ``git_commit`` names (the results are of another tree)."""
+    try:
+        r = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=30)
+        return bool(r.stdout.strip()) if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _kernels_dir() -> str | None:
+    """The folder of the ``kernels`` package this process imports (another tree's, when one comes first on the path)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kernels")
+    return str(Path(spec.origin).parent) if spec is not None and spec.origin else None
 
 
 def _git_commit() -> str | None:

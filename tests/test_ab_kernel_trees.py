@@ -1,0 +1,110 @@
+"""scripts/ab_kernel_trees.py on CPU: each process imports the kernels of its tree, a process that imported another
+tree's is refused, the summary's ratios and control, and the refusals before any work (the timing needs CUDA)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nano_hybrid.bench import ab_kernel_trees as ab
+from nano_hybrid.bench import environment
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree(tmp_path: Path, name: str) -> Path:
+    (tmp_path / name / "kernels").mkdir(parents=True)
+    (tmp_path / name / "kernels" / "__init__.py").write_text("")
+    return tmp_path / name
+
+
+def test_a_process_imports_the_kernels_of_its_tree(tmp_path, monkeypatch):
+    """The environment and interpreter flags of a tree's process put that tree's kernels ahead of this repository's,
+    also when it runs from this repository's folder; the variables that change kernel settings are not passed on."""
+    tree = _tree(tmp_path, "ref")
+    monkeypatch.setenv("NANO_HELION_DEBUG_SOMETHING", "1")
+    env = ab.worker_env(tree)
+    assert "NANO_HELION_DEBUG_SOMETHING" not in env
+    assert env["PYTHONPATH"].split(":")[:2] == [str(tree), str(environment.REPO_ROOT)]
+    cmd = ab.bench_command("nano", 1, 1, tmp_path / "o")
+    assert cmd[1] == "-P" and cmd[2].endswith("scripts/bench_kernels.py")
+    code = ("from nano_hybrid.bench import environment; import kernels; "
+            "print(kernels.__file__); print(environment._kernels_dir())")
+    r = subprocess.run([sys.executable, "-P", "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    got, where = r.stdout.split()
+    assert Path(got) == tree / "kernels" / "__init__.py" and Path(where) == tree / "kernels"
+    # without -P the working directory (this repository) would come first
+    r = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, check=True)
+    assert Path(r.stdout.strip()) == ROOT / "kernels" / "__init__.py"
+
+
+def _result(helion_us: float, mamba_us: float, helion_ms: float, mamba_ms: float, kernels_dir: str,
+            rows: dict[str, float]) -> dict:
+    return {"env": {"kernels_dir": kernels_dir},
+            "times_ms": {"helion": {"mixer_fwdbwd": {"median": helion_ms}},
+                         "mamba_ssm": {"mixer_fwdbwd": {"median": mamba_ms}}},
+            "kernels": {"helion": {"total_us_per_iter": helion_us,
+                                   "rows": [{"kernel": k, "us_per_iter": v} for k, v in rows.items()]},
+                        "mamba_ssm": {"total_us_per_iter": mamba_us, "rows": []}}}
+
+
+def test_a_run_of_another_tree_is_refused(tmp_path):
+    tree, other = _tree(tmp_path, "ref"), _tree(tmp_path, "other")
+    out = tmp_path / "o"
+    out.mkdir()
+    f = out / "kernels_mamba_ssm_vs_helion_nano.json"
+    f.write_text(json.dumps(_result(1, 1, 1, 1, str(other / "kernels"), {})))
+    with pytest.raises(RuntimeError, match="imported kernels from .*other/kernels, not from that tree"):
+        ab.read_run(out, "nano", tree)
+    f.write_text(json.dumps(_result(1, 1, 1, 1, str(tree / "kernels"), {})))
+    assert ab.read_run(out, "nano", tree)["kernels"]["helion"]["total_us_per_iter"] == 1
+
+
+def test_summary_ratios_control_and_kernels_side_by_side():
+    runs = {
+        "reference": [_result(3200, 6000, 3.0, 5.0, "r", {"dx": 560, "dc_dcb": 322, "old_only": 5}),
+                      _result(3160, 6060, 3.2, 5.2, "r", {"dx": 558, "dc_dcb": 324, "old_only": 5})],
+        "current": [_result(3100, 6030, 2.9, 5.1, "c", {"dx": 560, "dc_dcb": 280, "new_only": 7}),
+                    _result(3060, 6030, 3.1, 5.1, "c", {"dx": 562, "dc_dcb": 282, "new_only": 7})],
+    }
+    s = ab.summarize(runs)
+    assert s["helion_device_x"] == pytest.approx(3180 / 3080)
+    assert s["control_mamba_ssm_device_x"] == pytest.approx(1.0)
+    assert s["helion_per_call_x"] == pytest.approx(3.1 / 3.0)
+    assert s["control_mamba_ssm_per_call_x"] == pytest.approx(5.1 / 5.1)
+    assert s["trees"]["reference"]["device_us"]["helion"] == [3200, 3160]
+    k = {r["kernel"]: r for r in s["kernels"]}
+    assert [r["kernel"] for r in s["kernels"]][:2] == ["dx", "dc_dcb"]  # the largest first
+    assert k["dc_dcb"]["reference_us"] == pytest.approx(323) and k["dc_dcb"]["current_us"] == pytest.approx(281)
+    assert k["old_only"]["current_us"] is None and k["new_only"]["reference_us"] is None
+    md = ab.markdown({"summary": s, "shape": "nano", "env": {"gpu": "GPU"}, "reference_tree": "r", "current_tree": "c",
+                      "processes": 2, "command": "ab_kernel_trees.py"})
+    assert "| helion device us per fwd+bwd | 3200.0, 3160.0 | 3100.0, 3060.0 | 1.032x |" in md
+    assert "| `dc_dcb` | 323.0 | 281.0 |" in md and "| `new_only` | - | 7.0 |" in md
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--reference-tree", "{missing}"], "has no kernels/ package"),
+    (["--reference-tree", str(ROOT)], "--reference-tree is the current tree"),
+    (["--reference-tree", "{ref}", "--shape", "huge"], "--shape: unknown 'huge'"),
+    (["--reference-tree", "{ref}", "--processes", "0"], "--processes must be at least 1"),
+])
+def test_bad_arguments_fail_before_any_work(tmp_path, capsys, args, says):
+    ref = _tree(tmp_path, "ref")
+    args = [a.format(missing=tmp_path / "nope", ref=ref) for a in args]
+    assert ab.main(args + ["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal of a host without CUDA")
+def test_no_cuda_is_refused_with_one_line(tmp_path, capsys):
+    assert ab.main(["--reference-tree", str(_tree(tmp_path, "ref")), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and err.count("\n") == 1
