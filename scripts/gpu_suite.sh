@@ -55,9 +55,9 @@
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheel folders for scripts/gpu_setup.sh, ':' between
 # folders, e.g. the GPU wheelhouse and wandb's; SKIP_SETUP=1 when the packages are installed), ARCHIVE (a .tgz written
 # at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
-# for the A/B stages), REFERENCE_TREE (equivalence, trees), PEER_FILE (peer), RECIPE (convergence, default
-# convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long: steps at which the run is
-# stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune),
+# for the A/B stages), REFERENCE_TREE (equivalence, trees), TREES_SHAPE / TREES_PROCESSES (trees), PEER_FILE (peer),
+# RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long:
+# steps at which the run is stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune),
 # SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
 # for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED
 # with its log's tail; later stages still run; the exit code is the number of failed stages. STAGE_TIMEOUT_<stage>

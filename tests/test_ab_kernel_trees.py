@@ -24,23 +24,84 @@ def _tree(tmp_path: Path, name: str) -> Path:
 
 def test_a_process_imports_the_kernels_of_its_tree(tmp_path, monkeypatch):
     """The environment and interpreter flags of a tree's process put that tree's kernels ahead of this repository's,
-    also when it runs from this repository's folder; the variables that change kernel settings are not passed on."""
+    also when it runs from this repository's folder, and nothing else of the tree (a whole checkout's nano_hybrid
+    stays behind); the variables that change kernel settings are not passed on, and the config cache is its own."""
     tree = _tree(tmp_path, "ref")
+    (tree / "nano_hybrid").mkdir()
+    (tree / "nano_hybrid" / "__init__.py").write_text("raise ImportError('the tree nano_hybrid was imported')")
     monkeypatch.setenv("NANO_HELION_DEBUG_SOMETHING", "1")
-    env = ab.worker_env(tree)
-    assert "NANO_HELION_DEBUG_SOMETHING" not in env
-    assert env["PYTHONPATH"].split(":")[:2] == [str(tree), str(environment.REPO_ROOT)]
+    link = ab.link_folder(tree, tmp_path / "path")
+    assert ab.link_folder(tree, tmp_path / "path") == link  # again: the link is replaced
+    env = ab.worker_env(link, tmp_path / "cache")
+    assert "NANO_HELION_DEBUG_SOMETHING" not in env and env["XDG_CACHE_HOME"] == str(tmp_path / "cache")
+    assert env["PYTHONPATH"].split(":")[:2] == [str(link), str(environment.REPO_ROOT)]
     cmd = ab.bench_command("nano", 1, 1, tmp_path / "o")
     assert cmd[1] == "-P" and cmd[2].endswith("scripts/bench_kernels.py")
     code = ("from nano_hybrid.bench import environment; import kernels; "
             "print(kernels.__file__); print(environment._kernels_dir())")
     r = subprocess.run([sys.executable, "-P", "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     got, where = r.stdout.split()
-    assert Path(got) == tree / "kernels" / "__init__.py" and Path(where) == tree / "kernels"
+    assert Path(got).resolve() == tree / "kernels" / "__init__.py" and Path(where).resolve() == tree / "kernels"
     # without -P the working directory (this repository) would come first
     r = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"], env=env, cwd=ROOT,
                        capture_output=True, text=True, check=True)
     assert Path(r.stdout.strip()) == ROOT / "kernels" / "__init__.py"
+
+
+def test_rounds_alternate_the_order():
+    assert ab.order(3) == [(1, "reference"), (1, "current"), (2, "current"), (2, "reference"),
+                           (3, "reference"), (3, "current")]
+
+
+# a stand-in for scripts/bench_kernels.py: its JSON, with device times from the kernels package it imports
+_STUB = """
+import argparse, json, sys
+from pathlib import Path
+import kernels
+from nano_hybrid.bench import environment
+p = argparse.ArgumentParser()
+for k in ("--backend", "--compare", "--shape", "--rounds", "--iters", "--out"):
+    p.add_argument(k)
+a = p.parse_args()
+if getattr(kernels, "FAIL", False):
+    sys.exit(3)
+rows = [{"kernel": "k", "us_per_iter": kernels.US}]
+res = {"env": environment.env_info(),
+       "times_ms": {"helion": {"mixer_fwdbwd": {"median": kernels.US / 1000}},
+                    "mamba_ssm": {"mixer_fwdbwd": {"median": 5.0}}},
+       "kernels": {"helion": {"total_us_per_iter": kernels.US, "rows": rows},
+                   "mamba_ssm": {"total_us_per_iter": 6000.0, "rows": []}}}
+Path(a.out).mkdir(parents=True, exist_ok=True)
+(Path(a.out) / f"kernels_mamba_ssm_vs_helion_{a.shape}.json").write_text(json.dumps(res))
+"""
+
+
+def test_the_whole_run_with_a_stand_in_for_the_bench(tmp_path, monkeypatch, capsys):
+    """main() end to end (a stand-in for bench_kernels, no GPU): each tree's processes run its kernels, the summary
+    and report are written; a failing process stops the run with one line and exit 1."""
+    import torch
+
+    stub = tmp_path / "bench_stub.py"
+    stub.write_text(_STUB)
+    monkeypatch.setattr(ab, "_BENCH", stub)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(environment, "env_info", lambda: {"gpu": "stand-in"})  # this process's own env
+    ref, cur = _tree(tmp_path, "ref"), _tree(tmp_path, "cur")
+    (ref / "kernels" / "__init__.py").write_text("US = 3000.0\n")
+    (cur / "kernels" / "__init__.py").write_text("US = 2500.0\n")
+    out = tmp_path / "out"
+    assert ab.main(["--reference-tree", str(ref), "--current-tree", str(cur), "--processes", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "ab_kernel_trees_nano.json").read_text())
+    assert res["summary"]["helion_device_x"] == pytest.approx(1.2)
+    assert res["summary"]["control_mamba_ssm_device_x"] == pytest.approx(1.0)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("reference_", "current_"))) == \
+        ["current_1", "current_2", "reference_1", "reference_2"]
+    assert "| `k` | 3000.0 | 2500.0 |" in (out / "ab_kernel_trees_nano.md").read_text()
+    capsys.readouterr()
+    (cur / "kernels" / "__init__.py").write_text("US = 2500.0\nFAIL = True\n")
+    assert ab.main(["--reference-tree", str(ref), "--current-tree", str(cur), "--out", str(tmp_path / "o2")]) == 1
+    err = capsys.readouterr().err
+    assert "the current process 1 failed (rc 3)" in err and err.count("\n") == 1
 
 
 def _result(helion_us: float, mamba_us: float, helion_ms: float, mamba_ms: float, kernels_dir: str,
@@ -89,15 +150,21 @@ def test_summary_ratios_control_and_kernels_side_by_side():
 
 
 @pytest.mark.parametrize("args, says", [
+    ([], "--reference-tree DIR is required"),
     (["--reference-tree", "{missing}"], "has no kernels/ package"),
-    (["--reference-tree", str(ROOT)], "--reference-tree is the current tree"),
+    (["--reference-tree", str(ROOT)], "the reference tree's kernels/ is the current tree's"),
+    (["--reference-tree", "{ref}", "--processes", "x"], "argument --processes: invalid int value: 'x'"),
     (["--reference-tree", "{ref}", "--shape", "huge"], "--shape: unknown 'huge'"),
     (["--reference-tree", "{ref}", "--processes", "0"], "--processes must be at least 1"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, capsys, args, says):
     ref = _tree(tmp_path, "ref")
     args = [a.format(missing=tmp_path / "nope", ref=ref) for a in args]
-    assert ab.main(args + ["--out", str(tmp_path / "out")]) == 2
+    try:
+        rc = ab.main(args + ["--out", str(tmp_path / "out")])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()

@@ -1,20 +1,25 @@
 """The mixer op's speed with the kernels of two ``kernels`` trees: a kernel edit against the kernels before it.
 
-    git archive HEAD~1 kernels | tar -x -C .baseline
+    rm -rf .baseline && mkdir -p .baseline && git archive HEAD kernels | tar -x -C .baseline
     python scripts/ab_kernel_trees.py --reference-tree .baseline --shape nano --processes 2
 
+A tree is a folder holding a ``kernels/`` package (a snapshot as above, or another checkout: only its ``kernels/`` is
+used). It must offer the kernels API this repository's ``nano_hybrid`` calls, so a tree a few commits away works and
+one from before an API change does not.
+
 One process per tree and round runs ``scripts/bench_kernels.py --backend mamba_ssm --compare helion`` with that tree's
-``kernels`` package first on the path (``python -P``, ``PYTHONPATH=<tree>:<this repository>``; every
-``NANO_HELION_*`` / ``NANO_TUNE_*`` variable removed, so each tree runs its own defaults and committed configs). The
-processes alternate reference, current, reference, current, ... A process that imported ``kernels`` from elsewhere
-is refused.
+``kernels`` first on the path (``python -P``; PYTHONPATH: a folder linking to the tree's ``kernels/``, then this
+repository), every ``NANO_HELION_*`` / ``NANO_TUNE_*`` variable removed and an empty per-user config cache
+(``$XDG_CACHE_HOME``), so each tree runs its own defaults and committed configs. Rounds alternate the order
+(reference, current, then current, reference, ...). A process that imported ``kernels`` from elsewhere is refused.
 
 Per tree: helion's device time per mixer fwd+bwd (torch.profiler) and its per-call median, each process's value and
-their mean; the helion kernels side by side. mamba-ssm runs the same code in every process, so its device time in
-the reference processes against the current ones is the A-vs-A control: a helion difference inside it is noise.
+their mean; the helion kernels side by side. mamba-ssm's kernels are the same in every process, so its device time
+in the reference processes against the current ones is the A-vs-A control: a helion difference inside it is noise.
 
-Writes ``ab_kernel_trees_<shape>.json`` and ``.md`` to --out (default $OUT, else runs/ab_kernel_trees), and each process's
-bench_kernels JSON under ``--out/<tree>_<round>/``. Needs CUDA. Exit 0, 1 when a process fails, 2 on bad arguments.
+Writes ``ab_kernel_trees_<shape>.json`` and ``.md`` to --out (default $OUT, else runs/ab_kernel_trees in this
+repository), and each process's bench_kernels JSON and log under ``--out/<tree>_<round>/``. Needs CUDA. Exit 0,
+1 when a process fails or ran another tree's kernels, 2 on bad arguments or without CUDA.
 """
 
 from __future__ import annotations
@@ -34,12 +39,31 @@ TREES = ("reference", "current")
 _BENCH = environment.REPO_ROOT / "scripts" / "bench_kernels.py"
 
 
-def worker_env(tree: Path) -> dict:
-    """The environment of a process that runs ``tree``'s kernels: the tree first on PYTHONPATH, then this repository
-    (for ``nano_hybrid``), then the caller's path; no nano-hybrid kernel variables."""
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage too)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def link_folder(tree: Path, where: Path) -> Path:
+    """``where`` holding only a link to ``tree``'s ``kernels/``: on the path it brings that package and nothing else
+    of the tree (a whole checkout's ``nano_hybrid`` stays behind)."""
+    where.mkdir(parents=True, exist_ok=True)
+    link = where / "kernels"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(tree / "kernels", target_is_directory=True)
+    return where
+
+
+def worker_env(path_dir: Path, cache_dir: Path) -> dict:
+    """The environment of a process that runs the kernels linked in ``path_dir``: that folder first on PYTHONPATH,
+    then this repository (for ``nano_hybrid``), then the caller's path; the per-user config cache in ``cache_dir``;
+    no nano-hybrid kernel variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NANO_HELION_", "NANO_TUNE_"))}
     rest = [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q]
-    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(environment.REPO_ROOT)] + rest)
+    env["PYTHONPATH"] = os.pathsep.join([str(path_dir), str(environment.REPO_ROOT)] + rest)
+    env["XDG_CACHE_HOME"] = str(cache_dir)
     return env
 
 
@@ -97,7 +121,7 @@ def markdown(res: dict) -> str:
     f = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
     lines = [f"# Mixer op with two kernels trees: {res['shape']} ({res['env'].get('gpu')})", "",
              f"Reference tree `{res['reference_tree']}`, current tree `{res['current_tree']}`; {res['processes']} "
-             f"processes per tree, alternated. Command: `{res['command']}`.", "",
+             f"processes per tree, order alternated. Command: `{res['command']}`.", "",
              "| | reference | current | reference / current |", "|---|---|---|---|"]
     for label, key, arm, r in (("helion device us per fwd+bwd", "device_us", "helion", s["helion_device_x"]),
                                ("mamba_ssm device us (control)", "device_us", "mamba_ssm", s["control_mamba_ssm_device_x"]),
@@ -110,22 +134,29 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def order(rounds: int) -> list[tuple[int, str]]:
+    """(round, tree) in run order: reference first in odd rounds, current first in even ones (ABBA ...)."""
+    return [(i, t) for i in range(1, rounds + 1) for t in (TREES if i % 2 else TREES[::-1])]
+
+
 def main(argv=None) -> int:
     from nano_hybrid.bench.bench_kernels import SHAPES
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 epilog="Exit status: 0 done, 1 a process failed, 2 bad arguments.")
-    ap.add_argument("--reference-tree", required=True, help="a directory holding the reference kernels/ package")
+    ap = _Parser(description=__doc__.split("\n")[0],
+                 epilog="Exit status: 0 done, 1 a process failed or ran another tree's kernels, 2 bad arguments or no CUDA.")
+    ap.add_argument("--reference-tree", default=None, help="a folder holding the reference kernels/ package (required)")
     ap.add_argument("--current-tree", default=str(environment.REPO_ROOT), help="the tree under test (default: this repository)")
     ap.add_argument("--shape", default="nano", help=f"a bench_kernels shape ({', '.join(sorted(SHAPES))})")
-    ap.add_argument("--processes", type=int, default=2, help="processes per tree, alternated (default 2)")
+    ap.add_argument("--processes", type=int, default=2, help="processes per tree, order alternated (default 2)")
     ap.add_argument("--rounds", type=int, default=4, help="bench_kernels rounds per process (default 4)")
     ap.add_argument("--iters", type=int, default=8, help="bench_kernels calls per arm and round (default 8)")
-    ap.add_argument("--out", default=None, help="output directory (default runs/ab_kernel_trees)")
+    ap.add_argument("--out", default=None, help="output folder (default $OUT, else runs/ab_kernel_trees in this repository)")
     a = ap.parse_args(argv)
-    trees = {"reference": Path(a.reference_tree).resolve(), "current": Path(a.current_tree).resolve()}
     try:
         reporting.check_args(a)
+        if not a.reference_tree:
+            raise ValueError("--reference-tree DIR is required (a folder holding a kernels/ package)")
+        trees = {"reference": Path(a.reference_tree).resolve(), "current": Path(a.current_tree).resolve()}
         if a.shape not in SHAPES:
             raise ValueError(f"--shape: unknown {a.shape!r}; known: {', '.join(sorted(SHAPES))}")
         for name in ("processes", "rounds", "iters"):
@@ -134,8 +165,8 @@ def main(argv=None) -> int:
         for tree in trees.values():
             if not (tree / "kernels" / "__init__.py").is_file():
                 raise ValueError(f"{tree} has no kernels/ package")
-        if trees["reference"] == trees["current"]:
-            raise ValueError("--reference-tree is the current tree")
+        if (trees["reference"] / "kernels").resolve() == (trees["current"] / "kernels").resolve():
+            raise ValueError("the reference tree's kernels/ is the current tree's")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -144,21 +175,23 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: ab_kernel_trees needs a CUDA GPU (bench_kernels times the op on the device)", file=sys.stderr)
         return EXIT_BAD_INPUT
-    out = Path(a.out or os.environ.get("OUT") or "runs/ab_kernel_trees").resolve()
+    out = Path(a.out or os.environ.get("OUT") or environment.REPO_ROOT / "runs" / "ab_kernel_trees").resolve()
     runs: dict[str, list[dict]] = {t: [] for t in TREES}
-    for i in range(1, a.processes + 1):
-        for name in TREES:
-            d = out / f"{name}_{i}"
-            print(f"[{name} {i}/{a.processes}] {trees[name]}", flush=True)
-            r = subprocess.run(bench_command(a.shape, a.rounds, a.iters, d), env=worker_env(trees[name]),
-                               cwd=environment.REPO_ROOT, capture_output=True, text=True)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "bench.log").write_text(r.stdout + r.stderr)
+    for i, name in order(a.processes):
+        d = out / f"{name}_{i}"
+        d.mkdir(parents=True, exist_ok=True)
+        print(f"[{name} {i}/{a.processes}] {trees[name]}", flush=True)
+        env = worker_env(link_folder(trees[name], out / "path" / name), out / "cache" / f"{name}_{i}")
+        r = subprocess.run(bench_command(a.shape, a.rounds, a.iters, d), env=env, cwd=environment.REPO_ROOT,
+                           capture_output=True, text=True)
+        (d / "bench.log").write_text(r.stdout + r.stderr)
+        try:
             if r.returncode != 0:
-                print(f"error: the {name} process {i} failed (rc {r.returncode}); log: {d / 'bench.log'}\n"
-                      f"{r.stderr[-2000:]}", file=sys.stderr)
-                return 1
+                raise RuntimeError(f"the {name} process {i} failed (rc {r.returncode}); log: {d / 'bench.log'}")
             runs[name].append(read_run(d, a.shape, trees[name]))
+        except (RuntimeError, OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     res = {"tool": "scripts/ab_kernel_trees.py", "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
            "env": environment.env_info(), "shape": a.shape, "processes": a.processes, "rounds": a.rounds,
            "iters": a.iters, "reference_tree": str(trees["reference"]), "current_tree": str(trees["current"]),

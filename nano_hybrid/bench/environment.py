@@ -59,9 +59,10 @@ def env_info() -> dict:
 
 
 def _git_dirty() -> bool | None:
-    """True when tracked files differ from the commit ``git_commit`` names (the results are of another tree)."""
+    """True when files that git does not ignore differ from the commit ``git_commit`` names (the results are of
+    another tree). ``--no-optional-locks``: many bench processes may ask at once."""
     try:
-        r = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+        r = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO_ROOT), "status", "--porcelain"],
                            capture_output=True, text=True, timeout=30)
         return bool(r.stdout.strip()) if r.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
@@ -72,7 +73,10 @@ def _kernels_dir() -> str | None:
     """The folder of the ``kernels`` package this process imports (another tree's, when one comes first on the path)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("kernels")
+    try:
+        spec = importlib.util.find_spec("kernels")
+    except (ImportError, ValueError):
+        return None
     return str(Path(spec.origin).parent) if spec is not None and spec.origin else None
 
 

@@ -145,7 +145,13 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
 def env_markdown(env: dict) -> str:
     keys = ["gpu", "sm_count", "torch", "cuda", "triton", "helion", "mamba_ssm", "causal_conv1d",
             "megatron_core", "git_commit", "date_utc"]
-    return ", ".join(f"{k} {env.get(k)}" for k in keys if env.get(k) is not None)
+    parts = [f"{k} {env.get(k)}" for k in keys if env.get(k) is not None]
+    if env.get("git_dirty"):
+        parts.append("files differ from git_commit")
+    kd = env.get("kernels_dir")
+    if kd and Path(kd).resolve() != (REPO_ROOT / "kernels").resolve():
+        parts.append(f"kernels from {kd}")
+    return ", ".join(parts)
 
 
 def timing_cells(r: dict, arm: str) -> list[str]:
