@@ -429,6 +429,57 @@ def record(
     return path
 
 
+def merge_config_files(src_root: Path, dst_root: Path | None = None, replace: bool = False) -> list[dict]:
+    """Merge the config files under ``src_root`` (``<arch>/<kernel>.json``: another search's ``--out-root``, a user
+    cache) into ``dst_root`` (the committed configs by default). An entry whose shape the destination file lacks is
+    added; one it has is kept, or with ``replace`` replaced. Every source and destination file is read and checked
+    before anything is written (``ConfigFileError``, one line, at the first bad one); each destination file is
+    read-modify-written under ``file_lock`` and replaced atomically. Returns one row per source entry:
+    ``{"kernel", "arch", "key", "action"}`` with action added / replaced / kept / same (an identical entry)."""
+    dst_root = Path(dst_root or CONFIG_ROOT)
+    sources = [q for q in sorted(Path(src_root).glob("*/*.json")) if not q.name.endswith(".failed.json")]
+    if not sources:
+        raise ConfigFileError(f"no config files (<arch>/<kernel>.json) under {src_root}")
+    plan = []
+    for src in sources:
+        data, arch, kernel = read_config_file(src), src.parent.name, src.stem
+        for field, want in (("kernel", kernel), ("arch", arch)):
+            if data.get(field, want) != want:
+                raise ConfigFileError(f"Helion config file {src}: its {field} is {data[field]!r}, its path says "
+                                      f"{want!r}; move it or fix the field")
+        dst = config_path(kernel, arch, dst_root)
+        if dst.exists():
+            read_config_file(dst)
+        plan.append((src, data, arch, kernel, dst))
+    rows = []
+    for src, data, arch, kernel, dst in plan:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(dst):
+            out = read_config_file(dst) if dst.exists() else {"kernel": kernel, "arch": arch, "entries": {}}
+            entries = out["entries"]
+            changed = False
+            for key, entry in data["entries"].items():
+                if key not in entries:
+                    action = "added"
+                elif entries[key] == entry:
+                    action = "same"
+                else:
+                    action = "replaced" if replace else "kept"
+                if action in ("added", "replaced"):
+                    entries[key] = entry
+                    changed = True
+                rows.append({"kernel": kernel, "arch": arch, "key": key, "action": action})
+            if changed:
+                out["entries"] = dict(sorted(entries.items()))
+                tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(out, indent=1, sort_keys=False) + "\n")
+                tmp.replace(dst)
+                _FILE_CACHE.pop(dst, None)
+    for rt in _RUNTIMES.values():
+        rt.fast.clear()
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------
 # the fit check and the selection chain
 

@@ -50,7 +50,7 @@
 #                (scripts/tune_kernels.py --shapes grid --missing, TUNE_JOBS searches at once, default 12, for
 #                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. The grid after
 #                tuning: GRID_ARGS="--kernels-helion autotune=true,cache_dir=$OUT/helion_configs" (packed shapes tune
-#                on first use)
+#                on first use); to commit them: scripts/tune_kernels.py --merge $OUT/helion_configs
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheel folders for scripts/gpu_setup.sh, ':' between
 # folders, e.g. the GPU wheelhouse and wandb's; SKIP_SETUP=1 when the packages are installed), ARCHIVE (a .tgz written

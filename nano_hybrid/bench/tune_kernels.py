@@ -23,6 +23,10 @@ A failing (kernel, shape) is logged with its traceback and the next one still ru
 candidate that leaves a sticky CUDA error (e.g. "misaligned address") ends only its own search, where
 in one process it ended every search after it.
 
+``--merge DIR`` (no GPU) adds the configs of another search's ``--out-root`` or a user cache to kernels/configs (or
+``--out-root``): the shapes the destination lacks; ``--replace`` also replaces those it has. Every file is checked
+before any is written.
+
 ``--jobs N`` runs N of those children at once. Most of a search is compiling candidates (Helion code generation,
 Triton, ptxas: CPU work), so N searches overlap on N cores; the timing of a candidate holds a lock shared by the
 children (``tuner.search``'s ``timing_lock``), so one candidate at a time runs its timed calls on the GPU and the
@@ -87,12 +91,40 @@ def build_parser() -> argparse.ArgumentParser:
                     help="child processes searching at once (their compiles overlap; their timings take turns on "
                     "the GPU under a shared lock); each gets the total budget x jobs / pairs")
     ap.add_argument("--timing-lock", default=None, help=argparse.SUPPRESS)  # the isolated children's shared lock
+    ap.add_argument("--merge", default=None, metavar="DIR",
+                    help="merge the config files under DIR (<arch>/<kernel>.json: another search's --out-root, a "
+                    "user cache) into --out-root (default kernels/configs) and exit; no GPU needed. Shapes the "
+                    "destination lacks are added, shapes it has are kept (--replace: replaced)")
+    ap.add_argument("--replace", action="store_true", help="with --merge: replace the entries of shapes already there")
     return ap
+
+
+def merge(args) -> int:
+    """--merge: the config files under args.merge into --out-root (default kernels/configs), one summary line."""
+    import collections
+
+    dst = Path(args.out_root) if args.out_root else tuning.CONFIG_ROOT
+    try:
+        rows = tuning.merge_config_files(Path(args.merge), dst, replace=args.replace)
+    except tuning.ConfigFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    n = collections.Counter(r["action"] for r in rows)
+    for r in rows:
+        if r["action"] in ("added", "replaced"):
+            print(f"{r['action']:8s} {r['arch']}/{r['kernel']} {r['key']}")
+    kept = f" ({n['kept']} kept: their shapes are there already; --replace replaces them)" if n["kept"] else ""
+    print(f"merged {args.merge} into {dst}: {n['added']} added, {n['replaced']} replaced, {n['same']} the same{kept}")
+    return 0
 
 
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.replace and not args.merge:
+        ap.error("--replace goes with --merge DIR")
+    if args.merge:
+        return merge(args)
     if args.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.budget_s is not None:
