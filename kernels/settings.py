@@ -16,11 +16,6 @@ bwd_states_dtype    input      dtype of the states the backward recomputes (chun
 bwd_dstates_dtype   input      dtype of the per-chunk state gradients dz_dstates writes and the backward state
                                passing reads: "input" (x's dtype; each chunk's term is rounded before the fp32
                                running sum) or "fp32" (as mamba-ssm).
-bwd_cb_dtype        fp32       dtype of C·Bᵀ (b, nc, g, c, c) that the backward recomputes and ssd_bwd_dx reads per row
-                               and column tile: "fp32" (as mamba-ssm; 67 MB per layer at Nano's 2 x 8192) or
-                               "input" (x's dtype, half the bytes; ssd_bwd_dx rounds C·Bᵀ times the decay to x's
-                               dtype for its dx GEMM either way, so the ddA sums see the difference most). The
-                               forward's chunk scan takes C·Bᵀ in x's dtype already (``ssd_chunk_scan_cb16``).
 save_cumsum         true       the fused op's forward keeps dA_cumsum and dt_out (two fp32 (b, h, l) tensors) for
                                its backward, which then launches no chunk cumsum; false recomputes them, as
                                mamba-ssm does. The values are bitwise the same either way.
@@ -73,7 +68,7 @@ from typing import Any
 DTYPE_CHOICES = ("input", "fp32")
 STATE_PASSING_CHOICES = ("auto", "fused", "split")
 STATE_PASSING_NOTICE = "nano_hybrid kernels: state passing at"  # how the one line of an "auto" decision begins
-_DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype", "bwd_cb_dtype")
+_DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype")
 
 
 class HelionSettingsError(ValueError):
@@ -84,7 +79,6 @@ class HelionSettingsError(ValueError):
 class HelionSettings:
     bwd_states_dtype: str = "input"
     bwd_dstates_dtype: str = "input"
-    bwd_cb_dtype: str = "fp32"
     save_cumsum: bool = True
     save_conv_states: bool = False
     state_passing: str = "auto"
