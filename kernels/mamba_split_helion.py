@@ -134,19 +134,18 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         x = x.reshape(b, L, nheads, headdim)
         B = B.reshape(b, L, ngroups, dstate)
         C = C.reshape(b, L, ngroups, dstate)
-        cb_dtype = x.dtype  # C·Bᵀ for ssd_bwd_dx in x's dtype (fp32 in mamba-ssm)
         if states_in is None:
             dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
                 B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
                 initial_states=initial_states, seq_idx=seq_idx,
                 state_dtype=torch.float32 if ctx.settings.bwd_states_dtype == "fp32" else x.dtype,
                 cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out),
-                state_passing=ctx.settings.state_passing, cb_dtype=cb_dtype)
+                state_passing=ctx.settings.state_passing)
         else:  # the forward's states (x's dtype, as bwd_states_dtype=input recomputes them): only C.B^T runs
             if dA_cumsum is None:
                 dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True,
                                                             dt_limit=ctx.dt_limit)
-            CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=cb_dtype)
+            CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=torch.float32)
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)
         dz, dxBC_given, ddt = torch.split(dzxbcdt, splits, dim=-1)

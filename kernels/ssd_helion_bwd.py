@@ -133,7 +133,7 @@ def ssd_bwd_dx(
     x: torch.Tensor,  # (b, nc, c, h, p)
     dout_x: torch.Tensor,  # (b, nc, c, h, p)
     B: torch.Tensor,  # (b, nc, c, g, n)
-    CB: torch.Tensor,  # (b, nc, g, c, c) x.dtype, CB[t, s], zero across sequences
+    CB: torch.Tensor,  # (b, nc, g, c, c) fp32, CB[t, s], zero across sequences
     dt: torch.Tensor,  # (b, h, nc, c) fp32
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     dL: torch.Tensor,  # (b, nc, h, p, n) x.dtype: gradient of the chunk's local state
@@ -572,7 +572,7 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
             dict(kd, blk=blk)
     # states_in and dL (b, nc, h, p, n) in x.dtype, as the fused op's backward passes them by default
     if name == "ssd_bwd_dx":
-        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, g, c, c), dt, dac, r(b, nc, h, p, n),
+        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, g, c, c, dtype=f32), dt, dac, r(b, nc, h, p, n),
                 None, r(h, p, dtype=f32), r(*xs)), kd
     if name == "ssd_bwd_dc_dcb":
         return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n),
