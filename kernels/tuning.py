@@ -429,11 +429,13 @@ def record(
     return path
 
 
-def merge_config_files(src_root: Path, dst_root: Path | None = None, replace: bool = False) -> list[dict]:
+def merge_config_files(src_root: Path, dst_root: Path | None = None, replace: bool = False,
+                       kernels: Sequence[str] | None = None) -> list[dict]:
     """Merge the config files under ``src_root`` (``<arch>/<kernel>.json``: another search's ``--out-root``, a user
     cache) into ``dst_root`` (the committed configs by default). An entry whose shape the destination file lacks is
     added; one it has is kept, or with ``replace`` replaced. Every source and destination file is read and checked
-    before anything is written (``ConfigFileError``, one line, at the first bad one); each destination file is
+    before anything is written (``ConfigFileError``, one line, at the first bad one: unreadable, a kernel not in
+    ``kernels`` when given, an entry whose key is not its dims' shape key); each destination file is
     read-modify-written under ``file_lock`` and replaced atomically. Returns one row per source entry:
     ``{"kernel", "arch", "key", "action"}`` with action added / replaced / kept / same (an identical entry)."""
     dst_root = Path(dst_root or CONFIG_ROOT)
@@ -443,6 +445,17 @@ def merge_config_files(src_root: Path, dst_root: Path | None = None, replace: bo
     plan = []
     for src in sources:
         data, arch, kernel = read_config_file(src), src.parent.name, src.stem
+        if kernels is not None and kernel not in kernels:
+            raise ConfigFileError(f"Helion config file {src}: no tunable kernel is named {kernel!r} (known: "
+                                  f"{', '.join(sorted(kernels))}); leave it out")
+        for key, entry in data["entries"].items():
+            try:
+                want_key = shape_key(**entry["dims"])
+            except ValueError as e:
+                raise ConfigFileError(f"Helion config file {src}: entry {key!r}: {e}") from None
+            if key != want_key:
+                raise ConfigFileError(f"Helion config file {src}: entry {key!r} has the dims of {want_key!r}; "
+                                      "fix or drop it")
         for field, want in (("kernel", kernel), ("arch", arch)):
             if data.get(field, want) != want:
                 raise ConfigFileError(f"Helion config file {src}: its {field} is {data[field]!r}, its path says "

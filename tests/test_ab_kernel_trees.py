@@ -48,7 +48,7 @@ def test_a_process_imports_the_kernels_of_its_tree(tmp_path, monkeypatch):
     assert Path(r.stdout.strip()) == ROOT / "kernels" / "__init__.py"
 
 
-def test_rounds_alternate_the_order():
+def test_the_order_alternates_by_pairs():
     assert ab.order(3) == [(1, "reference"), (1, "current"), (2, "current"), (2, "reference"),
                            (3, "reference"), (3, "current")]
 
@@ -175,3 +175,15 @@ def test_no_cuda_is_refused_with_one_line(tmp_path, capsys):
     assert ab.main(["--reference-tree", str(_tree(tmp_path, "ref")), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and err.count("\n") == 1
+
+
+def test_report_headers_say_when_the_tree_is_not_the_commit(tmp_path):
+    """A benchmark's header line names a tree whose files differ from git_commit, and kernels imported from
+    another tree; the repository's own kernels at its commit add nothing."""
+    from nano_hybrid.bench import reporting
+
+    env = {"gpu": "GPU", "git_commit": "abc1234", "git_dirty": False, "kernels_dir": str(ROOT / "kernels")}
+    assert reporting.env_markdown(env) == "gpu GPU, git_commit abc1234"
+    other = _tree(tmp_path, "ref") / "kernels"
+    line = reporting.env_markdown(dict(env, git_dirty=True, kernels_dir=str(other)))
+    assert line == f"gpu GPU, git_commit abc1234, files differ from git_commit, kernels from {other}"

@@ -10,7 +10,7 @@ one from before an API change does not.
 One process per tree and round runs ``scripts/bench_kernels.py --backend mamba_ssm --compare helion`` with that tree's
 ``kernels`` first on the path (``python -P``; PYTHONPATH: a folder linking to the tree's ``kernels/``, then this
 repository), every ``NANO_HELION_*`` / ``NANO_TUNE_*`` variable removed and an empty per-user config cache
-(``$XDG_CACHE_HOME``), so each tree runs its own defaults and committed configs. Rounds alternate the order
+(``$XDG_CACHE_HOME``), so each tree runs its own defaults and committed configs. The order alternates by pairs
 (reference, current, then current, reference, ...). A process that imported ``kernels`` from elsewhere is refused.
 
 Per tree: helion's device time per mixer fwd+bwd (torch.profiler) and its per-call median, each process's value and
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -134,9 +135,9 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def order(rounds: int) -> list[tuple[int, str]]:
-    """(round, tree) in run order: reference first in odd rounds, current first in even ones (ABBA ...)."""
-    return [(i, t) for i in range(1, rounds + 1) for t in (TREES if i % 2 else TREES[::-1])]
+def order(processes: int) -> list[tuple[int, str]]:
+    """(process number, tree) in run order: the reference's first in odd pairs, the current's in even ones (ABBA)."""
+    return [(i, t) for i in range(1, processes + 1) for t in (TREES if i % 2 else TREES[::-1])]
 
 
 def main(argv=None) -> int:
@@ -178,10 +179,12 @@ def main(argv=None) -> int:
     out = Path(a.out or os.environ.get("OUT") or environment.REPO_ROOT / "runs" / "ab_kernel_trees").resolve()
     runs: dict[str, list[dict]] = {t: [] for t in TREES}
     for i, name in order(a.processes):
-        d = out / f"{name}_{i}"
+        d, cache = out / f"{name}_{i}", out / "cache" / f"{name}_{i}"
         d.mkdir(parents=True, exist_ok=True)
+        (d / f"kernels_mamba_ssm_vs_helion_{a.shape}.json").unlink(missing_ok=True)  # an earlier run's result
+        shutil.rmtree(cache, ignore_errors=True)
         print(f"[{name} {i}/{a.processes}] {trees[name]}", flush=True)
-        env = worker_env(link_folder(trees[name], out / "path" / name), out / "cache" / f"{name}_{i}")
+        env = worker_env(link_folder(trees[name], out / "path" / name), cache)
         r = subprocess.run(bench_command(a.shape, a.rounds, a.iters, d), env=env, cwd=environment.REPO_ROOT,
                            capture_output=True, text=True)
         (d / "bench.log").write_text(r.stdout + r.stderr)

@@ -105,10 +105,14 @@ def merge(args) -> int:
 
     dst = Path(args.out_root) if args.out_root else tuning.CONFIG_ROOT
     try:
-        rows = tuning.merge_config_files(Path(args.merge), dst, replace=args.replace)
+        rows = tuning.merge_config_files(Path(args.merge), dst, replace=args.replace,
+                                         kernels=sorted(tuner.discover_tunable_kernels()))
     except tuning.ConfigFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # the destination cannot be written (files merged before it keep their new entries)
+        print(f"error: merging into {dst}: {e}", file=sys.stderr)
+        return 1
     n = collections.Counter(r["action"] for r in rows)
     for r in rows:
         if r["action"] in ("added", "replaced"):
@@ -122,7 +126,8 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.replace and not args.merge:
-        ap.error("--replace goes with --merge DIR")
+        print("error: --replace goes with --merge DIR", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.merge:
         return merge(args)
     if args.jobs < 1:
