@@ -8,9 +8,10 @@
 # $OUT and its log to $OUT/logs/STAGE.log):
 #   tests        pytest -m gpu: every GPU test (kernels against mamba-ssm / causal-conv1d and the fp32 references)
 #   equivalence  scripts/kernel_equivalence.py against the kernels in $REFERENCE_TREE (bitwise outputs and gradients)
-#   trees        the mixer op's device time and per-call time with the kernels in $REFERENCE_TREE against this tree's
-#                (scripts/ab_kernel_trees.py: bench_kernels processes alternated per tree, $TREES_PROCESSES each, default
-#                2; mamba-ssm in every process as the A-vs-A control; shape $TREES_SHAPE, default nano)
+#   trees        the mixer op's device time and per-call time with the kernels in $REFERENCE_TREE against those in
+#                $CURRENT_TREE (default this tree) (scripts/ab_kernel_trees.py: bench_kernels processes alternated per
+#                tree, $TREES_PROCESSES each, default 2; mamba-ssm in every process as the A-vs-A control; shape
+#                $TREES_SHAPE, default nano)
 #   kernels      the mixer op A/B (bench_kernels.py, A-vs-A control) at each shape of $KERNEL_SHAPES (default "nano";
 #                e.g. "nano tp8") and the SSD forward (bench_ssd_fwd.py, Nano shape)
 #   helion_next  the kernels stage's mixer op A/B and the kernel GPU tests again with the Helion wheel in
@@ -55,8 +56,8 @@
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheel folders for scripts/gpu_setup.sh, ':' between
 # folders, e.g. the GPU wheelhouse and wandb's; SKIP_SETUP=1 when the packages are installed), ARCHIVE (a .tgz written
 # at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
-# for the A/B stages), REFERENCE_TREE (equivalence, trees), TREES_SHAPE / TREES_PROCESSES (trees), PEER_FILE (peer),
-# RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long:
+# for the A/B stages), REFERENCE_TREE (equivalence, trees), CURRENT_TREE / TREES_SHAPE / TREES_PROCESSES (trees),
+# PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long:
 # steps at which the run is stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune),
 # SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
 # for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED
@@ -136,8 +137,9 @@ st_equivalence() {
 }
 st_trees() {
     [ -n "${REFERENCE_TREE:-}" ] || { echo "trees needs REFERENCE_TREE (a folder holding the reference kernels/)"; return 2; }
-    python3 scripts/ab_kernel_trees.py --reference-tree "$REFERENCE_TREE" --shape "${TREES_SHAPE:-nano}" \
-        --processes "${TREES_PROCESSES:-2}" --out "$OUT/ab_kernel_trees"
+    local out="$OUT/ab_kernel_trees${CURRENT_TREE:+_$(basename "$CURRENT_TREE")}"  # one folder per compared tree
+    python3 scripts/ab_kernel_trees.py --reference-tree "$REFERENCE_TREE" --current-tree "${CURRENT_TREE:-$REPO}" \
+        --shape "${TREES_SHAPE:-nano}" --processes "${TREES_PROCESSES:-2}" --out "$out"
 }
 st_kernels() {  # the mixer op A/B at each of $KERNEL_SHAPES (default nano), then the SSD forward at nano
     local shape
