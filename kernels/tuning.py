@@ -419,14 +419,20 @@ def record(
             "gpu": gpu,
             "meta": dict(meta or {}),
         }
-        data["entries"] = dict(sorted(entries.items()))
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-        tmp.replace(path)
-    _FILE_CACHE.pop(path, None)
+        _write_config_file(path, data)
     for rt in _RUNTIMES.values():
         rt.fast.clear()
     return path
+
+
+def _write_config_file(path: Path, data: dict) -> None:
+    """``data`` to ``path`` with its entries sorted, replaced atomically (a reader never sees half a file); the
+    caller holds ``file_lock(path)``."""
+    data["entries"] = dict(sorted(data["entries"].items()))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    tmp.replace(path)
+    _FILE_CACHE.pop(path, None)
 
 
 def merge_config_files(src_root: Path, dst_root: Path | None = None, replace: bool = False,
@@ -483,11 +489,7 @@ def merge_config_files(src_root: Path, dst_root: Path | None = None, replace: bo
                     changed = True
                 rows.append({"kernel": kernel, "arch": arch, "key": key, "action": action})
             if changed:
-                out["entries"] = dict(sorted(entries.items()))
-                tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(out, indent=1, sort_keys=False) + "\n")
-                tmp.replace(dst)
-                _FILE_CACHE.pop(dst, None)
+                _write_config_file(dst, out)
     for rt in _RUNTIMES.values():
         rt.fast.clear()
     return rows
