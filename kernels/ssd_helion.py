@@ -678,8 +678,9 @@ def _fused_states_here(state_passing: str | None, B: torch.Tensor, x: torch.Tens
         fused, why = choose_state_passing("auto", dims, arch=arch, sm_count=sms, cache_root=rt.cache_root)
         rt.decisions[key] = fused
         if on_gpu:
-            tuning.warn_once("ssd_states", f"auto:{tuning.shape_key(**dims)}",
-                             f"{STATE_PASSING_NOTICE} {tuning.shape_key(**dims)}: {'fused' if fused else 'split'} "
+            sk = tuning.shape_key(**dims)
+            tuning.warn_once("ssd_states", f"auto:{sk}",
+                             f"{STATE_PASSING_NOTICE} {sk}: {'fused' if fused else 'split'} "
                              f"({why}; kernels.helion.state_passing=auto)")
     return fused
 

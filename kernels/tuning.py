@@ -420,19 +420,19 @@ def record(
             "meta": dict(meta or {}),
         }
         _write_config_file(path, data)
-    for rt in _RUNTIMES.values():
-        rt.fast.clear()
     return path
 
 
 def _write_config_file(path: Path, data: dict) -> None:
     """``data`` to ``path`` with its entries sorted, replaced atomically (a reader never sees half a file); the
-    caller holds ``file_lock(path)``."""
+    caller holds ``file_lock(path)``. Forgets the file's cached copy and the runtimes' launch caches."""
     data["entries"] = dict(sorted(data["entries"].items()))
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
     tmp.replace(path)
     _FILE_CACHE.pop(path, None)
+    for rt in _RUNTIMES.values():  # their launch caches hold configs read from the old file
+        rt.fast.clear()
 
 
 def merge_config_files(src_root: Path, dst_root: Path | None = None, replace: bool = False,
@@ -490,8 +490,6 @@ def merge_config_files(src_root: Path, dst_root: Path | None = None, replace: bo
                 rows.append({"kernel": kernel, "arch": arch, "key": key, "action": action})
             if changed:
                 _write_config_file(dst, out)
-    for rt in _RUNTIMES.values():
-        rt.fast.clear()
     return rows
 
 

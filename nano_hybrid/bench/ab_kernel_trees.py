@@ -61,11 +61,7 @@ def worker_env(path_dir: Path, cache_dir: Path) -> dict:
     """The environment of a process that runs the kernels linked in ``path_dir``: that folder first on PYTHONPATH,
     then this repository (for ``nano_hybrid``), then the caller's path; the per-user config cache in ``cache_dir``;
     no nano-hybrid kernel variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NANO_HELION_", "NANO_TUNE_"))}
-    rest = [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q]
-    env["PYTHONPATH"] = os.pathsep.join([str(path_dir), str(environment.REPO_ROOT)] + rest)
-    env["XDG_CACHE_HOME"] = str(cache_dir)
-    return env
+    return dict(environment.tree_env(path_dir, environment.REPO_ROOT), XDG_CACHE_HOME=str(cache_dir))
 
 
 def bench_command(shape: str, rounds: int, iters: int, out: Path) -> list[str]:

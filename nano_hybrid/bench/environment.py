@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import re
 import subprocess
@@ -56,6 +57,15 @@ def env_info() -> dict:
         info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), sm_count=p.multi_processor_count,
                     gpu_mem_gib=round(p.total_memory / 2**30, 1), capability=f"sm_{p.major}{p.minor}")
     return info
+
+
+def tree_env(*path_first: Path | str) -> dict:
+    """The environment of a process that runs another tree's kernels: ``path_first`` ahead of the caller's
+    PYTHONPATH, and no ``NANO_HELION_*`` / ``NANO_TUNE_*`` variable (each tree runs its own defaults)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NANO_HELION_", "NANO_TUNE_"))}
+    rest = [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q]
+    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in path_first] + rest)
+    return env
 
 
 def _git_dirty() -> bool | None:

@@ -20,7 +20,6 @@ Writes ``kernel_equivalence.json`` and ``.md`` to --out (default runs/kernel_equ
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -73,8 +72,7 @@ def markdown(res: dict) -> str:
 
 
 def _worker_env(tree: Path, device: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NANO_HELION_", "NANO_TUNE_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q])
+    env = environment.tree_env(tree)
     if device == "cpu":
         env["HELION_INTERPRET"] = "1"
     return env
