@@ -57,6 +57,21 @@ SHAPE_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
+
+def search_bytes(model_dims: dict[str, int]) -> int:
+    """An upper estimate of the GPU memory one search at the mixer dims ``model_dims`` (b, l, h, p, g, n, c) holds:
+    twice the fwd+bwd op's working set in float32: zxbcdt's columns (x and z, B and C, dt) per token of the padded
+    length and the per-chunk states (for the case's arguments, the candidate's and the reference's outputs, and the
+    search's copies of strided arguments). Searches running at once keep their sum within the GPU's memory
+    (``nano_hybrid.kernel_search.run_children``): on an 80 GiB GPU dozens at the Nano shape, 2 at 1 x 262144."""
+    d = model_dims
+    c = d.get("c", 128)
+    nc = -(-d["l"] // c)
+    tokens = d["b"] * nc * c
+    width = 2 * d["h"] * d["p"] + 2 * d["g"] * d["n"] + d["h"]
+    states = d["b"] * nc * d["h"] * d["p"] * d["n"]
+    return 2 * 4 * (tokens * width + states)
+
 # ----------------------------------------------------------------------------------------------
 # candidate generation and search
 

@@ -6,7 +6,8 @@
     failed = run_children(child_commands(args, todo, shapes, budget), jobs=8, timeout_s=...)
     failed = pretune(dims, settings, say)                          # the training run's step before its first
 
-Children running at once share a timing lock (their compiles overlap, their timings take turns on the GPU).
+Children running at once share a timing lock (their compiles overlap, their timings take turns on the GPU), and
+their searches' estimated GPU memory (``kernels.tuner.search_bytes``) stays within the GPU's.
 """
 
 from __future__ import annotations
@@ -84,11 +85,36 @@ def _pair(cmd: list[str]) -> str:
     return f"{cmd[cmd.index('--kernels') + 1]} @ {next(iter(json.loads(cmd[cmd.index('--model-dims') + 1])))}"
 
 
+# the share of the GPU's memory that searches running at once may hold (the rest: CUDA contexts, the allocators'
+# slack, other processes)
+GPU_MEMORY_SHARE = 0.85
+
+
+def gpu_memory_budget() -> int | None:
+    """``GPU_MEMORY_SHARE`` of this GPU's memory in bytes; None without a CUDA GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(GPU_MEMORY_SHARE * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def child_bytes(cmd: list[str]) -> int:
+    """The GPU memory a ``tune_kernels.py`` child command's search may hold (``kernels.tuner.search_bytes`` at the
+    dims of its ``--model-dims``); 0 for another command."""
+    if "--model-dims" not in cmd:
+        return 0
+    return max(tuner.search_bytes(d) for d in json.loads(cmd[cmd.index("--model-dims") + 1]).values())
+
+
 def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: float = 0.2,
-                 log_dir: Path | None = None, say=lambda msg: print(msg, flush=True)) -> list[str]:
-    """Run ``cmds`` (``tune_kernels.py`` children), at most ``jobs`` at once, each killed after ``timeout_s``;
-    returns "<kernel> @ <shape> (exit <rc>|timeout)" for every child that did not exit 0. With ``log_dir`` each
-    child's output goes to ``<log_dir>/<n>.log`` (named in its failure) and its JSON log there too (``$OUT``)."""
+                 log_dir: Path | None = None, say=lambda msg: print(msg, flush=True),
+                 mem_budget: int | None = None) -> list[str]:
+    """Run ``cmds`` (``tune_kernels.py`` children), at most ``jobs`` at once and at most ``mem_budget`` bytes of
+    searches at once (``child_bytes``; default ``gpu_memory_budget()``; 0: no limit), each killed after
+    ``timeout_s``; a child larger than the whole budget runs alone. The next child to start is the first waiting one
+    that fits. Returns "<kernel> @ <shape> (exit <rc>|timeout)" for every child that did not exit 0. With ``log_dir``
+    each child's output goes to ``<log_dir>/<n>.log`` (named in its failure) and its JSON log there too (``$OUT``)."""
     def pair(cmd):
         return _pair(cmd) + (f"; log {logs[id(cmd)]}" if id(cmd) in logs else "")
 
@@ -99,15 +125,29 @@ def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: flo
         with open(logs[id(cmd)], "w") as f:
             return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OUT=str(log_dir)))
 
+    def next_fitting():
+        used = sum(b for *_, b in running)
+        for i, (_, cmd) in enumerate(pending):
+            if not running or not budget or used + sizes[id(cmd)] <= budget:
+                return pending.pop(i)
+        return None
+
+    budget = gpu_memory_budget() if mem_budget is None else mem_budget
+    sizes = {id(cmd): child_bytes(cmd) for cmd in cmds}
+    held = sorted({_pair(cmd).split(" @ ")[-1]: sizes[id(cmd)] for cmd in cmds
+                   if budget and sizes[id(cmd)] * min(jobs, len(cmds)) > budget}.items())
+    for shape, size in held:
+        say(f"   searches at {shape} hold up to {size / 2**30:.1f} GiB each: {max(1, int(budget // size))} at a time "
+            f"within {budget / 2**30:.0f} GiB of GPU memory")
     logs: dict[int, Path] = {}
     pending, running, failed = list(enumerate(cmds)), [], []
     while pending or running:
-        while pending and len(running) < jobs:
-            n, cmd = pending.pop(0)
-            running.append((cmd, start(n, cmd), time.monotonic()))
+        while pending and len(running) < jobs and (nxt := next_fitting()) is not None:
+            n, cmd = nxt
+            running.append((cmd, start(n, cmd), time.monotonic(), sizes[id(cmd)]))
         time.sleep(poll_s)
         for item in list(running):
-            cmd, proc, t0 = item
+            cmd, proc, t0, _ = item
             rc = proc.poll()
             if rc is None and time.monotonic() - t0 > timeout_s:
                 proc.kill()

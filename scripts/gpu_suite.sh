@@ -122,14 +122,15 @@ need_gpus() {  # need_gpus N STAGE
     if [ "$NGPU" -lt "$1" ]; then echo "$2 needs $1 GPUs, this host has $NGPU"; return 1; fi
 }
 
-st_tests() {  # -v: each test's result is in the log as it finishes, also when the stage's time limit stops it
+st_tests() {  # -v, --early-tracebacks: each test's result (and a failure's traceback) is in the log as it finishes, also
+    # when the stage's time limit stops it
     # the GPU tests are compile-bound on the host: TESTS_WORKERS pytest-xdist workers (default 8) share the GPU
     local par=()
     if [ "${TESTS_WORKERS:-8}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
         par=(-n "${TESTS_WORKERS:-8}")
     fi
     # shellcheck disable=SC2086
-    python3 -m pytest -v -m gpu -p no:cacheprovider "${par[@]}" ${TESTS_ARGS:-tests}
+    python3 -m pytest -v -m gpu -p no:cacheprovider --early-tracebacks "${par[@]}" ${TESTS_ARGS:-tests}
 }
 st_equivalence() {
     [ -n "${REFERENCE_TREE:-}" ] || { echo "equivalence needs REFERENCE_TREE (a folder holding the reference kernels/)"; return 2; }

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from early_tracebacks import pytest_addoption, pytest_configure, pytest_runtest_logreport  # noqa: F401 (hooks)
 
 # Without CUDA, Helion kernels can only run in interpret mode, and Helion fixes a kernel's mode when
 # the kernel is *defined* (module import, i.e. test collection): set it before any kernels import.
@@ -65,3 +66,4 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+

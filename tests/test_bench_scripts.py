@@ -868,6 +868,38 @@ def test_tune_kernels_run_children_at_once_and_in_turn(tmp_path):
     assert [(logs / f"{i}.log").read_text() for i in (0, 1)] == [f"out is {logs}\n"] * 2
 
 
+
+def test_run_children_keep_their_searches_within_the_gpu_memory(tmp_path):
+    """Children whose searches' estimated GPU memory (``kernels.tuner.search_bytes`` at their --model-dims) would pass
+    the budget wait: with room for two, three 1 s children run two at a time, a smaller one that fits starts beside
+    them, and a child larger than the whole budget runs alone; one line says how many run at once at that shape."""
+    from kernels.tuner import search_bytes
+    from nano_hybrid import kernel_search as tk
+
+    small, big = dict(b=1, l=128, h=1, p=1, g=1, n=1, c=128), dict(b=1, l=1280, h=1, p=1, g=1, n=1, c=128)
+    unit = search_bytes(small)
+    assert search_bytes(big) > 2 * unit and tk.child_bytes(["python"]) == 0
+
+    def child(name, dims, seconds=1.0):
+        code = (f"import time, pathlib; p = pathlib.Path({str(tmp_path)!r}) / {name!r}; "
+                f"p.write_text(str(time.time())); time.sleep({seconds}); p.write_text(p.read_text() + ' ' + "
+                f"str(time.time()))")
+        return [sys.executable, "-c", code, "--kernels", "k", "--model-dims", json.dumps({name: dims})]
+
+    def span(name):
+        return tuple(map(float, (tmp_path / name).read_text().split()))
+
+    said = []
+    cmds = [child("a0", small), child("a1", small), child("a2", small), child("huge", big, 0.2)]
+    assert tk.run_children(cmds, jobs=4, timeout_s=60, mem_budget=2 * unit, say=said.append) == []
+    s = {n: span(n) for n in ("a0", "a1", "a2", "huge")}
+    assert max(s["a0"][0], s["a1"][0]) < min(s["a0"][1], s["a1"][1])  # the first two side by side
+    assert s["a2"][0] >= min(s["a0"][1], s["a1"][1])  # the third waits for room
+    others = [s[n] for n in ("a0", "a1", "a2")]
+    assert all(e <= s["huge"][0] or b >= s["huge"][1] for b, e in others)  # the oversized one alone
+    assert [(line.split(" hold ")[0], line.split(": ")[1].split(" at a time")[0]) for line in said] == [
+        ("   searches at a0", "2"), ("   searches at a1", "2"), ("   searches at a2", "2"), ("   searches at huge", "1")]
+
 def test_tune_kernels_takes_a_runs_overrides():
     """tune_kernels.py with a run's overrides tunes the mixer dims one rank of that run calls (per tensor-parallel
     rank heads and groups, the micro-batch, the sequence); presets still work; a split that does not divide is
@@ -1183,6 +1215,30 @@ def test_gpu_suite_refuses_tokenizing_stages_without_the_tokenizer_file(tmp_path
                        env=env)
     assert r.returncode == 2 and "unknown stage 'nope'" in r.stderr and "tekken" not in r.stderr
 
+
+
+def test_early_tracebacks_print_a_failure_when_it_happens(tmp_path):
+    """gpu_suite.sh's tests stage runs pytest with --early-tracebacks (tests/early_tracebacks.py): a failure's
+    traceback is printed right after it fails, before the tests after it run, so a run its time limit stops still
+    says why. Without the option (and with --tb=no -rN) the reason is not printed at all."""
+    root = Path(__file__).resolve().parents[1]
+    assert "--early-tracebacks" in (root / "scripts" / "gpu_suite.sh").read_text()
+    (tmp_path / "test_x.py").write_text(
+        "def test_a():\n    assert 1 + 1 == 3, 'the reason it failed'\n\n"
+        "def test_b():\n    print('test_b ran')\n")
+    env = dict(os.environ, PYTHONPATH=str(root / "tests"))
+
+    def run(*extra):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-p", "early_tracebacks", "-p", "no:cacheprovider", "-v",
+                            "--tb=no", "-rN", "-s", "--rootdir", str(tmp_path), *extra, str(tmp_path / "test_x.py")],
+                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 1, r.stdout + r.stderr
+        return r.stdout
+
+    out = run("--early-tracebacks")
+    assert "test_x.py::test_a (call) failed:" in out and "the reason it failed" in out
+    assert out.index("the reason it failed") < out.index("test_b ran")
+    assert "the reason it failed" not in run()
 
 def test_gpu_suite_passes_only_flags_its_scripts_accept(capsys):
     """Every `python3 scripts/X.py ... --flag` in gpu_suite.sh names a flag that X's argument parser lists in --help:
