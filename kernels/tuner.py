@@ -39,8 +39,8 @@ import torch
 import helion
 
 from kernels import debug
-from kernels.tuning import (as_config, compiled, config_to_dict, file_lock, full_config, launch_misfit,
-                            with_index_dtype_for)
+from kernels.tuning import (ConfigMisfit, as_config, compiled, config_to_dict, file_lock, fit_config, full_config,
+                            launch_misfit, with_index_dtype_for)
 
 # Model-level shape presets (Nemotron-3 Nano mixer dims per rank). Kernel TuneCase builders derive their own kernel
 # dims from these. "nano" is the benchmark shape; nano_b1 (recipe nano30b_slice_h200), nano_b4_l4096
@@ -326,10 +326,11 @@ def search(
     every candidate's output must match it within ``atol + rtol*|ref|``. With ``finalize``, the
     compared values are ``finalize(raw_outputs, args)`` (config-independent results) for the
     reference and every candidate; ``prepare(args)`` runs before each checked run. ``results`` has one dict per
-    candidate tried: config, status ("ok", "compile_error", "run_error", "mismatch", "skipped_budget"),
-    time_ms, max_abs_err, error. The budget is checked before each candidate; the reference is always
-    run. A candidate whose compile + check + timing exceeds ``candidate_timeout_s`` (or the budget left
-    plus 10 s) is dropped with status "timeout" (some configs make Triton compile for minutes).
+    candidate tried: config (as fitted to this specialisation and compiled), given (the candidates it was fitted
+    from), status ("ok", "compile_error", "run_error", "mismatch", "skipped_budget"), time_ms, max_abs_err, error.
+    The budget is checked before each candidate; the reference is always run. A candidate whose compile + check +
+    timing exceeds ``candidate_timeout_s`` (or the budget left plus 10 s) is dropped with status "timeout" (some
+    configs make Triton compile for minutes).
     A CUDA error that leaves the context unusable ends the search with the best so far. With ``timing_lock`` (a
     file path shared by searches running at once in other processes), each candidate's timed calls run under that
     file's exclusive lock: compiles overlap, timings take turns on the GPU.
@@ -340,21 +341,45 @@ def search(
     t0 = time.monotonic()
     args = tuple(args)
     kernel = with_index_dtype_for(kernel, args)
-    first = as_config(reference) if reference is not None else kernel.bind(args).config_spec.default_config()
+    bound = kernel.bind(args)
     results: list[dict] = []
-    ref_cfg = ref_out = None
+
+    given: dict[str, list[dict]] = {}  # a fitted config's JSON -> the candidates it came from
+
+    def fitted(cfgs):
+        """Each config as it compiles for this specialisation (``kernels.tuning.fit_config``: per-access and per-loop
+        lists, block sizes), once: what is timed is what is returned and stored. One that does not fit is a compile
+        error."""
+        out = []
+        for c in cfgs:
+            try:
+                f = fit_config(bound, c)
+            except ConfigMisfit as e:
+                results.append({"config": config_to_dict(as_config(c)), "status": "compile_error", "time_ms": None,
+                                "max_abs_err": None, "error": f"does not fit this specialisation: {e}"[:300]})
+                continue
+            if f.to_json() not in given:
+                out.append(f)
+            came = given.setdefault(f.to_json(), [])
+            if config_to_dict(as_config(c)) not in came:
+                came.append(config_to_dict(as_config(c)))
+        return out
+
+    first = as_config(reference) if reference is not None else bound.config_spec.default_config()
+    candidates = fitted(candidates)
+    ref_out = ref_cfg = None
     failed: set[str] = set()
-    for cfg in [first, *map(as_config, candidates)]:
+    for cfg in [*fitted([first]), *candidates]:
         if cfg.to_json() in failed:
             continue
         try:
-            ref_out = checked_outputs(compiled(kernel, args, cfg), args, finalize, prepare)
+            ref_out = checked_outputs(compiled(kernel, args, cfg, bound=bound), args, finalize, prepare)
         except Exception as e:  # noqa: BLE001 - a config that does not launch on this GPU gives way to the next
             why = launch_misfit(e)
             if why is None:
                 raise
-            results.append({"config": config_to_dict(cfg), "status": "run_error", "time_ms": None,
-                            "max_abs_err": None, "error": why})
+            results.append({"config": config_to_dict(cfg), "given": given.get(cfg.to_json(), []),
+                            "status": "run_error", "time_ms": None, "max_abs_err": None, "error": why})
             log(f"  reference candidate does not launch: {why[:120]}")
             failed.add(cfg.to_json())
             continue
@@ -367,9 +392,10 @@ def search(
     ref_out = [t.clone() for t in flatten_outputs(ref_out)]
     best: tuple[float, helion.Config] | None = None
     skip = failed | {ref_cfg.to_json()}
-    cands = [ref_cfg] + [c for c in map(as_config, candidates) if c.to_json() not in skip]
+    cands = [ref_cfg] + [c for c in candidates if c.to_json() not in skip]
     for i, cfg in enumerate(cands):
-        r: dict[str, Any] = {"config": config_to_dict(cfg), "status": None, "time_ms": None, "max_abs_err": None}
+        r: dict[str, Any] = {"config": config_to_dict(cfg), "given": given.get(cfg.to_json(), []), "status": None,
+                             "time_ms": None, "max_abs_err": None}
         if i > 0 and time.monotonic() - t0 > budget_s:
             r["status"] = "skipped_budget"
             results.append(r)
@@ -380,7 +406,7 @@ def search(
         try:
             with _time_limit(limit):
                 r["status"] = "compile_error"
-                fn = compiled(kernel, args, cfg)
+                fn = compiled(kernel, args, cfg, bound=bound)
                 r["status"] = None
                 out = checked_outputs(fn, args, finalize, prepare)
                 torch.cuda.synchronize()

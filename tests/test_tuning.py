@@ -520,6 +520,36 @@ def test_search_takes_the_first_candidate_that_launches_as_its_reference(tmp_pat
         tuner.search(k, (x,), cands[:1], budget_s=60, reference=cands[0])
 
 
+
+def test_search_times_and_returns_each_candidate_as_it_compiles_here(tmp_path, monkeypatch):
+    """Candidates seeded from other shapes (a nearest-shape config, an older kernel's file) can carry per-access
+    lists of another length: the search fits each to this specialisation before compiling (the config it times is the
+    config it returns, and the tuner stores), drops a second candidate that fits to the same config, and reports one
+    that cannot fit as a compile error."""
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)  # the kernel as it binds on a GPU (per-access lists)
+    k, log = _fits_smem(monkeypatch, tmp_path, max_block=64)
+    monkeypatch.setattr(tuner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuner.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(tuner, "time_fn", lambda fn, rep: (fn(), {8: 0.3, 16: 0.1, 32: 0.2}[log[-1][0]])[1])
+    x = torch.randn(64, 32)
+    bound = k.bind((x,))
+    n_access = len(bound.config_spec.default_config().config["indexing"])
+    default_indexing = bound.config_spec.default_config().config["indexing"]
+    cands = [helion.Config(block_sizes=[8], num_warps=4, indexing=["block_ptr"] * (n_access + 3)),  # uniform: resized
+             helion.Config(block_sizes=[16], num_warps=4, indexing=["pointer", "block_ptr"] * 3),  # mixed: the default
+             helion.Config(block_sizes=[16], num_warps=4, indexing=["block_ptr"] * 7 + ["pointer"]),  # the same, fitted
+             helion.Config(block_sizes=[32, 32], num_warps=4)]  # one block size too many: does not fit
+    best, results = tuner.search(k, (x,), cands, budget_s=60, reference=cands[0])
+    assert best.config["block_sizes"] == [16] and best.config["indexing"] == default_indexing
+    bound.config_spec.normalized_config(best)  # fits as returned
+    ok = [r for r in results if r["status"] == "ok"]
+    assert [(r["config"]["block_sizes"], r["config"]["indexing"]) for r in ok] == [
+        ([8], ["block_ptr"] * n_access), ([16], default_indexing)]
+    assert [[g["indexing"] for g in r["given"]] for r in ok] == [[cands[0].config["indexing"]],
+                                                                 [cands[1].config["indexing"], cands[2].config["indexing"]]]
+    bad = [r for r in results if r["status"] == "compile_error"]
+    assert len(bad) == 1 and bad[0]["config"]["block_sizes"] == [32, 32] and "does not fit" in bad[0]["error"]
+
 def test_views_past_32_bit_offsets_run_a_64_bit_index_twin(tmp_path, monkeypatch):
     """A strided view with fewer elements than the 32-bit limit can still reach past it in its storage (a slice of
     zxbcdt in Megatron's (l, b, d) memory at a long sequence): the kernel runs as its twin with 64-bit indices (made
@@ -894,23 +924,35 @@ def test_tuner_copies_arguments_with_their_strides_and_passes_broadcast_views():
     assert _copy_arg(3) == 3 and _copy_arg(None) is None
 
 
-def test_tune_kernels_missing_names_the_kernels_without_an_exact_config():
-    """``tune_kernels.py --missing``: at the nano_proxy shape the committed sm90 files hold exact configs for every
-    kernel but the five SSD backward kernels listed; a user-cache root with nothing in it adds none; with the Nano
-    shape beside it, only the proxy's pairs are missing (the Nano shape's kernels are not tuned again)."""
+def test_tune_kernels_missing_names_the_kernels_without_an_exact_config(tmp_path, monkeypatch):
+    """``tune_kernels.py --missing``: in a copy of the committed sm90 files without the nano_proxy entries of five SSD
+    backward kernels, those five are what is missing at that shape (beside any the files never had); a user-cache
+    root with nothing in it adds none; with the Nano shape beside it, only the proxy's pairs are missing (the Nano
+    shape's kernels, all committed, are not tuned again)."""
+    import shutil
+
     from nano_hybrid.kernel_search import missing_kernels, missing_pairs
 
     registry = tuner.discover_tunable_kernels()
-    shapes = {"proxy": dict(tuner.SHAPE_PRESETS["nano_proxy"])}
+    proxy = dict(tuner.SHAPE_PRESETS["nano_proxy"])
+    shapes = {"proxy": proxy}
+    shutil.copytree(tuning.CONFIG_ROOT / "sm90", tmp_path / "configs" / "sm90")
+    monkeypatch.setattr(tuning, "CONFIG_ROOT", tmp_path / "configs")
+    before = missing_kernels(registry, sorted(registry), shapes, None, arch="sm90")
+    removed = ["ssd_bwd_db", "ssd_bwd_dc_dcb", "ssd_bwd_dt", "ssd_bwd_dx", "ssd_bwd_state_passing"]
+    for name in removed:
+        path = tmp_path / "configs" / "sm90" / f"{name}.json"
+        data = json.loads(path.read_text())
+        data["entries"].pop(tuning.shape_key(**registry[name][1].dims(dict(proxy))), None)
+        path.write_text(json.dumps(data))
+    tuning.clear_caches()  # the files were read before
     got = missing_kernels(registry, sorted(registry), shapes, None, arch="sm90")
-    assert got == ["ssd_bwd_db", "ssd_bwd_dc_dcb", "ssd_bwd_dt", "ssd_bwd_dx", "ssd_bwd_state_passing"]
+    assert got == sorted(set(before) | set(removed))
     assert missing_kernels(registry, ["conv1d_fwd", "ssd_bwd_dx"], shapes, Path("/nonexistent-root"),
-                           arch="sm90") == ["ssd_bwd_dx"]
-    # per (kernel, shape) pair: beside the Nano shape (every kernel committed there) only the proxy's five remain
+                           arch="sm90") == [n for n in ("conv1d_fwd", "ssd_bwd_dx") if n in got]
+    # per (kernel, shape) pair: beside the Nano shape (every kernel committed there) only the proxy's remain
     shapes["nano"] = dict(tuner.SHAPE_PRESETS["nano"])
-    assert missing_pairs(registry, sorted(registry), shapes, None, arch="sm90") == [
-        (name, "proxy") for name in got]
-
+    assert missing_pairs(registry, sorted(registry), shapes, None, arch="sm90") == [(name, "proxy") for name in got]
 
 @pytest.mark.parametrize("md", [
     dict(b=1, l=64, h=4, p=16, g=2, n=16, c=32, w=4),  # whole chunks
@@ -936,7 +978,9 @@ def test_missing_pairs_builds_no_case(monkeypatch):
     shapes = {k: dict(b=s.batch, l=s.seqlen, h=s.nheads, p=s.headdim, g=s.ngroups, n=s.d_state, c=s.chunk_size,
                       w=s.d_conv) for k, (s, docs) in GRID.items() if docs == 1}
     got = missing_pairs(registry, sorted(registry), shapes, None, arch="sm90")
-    assert ("ssd_bwd_dx", "nano_b1_l262144") in got and ("ssd_bwd_dx", "nano_b2_l8192") not in got
+    assert got == [(name, shape) for shape, md in shapes.items() for name in sorted(registry)
+                   if tuning.lookup(name, registry[name][1].dims(dict(md)), arch="sm90")[0] != "exact"]
+    assert ("ssd_bwd_dx", "nano_b2_l8192") not in got
 
 
 def test_a_config_file_that_cannot_be_used_is_one_error_naming_it(tmp_path, monkeypatch):

@@ -259,7 +259,13 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
     )
     ok = [r for r in results if r["status"] == "ok"]
     best_ms = min(r["time_ms"] for r in ok)
-    generic = next((r for r in results if r["config"] == tuning.config_to_dict(case.default)), None)
+
+    def tried(r, cfg) -> bool:
+        """Whether result ``r`` is candidate ``cfg`` (the search fits candidates to the kernel's specialisation:
+        ``given`` lists the candidates a fitted config came from)."""
+        return tuning.config_to_dict(cfg) in r.get("given", [r["config"]])
+
+    generic = next((r for r in results if tried(r, case.default)), None)
     run.update(
         winner=tuning.config_to_dict(best), winner_ms=best_ms,
         generic_default_ms=(generic or {}).get("time_ms"),
@@ -268,7 +274,7 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
         n_ok=len(ok), status_counts=_counts(results), candidates=results,
     )
     committed = run.get("committed_config")
-    if committed is not None and not any(r["config"] == committed and r["status"] != "skipped_budget" for r in results):
+    if committed is not None and not any(tried(r, committed) and r["status"] != "skipped_budget" for r in results):
         # the search ended before the shape's own config had its turn: the winner was never compared with it
         run["kept_committed"] = True
         print("   the search's budget ended before it timed this shape's committed config: the config file keeps it",
