@@ -57,7 +57,6 @@ SHAPE_PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-
 def search_bytes(model_dims: dict[str, int]) -> int:
     """An upper estimate of the GPU memory one search at the mixer dims ``model_dims`` (b, l, h, p, g, n, c) holds:
     twice the fwd+bwd op's working set in float32: zxbcdt's columns (x and z, B and C, dt) per token of the padded
@@ -322,7 +321,7 @@ def search(
     """Compile, check and time each candidate; return ``(best_config, results)``.
 
     The reference output comes from ``reference`` (default: the bound kernel's default config; when it does not
-    launch on this GPU (``kernels.tuning.launch_misfit``), the first candidate that does) and
+    fit this specialisation or launch on this GPU (``kernels.tuning.launch_misfit``), the first candidate that does) and
     every candidate's output must match it within ``atol + rtol*|ref|``. With ``finalize``, the
     compared values are ``finalize(raw_outputs, args)`` (config-independent results) for the
     reference and every candidate; ``prepare(args)`` runs before each checked run. ``results`` has one dict per
@@ -355,8 +354,10 @@ def search(
             try:
                 f = fit_config(bound, c)
             except ConfigMisfit as e:
-                results.append({"config": config_to_dict(as_config(c)), "status": "compile_error", "time_ms": None,
+                raw = config_to_dict(as_config(c))
+                results.append({"config": raw, "given": [raw], "status": "compile_error", "time_ms": None,
                                 "max_abs_err": None, "error": f"does not fit this specialisation: {e}"[:300]})
+                log(f"  candidate does not fit this specialisation: {str(e)[:120]}")
                 continue
             if f.to_json() not in given:
                 out.append(f)
@@ -366,10 +367,11 @@ def search(
         return out
 
     first = as_config(reference) if reference is not None else bound.config_spec.default_config()
+    firsts = fitted([first])  # before the candidates: a candidate equal to the reference is the reference's run
     candidates = fitted(candidates)
     ref_out = ref_cfg = None
     failed: set[str] = set()
-    for cfg in [*fitted([first]), *candidates]:
+    for cfg in [*firsts, *candidates]:
         if cfg.to_json() in failed:
             continue
         try:

@@ -91,12 +91,31 @@ GPU_MEMORY_SHARE = 0.85
 
 
 def gpu_memory_budget() -> int | None:
-    """``GPU_MEMORY_SHARE`` of this GPU's memory in bytes; None without a CUDA GPU."""
+    """Bytes of GPU memory that searches running at once may hold: ``GPU_MEMORY_SHARE`` of this GPU's memory, less
+    what this process or others already hold beyond the rest (at least 1: then one search at a time); None without
+    a CUDA GPU."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    return int(GPU_MEMORY_SHARE * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    free, total = torch.cuda.mem_get_info()
+    return max(1, int(min(GPU_MEMORY_SHARE * total, free - (1.0 - GPU_MEMORY_SHARE) * total)))
+
+
+def admission_rounds(sizes: list[int], jobs: int, budget: int | None) -> int:
+    """How many rounds ``run_children`` takes for children of GPU memory ``sizes`` (``child_bytes``), at most
+    ``jobs`` and ``budget`` bytes at once, when every child takes the same time: what a total time budget is divided
+    by."""
+    pending, rounds = list(sizes), 0
+    while pending:
+        used, n, rest = 0, 0, []
+        for size in pending:
+            if n < jobs and (n == 0 or not budget or used + size <= budget):
+                used, n = used + size, n + 1
+            else:
+                rest.append(size)
+        pending, rounds = rest, rounds + 1
+    return rounds
 
 
 def child_bytes(cmd: list[str]) -> int:
@@ -181,8 +200,10 @@ def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=
         if not names:
             return []
         jobs = min(settings.autotune_jobs, len(names))
-        rounds = -(-len(names) // jobs)
-        say(f"nano_hybrid kernels: tuning {len(names)} kernels without a config at {key} on this GPU, {jobs} at a "
+        size, budget = tuner.search_bytes(dims), gpu_memory_budget()
+        at_once = jobs if not budget else max(1, min(jobs, budget // max(size, 1)))
+        rounds = admission_rounds([size] * len(names), jobs, budget)
+        say(f"nano_hybrid kernels: tuning {len(names)} kernels without a config at {key} on this GPU, {at_once} at a "
             f"time, {settings.autotune_budget_s:.0f} s each (about {rounds * (settings.autotune_budget_s + 40):.0f} s;"
             f" kernels.helion.autotune); winners go to {root / arch}")
         log_dir = root / arch / "pretune_logs" / f"{key}_{dt.datetime.now().strftime('%Y%m%d_%H%M%S')}"

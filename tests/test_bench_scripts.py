@@ -806,17 +806,24 @@ def test_tune_kernels_isolates_each_pair_in_a_child_with_its_share_of_the_budget
 
 def test_tune_kernels_jobs_share_the_budget(monkeypatch):
     """--jobs N hands each isolated child N pairs' share of the total budget (the wall time stays about the total)
-    and never more children than pairs; --jobs below 1 is refused."""
+    and never more children than pairs; where the GPU's memory holds fewer searches at once, the share of the rounds
+    that takes; --jobs below 1 is refused."""
     from nano_hybrid.bench import tune_kernels as tk
 
     got = {}
+    memory = [None]  # the GPU memory budget: none (no limit)
     monkeypatch.setattr(tk.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tk.tuning, "interpret_mode", lambda: False)
-    monkeypatch.setattr(tk, "_run_isolated", lambda args, pairs, shapes, per_budget, jobs: got.update(
-        names=list(dict.fromkeys(n for n, _ in pairs)), per_budget=per_budget, jobs=jobs) or 0)
+    monkeypatch.setattr(tk, "gpu_memory_budget", lambda: memory[0])
+    monkeypatch.setattr(tk, "_run_isolated", lambda args, pairs, shapes, per_budget, jobs, mem_budget: got.update(
+        names=list(dict.fromkeys(n for n, _ in pairs)), per_budget=per_budget, jobs=jobs, mem_budget=mem_budget) or 0)
     kernels = "rmsnorm_fwd,conv1d_fwd,conv1d_bwd,rmsnorm_bwd"
     assert tk.main(["--kernels", kernels, "--shapes", "nano", "--budget-s", "400", "--jobs", "2"]) == 0
-    assert got == dict(names=kernels.split(","), per_budget=200.0, jobs=2)
+    assert got == dict(names=kernels.split(","), per_budget=200.0, jobs=2, mem_budget=None)
+    memory[0] = int(1.5 * tk.tuner.search_bytes(tk.tuner.SHAPE_PRESETS["nano"]))  # one Nano search at a time
+    assert tk.main(["--kernels", kernels, "--shapes", "nano", "--budget-s", "400", "--jobs", "2"]) == 0
+    assert got["per_budget"] == 100.0 and got["jobs"] == 2 and got["mem_budget"] == memory[0]
+    memory[0] = None
     assert tk.main(["--kernels", kernels, "--shapes", "nano", "--budget-s", "400"]) == 0
     assert got["per_budget"] == 100.0 and got["jobs"] == 1
     assert tk.main(["--kernels", "rmsnorm_fwd,conv1d_fwd", "--shapes", "nano", "--budget-s", "400", "--jobs", "8"]) == 0
@@ -871,8 +878,9 @@ def test_tune_kernels_run_children_at_once_and_in_turn(tmp_path):
 
 def test_run_children_keep_their_searches_within_the_gpu_memory(tmp_path):
     """Children whose searches' estimated GPU memory (``kernels.tuner.search_bytes`` at their --model-dims) would pass
-    the budget wait: with room for two, three 1 s children run two at a time, a smaller one that fits starts beside
-    them, and a child larger than the whole budget runs alone; one line says how many run at once at that shape."""
+    the budget wait: with room for two, the first two run side by side, a child larger than the whole budget waits
+    until it can run alone, and the small one queued behind it starts first, as soon as there is room; one line per
+    shape says how many of its searches run at once. ``admission_rounds`` counts the rounds this takes."""
     from kernels.tuner import search_bytes
     from nano_hybrid import kernel_search as tk
 
@@ -880,25 +888,33 @@ def test_run_children_keep_their_searches_within_the_gpu_memory(tmp_path):
     unit = search_bytes(small)
     assert search_bytes(big) > 2 * unit and tk.child_bytes(["python"]) == 0
 
-    def child(name, dims, seconds=1.0):
-        code = (f"import time, pathlib; p = pathlib.Path({str(tmp_path)!r}) / {name!r}; "
-                f"p.write_text(str(time.time())); time.sleep({seconds}); p.write_text(p.read_text() + ' ' + "
-                f"str(time.time()))")
+    def child(name, dims, wait_for=None, then_s=0.2):
+        # a0 and a1 each wait (at most 30 s) until the other has started: they end only after both ran at once; a1
+        # then runs on for 5 s more, so a0's end leaves room for one small search but not for the large one
+        code = (f"import time, pathlib; d = pathlib.Path({str(tmp_path)!r}); p = d / {name!r}; "
+                f"p.write_text(str(time.time())); t = time.time()\n"
+                f"while {wait_for!r} and not (d / str({wait_for!r})).exists() and time.time() - t < 30: "
+                f"time.sleep(0.05)\n"
+                f"time.sleep({then_s}); p.write_text(p.read_text() + ' ' + str(time.time()))")
         return [sys.executable, "-c", code, "--kernels", "k", "--model-dims", json.dumps({name: dims})]
 
     def span(name):
         return tuple(map(float, (tmp_path / name).read_text().split()))
 
     said = []
-    cmds = [child("a0", small), child("a1", small), child("a2", small), child("huge", big, 0.2)]
+    cmds = [child("a0", small, "a1"), child("a1", small, "a0", then_s=5.0), child("huge", big), child("a2", small)]
     assert tk.run_children(cmds, jobs=4, timeout_s=60, mem_budget=2 * unit, say=said.append) == []
     s = {n: span(n) for n in ("a0", "a1", "a2", "huge")}
     assert max(s["a0"][0], s["a1"][0]) < min(s["a0"][1], s["a1"][1])  # the first two side by side
-    assert s["a2"][0] >= min(s["a0"][1], s["a1"][1])  # the third waits for room
-    others = [s[n] for n in ("a0", "a1", "a2")]
-    assert all(e <= s["huge"][0] or b >= s["huge"][1] for b, e in others)  # the oversized one alone
+    assert s["a0"][1] <= s["a2"][0] < s["huge"][0]  # a2 waits for room, then skips ahead of huge
+    assert all(e <= s["huge"][0] for _, e in (s["a0"], s["a1"], s["a2"]))  # the oversized one alone
     assert [(line.split(" hold ")[0], line.split(": ")[1].split(" at a time")[0]) for line in said] == [
         ("   searches at a0", "2"), ("   searches at a1", "2"), ("   searches at a2", "2"), ("   searches at huge", "1")]
+    sizes = [unit, unit, search_bytes(big), unit]
+    assert tk.admission_rounds(sizes, jobs=4, budget=2 * unit) == 3  # a0 + a1, a2, huge
+    assert tk.admission_rounds(sizes, jobs=4, budget=None) == 1 and tk.admission_rounds(sizes, 1, None) == 4
+    assert tk.admission_rounds([], jobs=4, budget=unit) == 0
+
 
 def test_tune_kernels_takes_a_runs_overrides():
     """tune_kernels.py with a run's overrides tunes the mixer dims one rank of that run calls (per tensor-parallel
@@ -1239,6 +1255,7 @@ def test_early_tracebacks_print_a_failure_when_it_happens(tmp_path):
     assert "test_x.py::test_a (call) failed:" in out and "the reason it failed" in out
     assert out.index("the reason it failed") < out.index("test_b ran")
     assert "the reason it failed" not in run()
+
 
 def test_gpu_suite_passes_only_flags_its_scripts_accept(capsys):
     """Every `python3 scripts/X.py ... --flag` in gpu_suite.sh names a flag that X's argument parser lists in --help:

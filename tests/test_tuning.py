@@ -549,6 +549,16 @@ def test_search_times_and_returns_each_candidate_as_it_compiles_here(tmp_path, m
                                                                  [cands[1].config["indexing"], cands[2].config["indexing"]]]
     bad = [r for r in results if r["status"] == "compile_error"]
     assert len(bad) == 1 and bad[0]["config"]["block_sizes"] == [32, 32] and "does not fit" in bad[0]["error"]
+    # the reference runs first also where a later candidate fits to the same config (first-use tuning passes the
+    # nearest shape's config first and the spec default among the rest)
+    default = bound.config_spec.default_config()
+    for reference, cs in ((cands[0], [cands[1], cands[0]]), (None, [cands[1], default])):
+        log.clear()
+        _, results = tuner.search(k, (x,), cs, budget_s=60, reference=reference)
+        ran = [r for r in results if r["status"] == "ok"]
+        want = (reference or default).config["block_sizes"]
+        assert log[0][0] == want[0] and ran[0]["config"]["block_sizes"] == want and len(ran) == 2
+
 
 def test_views_past_32_bit_offsets_run_a_64_bit_index_twin(tmp_path, monkeypatch):
     """A strided view with fewer elements than the 32-bit limit can still reach past it in its storage (a slice of
@@ -925,34 +935,35 @@ def test_tuner_copies_arguments_with_their_strides_and_passes_broadcast_views():
 
 
 def test_tune_kernels_missing_names_the_kernels_without_an_exact_config(tmp_path, monkeypatch):
-    """``tune_kernels.py --missing``: in a copy of the committed sm90 files without the nano_proxy entries of five SSD
-    backward kernels, those five are what is missing at that shape (beside any the files never had); a user-cache
-    root with nothing in it adds none; with the Nano shape beside it, only the proxy's pairs are missing (the Nano
-    shape's kernels, all committed, are not tuned again)."""
-    import shutil
-
+    """``tune_kernels.py --missing``: with committed files that hold every kernel at the nano_proxy shape but five
+    SSD backward kernels, those five are what is missing there, in the kernels' order; a user-cache root with an
+    entry for one of them takes it off the list; with the Nano shape beside it (nothing committed), every kernel is
+    missing there, after the proxy's pairs."""
     from nano_hybrid.kernel_search import missing_kernels, missing_pairs
 
     registry = tuner.discover_tunable_kernels()
-    proxy = dict(tuner.SHAPE_PRESETS["nano_proxy"])
-    shapes = {"proxy": proxy}
-    shutil.copytree(tuning.CONFIG_ROOT / "sm90", tmp_path / "configs" / "sm90")
-    monkeypatch.setattr(tuning, "CONFIG_ROOT", tmp_path / "configs")
-    before = missing_kernels(registry, sorted(registry), shapes, None, arch="sm90")
+    proxy, nano = dict(tuner.SHAPE_PRESETS["nano_proxy"]), dict(tuner.SHAPE_PRESETS["nano"])
     removed = ["ssd_bwd_db", "ssd_bwd_dc_dcb", "ssd_bwd_dt", "ssd_bwd_dx", "ssd_bwd_state_passing"]
-    for name in removed:
-        path = tmp_path / "configs" / "sm90" / f"{name}.json"
-        data = json.loads(path.read_text())
-        data["entries"].pop(tuning.shape_key(**registry[name][1].dims(dict(proxy))), None)
-        path.write_text(json.dumps(data))
-    tuning.clear_caches()  # the files were read before
-    got = missing_kernels(registry, sorted(registry), shapes, None, arch="sm90")
-    assert got == sorted(set(before) | set(removed))
+
+    def write(root, names):
+        for name in names:
+            dims = registry[name][1].dims(dict(proxy))
+            tuning.record(name, dims, dict(num_warps=4), 0.1, arch="sm90", root=root)
+
+    write(tmp_path / "committed", [n for n in sorted(registry) if n not in removed])
+    monkeypatch.setattr(tuning, "CONFIG_ROOT", tmp_path / "committed")
+    tuning.clear_caches()
+    shapes = {"proxy": proxy}
+    assert missing_kernels(registry, sorted(registry), shapes, None, arch="sm90") == removed
+    write(tmp_path / "cache", ["ssd_bwd_dx"])
+    assert missing_kernels(registry, sorted(registry), shapes, tmp_path / "cache", arch="sm90") == [
+        n for n in removed if n != "ssd_bwd_dx"]
     assert missing_kernels(registry, ["conv1d_fwd", "ssd_bwd_dx"], shapes, Path("/nonexistent-root"),
-                           arch="sm90") == [n for n in ("conv1d_fwd", "ssd_bwd_dx") if n in got]
-    # per (kernel, shape) pair: beside the Nano shape (every kernel committed there) only the proxy's remain
-    shapes["nano"] = dict(tuner.SHAPE_PRESETS["nano"])
-    assert missing_pairs(registry, sorted(registry), shapes, None, arch="sm90") == [(name, "proxy") for name in got]
+                           arch="sm90") == ["ssd_bwd_dx"]
+    shapes["nano"] = nano
+    assert missing_pairs(registry, sorted(registry), shapes, None, arch="sm90") == [
+        *((n, "proxy") for n in removed), *((n, "nano") for n in sorted(registry))]
+
 
 @pytest.mark.parametrize("md", [
     dict(b=1, l=64, h=4, p=16, g=2, n=16, c=32, w=4),  # whole chunks

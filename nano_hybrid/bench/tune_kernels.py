@@ -30,8 +30,10 @@ before any is written.
 ``--jobs N`` runs N of those children at once. Most of a search is compiling candidates (Helion code generation,
 Triton, ptxas: CPU work), so N searches overlap on N cores; the timing of a candidate holds a lock shared by the
 children (``tuner.search``'s ``timing_lock``), so one candidate at a time runs its timed calls on the GPU and the
-others' compiles do not run on the device meanwhile. Each child gets the budget of N pairs (the total budget
-times N over the number of pairs), so the wall time stays about the total budget.
+others' compiles do not run on the device meanwhile. Children running at once also keep their estimated GPU memory
+(``kernels.tuner.search_bytes``) within the GPU's (``nano_hybrid.kernel_search.run_children``). Each child gets the
+total budget divided by the rounds the children run in (N pairs at a time, or fewer where their memory does not fit
+N at once), so the wall time stays about the total budget.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ import torch
 from kernels import first_use, tuner, tuning
 from kernels.registry import helion_training_kernels
 from kernels.settings import HelionSettings, HelionSettingsError
-from nano_hybrid.kernel_search import child_commands, missing_pairs, pairs_of, run_children
+from nano_hybrid.kernel_search import (admission_rounds, child_commands, gpu_memory_budget, missing_pairs, pairs_of,
+                                       run_children)
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
@@ -178,7 +181,13 @@ def main(argv=None) -> int:
               + ", ".join(f"{n} @ {s}" for n, s in pairs), flush=True)
     if not args.no_isolate and len(pairs) > 1:
         jobs = min(args.jobs, len(pairs))
-        return _run_isolated(args, pairs, shape_dims, args.budget_min * 60.0 * jobs / len(pairs), jobs)
+        # each child's share of the total budget: the children run in rounds of `jobs`, or fewer where their GPU
+        # memory (kernels.tuner.search_bytes) does not fit `jobs` at once
+        budget = gpu_memory_budget()
+        rounds = admission_rounds([tuner.search_bytes(shape_dims[shape]) for _, shape in pairs], jobs, budget)
+        total = args.budget_min * 60.0
+        per_budget = total * jobs / len(pairs) if rounds <= -(-len(pairs) // jobs) else total / rounds
+        return _run_isolated(args, pairs, shape_dims, per_budget, jobs, mem_budget=budget)
     per_budget = args.budget_min * 60.0 / len(pairs)
     return search_all(args, registry, pairs, shape_dims, per_budget)
 
@@ -269,7 +278,8 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
     run.update(
         winner=tuning.config_to_dict(best), winner_ms=best_ms,
         generic_default_ms=(generic or {}).get("time_ms"),
-        spec_default_ms=results[0].get("time_ms"),
+        spec_default_ms=next((r for r in results if tried(r, cands[0])), {}).get("time_ms"),
+        peak_gpu_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         n_candidates=len(cands), n_tried=sum(r["status"] != "skipped_budget" for r in results),
         n_ok=len(ok), status_counts=_counts(results), candidates=results,
     )
@@ -293,8 +303,10 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
             "torch": torch.__version__, "helion": _version("helion"), "triton": _version("triton"),
         })
         run["written"] = str(path)
+    peak = run["peak_gpu_bytes"]
     print(f"   winner {best_ms * 1000:.1f} us (generic default {run['generic_default_ms']}) "
-          f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}", flush=True)
+          f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}"
+          + (f"; peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else ""), flush=True)
 
 
 def run_settings(overrides: list[str]) -> HelionSettings | None:
@@ -348,7 +360,7 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
 
 
 def _run_isolated(args, pairs: list[tuple[str, str]], shapes: dict[str, dict], per_budget: float,
-                  jobs: int = 1) -> int:
+                  jobs: int = 1, mem_budget: int | None = None) -> int:
     """Each pair in its own process (fresh CUDA context), ``jobs`` at a time; each child writes its own JSON log and
     config file (``tuning.record`` updates a kernel's file under its lock). A child is stopped after its share of
     the budget plus ``kernels.first_use.SEARCH_MARGIN_S`` (75 s: start-up, the reference compile, one candidate's
@@ -356,7 +368,7 @@ def _run_isolated(args, pairs: list[tuple[str, str]], shapes: dict[str, dict], p
     with tempfile.TemporaryDirectory(prefix="tune_kernels_") as tmp:
         lock = str(Path(tmp) / "gpu_timing") if jobs > 1 else None
         cmds = child_commands(args, pairs, shapes, per_budget, timing_lock=lock)
-        failed = run_children(cmds, jobs, per_budget + first_use.SEARCH_MARGIN_S)
+        failed = run_children(cmds, jobs, per_budget + first_use.SEARCH_MARGIN_S, mem_budget=mem_budget)
     print(f"isolated searches: {len(cmds) - len(failed)} ok" + (f", failed: {', '.join(failed)}" if failed else "")
           + (f" ({jobs} at a time)" if jobs > 1 else ""), flush=True)
     return 1 if failed else 0
