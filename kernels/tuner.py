@@ -321,8 +321,8 @@ def search(
     """Compile, check and time each candidate; return ``(best_config, results)``.
 
     The reference output comes from ``reference`` (default: the bound kernel's default config; when it does not
-    fit this specialisation or launch on this GPU (``kernels.tuning.launch_misfit``), the first candidate that does) and
-    every candidate's output must match it within ``atol + rtol*|ref|``. With ``finalize``, the
+    fit this specialisation or launch on this GPU (``kernels.tuning.launch_misfit``), the first candidate that
+    does) and every candidate's output must match it within ``atol + rtol*|ref|``. With ``finalize``, the
     compared values are ``finalize(raw_outputs, args)`` (config-independent results) for the
     reference and every candidate; ``prepare(args)`` runs before each checked run. ``results`` has one dict per
     candidate tried: config (as fitted to this specialisation and compiled), given (the candidates it was fitted
@@ -351,10 +351,10 @@ def search(
         error."""
         out = []
         for c in cfgs:
+            raw = config_to_dict(as_config(c))
             try:
                 f = fit_config(bound, c)
             except ConfigMisfit as e:
-                raw = config_to_dict(as_config(c))
                 results.append({"config": raw, "given": [raw], "status": "compile_error", "time_ms": None,
                                 "max_abs_err": None, "error": f"does not fit this specialisation: {e}"[:300]})
                 log(f"  candidate does not fit this specialisation: {str(e)[:120]}")
@@ -362,8 +362,8 @@ def search(
             if f.to_json() not in given:
                 out.append(f)
             came = given.setdefault(f.to_json(), [])
-            if config_to_dict(as_config(c)) not in came:
-                came.append(config_to_dict(as_config(c)))
+            if raw not in came:
+                came.append(raw)
         return out
 
     first = as_config(reference) if reference is not None else bound.config_spec.default_config()

@@ -118,6 +118,12 @@ def admission_rounds(sizes: list[int], jobs: int, budget: int | None) -> int:
     return rounds
 
 
+def searches_at_once(size: int, jobs: int, budget: int | None) -> int:
+    """How many searches of ``size`` bytes (``kernels.tuner.search_bytes``) run at once: ``jobs``, or fewer where
+    ``budget`` bytes (``gpu_memory_budget``; None or 0: no limit) hold fewer; at least 1."""
+    return jobs if not budget else max(1, min(jobs, budget // max(size, 1)))
+
+
 def child_bytes(cmd: list[str]) -> int:
     """The GPU memory a ``tune_kernels.py`` child command's search may hold (``kernels.tuner.search_bytes`` at the
     dims of its ``--model-dims``); 0 for another command."""
@@ -156,8 +162,8 @@ def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: flo
     held = sorted({_pair(cmd).split(" @ ")[-1]: sizes[id(cmd)] for cmd in cmds
                    if budget and sizes[id(cmd)] * min(jobs, len(cmds)) > budget}.items())
     for shape, size in held:
-        say(f"   searches at {shape} hold up to {size / 2**30:.1f} GiB each: {max(1, int(budget // size))} at a time "
-            f"within {budget / 2**30:.0f} GiB of GPU memory")
+        say(f"   searches at {shape} hold up to {size / 2**30:.1f} GiB each: "
+            f"{searches_at_once(size, jobs, budget)} at a time within {budget / 2**30:.0f} GiB of GPU memory")
     logs: dict[int, Path] = {}
     pending, running, failed = list(enumerate(cmds)), [], []
     while pending or running:
@@ -201,7 +207,7 @@ def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=
             return []
         jobs = min(settings.autotune_jobs, len(names))
         size, budget = tuner.search_bytes(dims), gpu_memory_budget()
-        at_once = jobs if not budget else max(1, min(jobs, budget // max(size, 1)))
+        at_once = searches_at_once(size, jobs, budget)
         rounds = admission_rounds([size] * len(names), jobs, budget)
         say(f"nano_hybrid kernels: tuning {len(names)} kernels without a config at {key} on this GPU, {at_once} at a "
             f"time, {settings.autotune_budget_s:.0f} s each (about {rounds * (settings.autotune_budget_s + 40):.0f} s;"

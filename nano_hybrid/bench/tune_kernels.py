@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "when there is more than one)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="child processes searching at once (their compiles overlap; their timings take turns on "
-                    "the GPU under a shared lock); each gets the total budget x jobs / pairs")
+                    "the GPU under a shared lock; fewer where their GPU memory does not fit); each gets the total "
+                    "budget over the rounds they run in")
     ap.add_argument("--timing-lock", default=None, help=argparse.SUPPRESS)  # the isolated children's shared lock
     ap.add_argument("--merge", default=None, metavar="DIR",
                     help="merge the config files under DIR (<arch>/<kernel>.json: another search's --out-root, a "
