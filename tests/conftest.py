@@ -1,5 +1,6 @@
 """Shared pytest setup (test-only shims live here, never in kernels/)."""
 
+import gc
 import os
 
 import pytest
@@ -56,6 +57,35 @@ def _fresh_moe_aux_loss_scale():
         return
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     yield
+
+
+_LEASES = None
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_lease(request):
+    """Under pytest-xdist on a GPU, a GPU test runs while it holds a lease of its estimated peak memory
+    (``@pytest.mark.gpu_mem(GiB)``; tests/gpu_memory.py), so the workers' tests that run at once fit the GPU; after
+    the test its worker returns its cached blocks to the GPU."""
+    global _LEASES
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    from gpu_memory import DEFAULT_GIB, run_leases
+
+    if _LEASES is None:
+        _LEASES = run_leases() or False
+    mark = request.node.get_closest_marker("gpu_mem")
+    if _LEASES:
+        _LEASES.acquire(float(mark.args[0]) if mark else DEFAULT_GIB)
+    try:
+        yield
+    finally:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if _LEASES:
+            _LEASES.release()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -357,6 +357,7 @@ def test_unsupported_options_raise():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(12)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_vs_mamba_ssm_nano_shape_bf16():
     """Nano shape, bf16: output and every gradient vs an fp32 torch reference; the Helion relative L2
@@ -407,6 +408,7 @@ def _gpu_bf16_runner(b, l, h, p, g, n, c):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(12)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bwd_states_dtype_nano_bf16():
     """Nano shape, bf16: the backward's recomputed states in bf16 (bwd_states_dtype "input", the default), and also its
@@ -468,6 +470,7 @@ def test_state_settings_on_the_gpu_tp8_bf16():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(12)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_zxbcdt_transposed_view_nano_bf16():
     """Nano shape, bf16, on the GPU: zxbcdt as the (b, l, d) view of an (l, b, d) tensor (what the mixer passes the
@@ -537,6 +540,7 @@ def test_op_count_partial_chunk():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(6)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fast_launch_gives_bitwise_equal_results():
     """kernels.tuning's FastLauncher (on by default) launches the same binaries with the same arguments:
@@ -685,6 +689,7 @@ def test_tune_cases_have_the_dims_the_op_calls(l, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(8)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_views_past_int32_offsets_match_the_reference():
     """zxbcdt as a view whose rows lie 2^31 elements apart in all (as a long sequence's (l, b, d) memory puts them): every

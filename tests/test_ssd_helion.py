@@ -413,6 +413,7 @@ def _fp32_forward_ref(args: tuple, kw: dict):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(12)
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("with_seq", [False, True])
 def test_gpu_nano_vs_fp32_reference_and_mamba_ssm(with_seq):

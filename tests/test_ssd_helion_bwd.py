@@ -188,6 +188,7 @@ def test_triton_codegen_nano_shape(name, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(12)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_vs_mamba_ssm_nano_shape_bf16():
     """Nano shape (b=2, l=8192, h=64, p=64, g=8, n=128, c=128), bf16 inputs: Helion grads vs mamba-ssm's
