@@ -10,9 +10,9 @@ ngroups           1 .. nheads, dividing nheads (Mamba2 layouts: 1 group; Nemotro
 headdim           a power of two, 8 .. 256 (each head's (headdim, dstate) state is one tile)
 dstate            a power of two, 8 .. 256
 chunk_size        a power of two, 16 .. 256 (Megatron: 128, Mamba2 checkpoints: 256)
-tiles             headdim x dstate and chunk x headdim each at most 128 KiB in the input dtype (whole tiles in
-                  shared memory; 16-bit dtypes: every size above; float32: headdim x dstate and chunk x headdim
-                  at most 32768, so 256 x 256 states or chunk 256 with headdim 256 are refused)
+tiles             headdim x dstate, chunk x headdim and chunk x dstate each at most 128 KiB in the input dtype
+                  (whole tiles in shared memory; 16-bit dtypes: every size above; float32: each at most 32768
+                  elements, so 256 x 256 states, or chunk 256 with headdim 256 or dstate 256, are refused)
 conv width        2 .. 4 (run as width 4 with zero leading taps)
 seq_idx           None, or int (batch, seqlen) document ids (packed documents; negative ids mark padding)
 dtype (x/zxbcdt)  bfloat16, float16, float32
@@ -22,7 +22,8 @@ dtype (x/zxbcdt)  bfloat16, float16, float32
 Within this space, a kernel that this GPU refuses to launch with every config (``kernels.first_use.tuned_call``) is
 one ``UnsupportedShapeError`` naming the kernel and the shape.
 CPU tests in interpret mode cover the grid at small sizes (``tests/test_shape_space.py``), and its GPU tests the
-corners (state 256 x 256 at chunk 256 in bf16, state 128 x 256 at chunk 256 in fp32; dims of 8 with 3 heads); on the
+corners (state 256 x 256 at chunk 256 in bf16; in fp32 state 128 x 256 at chunk 128 and state 128 x 128 at chunk
+256; dims of 8 with 3 heads); on the
 GPU the grid benchmark (``scripts/bench_shape_grid.py``) runs the Mamba-2 layouts of several models.
 """
 
@@ -33,9 +34,9 @@ import torch
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POW2_RANGES = {"headdim": (8, 256), "dstate": (8, 256), "chunk_size": (16, 256)}
 CONV_WIDTHS = (2, 3, 4)
-# A head's (headdim, dstate) state and a chunk's (chunk, headdim) block are single tiles of the SSD kernels' dots;
-# above this many bytes no config of ssd_bwd_dc_dcb fits a Hopper block's 227 KiB of shared memory
-# (fp32 256 x 256: 272 KiB with the smallest block size).
+# A head's (headdim, dstate) state and a chunk's (chunk, headdim) and (chunk, dstate) blocks are single tiles of the
+# SSD kernels' dots; above this many bytes no config of ssd_bwd_dc_dcb fits a Hopper block's 227 KiB of shared memory
+# (fp32 state 256 x 256: 272 KiB with the smallest block size; fp32 B block 256 x 256: 256 KiB at every block size).
 MAX_TILE_BYTES = 128 * 1024
 
 
@@ -72,7 +73,8 @@ def check_supported(*, nheads: int, headdim: int, ngroups: int, dstate: int, chu
     if dtype is not None:
         size = torch.empty((), dtype=dtype).element_size()
         for what, elems in ((f"headdim x dstate = {headdim} x {dstate}", headdim * dstate),
-                            (f"chunk_size x headdim = {chunk_size} x {headdim}", chunk_size * headdim)):
+                            (f"chunk_size x headdim = {chunk_size} x {headdim}", chunk_size * headdim),
+                            (f"chunk_size x dstate = {chunk_size} x {dstate}", chunk_size * dstate)):
             if elems * size > MAX_TILE_BYTES:
                 refuse(f"{what} in {str(dtype).replace('torch.', '')} ({elems * size // 1024} KiB tiles; at most "
                        f"{MAX_TILE_BYTES // 1024} KiB: {MAX_TILE_BYTES // size} elements)")

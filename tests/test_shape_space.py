@@ -63,9 +63,10 @@ def test_supported_grid_matches_the_reference(b, l, h, p, g, n, c, seq, dtype):
     (dict(headdim=12), "headdim=12"), (dict(dstate=24), "dstate=24"), (dict(chunk_size=512), "chunk_size=512"),
     (dict(chunk_size=48), "chunk_size=48"), (dict(ngroups=3), "ngroups=3 with nheads=4"),
     (dict(dtype=torch.float64), "dtype torch.float64"), (dict(conv_width=5), "conv width 5"),
-    # fp32 tiles past 128 KiB: the state, and the chunk's block of x
+    # fp32 tiles past 128 KiB: the state, and the chunk's blocks of x and of B / C
     (dict(headdim=256, dstate=256), r"headdim x dstate = 256 x 256 in float32 \(256 KiB"),
     (dict(headdim=256, dstate=16, chunk_size=256), r"chunk_size x headdim = 256 x 256 in float32"),
+    (dict(headdim=8, dstate=256, chunk_size=256), r"chunk_size x dstate = 256 x 256 in float32"),
 ])
 def test_unsupported_dims_are_refused_by_name(dims, match):
     base = dict(nheads=4, headdim=8, ngroups=2, dstate=16, chunk_size=64, dtype=torch.float32, conv_width=4)
@@ -76,16 +77,19 @@ def test_unsupported_dims_are_refused_by_name(dims, match):
 
 def test_tile_limit_is_per_dtype():
     """The same 256 x 256 state at chunk 256 is 128 KiB in 16-bit dtypes (supported) and 256 KiB in fp32 (refused);
-    in fp32 the largest state at chunk 256 is 128 x 256."""
+    in fp32 each of the state, the chunk's x block and its B / C block holds at most 32768 elements."""
     big = dict(nheads=2, headdim=256, ngroups=1, dstate=256, chunk_size=256)
     for dtype in (torch.bfloat16, torch.float16):
         check_supported(**big, dtype=dtype)
+    f32 = dict(dtype=torch.float32)
     with pytest.raises(UnsupportedShapeError, match="headdim x dstate = 256 x 256 in float32"):
-        check_supported(**big, dtype=torch.float32)
-    check_supported(**{**big, "headdim": 128}, dtype=torch.float32)
+        check_supported(**big, **f32)
+    with pytest.raises(UnsupportedShapeError, match="chunk_size x dstate = 256 x 256 in float32"):
+        check_supported(**{**big, "headdim": 128}, **f32)  # the state fits, the chunk's B block does not
     with pytest.raises(UnsupportedShapeError, match="chunk_size x headdim = 256 x 256 in float32"):
-        check_supported(**{**big, "dstate": 128}, dtype=torch.float32)  # the state fits, the chunk's block does not
-    check_supported(**{**big, "dstate": 128, "chunk_size": 128}, dtype=torch.float32)
+        check_supported(**{**big, "dstate": 128}, **f32)  # the state fits, the chunk's x block does not
+    check_supported(**{**big, "headdim": 128, "chunk_size": 128}, **f32)
+    check_supported(**{**big, "headdim": 128, "dstate": 128}, **f32)
 
 
 def test_the_fused_op_refuses_before_any_kernel_runs(monkeypatch):
@@ -98,11 +102,13 @@ def test_the_fused_op_refuses_before_any_kernel_runs(monkeypatch):
         msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=64, headdim=8, ngroups=2)
 
 
-# the corners of the supported space: the largest per-head state at the largest chunk, in a 16-bit dtype (256 x 256)
-# and in fp32 (128 x 256: the largest 128 KiB tiles), and the smallest dims with a head count that is not a power of two
+# the corners of the supported space: the largest per-head state at the largest chunk in a 16-bit dtype (256 x 256);
+# in fp32 the largest state (128 x 256, at chunk 128) and the largest chunk (256, state 128 x 128), each with 128 KiB
+# tiles; and the smallest dims with a head count that is not a power of two
 CORNERS = [
     (1, 300, 2, 256, 1, 256, 256, False, torch.bfloat16),
-    (1, 130, 2, 128, 2, 256, 256, True, torch.float32),
+    (1, 130, 2, 128, 2, 256, 128, True, torch.float32),
+    (1, 300, 2, 128, 1, 128, 256, False, torch.float32),
     (2, 40, 3, 8, 3, 8, 16, True, torch.float16),
 ]
 
