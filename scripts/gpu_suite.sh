@@ -62,7 +62,9 @@
 # SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
 # for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED
 # with its log's tail; later stages still run; the exit code is the number of failed stages. STAGE_TIMEOUT_<stage>
-# (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit; TESTS_ARGS (tests: the pytest paths, default "tests"),
+# (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit; CALL_LIMIT (seconds since SUITE_T0 that the whole call may
+# take, e.g. a remote command's time limit: each stage ends ARCHIVE_MARGIN, default 25, seconds before it, so the
+# archive is written); TESTS_ARGS (tests: the pytest paths, default "tests"),
 # TESTS_WORKERS (tests: pytest-xdist workers on the GPU, default 8; 1, or xdist not installed: one process). The stages
 # long, seeds and data need data/tokenizers/tekken_131k.json (scripts/prepare_tokenizer.py writes it where
 # mistral-common is installed; copy it to the GPU host).
@@ -219,7 +221,7 @@ st_seeds() {  # one GPU; the same call resumes every run (same run dirs under $O
 st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/convergence_seeds)
     local wandb=offline
     python3 -c "import wandb" 2>/dev/null || { wandb=disabled; echo "long: wandb is not installed, W&B is off"; }
-    local minutes="${MINUTES:-$(python3 -c "print(round(max(1.0, (${CALL_SECONDS:-585} - ($(date +%s) - $SUITE_T0)) / 60), 2))")}"
+    local minutes="${MINUTES:-$(python3 -c "print(round(max(1.0, (${CALL_SECONDS:-${CALL_LIMIT:-585}} - ($(date +%s) - $SUITE_T0)) / 60), 2))")}"
     echo "long: --minutes $minutes"
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
         --resume-check "${RESUME_CHECK:-300}" --long-stops "${LONG_STOPS:-}" --minutes "$minutes" --save-margin 20 \
@@ -271,8 +273,12 @@ run_stage() {  # run_stage STAGE: its time limit, log, row in stages.tsv and, wh
     local stage=$1 t0 rc
     t0=$(date +%s)
     local limit_var="STAGE_TIMEOUT_$stage"
-    timeout --signal=TERM --kill-after=15 "${!limit_var:-${STAGE_TIMEOUT:-900}}" bash -c "st_$stage" \
-        > "$OUT/logs/$stage.log" 2>&1
+    local limit="${!limit_var:-${STAGE_TIMEOUT:-900}}"
+    if [ -n "${CALL_LIMIT:-}" ]; then  # end in time to write the archive inside the call's limit
+        local left=$(( CALL_LIMIT - ($(date +%s) - SUITE_T0) - ${ARCHIVE_MARGIN:-25} ))
+        [ "$left" -lt "$limit" ] && limit=$(( left > 1 ? left : 1 ))
+    fi
+    timeout --signal=TERM --kill-after=15 "$limit" bash -c "st_$stage" > "$OUT/logs/$stage.log" 2>&1
     rc=$?
     printf '%s\t%s\t%s\n' "$stage" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/stages.tsv"
     if [ "$rc" -ne 0 ]; then

@@ -720,6 +720,31 @@ def test_shell_scripts_parse_and_gpu_suite_runs_named_stages(tmp_path):
     assert r.returncode == 1 and "helion_next needs HELION_NEXT_WHEEL" in (out3 / "logs" / "helion_next.log").read_text()
 
 
+def test_gpu_suite_ends_its_stages_inside_the_call_limit(tmp_path):
+    """With CALL_LIMIT, a stage that would run past the call's limit (less ARCHIVE_MARGIN) is stopped there (exit 124)
+    and the archive is still written: here a 'python3' that sleeps 60 s in pytest, under a call that is already
+    over."""
+    import subprocess
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text('#!/usr/bin/env bash\n[ "$2" = pytest ] && sleep 60\nexit 1\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "SKIP_SETUP": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "CALL_LIMIT": "30", "SUITE_T0": str(int(time.time()) - 60), "ARCHIVE": str(tmp_path / "suite.tgz")}
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "tests"], cwd=root, capture_output=True, text=True, env=env)
+    assert time.monotonic() - t0 < 45, r.stdout + r.stderr
+    assert r.returncode == 1, r.stdout + r.stderr
+    rows = [line.split("\t") for line in (out / "stages.tsv").read_text().splitlines()]
+    assert rows[1][:2] == ["tests", "124"]
+    assert (tmp_path / "suite.tgz").exists()
+
+
 @pytest.mark.slow
 def test_convergence_ab_script_a_vs_a_pair_with_resume(tmp_path):
     """scripts/convergence_ab.sh with BACKENDS="torch torch" (the A-vs-A pair) on CPU: both arms are
