@@ -286,12 +286,23 @@ def clear_caches() -> None:
         rt.clear()
 
 
+# Flags whose kernels differ only by extra masked loads (``seq``: seq_idx given): a config tuned at the other value
+# fits after ``fit_config`` resizes its per-access lists, so it is a nearest shape at this distance (as far as a
+# factor of 2 in one dim), not a different kernel.
+SOFT_FLAGS = {"seq": 1.0}
+
+
 def _distance(a: Mapping[str, Any], b: Mapping[str, Any]) -> float | None:
+    """Log-space L1 distance between two kernel dims over their integer dims (plus ``SOFT_FLAGS``' cost where such
+    a flag differs); None where the dim names, a non-integer value or a zero / negative value differ."""
     if set(a) != set(b):
         return None
     d = 0.0
     for k, va in a.items():
         vb = b[k]
+        if k in SOFT_FLAGS and va != vb:
+            d += SOFT_FLAGS[k]
+            continue
         if isinstance(va, bool) or not isinstance(va, int) or not isinstance(vb, int) or isinstance(vb, bool):
             if va != vb:
                 return None

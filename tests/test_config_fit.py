@@ -30,8 +30,10 @@ GRID = [
     ("nemotron_h_8b", dict(b=2, l=8192, h=128, p=64, g=8, n=128, c=128, w=4), False),
 ]
 
-# kernels with a seq_idx argument, and its position: (seq_idx position, seq_end position or None)
-_SEQ_ARGS = {"ssd_chunk_state": (4, None), "ssd_chunk_state_passing": (5, 6)}
+# kernels with a seq_idx argument, and its position: (seq_idx position, seq_end position or None); the conv1d kernels'
+# dims name it (seq=1): their configs tuned without seq_idx are the nearest shapes (kernels.tuning.SOFT_FLAGS)
+_SEQ_ARGS = {"ssd_chunk_state": (4, None), "ssd_chunk_state_passing": (5, 6), "conv1d_fwd": (3, None),
+             "conv1d_bwd": (4, None)}
 
 
 def _empty_factories():
@@ -80,17 +82,18 @@ def _check_kernels(names: list[str]) -> dict:
             for name in names:
                 case = registry[name][1](dict(md), "cpu")
                 args = _with_seq_idx(name, case.args, md) if seq and name in _SEQ_ARGS else case.args
+                dims = {**case.dims, "seq": 1} if seq and "seq" in case.dims else case.dims
                 if name not in compiled:
                     compiled[name] = _compiled_mode_kernel(case.kernel)
                 kernel = compiled[name]
                 bound = kernel.bind(tuple(args))
-                cfg, how = first_use.select_config(name, kernel, args, case.dims, case.default, arch="sm90", rt=rt,
+                cfg, how = first_use.select_config(name, kernel, args, dims, case.default, arch="sm90", rt=rt,
                                                    bound=bound)
                 bound.config_spec.normalized_config(cfg)  # raises InvalidConfig if the choice does not fit
                 checked += 1
                 hows.setdefault(how, []).append(f"{label}:{name}")
                 # the exact or nearest committed config as stored, without the fitting of its lists and block sizes
-                exact, key, entry = tuning.lookup(name, case.dims, arch="sm90")
+                exact, key, entry = tuning.lookup(name, dims, arch="sm90")
                 if entry is not None:
                     stored = tuning.with_flat_pid(helion.Config(**{
                         k: v for k, v in entry["config"].items() if k != "host_tensor_descriptors"}))  # a GPU-only key

@@ -106,6 +106,24 @@ def test_nearest_requires_same_non_int_dims(tmp_path):
     assert how == "default" and got.config["block_sizes"] == [64]
 
 
+def test_seq_flag_is_a_near_dim_not_another_kernel(tmp_path):
+    """A kernel with seq_idx (seq=1) borrows the config tuned without it at its own shape (distance 1, as a factor of 2
+    in one dim) before one tuned with seq_idx at a shape 16x away, and the other way round at 2x."""
+    same_shape = helion.Config(block_sizes=[8], num_warps=2)
+    same_seq = helion.Config(block_sizes=[64], num_warps=8)
+    tuning.record("k", dict(m=16384, g=8, seq=0), same_shape, 0.1, arch="sm90", root=tmp_path)
+    tuning.record("k", dict(m=1024, g=8, seq=1), same_seq, 0.1, arch="sm90", root=tmp_path)
+    with pytest.warns(UserWarning, match="nearest tuned shape m16384_g8_seq0"):
+        got, how = _select("k", dict(m=16384, g=8, seq=1), DEFAULT, tmp_path)
+    assert how == "nearest" and _blocks(got) == ([8], 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, how = _select("k", dict(m=2048, g=8, seq=1), DEFAULT, tmp_path)
+    assert how == "nearest" and _blocks(got) == ([64], 8)
+    assert tuning._distance(dict(m=4, seq=1), dict(m=8, seq=0)) == pytest.approx(2.0)
+    assert tuning._distance(dict(m=4, cl=1), dict(m=4, cl=0)) is None  # other flags stay different kernels
+
+
 def test_arch_without_configs_says_so_once_with_the_tune_command(tmp_path):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
