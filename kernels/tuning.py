@@ -350,8 +350,8 @@ def tuned_time_ms(kernel_name: str, dims: Mapping[str, Any], arch: str | None = 
 
 
 def nearest_entries(entries: Mapping[str, dict], dims: Mapping[str, Any]) -> list[tuple[str, dict]]:
-    """``[(key, entry)]`` of the entries with the same dim names and non-integer values as ``dims``, nearest first
-    (log-space L1 distance over the integer dims; ties broken by the sorted key); the exact key is left out."""
+    """``[(key, entry)]`` of the entries with the same dim names and non-integer values as ``dims`` (``SOFT_FLAGS``
+    may differ), nearest first (``_distance``; ties broken by the sorted key); the exact key is left out."""
     key = shape_key(**dims)
     scored = []
     for k in sorted(entries):

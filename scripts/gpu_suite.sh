@@ -62,9 +62,10 @@
 # SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
 # for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED
 # with its log's tail; later stages still run; the exit code is the number of failed stages. STAGE_TIMEOUT_<stage>
-# (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit; CALL_LIMIT (seconds since SUITE_T0 that the whole call may
-# take, e.g. a remote command's time limit: each stage ends ARCHIVE_MARGIN, default 25, seconds before it, so the
-# archive is written); TESTS_ARGS (tests: the pytest paths, default "tests"),
+# (e.g. STAGE_TIMEOUT_tests=500) sets one stage's limit; CALL_LIMIT (whole seconds since SUITE_T0 that the whole call
+# may take, e.g. a remote command's time limit: each stage is stopped, its 15 s kill delay included, ARCHIVE_MARGIN,
+# default 25, seconds before it, so the archive is written; a stage with no time left is not started, rc 124; the
+# long stage's run stops inside it); TESTS_ARGS (tests: the pytest paths, default "tests"),
 # TESTS_WORKERS (tests: pytest-xdist workers on the GPU, default 8; 1, or xdist not installed: one process). The stages
 # long, seeds and data need data/tokenizers/tekken_131k.json (scripts/prepare_tokenizer.py writes it where
 # mistral-common is installed; copy it to the GPU host).
@@ -85,6 +86,9 @@ if [ "$#" -eq 0 ]; then
     exit 2
 fi
 
+for v in CALL_LIMIT ARCHIVE_MARGIN; do
+    case "${!v:-0}" in ''|*[!0-9]*) echo "error: $v must be whole seconds, got '${!v}'" >&2; exit 2 ;; esac
+done
 KNOWN="tests equivalence trees kernels helion_next host peer ssd_peers layers step loss_match data hf memory fullsize breakdown convergence seeds long parity grid tune"
 for group in "$@"; do
     IFS=+ read -ra members <<< "$group"
@@ -221,7 +225,9 @@ st_seeds() {  # one GPU; the same call resumes every run (same run dirs under $O
 st_long() {  # one GPU, alone; the same call resumes it (run dir under $OUT/convergence_seeds)
     local wandb=offline
     python3 -c "import wandb" 2>/dev/null || { wandb=disabled; echo "long: wandb is not installed, W&B is off"; }
-    local minutes="${MINUTES:-$(python3 -c "print(round(max(1.0, (${CALL_SECONDS:-${CALL_LIMIT:-585}} - ($(date +%s) - $SUITE_T0)) / 60), 2))")}"
+    local left=$(( ${CALL_SECONDS:-585} - ($(date +%s) - SUITE_T0) ))
+    [ -n "${CALL_LIMIT:-}" ] && left=$(( $(call_left) - 15 ))  # inside the stage's own limit
+    local minutes="${MINUTES:-$(python3 -c "print(round(max(1.0, $left / 60), 2))")}"
     echo "long: --minutes $minutes"
     python3 scripts/convergence_study.py --out "$OUT/convergence_seeds" --arms none --long-iters 20000 \
         --resume-check "${RESUME_CHECK:-300}" --long-stops "${LONG_STOPS:-}" --minutes "$minutes" --save-margin 20 \
@@ -269,17 +275,26 @@ st_parity() {
     return $rc
 }
 
+call_left() {  # seconds left of CALL_LIMIT for the stages (the archive's margin kept)
+    echo $(( CALL_LIMIT - ($(date +%s) - SUITE_T0) - ${ARCHIVE_MARGIN:-25} ))
+}
+
 run_stage() {  # run_stage STAGE: its time limit, log, row in stages.tsv and, when it fails, STAGE.FAILED; its exit code
     local stage=$1 t0 rc
     t0=$(date +%s)
     local limit_var="STAGE_TIMEOUT_$stage"
     local limit="${!limit_var:-${STAGE_TIMEOUT:-900}}"
-    if [ -n "${CALL_LIMIT:-}" ]; then  # end in time to write the archive inside the call's limit
-        local left=$(( CALL_LIMIT - ($(date +%s) - SUITE_T0) - ${ARCHIVE_MARGIN:-25} ))
-        [ "$left" -lt "$limit" ] && limit=$(( left > 1 ? left : 1 ))
+    if [ -n "${CALL_LIMIT:-}" ]; then  # end in time to write the archive inside the call's limit (TERM, then KILL 15 s on)
+        local left=$(( $(call_left) - 15 ))
+        [ "$left" -lt "$limit" ] && limit=$left
     fi
-    timeout --signal=TERM --kill-after=15 "$limit" bash -c "st_$stage" > "$OUT/logs/$stage.log" 2>&1
-    rc=$?
+    if [ "$limit" -le 0 ]; then
+        echo "not started: the call's limit (CALL_LIMIT=$CALL_LIMIT s since SUITE_T0) leaves no time" > "$OUT/logs/$stage.log"
+        rc=124
+    else
+        timeout --signal=TERM --kill-after=15 "$limit" bash -c "st_$stage" > "$OUT/logs/$stage.log" 2>&1
+        rc=$?
+    fi
     printf '%s\t%s\t%s\n' "$stage" "$rc" "$(( $(date +%s) - t0 ))" >> "$OUT/stages.tsv"
     if [ "$rc" -ne 0 ]; then
         { echo "stage $stage failed: exit code $rc"; tail -n 150 "$OUT/logs/$stage.log"; } > "$OUT/$stage.FAILED"
@@ -288,7 +303,7 @@ run_stage() {  # run_stage STAGE: its time limit, log, row in stages.tsv and, wh
 }
 
 export A BACKENDS NGPU
-export -f need_gpus $(declare -F | awk '$3 ~ /^st_/ {print $3}')
+export -f need_gpus call_left $(declare -F | awk '$3 ~ /^st_/ {print $3}')
 printf 'stage\trc\tseconds\n' > "$OUT/stages.tsv"
 for group in "$@"; do
     echo "=== [$group] $(date -u +%H:%M:%S)"

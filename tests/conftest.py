@@ -2,6 +2,7 @@
 
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def _gpu_memory_lease(request):
     (``@pytest.mark.gpu_mem(GiB)``; tests/gpu_memory.py), so the workers' tests that run at once fit the GPU; after
     the test its worker returns its cached blocks to the GPU."""
     global _LEASES
-    if "gpu" not in request.keywords or not torch.cuda.is_available():
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
         yield
         return
     from gpu_memory import DEFAULT_GIB, run_leases
@@ -81,11 +82,17 @@ def _gpu_memory_lease(request):
     try:
         yield
     finally:
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        if _LEASES:
-            _LEASES.release()
+        try:
+            # a failed test's traceback (kept in sys.last_* until the next test) holds its frames and their tensors
+            for name in ("last_value", "last_exc", "last_traceback", "last_type"):
+                if hasattr(sys, name):
+                    setattr(sys, name, None)
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        finally:
+            if _LEASES:
+                _LEASES.release()
 
 
 def pytest_collection_modifyitems(config, items):

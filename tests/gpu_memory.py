@@ -18,9 +18,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-# The estimates: the fp32 torch reference of the mixer op at Nano widths, forward + backward, peaks at about 0.4 GiB
-# per 1024 tokens (measured on the CPU at 1 x 1024 and 1 x 2048): 6.8 GiB at 2 x 8192, so a Nano-shape test that
-# also runs the op and keeps gradients is marked 12; a test without a mark runs small shapes.
+# The estimates: the fp32 torch reference of the mixer op at Nano widths, forward + backward, peaks at 0.76 GiB at
+# 1 x 1024 and 1.15 GiB at 1 x 2048 (measured on the CPU): 0.4 GiB per 1024 tokens over 0.4 GiB, so 6.8 GiB at
+# 2 x 8192; a Nano-shape test that also runs the op and keeps gradients is marked 12. A test without a mark runs
+# small shapes.
 DEFAULT_GIB = 4.0
 CONTEXT_GIB = 1.0  # one CUDA context (and the allocator's slack) per worker
 GPU_FRACTION = 0.85
@@ -31,14 +32,23 @@ def budget_gib(total_bytes: int, workers: int) -> float:
     return max(GPU_FRACTION * total_bytes / 2**30 - workers * CONTEXT_GIB, 1.0)
 
 
-def _alive(pid: int) -> bool:
+def _start_time(pid: int) -> str:
+    """The process's start time (clock ticks since boot, /proc/PID/stat) where /proc has it, else "": a lease names
+    its process by (pid, start time), so a pid reused by another process does not keep a dead worker's lease."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _alive(pid: int, start: str) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    return not start or _start_time(pid) == start
 
 
 class Leases:
@@ -49,24 +59,32 @@ class Leases:
 
     @contextmanager
     def _locked(self):
+        """The leases of live processes ({pid: [GiB, start time]}), changed under the lock and written back whole
+        (a temporary file replaced: a worker killed mid-write leaves the previous file)."""
         with open(self.path.with_suffix(".lock"), "a+") as lk:
             fcntl.flock(lk, fcntl.LOCK_EX)
             try:
-                held = json.loads(self.path.read_text()) if self.path.exists() else {}
-                held = {pid: gib for pid, gib in held.items() if _alive(int(pid))}
+                try:
+                    held = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    held = {}
+                held = {pid: v for pid, v in held.items() if _alive(int(pid), v[1])}
                 yield held
-                self.path.write_text(json.dumps(held))
+                tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(held))
+                os.replace(tmp, self.path)
             finally:
                 fcntl.flock(lk, fcntl.LOCK_UN)
 
     def try_acquire(self, gib: float, pid: int | None = None) -> bool:
-        """Take a lease of ``gib`` for ``pid`` if it fits beside the leases held (or none is held); True if taken."""
-        pid = str(pid or os.getpid())
+        """Take a lease of ``gib`` for ``pid`` if it fits beside the other processes' leases (or they hold none);
+        True if taken."""
+        pid = pid or os.getpid()
         with self._locked() as held:
-            others = sum(v for k, v in held.items() if k != pid)
-            if held and others + gib > self.budget:
+            others = sum(v[0] for k, v in held.items() if k != str(pid))
+            if others and others + gib > self.budget:
                 return False
-            held[pid] = gib
+            held[str(pid)] = [gib, _start_time(pid)]
             return True
 
     def acquire(self, gib: float, poll_s: float = 0.2) -> float:
@@ -81,8 +99,9 @@ class Leases:
             held.pop(str(pid or os.getpid()), None)
 
     def held(self) -> dict[str, float]:
+        """{pid: GiB} of the leases held."""
         with self._locked() as held:
-            return dict(held)
+            return {pid: v[0] for pid, v in held.items()}
 
 
 def run_leases() -> Leases | None:

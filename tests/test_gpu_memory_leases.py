@@ -1,5 +1,6 @@
 """The GPU memory leases that let pytest-xdist workers share one GPU (tests/gpu_memory.py), on the CPU."""
 
+import json
 import os
 import subprocess
 import sys
@@ -53,3 +54,26 @@ def test_the_lease_of_a_dead_worker_is_dropped(tmp_path, pids):
 def test_budget_counts_a_context_per_worker():
     assert budget_gib(80 * 2**30, 8) == pytest.approx(0.85 * 80 - 8)
     assert budget_gib(2**30, 8) == 1.0
+
+
+def test_a_workers_own_lease_never_blocks_it(tmp_path):
+    leases = Leases(tmp_path / "leases.json", budget=20.0)
+    assert leases.try_acquire(4)
+    assert leases.try_acquire(30)  # a lease it still holds (a teardown that failed) is replaced, not waited for
+    assert leases.held() == {str(os.getpid()): 30}
+
+
+def test_a_corrupt_lease_file_counts_as_no_leases(tmp_path):
+    path = tmp_path / "leases.json"
+    path.write_text('{"12')  # a worker killed mid-write by an older writer
+    leases = Leases(path, budget=20.0)
+    assert leases.held() == {}
+    assert leases.try_acquire(12) and json.loads(path.read_text())[str(os.getpid())][0] == 12
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_reused_pid_does_not_keep_a_dead_workers_lease(tmp_path, pids):
+    (a, _), _ = pids
+    path = tmp_path / "leases.json"
+    path.write_text(json.dumps({str(a): [18, "1"]}))  # pid a, but a process that started at another time
+    assert Leases(path, budget=20.0).held() == {}
