@@ -451,9 +451,19 @@ def causal_conv1d_update_helion(x, conv_state, weight, bias=None, activation=Non
                               "(training ops only)")
 
 
+def docs_seq_idx(b: int, l: int, total: int, docs: int, device=None) -> torch.Tensor | None:
+    """(b, total) int32 ids of ``docs`` equal documents in each sequence of length ``l``, the positions past ``l``
+    repeating the last id (as the fused op pads seq_idx to whole chunks); None for one document."""
+    if docs <= 1:
+        return None
+    ids = (torch.arange(total).clamp(max=l - 1) * docs // l).to(torch.int32)
+    return ids.to(device).expand(b, -1).contiguous()
+
+
 def _conv_case(kind: str):
     def build(dims: dict, device) -> tuner.TuneCase:
-        # the fused op runs the conv over the sequence padded to whole chunks (its zxbcdt is padded once)
+        # the fused op runs the conv over the sequence padded to whole chunks (its zxbcdt is padded once); with
+        # packed documents (model dim "docs" > 1) it passes their seq_idx, padded likewise
         b, l = dims["b"], padded_len(dims["l"], dims["c"])
         d = dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"]  # conv channels (x, B, C)
         width_total = 2 * dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"] + dims["h"]  # zxBCdt
@@ -463,7 +473,8 @@ def _conv_case(kind: str):
         xbc = zx[:, :, off:off + d].transpose(1, 2)  # channel-last strided view, as in the fused path
         w = (0.5 * torch.randn(d, dims["w"], generator=gen)).to(device=device, dtype=torch.bfloat16)
         bias = (0.1 * torch.randn(d, generator=gen)).to(device=device, dtype=torch.bfloat16)
-        x, w4, bias, seq, silu, kd, _ = _conv_prep(xbc, w, bias, None, "silu")
+        seq_idx = docs_seq_idx(b, dims["l"], l, dims.get("docs", 1), device)
+        x, w4, bias, seq, silu, kd, _ = _conv_prep(xbc, w, bias, seq_idx, "silu")
         if kind == "fwd":
             args = (x.transpose(1, 2), w4, bias, seq, silu)
             # block_sizes = [lanes per program, channel block]; l_per_lane rows per lane
@@ -495,9 +506,9 @@ def _conv_case(kind: str):
 
 def _conv_dims(dims: dict) -> dict:
     """The kernel dims of ``_conv_case`` at model dims ``dims``: the fused op's channel-last bf16 conv over x, B, C,
-    the sequence padded to whole chunks, SiLU, no seq_idx."""
-    return dict(b=dims["b"], l=padded_len(dims["l"], dims["c"]),
-                d=dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"], w=dims["w"], cl=1, seq=0, act=1, dt="bfloat16")
+    the sequence padded to whole chunks, SiLU, seq_idx where ``dims`` pack documents ("docs" > 1)."""
+    return dict(b=dims["b"], l=padded_len(dims["l"], dims["c"]), d=dims["h"] * dims["p"] + 2 * dims["g"] * dims["n"],
+                w=dims["w"], cl=1, seq=int(dims.get("docs", 1) > 1), act=1, dt="bfloat16")
 
 
 TUNABLE_KERNELS = {"conv1d_fwd": tuner.TunableKernel(_conv_case("fwd"), _conv_dims),

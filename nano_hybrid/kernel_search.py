@@ -28,9 +28,20 @@ from kernels.registry import helion_training_kernels
 TUNE_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tune_kernels.py"
 
 
-def pairs_of(names: list[str], shape_dims: Mapping[str, dict]) -> list[tuple[str, str]]:
-    """Every ``(kernel, shape)`` pair of ``names`` x ``shape_dims``, shape by shape."""
-    return [(name, shape) for shape in shape_dims for name in names]
+def pairs_of(names: list[str], shape_dims: Mapping[str, dict], registry: dict | None = None) -> list[tuple[str, str]]:
+    """Every ``(kernel, shape)`` pair of ``names`` x ``shape_dims``, shape by shape; with ``registry`` (the tunable
+    kernels) a pair whose kernel dims an earlier pair has is left out: one search per config entry (e.g. a packed
+    shape's SSD kernels, whose configs do not depend on seq_idx, beside the same shape without packing)."""
+    pairs, seen = [], set()
+    for shape in shape_dims:
+        for name in names:
+            if registry is not None:
+                key = (name, tuning.shape_key(**registry[name][1].dims(dict(shape_dims[shape]))))
+                if key in seen:
+                    continue
+                seen.add(key)
+            pairs.append((name, shape))
+    return pairs
 
 
 def missing_pairs(registry: dict, names: list[str], shape_dims: dict[str, dict], root: Path | None,
@@ -40,7 +51,7 @@ def missing_pairs(registry: dict, names: list[str], shape_dims: dict[str, dict],
     dims come from each kernel's ``TunableKernel.dims`` at that shape (no case is built: nothing is allocated or run)."""
     roots = [None] if root is None else [None, root]
     missing = []
-    for name, shape in pairs_of(names, shape_dims):
+    for name, shape in pairs_of(names, shape_dims, registry):
         dims = registry[name][1].dims(dict(shape_dims[shape]))
         if all(tuning.lookup(name, dims, arch=arch, root=r)[0] != "exact" for r in roots):
             missing.append((name, shape))

@@ -47,11 +47,11 @@
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #   grid         helion vs mamba_ssm on the grid of Mamba-2 layer shapes (scripts/bench_shape_grid.py --resume $GRID_ARGS:
 #                a later call with the same GRID_ARGS on the same $OUT keeps the shapes already measured)
-#   tune         the grid's shapes without packed documents tuned for this GPU into $OUT/helion_configs
+#   tune         the grid's shapes (packed documents too) tuned for this GPU into $OUT/helion_configs
 #                (scripts/tune_kernels.py --shapes grid --missing, TUNE_JOBS searches at once, default 12, for
 #                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. The grid after
-#                tuning: GRID_ARGS="--kernels-helion autotune=true,cache_dir=$OUT/helion_configs" (packed shapes tune
-#                on first use); to commit them: scripts/tune_kernels.py --merge $OUT/helion_configs
+#                tuning: GRID_ARGS="--kernels-helion autotune=true,cache_dir=$OUT/helion_configs"; to commit them:
+#                scripts/tune_kernels.py --merge $OUT/helion_configs
 #
 # Environment: OUT (default runs/gpu_suite), WHEELHOUSE (offline wheel folders for scripts/gpu_setup.sh, ':' between
 # folders, e.g. the GPU wheelhouse and wandb's; SKIP_SETUP=1 when the packages are installed), ARCHIVE (a .tgz written

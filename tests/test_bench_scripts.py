@@ -1158,22 +1158,21 @@ def test_shape_grid_records_the_state_passing_path_apart_from_config_notices(mon
 
 
 def test_tune_kernels_takes_the_grid_shapes():
-    """--shapes also names bench_shape_grid.py's shapes (their model dims), so a grid can be tuned before it runs;
-    the grid's packed-document shapes are refused by name (the offline cases build no seq_idx), unknown names too."""
+    """--shapes also names bench_shape_grid.py's shapes (their model dims), so a grid can be tuned before it runs; a
+    packed-document shape carries its documents per sequence ("docs"); unknown names are refused."""
     from nano_hybrid.bench import tune_kernels as tk
 
-    got = tk.resolve_shapes([], "m2_small_c256,nano", None)
+    got = tk.resolve_shapes([], "m2_small_c256,nano,nemh_8b_docs4", None)
     assert got == {"m2_small_c256": dict(b=8, l=2048, h=24, p=64, g=1, n=128, c=256, w=4),
-                   "nano": dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128, w=4)}
-    with pytest.raises(ValueError, match="nemh_8b_docs4"):
-        tk.resolve_shapes([], "nemh_8b,nemh_8b_docs4", None)
+                   "nano": dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128, w=4),
+                   "nemh_8b_docs4": dict(b=1, l=8192, h=128, p=64, g=8, n=128, c=128, w=4, docs=4)}
     with pytest.raises(ValueError, match="unknown shapes"):
         tk.resolve_shapes([], "nano_b3", None)
-    # 'grid': every grid shape without packed documents, once, beside the presets named with it
+    # 'grid': every grid shape, once, beside the presets named with it
     grid = tk.resolve_shapes([], "nano_proxy,grid", None)
-    assert "nano_b2_l8192_docs8" not in grid and "nemh_8b_docs4" not in grid and "tiny" not in grid
+    assert "tiny" not in grid and grid["nano_b2_l8192_docs8"]["docs"] == 8
     assert {"nano_tp8", "m2_small_c256", "nemh_8b", "nano_b2_l3000", "nano_proxy", "nano_b1_l262144"} <= set(grid)
-    assert len(grid) == 14
+    assert len(grid) == 16
     # a grid shape named like a preset has the grid's dims under 'grid' (the grid's nano_tp2 is micro-batch 1, the
     # preset's 2), and the preset's where it is named alone
     from nano_hybrid.bench.mixer import GRID
@@ -1181,6 +1180,30 @@ def test_tune_kernels_takes_the_grid_shapes():
     assert grid["nano_tp2"] == GRID["nano_tp2"][0].model_dims() and grid["nano_tp2"]["b"] == 1
     assert tk.resolve_shapes([], "grid,nano_tp2", None)["nano_tp2"]["b"] == 1
     assert tk.resolve_shapes([], "nano_tp2", None)["nano_tp2"] == dict(tk.tuner.SHAPE_PRESETS["nano_tp2"])
+
+
+def test_packed_shapes_tune_the_conv_kernels_with_seq_idx_and_share_the_rest():
+    """A packed-document shape's conv1d kernels have their own config entries (seq1) and their search case passes
+    seq_idx; its other kernels have the unpacked shape's entries, so a shape list with both searches those once."""
+    import torch
+
+    from kernels import tuner
+    from nano_hybrid.bench import tune_kernels as tk
+    from nano_hybrid.kernel_search import pairs_of
+
+    registry = tuner.discover_tunable_kernels()
+    shapes = tk.resolve_shapes([], "nemh_8b,nemh_8b_docs4", None)
+    names = sorted(registry)
+    pairs = pairs_of(names, shapes, registry)
+    assert [n for n, s in pairs if s == "nemh_8b_docs4"] == ["conv1d_bwd", "conv1d_fwd"]
+    assert len(pairs) == len(names) + 2 and len(pairs_of(names, shapes)) == 2 * len(names)
+    small = dict(b=2, l=200, h=4, p=16, g=2, n=16, c=64, w=4)
+    for name in ("conv1d_fwd", "conv1d_bwd"):
+        packed = registry[name][1](dict(small, docs=3), "cpu")
+        assert packed.dims["seq"] == 1 and packed.dims == registry[name][1].dims(dict(small, docs=3))
+        seq = next(a for a in packed.args if isinstance(a, torch.Tensor) and a.dtype == torch.int32)
+        assert seq.shape == (2, 256) and seq[0, :200].unique().tolist() == [0, 1, 2] and (seq[:, 199:] == 2).all()
+        assert registry[name][1].dims(small)["seq"] == 0
 
 
 def test_pretune_tunes_the_missing_kernels_at_once_then_nothing(monkeypatch, tmp_path):

@@ -18,7 +18,7 @@ contiguous (b, l, d) tensor instead. Reported per shape:
 - the chunk-state path the helion backend took (``kernels.helion.state_passing``: "fused" or "split");
 - the kernels' config notices (nearest shape / default / tuned, from ``kernels.first_use.select_config``) and the
   first-call time (compile + selection + any first-use tuning). With ``--kernels-helion autotune=true`` a shape
-  without packed documents first has its missing kernels tuned several at a time (``nano_hybrid.kernel_search.pretune``, as a
+  first has its missing kernels tuned several at a time (``nano_hybrid.kernel_search.pretune``, as a
   training run does; ``pretune_s`` and ``pretune_failed`` in its record).
 A shape that raises is recorded with its error and the next shape still runs. Writes ``shape_grid.json`` and
 ``.md`` to $OUT (default runs/bench/<gpu>).
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from kernels.settings import STATE_PASSING_NOTICE
 from nano_hybrid.bench import environment, profiling, reporting, stats
-from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, make_params, op_zxbcdt,
-                                     rel_err, state_passing_taken, zxbcdt_leaf, zxbcdt_leaf_name)
+from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, grid_model_dims, make_params,
+                                     op_zxbcdt, rel_err, state_passing_taken, zxbcdt_leaf, zxbcdt_leaf_name)
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
@@ -148,14 +148,14 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> 
     A, B = args.baseline, args.candidate
     ops = {lab: _op(backends[lab], shape, p, seq) for lab in (A, B)}
     settings = backends[B].settings
-    if settings is not None and settings.autotune and device.type == "cuda" and docs == 1:
+    if settings is not None and settings.autotune and device.type == "cuda":
         # as a training run with autotune does before its first step: the shape's kernels without a config are
-        # tuned autotune_jobs at a time (packed-document shapes tune at their first calls, one after the other)
+        # tuned autotune_jobs at a time (with packed documents, the conv1d kernels with seq_idx)
         from nano_hybrid.kernel_search import pretune
 
         log(f"{B}: tuning the kernels without a config, {settings.autotune_jobs} at a time")
         t0 = time.perf_counter()
-        rec["pretune_failed"] = pretune(shape.model_dims(), settings, say=log)
+        rec["pretune_failed"] = pretune(grid_model_dims(name), settings, say=log)
         rec["pretune_s"] = round(time.perf_counter() - t0, 1)
     # first call of each arm: compile + config selection (+ first-use tuning for helion with autotune on)
     for lab in (A, B):

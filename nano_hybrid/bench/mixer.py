@@ -97,6 +97,14 @@ GRID: dict[str, tuple[MixerShape, int]] = {  # (shape, documents per sequence; 1
     "tiny": (MixerShape(batch=1, seqlen=200, nheads=4, headdim=16, ngroups=2, d_state=16, chunk_size=64), 2),
 }
 
+
+def grid_model_dims(name: str) -> dict[str, int]:
+    """The model dims of grid shape ``name`` as the tuner takes them: ``MixerShape.model_dims`` and, where it packs
+    documents, "docs" (documents per sequence: the kernels that take seq_idx are tuned with it)."""
+    shape, docs = GRID[name]
+    return {**shape.model_dims(), **({"docs": docs} if docs > 1 else {})}
+
+
 OPS = ("split_fwd", "split_fwdbwd", "norm_fwdbwd", "mixer_fwdbwd")
 ZXBCDT_LAYOUTS = ("megatron", "contiguous")
 

@@ -8,7 +8,7 @@ arch, written on the CPU (binding a kernel and Helion's code generation need no 
 
 What it is for: where a Helion upgrade or a kernel edit leaves a kernel's generated source and its normalized config
 unchanged at a shape, Triton builds the same binary from it, so the GPU time of an A/B goes to the kernels whose
-source changed. Shapes are ``tune_kernels.py``'s (presets, the grid's shapes without packed documents, or a run's
+source changed. Shapes are ``tune_kernels.py``'s (presets, the grid's shapes, or a run's
 overrides); the config is the one a run on ``--arch`` takes from the committed files (and ``--cache-dir``'s user cache
 when given), as ``kernels.first_use.select_config`` chooses it without a search. The arguments are uninitialized CPU
 tensors of the run's shapes. A binding without a GPU drops the device-only config keys (``tuning.DEVICE_KEYS``, TMA

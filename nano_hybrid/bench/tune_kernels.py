@@ -7,7 +7,9 @@ Positional arguments are a run's own overrides (the same as ``python -m nano_hyb
 composed as training composes it and the mixer dims one rank of that run calls are tuned
 (``nano_hybrid.model.config.mixer_dims``: micro-batch, sequence per context-parallel rank, heads and groups per
 tensor-parallel rank, head dim, state dim, chunk, conv width). Without overrides, ``--shapes`` names presets, or
-``bench_shape_grid.py``'s shapes without packed documents (``grid``: all of them; to tune a grid before it runs).
+``bench_shape_grid.py``'s shapes (``grid``: all of them; to tune a grid before it runs). A shape that packs documents
+(model dim "docs") tunes the kernels that take seq_idx with it (the conv1d kernels, keyed ``seq1``); the SSD kernels'
+configs do not depend on seq_idx, so a packed shape shares them with the same shape unpacked (searched once).
 
 Kernels come from every ``kernels.*`` module's ``TUNABLE_KERNELS`` (``kernels.tuner.discover_tunable_kernels``); with a
 run's overrides the default is the kernels a training step calls (``kernels.registry.helion_training_kernels``);
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "run's overrides) or 'all' (the default with presets)")
     ap.add_argument("--shapes", "--shape", dest="shapes", default=None,
                     help=f"comma list of presets (default nano without overrides): {', '.join(tuner.SHAPE_PRESETS)}; "
-                    "or of bench_shape_grid.py's shapes without packed documents ('grid': all of those)")
+                    "or of bench_shape_grid.py's shapes ('grid': all of those)")
     ap.add_argument("--model-dims", default=None, help=argparse.SUPPRESS)  # JSON {name: dims}: the isolated children
     ap.add_argument("--out-root", default=None,
                     help="write configs under this root instead of kernels/configs (e.g. the user cache "
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
         print("error: tune_kernels.py needs HELION_INTERPRET unset (it tunes compiled kernels)", file=sys.stderr)
         return EXIT_BAD_INPUT
 
-    pairs = pairs_of(names, shape_dims)
+    pairs = pairs_of(names, shape_dims, registry)
     if args.missing:
         pairs = missing_pairs(registry, names, shape_dims, args.out_root and Path(args.out_root))
         if not pairs:
@@ -338,25 +340,21 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
         except ConfigError as e:
             raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
         return {"run_" + tuning.shape_key(**dims): dims}
-    from nano_hybrid.bench.mixer import GRID
+    from nano_hybrid.bench.mixer import GRID, grid_model_dims
 
     names = [s.strip() for s in (presets or "nano").split(",") if s.strip()]
     bad = [s for s in names if s != "grid" and s not in tuner.SHAPE_PRESETS and s not in GRID]
     if bad:
         raise ValueError(f"unknown shapes {bad}; known: presets {sorted(tuner.SHAPE_PRESETS)}, "
                          f"bench_shape_grid.py shapes {sorted(GRID)}")
-    packed = [s for s in names if s not in tuner.SHAPE_PRESETS and s in GRID and GRID[s][1] > 1]
-    if packed:
-        raise ValueError(f"shapes {packed} pack documents (seq_idx), which the offline cases do not build; their "
-                         "kernels are tuned at the first call (kernels.helion.autotune=true)")
-    # a name is a preset where it is one, else a grid shape; 'grid' is every shape of bench_shape_grid.py that does
-    # not pack documents (the CPU size excepted) with the grid's dims, also where a preset has the same name
+    # a name is a preset where it is one, else a grid shape; 'grid' is every shape of bench_shape_grid.py (the CPU
+    # size excepted) with the grid's dims, also where a preset has the same name
     dims = {}
     for name in names:
         if name == "grid":
-            dims.update({g: shape.model_dims() for g, (shape, docs) in GRID.items() if docs == 1 and g != "tiny"})
+            dims.update({g: grid_model_dims(g) for g in GRID if g != "tiny"})
         elif name not in dims:
-            dims[name] = dict(tuner.SHAPE_PRESETS[name]) if name in tuner.SHAPE_PRESETS else GRID[name][0].model_dims()
+            dims[name] = dict(tuner.SHAPE_PRESETS[name]) if name in tuner.SHAPE_PRESETS else grid_model_dims(name)
     return dims
 
 
