@@ -52,7 +52,7 @@ def _alive(pid: int, start: str) -> bool:
 
 
 class Leases:
-    """The leases of one test run in ``path`` (a JSON object pid -> GiB)."""
+    """The leases of one test run in ``path`` (a JSON object pid -> [GiB, the process's start time])."""
 
     def __init__(self, path: Path, budget: float):
         self.path, self.budget = Path(path), budget
@@ -68,7 +68,8 @@ class Leases:
                     held = json.loads(self.path.read_text())
                 except (OSError, ValueError):
                     held = {}
-                held = {pid: v for pid, v in held.items() if _alive(int(pid), v[1])}
+                held = {pid: v for pid, v in held.items() if pid.isdigit() and isinstance(v, list) and len(v) == 2
+                        and _alive(int(pid), v[1])}
                 yield held
                 tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
                 tmp.write_text(json.dumps(held))

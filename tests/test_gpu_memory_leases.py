@@ -68,6 +68,8 @@ def test_a_corrupt_lease_file_counts_as_no_leases(tmp_path):
     path.write_text('{"12')  # a worker killed mid-write by an older writer
     leases = Leases(path, budget=20.0)
     assert leases.held() == {}
+    path.write_text('{"1": 12, "x": [1, ""]}')  # entries of another form
+    assert leases.held() == {}
     assert leases.try_acquire(12) and json.loads(path.read_text())[str(os.getpid())][0] == 12
     assert not list(tmp_path.glob("*.tmp"))
 
