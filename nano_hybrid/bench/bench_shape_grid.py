@@ -86,18 +86,6 @@ def _settings(text: str, p) -> dict:
     return out
 
 
-def _seq_idx(shape: MixerShape, docs: int, device):
-    import torch
-
-    if docs <= 1:
-        return None
-    bounds = torch.linspace(0, shape.seqlen, docs + 1)[1:-1].long()
-    ids = torch.zeros(shape.seqlen, dtype=torch.int32)
-    for i in bounds:
-        ids[i:] += 1
-    return ids.to(device).expand(shape.batch, -1).contiguous()
-
-
 def _op(backend, shape: MixerShape, p: dict, seq_idx):
     import torch
 
@@ -141,10 +129,12 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None) -> 
     """One shape's record; ``log`` gets a line as each phase starts (a time limit then shows where it stopped)."""
     import torch
 
+    from kernels.causal_conv1d import docs_seq_idx
+
     shape, docs = GRID[name]
     rec: dict = {"shape": {**shape.__dict__, "docs_per_sequence": docs}}
     p = make_params(shape, device, torch.bfloat16, args.seed, zxbcdt_layout=args.zxbcdt_layout)
-    seq = _seq_idx(shape, docs, device)
+    seq = docs_seq_idx(shape.batch, shape.seqlen, shape.seqlen, docs, device)
     A, B = args.baseline, args.candidate
     ops = {lab: _op(backends[lab], shape, p, seq) for lab in (A, B)}
     settings = backends[B].settings
