@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # The estimates: the fp32 torch reference of the mixer op at Nano widths, forward + backward, peaks at 0.76 GiB at
-# 1 x 1024 and 1.15 GiB at 1 x 2048 (measured on the CPU): 0.4 GiB per 1024 tokens over 0.4 GiB, so 6.8 GiB at
+# 1 x 1024 and 1.16 GiB at 1 x 2048 (measured on the CPU): 0.4 GiB per 1024 tokens over 0.4 GiB, so 6.8 GiB at
 # 2 x 8192; a Nano-shape test that also runs the op and keeps gradients is marked 12. A test without a mark runs
 # small shapes.
 DEFAULT_GIB = 4.0
