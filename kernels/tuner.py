@@ -59,17 +59,30 @@ SHAPE_PRESETS: dict[str, dict[str, int]] = {
 
 def search_bytes(model_dims: dict[str, int]) -> int:
     """An upper estimate of the GPU memory one search at the mixer dims ``model_dims`` (b, l, h, p, g, n, c) holds:
-    twice the fwd+bwd op's working set in float32: zxbcdt's columns (x and z, B and C, dt) per token of the padded
-    length and the per-chunk states (for the case's arguments, the candidate's and the reference's outputs, and the
-    search's copies of strided arguments). Searches running at once keep their sum within the GPU's memory
-    (``nano_hybrid.kernel_search.run_children``): on an 80 GiB GPU dozens at the Nano shape, 2 at 1 x 262144."""
+    3.5 times the fwd+bwd op's working set in float32, zxbcdt's columns (x and z, B and C, dt) per token of the
+    padded length and the per-chunk states (the case's arguments, the candidate's and the reference's outputs, and
+    the search's copies of strided arguments). ``SEARCH_PEAKS_SM90`` holds the peaks measured on an H100; the
+    largest is 0.90 of this estimate. Searches running at once keep their sum within the GPU's memory
+    (``nano_hybrid.kernel_search.run_children``): on an 80 GiB GPU dozens at the Nano shape, 1 at 1 x 262144."""
     d = model_dims
     c = d.get("c", 128)
     nc = -(-d["l"] // c)
     tokens = d["b"] * nc * c
     width = 2 * d["h"] * d["p"] + 2 * d["g"] * d["n"] + d["h"]
     states = d["b"] * nc * d["h"] * d["p"] * d["n"]
-    return 2 * 4 * (tokens * width + states)
+    return int(3.5 * 4 * (tokens * width + states))
+
+
+# peak GPU bytes (torch.cuda.max_memory_allocated) of single searches on an H100 (tune_kernels.py, 2026-12-05):
+# (kernel, model dims, bytes); a test keeps search_bytes above each of them
+SEARCH_PEAKS_SM90 = (
+    ("conv1d_fwd", dict(b=1, l=262144, h=64, p=64, g=8, n=128, c=128), 44057030656),
+    ("ssd_bwd_dz_dstates", dict(b=1, l=262144, h=64, p=64, g=8, n=128, c=128), 41406169088),
+    ("ssd_chunk_scan_cb16", dict(b=1, l=262144, h=64, p=64, g=8, n=128, c=128), 37715182080),
+    ("conv1d_bwd", dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128), 2955259904),
+    ("conv1d_fwd", dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128), 2753687552),
+    ("conv1d_bwd", dict(b=1, l=8192, h=128, p=64, g=8, n=128, c=128), 2485669888),
+)
 
 # ----------------------------------------------------------------------------------------------
 # candidate generation and search
