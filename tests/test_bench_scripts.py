@@ -951,6 +951,19 @@ def test_run_children_keep_their_searches_within_the_gpu_memory(tmp_path):
     assert tk.admission_rounds([], jobs=4, budget=unit) == 0
 
 
+def test_search_bytes_stays_above_the_measured_search_peaks():
+    """The estimate that admits searches side by side is above every single search's peak measured on an H100 (at
+    1 x 262144 two searches of 41 GiB ran out of memory under the earlier, lower estimate), and one search at
+    1 x 262144 is admitted alone within 85% of an 80 GiB GPU."""
+    from kernels.tuner import SEARCH_PEAKS_SM90, search_bytes
+    from nano_hybrid import kernel_search as ks
+
+    for kernel, dims, peak in SEARCH_PEAKS_SM90:
+        assert search_bytes(dims) > peak, (kernel, dims)
+    long = dict(b=1, l=262144, h=64, p=64, g=8, n=128, c=128)
+    assert ks.searches_at_once(search_bytes(long), 12, int(0.85 * 80 * 2**30)) == 1
+
+
 def test_tune_kernels_takes_a_runs_overrides():
     """tune_kernels.py with a run's overrides tunes the mixer dims one rank of that run calls (per tensor-parallel
     rank heads and groups, the micro-batch, the sequence); presets still work; a split that does not divide is
@@ -1156,6 +1169,263 @@ def test_shape_grid_records_the_state_passing_path_apart_from_config_notices(mon
     assert rec["state_passing"] == "split"
     assert bsg.state_passing_taken(get_backend("torch"), shape) is None
     assert bsg.state_passing_taken(get_backend("helion", helion=dict(state_passing="fused")), shape) == "fused"
+
+
+def _grid_args(tmp_path, *more):
+    return ["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--rounds", "1", "--iters", "1",
+            "--profile-iters", "0", "--device", "cpu", "--out", str(tmp_path), *more]
+
+
+def test_shape_grid_warm_plan_orders_largest_first_and_warms_long_shapes_alone():
+    """--warm-jobs' plan: the shapes largest first (zxbcdt's elements), those of more than 65536 tokens per call in a
+    group of their own after the rest (nano_b1_l262144: last); each shape once."""
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    names = [s for s in bsg.GRID if s != "tiny"]
+    parallel, alone = bsg.warm_plan(names)
+    assert alone == ["nano_b1_l262144"] and (parallel + alone)[-1] == "nano_b1_l262144"
+    assert sorted(parallel + alone) == sorted(names)
+    size = {n: bsg.GRID[n][0].batch * bsg.GRID[n][0].seqlen * bsg.GRID[n][0].zxbcdt_dim for n in names}
+    assert [size[n] for n in parallel] == sorted((size[n] for n in parallel), reverse=True)
+    assert parallel[0] == "nano_b8_l2048" and parallel[-1] == "nano_tp8"  # equal sizes keep the grid's order
+    assert bsg.warm_plan(["tiny", "nano_proxy", "tiny"]) == (["nano_proxy", "tiny"], [])
+    # a child warms one shape with the arguments that choose what compiles, and never tunes
+    args = bsg.parse_args(_grid_args("/tmp/x", "--kernels-helion", "autotune=true,autotune_jobs=2", "--warm-jobs",
+                                     "3", "--resume"))
+    cmd = bsg.warm_command(args, "nano_proxy")
+    assert cmd[1:4] == ["-P", "-m", "nano_hybrid.bench.bench_shape_grid"]
+    assert "--resume" not in cmd and "--warm-jobs" not in cmd and "--rounds" not in cmd
+    child = bsg.parse_args(cmd[4:])
+    assert child.warm_only and child.shape_names == ["nano_proxy"] and child.device == "cpu"
+    assert child.helion_settings == {"autotune": False, "autotune_jobs": 2} and args.helion_settings["autotune"]
+    assert "warm_jobs" not in bsg.MEASURE_ARGS
+    # the children compile but keep no Triton autotune results (their timings ran side by side)
+    assert bsg._child_env()["TRITON_CACHE_AUTOTUNING"] == "0"
+
+
+def test_shape_grid_warm_children_failures_are_reported_and_recorded(monkeypatch, tmp_path, capsys):
+    """The parent side of --warm-jobs on a "cuda" device (the shapes' measuring faked): a child that exits 3, one
+    that runs past --warm-timeout (killed) and one that succeeds are each one line; the grid still measures every
+    shape and res["warm"] holds all three; children's output is under <out>/warm_logs/."""
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    children = {"tiny": "import sys; print('boom', file=sys.stderr); sys.exit(3)",
+                "nano_proxy": "print('compiled')",
+                "nano_tp8": "import time; time.sleep(60)"}
+    monkeypatch.setattr(bsg, "warm_command", lambda args, name: [sys.executable, "-c", children[name]])
+    measured = []
+    monkeypatch.setattr(bsg, "run_shape", lambda name, *a, **k: measured.append(name) or {})
+    args = bsg.parse_args(["--shapes", "tiny,nano_proxy,nano_tp8", "--baseline", "torch", "--candidate", "helion",
+                           "--device", "cuda", "--out", str(tmp_path), "--warm-jobs", "2", "--warm-timeout", "3"])
+    res = bsg.run(args)
+    out = capsys.readouterr().out
+    assert measured == ["tiny", "nano_proxy", "nano_tp8"]
+    assert "warm tiny: failed (exit 3, boom)" in out and re.search(r"warm nano_proxy: ok in [\d.]+ s", out)
+    assert "warm nano_tp8: failed (timeout after 3 s, no output on stderr)" in out
+    w = res["warm"]
+    assert w["jobs"] == 2 and w["s"] >= 3 and list(w["shapes"]) == ["nano_proxy", "nano_tp8", "tiny"]
+    assert w["shapes"]["tiny"]["ok"] is False and w["shapes"]["tiny"]["rc"] == 3 and w["shapes"]["nano_proxy"]["ok"]
+    assert w["shapes"]["nano_tp8"] == dict(w["shapes"]["nano_tp8"], ok=False, rc="timeout")
+    assert (tmp_path / "warm_logs" / "nano_proxy.out").read_text() == "compiled\n"
+    # on the CPU --warm-jobs is one line and starts no child
+    monkeypatch.setattr(bsg, "warm_shapes", lambda *a, **k: pytest.fail("warmed on the CPU"))
+    res = bsg.run(bsg.parse_args(_grid_args(tmp_path, "--warm-jobs", "2")))
+    assert "warm" not in res and "--warm-jobs: ignored on device cpu" in capsys.readouterr().out
+
+
+def test_shape_grid_warm_only_runs_the_first_calls_and_measures_nothing(monkeypatch, tmp_path, capsys):
+    """A --warm-only child at a shape: each backend's first call, then the fp32 reference's first call, with the
+    helion settings' autotune off; no error check, no timing, no result file."""
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bsg, "_end_with_parent", lambda: None)  # no watcher thread in the test process
+    seen = []
+    real = bsg.make_backends
+    monkeypatch.setattr(bsg, "make_backends", lambda args: seen.append(dict(args.helion_settings)) or real(args))
+    monkeypatch.setattr(bsg, "run", lambda *a: pytest.fail("measured in a warm child"))
+    assert bsg.main(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--device", "cpu",
+                     "--kernels-helion", "autotune=true", "--warm-only"]) == 0
+    out = capsys.readouterr().out
+    phases = [ln.split("] ", 1)[1].split(":")[0] for ln in out.splitlines() if ln.startswith("   [")]
+    assert phases == ["torch", "helion", "torch fp32"] and seen == [{"autotune": False}]
+    assert re.search(r"warm tiny: torch [\d.]+ s, helion [\d.]+ s, fp32 [\d.]+ s", out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" in state  # a zombie no parent reaps is gone too
+
+
+def _wait_until(cond, timeout_s: float) -> bool:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+def _end_left(pids: list[int]) -> None:
+    import signal
+
+    for pid in pids:
+        if not _gone(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_shape_grid_warm_children_end_with_the_measuring_process(tmp_path):
+    """A measuring process stopped by SIGTERM (a stage's time limit) while warming kills its warm children first;
+    a warm child whose parent is gone (killed outright) ends itself."""
+    import signal
+    import textwrap
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent('''
+        import sys
+        from pathlib import Path
+        from nano_hybrid.bench import bench_shape_grid as bsg
+        bsg.warm_command = lambda args, name: [sys.executable, "-c",
+                                               "import os, time; print(os.getpid(), flush=True); time.sleep(60)"]
+        args = bsg.parse_args(["--shapes", "tiny", "--baseline", "torch", "--candidate", "helion", "--device", "cpu",
+                               "--warm-jobs", "1"])
+        bsg.warm_shapes(args, ["tiny"], Path(sys.argv[1]))
+    '''))
+    logs = tmp_path / "logs"
+    proc = subprocess.Popen([sys.executable, str(driver), str(logs)], cwd=REPO)
+    left = []  # processes of this test to end if it fails
+    try:
+        assert _wait_until(lambda: (logs / "tiny.out").is_file() and (logs / "tiny.out").read_text().strip(), 60)
+        child = int((logs / "tiny.out").read_text())
+        left.append(child)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert _wait_until(lambda: _gone(child), 5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _end_left(left)
+    # a warm child's watcher: the middle process exits at once, its child notices within a second or two
+    out = tmp_path / "orphan.txt"
+    code = ("import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import os, sys, time; "
+            "from nano_hybrid.bench import bench_shape_grid as b; b._end_with_parent(0.1); "
+            "print(os.getpid(), flush=True); time.sleep(60); print(\\'survived\\', flush=True)'], "
+            f"stdout=open({str(out)!r}, 'w'), env=dict(os.environ, NANO_BENCH_WARM_PARENT=str(os.getpid()))); "
+            "sys.exit(0)")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+    assert _wait_until(lambda: out.is_file() and out.read_text().strip(), 60)
+    orphan = int(out.read_text().split()[0])
+    try:
+        assert _wait_until(lambda: _gone(orphan), 10), "a warm child outlived the process that started it"
+    finally:
+        _end_left([orphan])
+    assert "survived" not in out.read_text()
+
+
+def test_shape_grid_fp32_reference_out_of_memory_still_times_the_shape(monkeypatch, tmp_path, capsys):
+    """An fp32 reference that runs out of GPU memory leaves the shape's errors unmeasured (None, with the reason and
+    the sizes the message names) and the shape is still timed; the summary line and the markdown say so. Another
+    exception still fails the shape."""
+    import torch
+
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    oom = torch.cuda.OutOfMemoryError
+    msg = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+           "1.50 GiB is free.")
+
+    def no_memory(p):
+        raise oom(msg)
+
+    monkeypatch.setattr(bsg, "_fp32_params", no_memory)
+    res = bsg.run(bsg.parse_args(_grid_args(tmp_path)))
+    r = res["shapes"]["tiny"]
+    assert "error" not in r, r.get("traceback")
+    assert r["rel_err_vs_fp32"] is None and r["err_ratio_max"] is None
+    assert r["errors_skipped"] == "fp32 reference out of GPU memory (needs 2.00 GiB more, 1.50 GiB free)"
+    assert r["speedup_per_call"]["speedup"] > 0 and res["summary"]["shapes_run"] == 1
+    out = capsys.readouterr().out
+    assert "errors not measured: fp32 reference out of GPU memory" in out and "err ratio not measured" in out
+    assert "not measured (fp32 out of memory)" in bsg.markdown(res)
+
+    def broken(p):
+        raise RuntimeError("an unrelated failure")
+
+    monkeypatch.setattr(bsg, "_fp32_params", broken)
+    r = bsg.run(bsg.parse_args(_grid_args(tmp_path)))["shapes"]["tiny"]
+    assert "an unrelated failure" in r["error"]
+
+
+def test_shape_grid_resume_keeps_records_of_the_same_kernels_and_environment(monkeypatch, tmp_path, capsys):
+    """--resume keeps an earlier record made at another git commit with the same kernels digest, backend settings,
+    GPU and library versions; another kernels digest, another torch version or other backend settings run the shape
+    again, and the line names what differs."""
+    import json
+
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    calls = []
+    monkeypatch.setattr(bsg, "run_shape", lambda name, *a, **k: calls.append(name) or {"measured": len(calls)})
+    argv = _grid_args(tmp_path, "--resume")
+    first = bsg.run(bsg.parse_args(argv))
+    assert len(first["env"]["kernels_digest"]) == 64 and calls == ["tiny"]
+    partial = tmp_path / "shape_grid.partial.json"
+
+    def edit(**env):
+        old = json.loads(partial.read_text())
+        old["env"].update(env)
+        partial.write_text(json.dumps(old))
+
+    edit(git_commit="0000000")
+    capsys.readouterr()
+    again = bsg.run(bsg.parse_args(argv))
+    assert calls == ["tiny"] and again["shapes"]["tiny"]["earlier_call"] is True
+    assert "tiny: kept from the earlier call" in capsys.readouterr().out
+    edit(kernels_digest="0" * 64)
+    assert "earlier_call" not in bsg.run(bsg.parse_args(argv))["shapes"]["tiny"] and calls == ["tiny"] * 2
+    assert "other settings: kernels digest differ" in capsys.readouterr().out
+    edit(torch="1.0")
+    bsg.run(bsg.parse_args(argv))
+    assert calls == ["tiny"] * 3 and "GPU/versions (torch 1.0 -> " in capsys.readouterr().out
+    bsg.run(bsg.parse_args(argv + ["--kernels-helion", "state_passing=split"]))
+    assert calls == ["tiny"] * 4
+    assert "settings (kernels_helion, backend settings) differ" in capsys.readouterr().out
+
+
+def test_shape_grid_kernels_digest_covers_kernel_sources_and_configs(tmp_path):
+    """The kernels digest changes with a kernel source or a committed config (tracked by git or not), and not with
+    another file of the kernels folder."""
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    k = tmp_path / "kernels"
+    (k / "configs" / "sm90").mkdir(parents=True)
+    (k / "ssd.py").write_text("x = 1\n")
+    (k / "configs" / "sm90" / "ssd.json").write_text("{}\n")
+    (k / "README.md").write_text("notes\n")
+    base = bsg.kernels_digest(k)
+    assert base == bsg.kernels_digest(k) and base != bsg.kernels_digest()
+    (k / "README.md").write_text("other notes\n")
+    (k / "notes.json").write_text("{}\n")
+    assert bsg.kernels_digest(k) == base
+    (k / "ssd.py").write_text("x = 2\n")  # the same length
+    edited = bsg.kernels_digest(k)
+    assert edited != base
+    (k / "configs" / "sm90" / "ssd.json").write_text('{"a": 1}\n')
+    changed = bsg.kernels_digest(k)
+    assert changed != edited
+    (k / "sub").mkdir()
+    (k / "sub" / "new.py").write_text("")
+    assert bsg.kernels_digest(k) not in (base, edited, changed)
 
 
 def test_tune_kernels_takes_the_grid_shapes():
