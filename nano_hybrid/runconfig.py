@@ -324,6 +324,19 @@ def _check_mixer_shape(cfg: DictConfig, dtype: torch.dtype) -> None:
                           ) from None
 
 
+def _check_backend_limit(cfg: DictConfig, backend) -> None:
+    """The kernel backend can index the Mamba mixer's tensors at the dims one rank calls
+    (``KernelBackend.shape_refusal``: mamba_ssm's 32-bit offsets); else one ConfigError before any work."""
+    from nano_hybrid.model.config import mixer_dims, model_dict
+
+    if "M" not in str(model_dict(cfg.model)["hybrid_override_pattern"]):
+        return
+    why = backend.shape_refusal(**mixer_dims(cfg))
+    if why:
+        raise ConfigError(f"{why}; use kernels.backend=helion, or a smaller train.micro_batch_size / seq_length "
+                          "(or more parallel.context_parallel_size)")
+
+
 def _check_run_io(cfg: DictConfig):
     """The kernel backend (resolved and returned), the W&B mode and the ``checkpoint.init_from_hf`` folder."""
     from nano_hybrid.metrics import WANDB_MODES
@@ -373,6 +386,7 @@ def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
     backend = _check_run_io(cfg)
     if backend.settings is not None:  # helion
         _check_mixer_shape(cfg, dtype)
+    _check_backend_limit(cfg, backend)
     return RunPlan(
         run=RunConfig.from_cfg(cfg),
         dims=dims,

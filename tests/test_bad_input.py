@@ -260,3 +260,36 @@ def test_helion_mixer_shape_outside_the_shape_space_is_one_line_before_work(extr
     from nano_hybrid.runconfig import validate
 
     validate(compose(["data=mock", *overrides, *extra, "kernels.backend=torch", f"run_dir={tmp_path / 'run2'}"]))
+
+
+def test_a_backend_with_32_bit_offsets_is_refused_where_zxbcdt_passes_them(tmp_path):
+    """A backend that indexes with 32-bit offsets (mamba_ssm) refuses mixer dims whose zxbcdt has more than 2^31 - 1
+    elements, with one ConfigError at validation naming the backend and the way out; the same dims pass at a shorter
+    sequence, on a backend without the limit, and in a model without Mamba layers."""
+    import dataclasses
+
+    from kernels.registry import get_backend, zxbcdt_elements
+    from nano_hybrid.config import compose
+    from nano_hybrid.errors import ConfigError
+    from nano_hybrid.model.config import mixer_dims
+    from nano_hybrid.runconfig import _check_backend_limit
+
+    nano = dict(h=64, p=64, g=8, n=128)
+    assert zxbcdt_elements(b=1, l=262144, **nano) == 262144 * 10304 > 2**31 - 1
+    torch_backend = get_backend("torch")
+    limited = dataclasses.replace(torch_backend, name="mamba_ssm", max_zxbcdt_elements=2**31 - 1)
+    assert limited.shape_refusal(b=1, l=208_000, **nano) is None  # 2.14e9 elements
+    assert "2.7e+09 elements" in limited.shape_refusal(b=1, l=262144, **nano)
+    assert limited.shape_refusal(b=2, l=131072, **nano) and torch_backend.shape_refusal(b=1, l=262144, **nano) is None
+
+    def cfg(seq, *extra):
+        return compose(["data=mock", *TINY, "model=nano30b_slice", f"train.seq_length={seq}",
+                        "train.micro_batch_size=1", *extra, f"run_dir={tmp_path / 'run'}"])
+
+    long = cfg(262144)
+    assert mixer_dims(long)["l"] == 262144
+    with pytest.raises(ConfigError, match="'mamba_ssm' indexes with 32-bit offsets.*kernels.backend=helion"):
+        _check_backend_limit(long, limited)
+    _check_backend_limit(cfg(8192), limited)
+    _check_backend_limit(long, torch_backend)
+    _check_backend_limit(cfg(262144, "parallel.context_parallel_size=2"), limited)  # 131072 per rank
