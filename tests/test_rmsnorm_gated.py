@@ -258,3 +258,16 @@ def test_row_strided_input_is_not_copied(monkeypatch):
     ref = _grads(lambda a, b, c: rmsnorm_gated_ref(a, b, eps=1e-5, group_size=gs, norm_before_gate=False), x, w, None, dy)
     for name, a, b in zip(["y", "dx", "dw"], got, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} differs")
+
+
+def test_rmsnorm_bwd_search_tries_register_sized_rows_first_on_wide_groups():
+    """At a wide group (Mamba2-2.7B: one group of 5120) the backward's search starts with one or two rows per tile
+    over 8-16 warps; at Nano's groups of 512 it keeps its 4-row seeds first."""
+    from kernels.rmsnorm_gated import TUNABLE_KERNELS
+
+    build = TUNABLE_KERNELS["rmsnorm_bwd"].build
+    wide = build(dict(b=1, l=64, h=80, p=64, g=1, n=128, c=256), "cpu")
+    assert [(s["block_sizes"], s["num_warps"]) for s in wide.seeds[:2]] == [([1], 8), ([1], 8)]
+    assert all(s["block_sizes"][0] <= 2 for s in wide.seeds[:5])
+    nano = build(dict(b=1, l=64, h=64, p=64, g=8, n=128, c=128), "cpu")
+    assert nano.seeds[0]["block_sizes"] == [4] and nano.seeds[0]["num_warps"] == 2
