@@ -1318,8 +1318,8 @@ def test_shape_grid_warm_children_end_with_the_measuring_process(tmp_path):
     # a warm child's watcher: the middle process exits at once, its child notices within a second or two
     out = tmp_path / "orphan.txt"
     code = ("import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import os, sys, time; "
-            "from nano_hybrid.bench import bench_shape_grid as b; b._end_with_parent(0.1); "
-            "print(os.getpid(), flush=True); time.sleep(60); print(\\'survived\\', flush=True)'], "
+            "from nano_hybrid.bench import bench_shape_grid as b; print(os.getpid(), flush=True); "
+            "b._end_with_parent(0.1); time.sleep(60); print(\\'survived\\', flush=True)'], "
             f"stdout=open({str(out)!r}, 'w'), env=dict(os.environ, NANO_BENCH_WARM_PARENT=str(os.getpid()))); "
             "sys.exit(0)")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
@@ -1426,6 +1426,240 @@ def test_shape_grid_kernels_digest_covers_kernel_sources_and_configs(tmp_path):
     (k / "sub").mkdir()
     (k / "sub" / "new.py").write_text("")
     assert bsg.kernels_digest(k) not in (base, edited, changed)
+
+
+def test_shape_grid_times_an_a_vs_a_control_in_alternating_rounds(monkeypatch, tmp_path, capsys):
+    """The timing phase times three arms in alternating rounds: the baseline, the candidate and the baseline again;
+    the speedup is median(A) / median(B) over the first baseline arm's times, the A-vs-A control median(A) /
+    median(A again), each with its interval; the record, the summary's control range, the printed line and the
+    markdown carry the control."""
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    real_op = bsg._op
+
+    def tagged_op(backend, shape, p, seq):
+        fwdbwd, outputs = real_op(backend, shape, p, seq)
+        fwdbwd.arm = backend.name
+        return fwdbwd, outputs
+
+    timed = []
+
+    def fake_time_calls(fn, iters, device):
+        timed.append(fn.arm)
+        return [float(len(timed))] * iters  # the k-th timed round takes k ms a call
+
+    monkeypatch.setattr(bsg, "_op", tagged_op)
+    monkeypatch.setattr(stats, "time_calls", fake_time_calls)
+    res = bsg.run(bsg.parse_args(_grid_args(tmp_path, "--rounds", "3")))
+    r = res["shapes"]["tiny"]
+    assert "error" not in r, r.get("traceback")
+    # rounds [A, B, A2], [A2, B, A], [A, B, A2]: A takes 1, 6, 7 ms, B 2, 5, 8 and A again 3, 4, 9
+    assert timed == ["torch", "helion", "torch"] * 3
+    assert stats.alternating_order(3, 3) == [[0, 1, 2], [2, 1, 0], [0, 1, 2]]
+    assert set(r["ms_per_call"]) == {"torch", "helion"} and r["ms_per_call_control"]["median"] == 4.0
+    assert r["ms_per_call"]["torch"]["median"] == 6.0 and r["ms_per_call"]["helion"]["median"] == 5.0
+    for key, point in (("speedup_per_call", 6.0 / 5.0), ("control_per_call", 6.0 / 4.0)):
+        c = r[key]
+        assert set(c) == {"speedup", "ci_lo", "ci_hi", "ci_level"} and c["speedup"] == pytest.approx(point)
+        assert c["ci_lo"] <= c["speedup"] <= c["ci_hi"]
+    assert res["summary"]["control_per_call_range"] == [pytest.approx(1.5)] * 2
+    out = capsys.readouterr().out
+    assert "timing: 3 alternating rounds of 1 calls per arm (torch, helion, torch again)" in out
+    assert "1.20x per call (A-vs-A 1.50 [" in out
+    md = bsg.markdown(res)
+    assert "| A-vs-A |" in md and "| 1.50 [" in md and "A-vs-A control per call 1.50 .. 1.50" in md
+
+
+def test_shape_grid_a_shape_the_baseline_refuses_runs_the_candidate_alone(monkeypatch, tmp_path, capsys):
+    """A baseline that refuses a shape (KernelBackend.shape_refusal) never runs there, nor does the fp32 reference
+    (its op): the candidate runs alone (first call, timing, device time), errors are not measured, no speedup; the
+    summary counts the shape as run, lists it under candidate_only and leaves it out of the geomeans; the markdown
+    says "refused". A candidate that refuses a shape fails it before any work."""
+    import dataclasses
+
+    import torch
+
+    from kernels.registry import get_backend
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    def never(*a, **k):
+        pytest.fail("the refusing baseline ran")
+
+    torch_refusing = dataclasses.replace(get_backend("torch"), max_zxbcdt_elements=1,
+                                         mamba_split_conv1d_scan_combined=never)
+    helion = get_backend("helion")
+    res = bsg.run(bsg.parse_args(_grid_args(tmp_path, "--rounds", "2")),
+                  backends={"torch": torch_refusing, "helion": helion})
+    r = res["shapes"]["tiny"]
+    assert "error" not in r, r.get("traceback")
+    assert "32-bit offsets" in r["baseline_refused"] and "first_call_s_torch" not in r and r["first_call_s_helion"] > 0
+    assert r["rel_err_vs_fp32"] is None and r["err_ratio_max"] is None
+    assert r["errors_skipped"] == f"no reference: {r['baseline_refused']}"
+    assert set(r["ms_per_call"]) == {"helion"} and r["ms_per_call"]["helion"]["n"] == 2
+    assert not {"speedup_per_call", "control_per_call", "speedup_device", "ms_per_call_control"} & set(r)
+    s = res["summary"]
+    assert s["shapes_run"] == 1 and s["candidate_only"] == ["tiny"] and s["shapes_failed"] == []
+    assert s["geomean_speedup_per_call"] is None and s["min_speedup_per_call"] is None
+    assert s["control_per_call_range"] is None
+    out = capsys.readouterr().out
+    assert "torch refuses the shape" in out and re.search(r"helion alone \(torch refuses the shape\): [\d.]+ ms", out)
+    row = next(ln for ln in bsg.markdown(res).splitlines() if ln.startswith("| tiny |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "refused" and cells[3:6] == ["-", "-", "-"]
+    assert cells[6] == "no reference: torch indexes with 32-bit offsets"
+    assert "helion alone (torch refuses): tiny" in bsg.markdown(res)
+    # the device time of the candidate alone
+    monkeypatch.setattr(profiling, "profile_device_table", lambda fn, iters: {
+        "total_us_per_iter": 7.0, "rows": [{"kernel": "k", "us_per_iter": 7.0, "calls_per_iter": 1, "x": 0}]})
+    rec = {}
+    bsg._device_time(rec, {"helion": (lambda: None, None)}, ["helion"], 2)
+    assert rec == {"device_us_per_call": {"helion": 7.0},
+                   "device_kernels": {"helion": [{"kernel": "k", "us_per_iter": 7.0, "calls_per_iter": 1}]}}
+    # a warming child at the shape: the candidate's first call only
+    seen = []
+    rec = bsg.run_shape("tiny", bsg.parse_args(_grid_args(tmp_path)), {"torch": torch_refusing, "helion": helion},
+                        torch.device("cpu"), seen.append, warm_only=True)
+    assert [k for k in rec if k.startswith("first_call_s_")] == ["first_call_s_helion"]
+    assert not any("fp32" in m for m in seen)
+    # a candidate that refuses the shape fails it, before any tensor is made
+    monkeypatch.setattr(bsg, "make_params", never)
+    res = bsg.run(bsg.parse_args(_grid_args(tmp_path)),
+                  backends={"torch": get_backend("torch"),
+                            "helion": dataclasses.replace(helion, max_zxbcdt_elements=1)})
+    r = res["shapes"]["tiny"]
+    assert r["error"].startswith("candidate refuses: kernel backend 'helion' indexes with 32-bit offsets")
+    assert res["summary"]["shapes_failed"] == ["tiny"] and res["summary"]["shapes_run"] == 0
+    assert "| tiny | ERROR | candidate refuses" in bsg.markdown(res)
+
+
+def _lose_context_at(monkeypatch, bsg, bad: str):
+    """run_shape faked: shape ``bad`` raises a CUDA error, the others record their name; the probe says the
+    context is lost; torch.cuda.empty_cache calls are counted (returned list)."""
+    import torch
+
+    def fake_shape(name, *a, **k):
+        if name == bad:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {"measured": name}
+
+    emptied = []
+    monkeypatch.setattr(bsg, "run_shape", fake_shape)
+    monkeypatch.setattr(bsg, "_cuda_context_lost", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    return emptied
+
+
+def test_shape_grid_continues_in_a_new_process_after_losing_the_cuda_context(monkeypatch, tmp_path, capsys):
+    """On a "cuda" device, a shape that raises and leaves the CUDA context lost is recorded with cuda_context_lost;
+    the partial json is written, the shapes still to run go to a continuing process (faked), and its records join
+    the result in order, each with continued_in_child (a record from further down the chain keeps its number);
+    no torch.cuda.empty_cache after the loss. A continuing process that fails leaves the shapes it did not record
+    as "not run" errors; stale results in its folder are not taken."""
+    import json
+
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    emptied = _lose_context_at(monkeypatch, bsg, "nano_tp4")
+    names = ["nano_tp8", "nano_tp4", "nano_proxy", "tiny", "nano_tp2"]
+    calls = []
+
+    def fake_child(args, todo, k, out):
+        parent = json.loads((out.parent / "shape_grid.partial.json").read_text())
+        calls.append((list(todo), k, out, list(parent["shapes"]), parent["shapes"]["nano_tp4"]))
+        out.mkdir(parents=True, exist_ok=True)
+        shapes = {"nano_proxy": {"measured": "nano_proxy"}, "tiny": {"measured": "tiny", "continued_in_child": 2},
+                  "nano_tp2": {"measured": "nano_tp2"}}
+        (out / "shape_grid.partial.json").write_text(json.dumps({"shapes": shapes}))
+        return 1, "a warning"
+
+    monkeypatch.setattr(bsg, "_continue_in_child", fake_child)
+    argv = ["--shapes", ",".join(names), "--baseline", "torch", "--candidate", "helion", "--device", "cuda",
+            "--out", str(tmp_path)]
+    res = bsg.run(bsg.parse_args(argv))
+    assert list(res["shapes"]) == names
+    lost = res["shapes"]["nano_tp4"]
+    assert lost["cuda_context_lost"] is True and "illegal memory access" in lost["error"]
+    (todo, k, out, before, lost_then), = calls
+    assert todo == ["nano_proxy", "tiny", "nano_tp2"] and k == 1 and out == tmp_path / "continued_1"
+    assert before == ["nano_tp8", "nano_tp4"] and lost_then["cuda_context_lost"] is True  # written before the child
+    assert [res["shapes"][n].get("continued_in_child") for n in names] == [None, None, 1, 2, 1]
+    assert [res["shapes"][n].get("measured") for n in names] == ["nano_tp8", None, "nano_proxy", "tiny", "nano_tp2"]
+    assert emptied == [1]  # after nano_tp8 only
+    assert res["summary"]["shapes_failed"] == ["nano_tp4"] and res["continued"]["rc"] == 1
+    saved = json.loads((tmp_path / "shape_grid.partial.json").read_text())
+    assert list(saved["shapes"]) == names and saved["shapes"]["tiny"]["continued_in_child"] == 2
+    assert "CUDA context lost at nano_tp4; 3 shapes continue in a new process" in capsys.readouterr().out
+
+    # a continuing process that dies after one shape; a stale shape_grid.json of an earlier call is not read
+    (tmp_path / "continued_1" / "shape_grid.json").write_text(json.dumps({"shapes": {n: {} for n in names}}))
+
+    def dying_child(args, todo, k, out):
+        (out / "shape_grid.partial.json").write_text(json.dumps({"shapes": {"nano_proxy": {"measured": "x"}}}))
+        return -11, "Segmentation fault"
+
+    monkeypatch.setattr(bsg, "_continue_in_child", dying_child)
+    res = bsg.run(bsg.parse_args(argv))
+    assert list(res["shapes"]) == names and res["shapes"]["nano_proxy"] == {"measured": "x", "continued_in_child": 1}
+    for n in ("tiny", "nano_tp2"):
+        assert res["shapes"][n] == {"error": "not run: the continuing process failed (rc -11, Segmentation fault)",
+                                    "continued_in_child": 1}
+    assert res["summary"]["shapes_failed"] == ["nano_tp2", "nano_tp4", "tiny"]
+    assert "not run" in bsg.markdown(res)
+    # the last shape losing the context starts no process; on the CPU a failing shape never probes the context
+    monkeypatch.setattr(bsg, "_continue_in_child", lambda *a: pytest.fail("continued with nothing to run"))
+    res = bsg.run(bsg.parse_args(argv[:1] + ["nano_tp8,nano_tp4"] + argv[2:]))
+    assert res["shapes"]["nano_tp4"]["cuda_context_lost"] and "continued" not in res
+    assert "CUDA context lost at nano_tp4; 0 shapes continue" in capsys.readouterr().out
+    monkeypatch.setattr(bsg, "_cuda_context_lost", lambda device: pytest.fail("probed on the CPU"))
+    res = bsg.run(bsg.parse_args(_grid_args(tmp_path, "--shapes", "nano_tp4,tiny")))
+    assert "error" in res["shapes"]["nano_tp4"] and res["shapes"]["tiny"]["measured"] == "tiny"
+
+
+def test_shape_grid_continuing_process_measures_as_its_parent(monkeypatch, tmp_path):
+    """The continuing process's command: this module at the remaining shapes with the parent's measuring arguments,
+    its own --out and number, no --resume and no warming; its environment keeps the parent's Triton autotune
+    caching (a warm child's turns it off). The real child runs on the CPU and leaves its records; a failing one's
+    last stderr line comes back."""
+    import json
+
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    args = bsg.parse_args(["--quick", "--baseline", "torch", "--candidate", "helion", "--kernels-helion",
+                           "autotune=true,autotune_jobs=2", "--iters", "7", "--profile-iters", "2", "--seed", "3",
+                           "--zxbcdt-layout", "contiguous", "--device", "cuda", "--out", "/tmp/x", "--resume",
+                           "--warm-jobs", "2"])
+    cmd = bsg.continue_command(args, ["nano_proxy", "tiny"], "/tmp/x/continued_1", 1)
+    assert cmd[:4] == [sys.executable, "-P", "-m", "nano_hybrid.bench.bench_shape_grid"]
+    assert "--resume" not in cmd and "--warm-jobs" not in cmd and "--warm-only" not in cmd
+    child = bsg.parse_args(cmd[4:])
+    assert {k: getattr(child, k) for k in bsg.MEASURE_ARGS} == {k: getattr(args, k) for k in bsg.MEASURE_ARGS}
+    assert child.rounds == 3 and child.helion_settings == args.helion_settings  # --quick's rounds, autotune kept
+    assert child.shape_names == ["nano_proxy", "tiny"] and child.out == "/tmp/x/continued_1"
+    assert child.continuation == 1 and child.device == "cuda" and not child.resume and child.warm_jobs == 0
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
+    assert bsg._child_env(measuring=True)["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert bsg._child_env()["TRITON_CACHE_AUTOTUNING"] == "0"
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING")
+    assert "TRITON_CACHE_AUTOTUNING" not in bsg._child_env(measuring=True)
+    # a real continuing process at the tiny shape on the CPU, run as the command says with the test-only
+    # aten::mm.dtype shim of tests/conftest.py loaded first (helion's interpret mode needs it)
+    real = bsg.continue_command
+
+    def with_shim(*a):
+        cmd = real(*a)
+        assert cmd[1:4] == ["-P", "-m", "nano_hybrid.bench.bench_shape_grid"]
+        return [cmd[0], "-P", "-c", "import conftest, runpy; runpy.run_module('nano_hybrid.bench.bench_shape_grid', "
+                "run_name='__main__', alter_sys=True)", *cmd[4:]]
+
+    monkeypatch.setattr(bsg, "continue_command", with_shim)
+    cpu = bsg.parse_args(_grid_args(tmp_path))
+    rc, _ = bsg._continue_in_child(cpu, ["tiny"], 1, tmp_path / "continued_1")
+    assert rc == 0
+    rec = json.loads((tmp_path / "continued_1" / "shape_grid.json").read_text())["shapes"]["tiny"]
+    assert "error" not in rec and rec["control_per_call"]["speedup"] > 0
+    monkeypatch.setattr(bsg, "continue_command", lambda *a: [sys.executable, "-c", "import sys; "
+                        "print('first', file=sys.stderr); print('boom', file=sys.stderr); sys.exit(3)"])
+    assert bsg._continue_in_child(cpu, ["tiny"], 1, tmp_path / "c") == (3, "boom")
 
 
 def test_tune_kernels_takes_the_grid_shapes():

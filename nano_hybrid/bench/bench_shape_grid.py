@@ -10,8 +10,11 @@ ranges), and the fp32 mamba-ssm op on the same values as the reference. Each op 
 hands it over (``mixer.op_zxbcdt``): a (b, l, d) view of (l, b, d) memory, as Megatron's in_proj produces it, or a
 contiguous copy of it for a backend without ``strided_zxbcdt``; ``--zxbcdt-layout contiguous`` stores zxbcdt as a
 contiguous (b, l, d) tensor instead. Reported per shape:
-- speed per call: median wall time of one fwd+bwd call, CUDA events, ABBA rounds (``stats.time_calls``), and
-  the speedup median(mamba_ssm)/median(helion);
+- speed per call: median wall time of one fwd+bwd call, CUDA events, in alternating rounds of three arms (the
+  baseline, the candidate, the baseline again; ``stats.time_arms``), the speedup median(mamba_ssm)/median(helion)
+  over the first baseline arm's times, and the A-vs-A control median(baseline)/median(baseline again)
+  (``control_per_call``, with ``ms_per_call_control``: the spread that a speedup must pass; the summary's
+  ``control_per_call_range``: its least and greatest point over the shapes);
 - device time: the summed kernel time per call from torch.profiler (``profiling.profile_device_table``), and each
   backend's largest kernels (``device_kernels``);
 - errors: relative L2 of the output and every gradient against fp32 mamba-ssm, for helion bf16 and, next to it,
@@ -23,7 +26,20 @@ contiguous (b, l, d) tensor instead. Reported per shape:
   training run does; ``pretune_s`` and ``pretune_failed`` in its record).
 A shape that raises is recorded with its error and the next shape still runs. A shape whose fp32 reference runs
 out of GPU memory is timed without errors (``rel_err_vs_fp32`` and ``err_ratio_max`` None, ``errors_skipped`` says
-why). Writes ``shape_grid.json`` and ``.md`` to $OUT (default runs/bench/<gpu>).
+why). Before any work at a shape both backends are asked whether they run it (``KernelBackend.shape_refusal``, e.g.
+mamba_ssm's 32-bit offsets): a candidate that refuses fails the shape; where only the baseline refuses, the
+candidate runs alone (``baseline_refused``; its first call, time per call and device time; no errors against fp32,
+since the reference is the baseline's op; no speedups), and the summary lists the shape under ``candidate_only``,
+counted as run and left out of the geomeans. Writes ``shape_grid.json`` and ``.md`` to $OUT (default
+runs/bench/<gpu>).
+
+A shape that raises on a GPU and leaves the process's CUDA context lost (an illegal memory access or a launch
+failure: every later CUDA call fails) is recorded with ``cuda_context_lost``; the partial json is written and the
+shapes still to run go to a new process of this module with the same measuring arguments (``continue_command``;
+results in ``<out>/continued_<k>``), whose records join this one's in order, each with ``continued_in_child``: k
+(that process, which loses its context in turn, continues the same way: k + 1). A shape that process does not
+record is an error "not run: the continuing process failed (...)". This process's GPU memory stays allocated until
+it exits, so the new process has what is left.
 
 ``--warm-jobs N`` (CUDA only): before measuring, the shapes that will run are warmed in child processes, N at a time
 (``warm_plan``: largest first; a shape of more than ``WARM_ALONE_TOKENS`` tokens per call alone, after the others),
@@ -44,6 +60,7 @@ recorded as ``env["kernels_digest"]``; the git commit may differ) and the same G
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import math
@@ -94,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warm-only", action="store_true",
                    help="a --warm-jobs child: at each shape run each backend's first call and the fp32 reference's, "
                         "with autotune off, measure nothing and write nothing")
+    # a process that continues a grid after its parent lost its CUDA context: its number in the chain (1: the first
+    # one), which its own records' ``continued_in_child`` take in the parent
+    p.add_argument("--continuation", type=int, default=0, help=argparse.SUPPRESS)
     add_zxbcdt_layout_arg(p)
     a = p.parse_args(argv)
     if a.warm_jobs < 0 or a.warm_timeout <= 0:
@@ -213,20 +233,51 @@ def _errors_vs_fp32(rec: dict, backends: dict, ops: dict, shape: MixerShape, p: 
         log(f"errors not measured: {skipped}")
 
 
+def _control_label(A: str) -> str:
+    """The label of the baseline's second timed arm (the A-vs-A control): "<A>#2" (``stats.arm_labels``)."""
+    return stats.arm_labels([A, A])[1]
+
+
+def _device_time(rec: dict, ops: dict, arms: list[str], iters: int) -> None:
+    """``device_us_per_call`` (the summed kernel time per call, torch.profiler over ``iters`` calls) and
+    ``device_kernels`` (the largest kernels, us and calls per call) of each backend of ``arms`` into ``rec``."""
+    tables = {lab: profiling.profile_device_table(ops[lab][0], iters) for lab in arms}
+    rec["device_us_per_call"] = {lab: t["total_us_per_iter"] for lab, t in tables.items()}
+    # where each backend's device time goes: its largest kernels (us per call, calls per call)
+    rec["device_kernels"] = {lab: [{k: r[k] for k in ("kernel", "us_per_iter", "calls_per_iter")}
+                                   for r in t["rows"][:DEVICE_KERNELS_KEPT]] for lab, t in tables.items()}
+
+
 def run_shape(name: str, args, backends: dict, device, log=lambda msg: None, warm_only: bool = False) -> dict:
     """One shape's record; ``log`` gets a line as each phase starts (a time limit then shows where it stopped).
     ``warm_only``: the phases before the timing that compile (each backend's first call, then the fp32 reference's
-    first call); nothing is compared or timed."""
+    first call); nothing is compared or timed.
+
+    Before any work at the shape each backend is asked whether it runs it (``KernelBackend.shape_refusal``): a
+    candidate that refuses makes the record an error ("candidate refuses: ..."); a baseline that refuses leaves the
+    candidate to run alone (``baseline_refused``: first call, timing and device time of the candidate only, no
+    errors against fp32, no speedups)."""
     import torch
 
     from kernels.causal_conv1d import docs_seq_idx
 
     shape, docs = GRID[name]
     rec: dict = {"shape": {**shape.__dict__, "docs_per_sequence": docs}}
+    A, B = args.baseline, args.candidate
+    dims = shape.model_dims()
+    refused = backends[B].shape_refusal(**dims)
+    if refused:
+        log(f"{B} refuses the shape: {refused}")
+        rec["error"] = f"candidate refuses: {refused}"
+        return rec
+    base_refused = backends[A].shape_refusal(**dims)
+    arms = [B] if base_refused else [A, B]
+    if base_refused:
+        log(f"{A} refuses the shape ({base_refused}); {B} runs alone")
+        rec["baseline_refused"] = base_refused
     p = make_params(shape, device, torch.bfloat16, args.seed, zxbcdt_layout=args.zxbcdt_layout)
     seq = docs_seq_idx(shape.batch, shape.seqlen, shape.seqlen, docs, device)
-    A, B = args.baseline, args.candidate
-    ops = {lab: _op(backends[lab], shape, p, seq) for lab in (A, B)}
+    ops = {lab: _op(backends[lab], shape, p, seq) for lab in arms}
     settings = backends[B].settings
     if settings is not None and settings.autotune and device.type == "cuda":
         # as a training run with autotune does before its first step: the shape's kernels without a config are
@@ -238,7 +289,7 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None, war
         rec["pretune_failed"] = pretune(grid_model_dims(name), settings, say=log)
         rec["pretune_s"] = round(time.perf_counter() - t0, 1)
     # first call of each arm: compile + config selection (+ first-use tuning for helion with autotune on)
-    for lab in (A, B):
+    for lab in arms:
         log(f"{lab}: first call (compile, config selection, any autotuning)")
         stats.sync(device)
         t0 = time.perf_counter()
@@ -246,33 +297,42 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None, war
         stats.sync(device)
         rec[f"first_call_s_{lab}"] = round(time.perf_counter() - t0, 2)
     if warm_only:
-        log(f"{A} fp32: first call (compile)")
-        t0 = time.perf_counter()
-        _op(backends[A], shape, _fp32_params(p), seq)[1]()
-        stats.sync(device)
-        rec["first_call_s_fp32"] = round(time.perf_counter() - t0, 2)
+        if not base_refused:
+            log(f"{A} fp32: first call (compile)")
+            t0 = time.perf_counter()
+            _op(backends[A], shape, _fp32_params(p), seq)[1]()
+            stats.sync(device)
+            rec["first_call_s_fp32"] = round(time.perf_counter() - t0, 2)
         return rec
-    log("errors against the fp32 op")
-    # errors against the fp32 baseline op on the same values, next to the baseline's own bf16 errors
-    _errors_vs_fp32(rec, backends, ops, shape, p, seq, A, B, device, log)
-    # per-call speed, ABBA rounds
-    log(f"timing: {args.rounds} ABBA rounds of {args.iters} calls")
-    times = {A: [], B: []}
-    labels = [A, B]
-    for order in stats.alternating_order(2, args.rounds):
-        for i in order:
-            times[labels[i]] += stats.time_calls(ops[labels[i]][0], args.iters, device)
-    rec["ms_per_call"] = {lab: stats.summarize(times[lab]) for lab in labels}
-    rec["speedup_per_call"] = stats.ratio_summary(times[A], times[B])
+    if base_refused:
+        # the fp32 reference is the baseline's op: no reference at this shape
+        rec["rel_err_vs_fp32"] = None
+        rec["err_ratio_max"] = None
+        rec["errors_skipped"] = f"no reference: {base_refused}"
+        log(f"errors not measured: no reference ({A} refuses the shape)")
+        log(f"timing: {args.rounds} rounds of {args.iters} calls of {B} alone")
+        times = stats.time_arms({B: ops[B][0]}, warmup=0, rounds=args.rounds, iters=args.iters, device=device)
+        rec["ms_per_call"] = {B: stats.summarize(times[B])}
+    else:
+        log("errors against the fp32 op")
+        # errors against the fp32 baseline op on the same values, next to the baseline's own bf16 errors
+        _errors_vs_fp32(rec, backends, ops, shape, p, seq, A, B, device, log)
+        # per-call speed: the baseline, the candidate and the baseline again (the A-vs-A control: the spread a
+        # speedup must pass) in alternating rounds
+        A2 = _control_label(A)
+        log(f"timing: {args.rounds} alternating rounds of {args.iters} calls per arm ({A}, {B}, {A} again)")
+        times = stats.time_arms({A: ops[A][0], B: ops[B][0], A2: ops[A][0]}, warmup=0, rounds=args.rounds,
+                                iters=args.iters, device=device)
+        rec["ms_per_call"] = {lab: stats.summarize(times[lab]) for lab in (A, B)}
+        rec["ms_per_call_control"] = stats.summarize(times[A2])
+        rec["speedup_per_call"] = stats.ratio_summary(times[A], times[B])
+        rec["control_per_call"] = stats.ratio_summary(times[A], times[A2])
     if args.profile_iters and device.type == "cuda":
         log(f"device time: {args.profile_iters} profiled calls per backend")
-        tables = {lab: profiling.profile_device_table(ops[lab][0], args.profile_iters) for lab in labels}
-        dev = {lab: t["total_us_per_iter"] for lab, t in tables.items()}
-        rec["device_us_per_call"] = dev
-        # where each backend's device time goes: its largest kernels (us per call, calls per call)
-        rec["device_kernels"] = {lab: [{k: r[k] for k in ("kernel", "us_per_iter", "calls_per_iter")}
-                                       for r in t["rows"][:DEVICE_KERNELS_KEPT]] for lab, t in tables.items()}
-        rec["speedup_device"] = dev[A] / dev[B] if dev[B] else None
+        _device_time(rec, ops, arms, args.profile_iters)
+        dev = rec["device_us_per_call"]
+        if not base_refused:
+            rec["speedup_device"] = dev[A] / dev[B] if dev[B] else None
     return rec
 
 
@@ -285,7 +345,48 @@ def make_backends(args) -> dict:
             args.candidate: get_backend(args.candidate, args.helion_settings if args.candidate == "helion" else None)}
 
 
+def _cuda_context_lost(device) -> bool:
+    """Whether this process's CUDA context is lost (an illegal memory access, a launch failure: every later CUDA
+    call fails the same way): a synchronize that raises says so."""
+    import torch
+
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - torch.AcceleratorError or RuntimeError: either way no GPU work runs here now
+        return True
+    return False
+
+
+def _write_partial(out: Path, res: dict) -> None:
+    """``res`` as ``<out>/shape_grid.partial.json``: what has run so far survives a time limit."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shape_grid.partial.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+
+def _shape_line(rec: dict, A: str, B: str) -> str | None:
+    """The line printed under a shape once it has run: its speedup and A-vs-A control, or the candidate's time
+    alone where the baseline refused the shape, or its error; None for a record with none of them."""
+    if "error" in rec:
+        return f"   failed: {rec['error'].splitlines()[0][:300] if rec['error'] else ''}"
+    ratio = rec.get("err_ratio_max")
+    err = f"err ratio {'not measured' if ratio is None else f'{ratio:.2f}'}"
+    if "speedup_per_call" in rec:
+        c = rec.get("control_per_call")
+        control = f" (A-vs-A {_ratio_text(c)})" if c else ""
+        return f"   {rec['speedup_per_call']['speedup']:.2f}x per call{control}, {err}, {rec.get('elapsed_s')} s"
+    if "baseline_refused" in rec and B in rec.get("ms_per_call", {}):
+        return (f"   {B} alone ({A} refuses the shape): {rec['ms_per_call'][B]['median']:.3f} ms per call, "
+                f"{rec.get('elapsed_s')} s")
+    return None
+
+
 def run(args, backends: dict | None = None) -> dict:
+    """Every shape of ``args.shape_names`` in order (``run_shape``), and the summary. On a CUDA device, a shape that
+    raises and leaves this process's CUDA context lost (``_cuda_context_lost``) is recorded with
+    ``cuda_context_lost`` and the shapes still to run continue in a new process (``continue_shapes``), whose
+    records join this result in order."""
     import warnings
 
     import torch
@@ -295,15 +396,15 @@ def run(args, backends: dict | None = None) -> dict:
     res = {"benchmark": "bench_shape_grid", "env": environment.env_info(), "args": {k: v for k, v in vars(args).items()},
            "backend_settings": {k: v.settings_dict() for k, v in backends.items()}, "shapes": {}}
     res["env"]["kernels_digest"] = kernels_digest()
+    out = Path(args.out) if args.out else reporting.default_out_dir()
     t_all = time.perf_counter()
     earlier = _earlier_shapes(args, res) if args.resume else {}
     if args.warm_jobs > 0:
         if device.type != "cuda":
             print(f"--warm-jobs: ignored on device {device.type} (it fills the GPU kernel caches)", flush=True)
         elif todo := [n for n in args.shape_names if n not in earlier]:
-            out = Path(args.out) if args.out else reporting.default_out_dir()
             res["warm"] = warm_shapes(args, todo, out / "warm_logs")
-    for name in args.shape_names:
+    for i, name in enumerate(args.shape_names):
         t0 = time.perf_counter()
         if name in earlier:
             res["shapes"][name] = earlier[name]
@@ -314,35 +415,54 @@ def run(args, backends: dict | None = None) -> dict:
         def log(msg: str, t0=t0) -> None:
             print(f"   [{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
+        raised = False
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             try:
                 rec = run_shape(name, args, backends, device, log)
             except Exception as e:  # noqa: BLE001 - recorded; the next shape still runs
+                raised = True
                 rec = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 print(rec["traceback"], file=sys.stderr, flush=True)
         said = sorted({str(x.message) for x in w if "nano_hybrid kernels" in str(x.message)})
         rec["notices"] = [m for m in said if not m.startswith(STATE_PASSING_NOTICE)]
         rec["state_passing"] = state_passing_taken(backends.get(args.candidate), GRID[name][0])
         rec["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        lost = raised and device.type == "cuda" and _cuda_context_lost(device)
+        if lost:
+            rec["cuda_context_lost"] = True
         res["shapes"][name] = rec
-        if args.out:  # what has run so far survives a time limit
-            import json
-
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "shape_grid.partial.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-        if "speedup_per_call" in rec:
-            ratio = rec.get("err_ratio_max")
-            print(f"   {rec['speedup_per_call']['speedup']:.2f}x per call, err ratio "
-                  f"{'not measured' if ratio is None else f'{ratio:.2f}'}, {rec['elapsed_s']} s", flush=True)
+        if args.out or lost:
+            _write_partial(out, res)
+        if (line := _shape_line(rec, args.baseline, args.candidate)) is not None:
+            print(line, flush=True)
+        if lost:
+            # no CUDA call works in this process any more (torch.cuda.empty_cache would raise): the shapes still to
+            # run continue in a new process
+            rest = args.shape_names[i + 1:]
+            todo = [n for n in dict.fromkeys(rest) if n not in earlier and n != name]
+            print(f"CUDA context lost at {name}; {len(todo)} shapes continue in a new process", flush=True)
+            got = {}
+            if todo:
+                got, res["continued"] = continue_shapes(args, todo, getattr(args, "continuation", 0) + 1, out)
+            for n in rest:
+                if n != name:
+                    res["shapes"][n] = earlier[n] if n in earlier else got[n]
+            _write_partial(out, res)
+            break
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    ok = [r for r in res["shapes"].values() if "speedup_per_call" in r]
+    ok = [r for r in res["shapes"].values() if "speedup_per_call" in r and "error" not in r]
+    alone = sorted(k for k, r in res["shapes"].items() if "baseline_refused" in r and "error" not in r)
+    controls = [r["control_per_call"]["speedup"] for r in ok if r.get("control_per_call")]
     res["summary"] = {
-        "shapes_run": len(ok), "shapes_failed": sorted(k for k, r in res["shapes"].items() if "error" in r),
+        "shapes_run": len(ok) + len(alone),
+        "shapes_failed": sorted(k for k, r in res["shapes"].items() if "error" in r),
+        "candidate_only": alone,
         "geomean_speedup_per_call": _geomean([r["speedup_per_call"]["speedup"] for r in ok]),
         "min_speedup_per_call": min((r["speedup_per_call"]["speedup"] for r in ok), default=None),
         "geomean_speedup_device": _geomean([r["speedup_device"] for r in ok if r.get("speedup_device")]),
+        "control_per_call_range": [min(controls), max(controls)] if controls else None,
         "elapsed_s": round(time.perf_counter() - t_all, 1),
     }
     return res
@@ -445,22 +565,39 @@ def warm_plan(names: list[str]) -> tuple[list[str], list[str]]:
     return [n for n in order if n not in alone], alone
 
 
-def warm_command(args, name: str) -> list[str]:
-    """The command of the child that warms shape ``name``: this module with ``--warm-only`` at that shape and the
-    arguments that choose what it compiles (backends, helion settings, seed, zxbcdt layout, device)."""
-    cmd = [sys.executable, "-P", "-m", _WARM_MODULE, "--shapes", name, "--warm-only", "--baseline", args.baseline,
-           "--candidate", args.candidate, "--seed", str(args.seed), "--zxbcdt-layout", args.zxbcdt_layout]
+def _backend_args(args) -> list[str]:
+    """The arguments that choose what a shape compiles, as a child of this module takes them: the backends, the
+    helion settings, the seed, the zxbcdt layout and the device."""
+    cmd = ["--baseline", args.baseline, "--candidate", args.candidate, "--seed", str(args.seed), "--zxbcdt-layout",
+           args.zxbcdt_layout]
     cmd += ["--kernels-helion", args.kernels_helion] if args.kernels_helion else []
     cmd += ["--device", args.device] if args.device else []
     return cmd
 
 
-def _child_env() -> dict:
+def warm_command(args, name: str) -> list[str]:
+    """The command of the child that warms shape ``name``: this module with ``--warm-only`` at that shape and the
+    arguments that choose what it compiles (``_backend_args``)."""
+    return [sys.executable, "-P", "-m", _WARM_MODULE, "--shapes", name, "--warm-only", *_backend_args(args)]
+
+
+def continue_command(args, names: list[str], out: Path | str, k: int) -> list[str]:
+    """The command of the process that measures the grid shapes ``names`` in place of this one (its CUDA context
+    lost): this module at those shapes with this call's measuring arguments (``MEASURE_ARGS``: ``_backend_args``,
+    rounds, calls per round, profiled calls), ``--out out`` and its number ``k`` in the chain of continuing
+    processes; no ``--resume`` and no warming."""
+    return [sys.executable, "-P", "-m", _WARM_MODULE, "--shapes", ",".join(names), *_backend_args(args),
+            "--rounds", str(args.rounds), "--iters", str(args.iters), "--profile-iters", str(args.profile_iters),
+            "--out", str(out), "--continuation", str(k)]
+
+
+def _child_env(measuring: bool = False) -> dict:
     """This process's environment with PYTHONPATH led by the folders this process imports ``kernels`` and
     ``nano_hybrid`` from (in its sys.path order), so that a child started with ``python -P -m`` imports the same
-    trees, and this process's pid in ``WARM_PARENT_ENV``. Triton's autotune results are not cached by the children
-    (``TRITON_CACHE_AUTOTUNING=0``): their timings ran beside each other, so the measuring process times the
-    baseline's autotune candidates itself, on kernels the children compiled."""
+    trees, and this process's pid in ``WARM_PARENT_ENV``. A warm child (``measuring`` False) caches no Triton
+    autotune results (``TRITON_CACHE_AUTOTUNING=0``): its timings ran beside other children's, so the measuring
+    process times the baseline's autotune candidates itself, on kernels the children compiled. A ``measuring``
+    child (``continue_command``) keeps this process's setting."""
     import kernels
     import nano_hybrid
 
@@ -468,8 +605,92 @@ def _child_env() -> dict:
     where = {str(Path(p).resolve()): i for i, p in reversed(list(enumerate(sys.path))) if p}
     roots = sorted(dict.fromkeys(roots), key=lambda r: where.get(r, len(sys.path)))
     rest = [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q and q not in roots]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(roots + rest), TRITON_CACHE_AUTOTUNING="0",
-                **{WARM_PARENT_ENV: str(os.getpid())})
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(roots + rest), **{WARM_PARENT_ENV: str(os.getpid())})
+    if not measuring:
+        env["TRITON_CACHE_AUTOTUNING"] = "0"
+    return env
+
+
+@contextlib.contextmanager
+def _sigterm_exits():
+    """Within: SIGTERM (a stage's time limit) raises SystemExit(128 + SIGTERM) in this process, so that the clean-up
+    of its children runs (``finally``); outside the main thread the signal keeps its handler."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _continue_in_child(args, names: list[str], k: int, out: Path) -> tuple[int | None, str]:
+    """Run ``continue_command`` (shapes ``names``, results in ``out``) and wait for it: its stdout goes to this
+    process's, its stderr passes through to this process's stderr. Returns (exit status, its last non-empty stderr
+    line); (None, why) when it did not start. A SIGTERM here ends the child too."""
+    try:
+        proc = subprocess.Popen(continue_command(args, names, out, k), stdin=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, env=_child_env(measuring=True), text=True, errors="replace")
+    except OSError as e:
+        return None, f"not started: {e}"
+    last = "no output on stderr"
+    try:
+        with _sigterm_exits():
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                if line.strip():
+                    last = line.strip()[:300]
+            return proc.wait(), last
+    finally:
+        if proc.poll() is None:  # this process is ending: so does the child (its own children through its SIGTERM)
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        sys.stderr.flush()
+
+
+def _child_records(out: Path) -> dict:
+    """The shape records a continuing process left in ``out``: its shape_grid.json, else its
+    shape_grid.partial.json (the shapes it recorded before it stopped); {} when it left neither readable."""
+    import json
+
+    for name in ("shape_grid.json", "shape_grid.partial.json"):
+        try:
+            shapes = json.loads((out / name).read_text()).get("shapes")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(shapes, dict):
+            return shapes
+    return {}
+
+
+def continue_shapes(args, names: list[str], k: int, out: Path) -> tuple[dict, dict]:
+    """The grid shapes ``names`` measured by continuing process number ``k`` (``_continue_in_child``; results in
+    ``<out>/continued_<k>``, whose earlier result files are removed first). Returns ({shape: record} for every
+    name, each with ``continued_in_child``: k, or the number of the process further down the chain that measured
+    it; a shape the process did not record is an error "not run: the continuing process failed (rc, last stderr
+    line)"), and ``res["continued"]``: {"k", "out", "shapes", "rc", "stderr_last"}."""
+    child_out = out / f"continued_{k}"
+    for stale in ("shape_grid.json", "shape_grid.partial.json"):
+        (child_out / stale).unlink(missing_ok=True)
+    rc, last = _continue_in_child(args, names, k, child_out)
+    got = _child_records(child_out)
+    shapes = {}
+    for n in names:
+        if isinstance(got.get(n), dict):
+            shapes[n] = {**got[n], "continued_in_child": got[n].get("continued_in_child", k)}
+        else:
+            shapes[n] = {"error": f"not run: the continuing process failed (rc {rc}, {last})",
+                         "continued_in_child": k}
+    return shapes, {"k": k, "out": str(child_out), "shapes": list(names), "rc": rc, "stderr_last": last}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -542,26 +763,16 @@ def warm_shapes(args, names: list[str], log_dir: Path, say=lambda msg: print(msg
     say(f"warming {len(parallel) + len(alone)} shapes in child processes, {args.warm_jobs} at a time"
         + (f", then {', '.join(alone)} alone" if alone else "") + f" (logs in {log_dir})")
     shapes: dict = {}
-
-    def stop(signum, frame):
-        # SIGTERM (a stage's time limit) ends this process through the children's clean-up: they run in process
-        # groups of their own, which the signal to this process's group does not reach
-        raise SystemExit(128 + signum)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread: the signal keeps its handler
-        previous = None
-    try:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        env = _child_env()
-        for group, jobs in ((parallel, args.warm_jobs), (alone, 1)):
-            shapes.update(_warm_children(args, group, jobs, log_dir, env, say))
-    except OSError as e:  # no log folder: the shapes compile in the measuring process
-        say(f"warm: not run ({type(e).__name__}: {e})")
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    # SIGTERM (a stage's time limit) ends this process through the children's clean-up: they run in process groups
+    # of their own, which the signal to this process's group does not reach
+    with _sigterm_exits():
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            env = _child_env()
+            for group, jobs in ((parallel, args.warm_jobs), (alone, 1)):
+                shapes.update(_warm_children(args, group, jobs, log_dir, env, say))
+        except OSError as e:  # no log folder: the shapes compile in the measuring process
+            say(f"warm: not run ({type(e).__name__}: {e})")
     s = round(time.perf_counter() - t0, 1)
     say(f"warm: {sum(r['ok'] for r in shapes.values())} of {len(names)} shapes in {s} s")
     return {"jobs": args.warm_jobs, "s": s, "shapes": {n: shapes[n] for n in parallel + alone if n in shapes}}
@@ -600,6 +811,9 @@ def warm_main(args, backends: dict) -> int:
             print(f"   [{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
         rec = run_shape(name, args, backends, device, log, warm_only=True)
+        if "error" in rec:
+            print(f"warm {name}: {rec['error']}", flush=True)
+            continue
         print(f"warm {name}: " + ", ".join(f"{k[len('first_call_s_'):]} {v} s" for k, v in rec.items()
                                              if k.startswith("first_call_s_")), flush=True)
     return 0
@@ -610,27 +824,52 @@ def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
+def _ratio_text(r: dict) -> str:
+    """A ``stats.ratio_summary`` as "1.01 [0.95, 1.06]" (point [interval])."""
+    return f"{r['speedup']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}]"
+
+
+def _short_reason(reason: str, n: int = 60) -> str:
+    """A backend's refusal (``KernelBackend.shape_refusal``) for a table cell: without the leading "kernel backend
+    '<name>' ", up to its first ": ", at most ``n`` characters ("indexes with 32-bit offsets")."""
+    text = re.sub(r"^kernel backend '[^']*' ", "", reason).split(": ")[0]
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
 def markdown(res: dict) -> str:
     A, B = res["args"]["baseline"], res["args"]["candidate"]
     rows = []
     for name, r in res["shapes"].items():
         if "error" in r:
-            rows.append([name, "ERROR", r["error"][:80], "", "", "", ""])
+            rows.append([name, "ERROR", r["error"][:80], "", "", "", "", ""])
             continue
         e = r.get("rel_err_vs_fp32")
-        rows.append([name, f"{r['ms_per_call'][A]['median']:.3f}", f"{r['ms_per_call'][B]['median']:.3f}",
-                     f"{r['speedup_per_call']['speedup']:.2f}",
+        ms = r.get("ms_per_call", {})
+        b_ms = f"{ms[B]['median']:.3f}" if B in ms else "-"
+        if "baseline_refused" in r:
+            why = _short_reason(r["baseline_refused"])
+            rows.append([name, "refused", b_ms, "-", "-", "-", f"no reference: {A} {why}",
+                         f"{r.get('first_call_s_' + B)}"])
+            continue
+        c = r.get("control_per_call")
+        rows.append([name, f"{ms[A]['median']:.3f}" if A in ms else "-", b_ms,
+                     f"{r['speedup_per_call']['speedup']:.2f}" if r.get("speedup_per_call") else "-",
+                     _ratio_text(c) if c else "-",
                      f"{r['speedup_device']:.2f}" if r.get("speedup_device") else "-",
                      f"{max(e[B].values()):.2e} / {max(e[A].values()):.2e}" if e else
-                     "not measured (fp32 out of memory)", f"{r['first_call_s_' + B]}"])
+                     "not measured (fp32 out of memory)", f"{r.get('first_call_s_' + B)}"])
     s = res["summary"]
+    control = s.get("control_per_call_range")
+    alone = s.get("candidate_only")
     head = (f"# Shape grid: {B} vs {A} (split-conv1d-scan fwd+bwd, bf16, zxbcdt layout "
             f"{res['args']['zxbcdt_layout']})\n\n"
             f"{s['shapes_run']} shapes run, failed: {s['shapes_failed'] or 'none'}; geomean speedup per call "
             f"{s['geomean_speedup_per_call']}, device {s['geomean_speedup_device']}, min {s['min_speedup_per_call']}"
-            f"\n\n")
-    return head + reporting.md_table([f"shape", f"{A} ms", f"{B} ms", "x/call", "x/device",
-                               f"max rel err vs fp32 {B} / {A}", f"{B} first call s"], rows) + "\n"
+            + (f"; A-vs-A control per call {control[0]:.2f} .. {control[1]:.2f}" if control else "")
+            + (f"; {B} alone ({A} refuses): {', '.join(alone)}" if alone else "")
+            + "\n\n")
+    return head + reporting.md_table([f"shape", f"{A} ms", f"{B} ms", "x/call", "A-vs-A", "x/device",
+                                      f"max rel err vs fp32 {B} / {A}", f"{B} first call s"], rows) + "\n"
 
 
 def main(argv=None) -> int:
@@ -645,8 +884,9 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     if args.warm_only:
         return warm_main(args, backends)
-    res = run(args, backends)
+    # named before measuring: the GPU's name may not be asked after a shape has lost this process's CUDA context
     out = Path(args.out) if args.out else reporting.default_out_dir()
+    res = run(args, backends)
     js, md = reporting.write_results(out, "shape_grid", res, markdown(res))
     print(markdown(res))
     print(f"wrote {js} and {md}")
