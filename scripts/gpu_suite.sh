@@ -46,7 +46,10 @@
 #                long_run.png, resume_check.png)
 #   parity       single / single again / DP2 / TP2 / EP2 for 50 steps, losses checked against single (two GPUs)
 #   grid         helion vs mamba_ssm on the grid of Mamba-2 layer shapes (scripts/bench_shape_grid.py --resume $GRID_ARGS:
-#                a later call with the same GRID_ARGS on the same $OUT keeps the shapes already measured)
+#                a later call with the same measuring arguments, kernels and configs on the same $OUT keeps the shapes
+#                already measured). On a fresh machine most of a shape's time is compiling: a first call with
+#                "--warm-jobs 6" compiles the shapes in child processes (on one H100, 6 at a time, each about 2x
+#                slower than alone: give it a call of its own), then "--warm-jobs 0" calls measure at about 20 s a shape
 #   tune         the grid's shapes (packed documents too) tuned for this GPU into $OUT/helion_configs
 #                (scripts/tune_kernels.py --shapes grid --missing, TUNE_JOBS searches at once, default 12, for
 #                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. The grid after
