@@ -292,4 +292,13 @@ def test_a_backend_with_32_bit_offsets_is_refused_where_zxbcdt_passes_them(tmp_p
         _check_backend_limit(long, limited)
     _check_backend_limit(cfg(8192), limited)
     _check_backend_limit(long, torch_backend)
-    _check_backend_limit(cfg(262144, "parallel.context_parallel_size=2"), limited)  # 131072 per rank
+    # context parallelism: each rank's mixer sees the whole sequence with its share of the heads (megatron's
+    # MambaContextParallel), 262144 x (2*32*64 + 2*4*128 + 32) = 1.35e9 elements at CP 2
+    cp2 = cfg(262144, "parallel.context_parallel_size=2")
+    assert {k: mixer_dims(cp2)[k] for k in "blhg"} == dict(b=1, l=262144, h=32, g=4)
+    _check_backend_limit(cp2, limited)
+    # groups per TP rank fewer than CP: one group per rank, replicated (TP 8 leaves 1 group; CP 2 halves the heads)
+    tp8cp2 = cfg(8192, "parallel.tensor_model_parallel_size=8", "parallel.context_parallel_size=2")
+    assert {k: mixer_dims(tp8cp2)[k] for k in "lhg"} == dict(l=8192, h=4, g=1)
+    with pytest.raises(ConfigError, match="mamba_num_heads per tensor-parallel rank \\(8\\) is not divisible"):
+        mixer_dims(cfg(8192, "parallel.tensor_model_parallel_size=8", "parallel.context_parallel_size=16"))

@@ -1399,7 +1399,7 @@ def test_shape_grid_resume_keeps_records_of_the_same_kernels_and_environment(mon
     assert calls == ["tiny"] * 3 and "GPU/versions (torch 1.0 -> " in capsys.readouterr().out
     bsg.run(bsg.parse_args(argv + ["--kernels-helion", "state_passing=split"]))
     assert calls == ["tiny"] * 4
-    assert "settings (kernels_helion, backend settings) differ" in capsys.readouterr().out
+    assert "settings (backend settings) differ" in capsys.readouterr().out
 
 
 def test_shape_grid_kernels_digest_covers_kernel_sources_and_configs(tmp_path):
@@ -1425,7 +1425,33 @@ def test_shape_grid_kernels_digest_covers_kernel_sources_and_configs(tmp_path):
     assert changed != edited
     (k / "sub").mkdir()
     (k / "sub" / "new.py").write_text("")
-    assert bsg.kernels_digest(k) not in (base, edited, changed)
+    latest = bsg.kernels_digest(k)
+    assert latest not in (base, edited, changed)
+    # the user config cache a call without an exact committed config reads: a config tuned there changes it
+    cache = tmp_path / "cache"
+    assert bsg.kernels_digest(k, config_dirs=(str(cache),)) == latest  # no cache folder yet
+    (cache / "sm90").mkdir(parents=True)
+    (cache / "sm90" / "conv1d_fwd.json").write_text('{"b1": {}}\n')
+    assert bsg.kernels_digest(k, config_dirs=(str(cache),)) != latest
+
+
+def test_shape_grid_resume_compares_settings_as_recorded():
+    """--resume compares the backend settings as the earlier call's JSON recorded them (a float written as 120.0
+    reads back equal), and the settings themselves rather than the order of --kernels-helion's items."""
+    import argparse
+
+    from nano_hybrid.bench import bench_shape_grid as bsg
+
+    now = {"baseline": "mamba_ssm", "candidate": "helion", "rounds": 3, "iters": 3, "profile_iters": 2, "seed": 0,
+           "zxbcdt_layout": "megatron"}
+    settings = {"helion": {"backend": "helion", "autotune_budget_s": 120.0, "cache_dir": "", "autotune": True}}
+    res = {"backend_settings": settings, "env": {"kernels_digest": "d"}}
+    old = json.loads(json.dumps({"args": dict(now, kernels_helion="autotune_budget_s=120,autotune=true"),
+                                 "backend_settings": settings, "env": {"kernels_digest": "d"}}))
+    args = argparse.Namespace(**now, kernels_helion="autotune=true,autotune_budget_s=120")
+    assert bsg._resume_differences(old, args, res) == []
+    other = {"helion": dict(settings["helion"], autotune=False)}
+    assert bsg._resume_differences(old, args, dict(res, backend_settings=other)) == ["settings (backend settings)"]
 
 
 def test_shape_grid_times_an_a_vs_a_control_in_alternating_rounds(monkeypatch, tmp_path, capsys):

@@ -63,6 +63,7 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import json
 import math
 import os
 import re
@@ -396,7 +397,7 @@ def run(args, backends: dict | None = None) -> dict:
     backends = backends or make_backends(args)
     res = {"benchmark": "bench_shape_grid", "env": environment.env_info(), "args": {k: v for k, v in vars(args).items()},
            "backend_settings": {k: v.settings_dict() for k, v in backends.items()}, "shapes": {}}
-    res["env"]["kernels_digest"] = kernels_digest()
+    res["env"]["kernels_digest"] = kernels_digest(config_dirs=_user_config_dirs(backends))
     out = Path(args.out) if args.out else reporting.default_out_dir()
     t_all = time.perf_counter()
     earlier = _earlier_shapes(args, res) if args.resume else {}
@@ -470,35 +471,49 @@ def run(args, backends: dict | None = None) -> dict:
 
 
 # the arguments that change what a shape's record measures: a resumed grid keeps records made with the same ones
-MEASURE_ARGS = ("baseline", "candidate", "kernels_helion", "rounds", "iters", "profile_iters", "seed", "zxbcdt_layout")
+MEASURE_ARGS = ("baseline", "candidate", "rounds", "iters", "profile_iters", "seed", "zxbcdt_layout")
 # the keys of env (``environment.env_info``) that change what a shape's record measures: the GPU and the libraries
 RESUME_ENV_KEYS = ("gpu", "torch", "cuda", "triton", "helion", "mamba_ssm", "causal_conv1d")
 
 
-def _digest_files(kernels_dir: Path) -> list[tuple[str, Path]]:
+def _digest_files(kernels_dir: Path, config_dirs: tuple = ()) -> list[tuple[str, Path]]:
     """The files whose contents ``kernels_digest`` covers, each with the name it is hashed under, sorted by name."""
     here = Path(__file__).resolve().parent
     files = {f"kernels/{p.relative_to(kernels_dir).as_posix()}": p for p in kernels_dir.rglob("*.py")}
     files.update({f"kernels/{p.relative_to(kernels_dir).as_posix()}": p
                   for p in (kernels_dir / "configs").rglob("*.json")})
-    files.update({f"nano_hybrid/bench/{n}": here / n for n in ("bench_shape_grid.py", "mixer.py")})
+    files.update({f"nano_hybrid/bench/{n}": here / n
+                  for n in ("bench_shape_grid.py", "mixer.py", "stats.py", "profiling.py")})
+    for i, d in enumerate(Path(c) for c in config_dirs):
+        if d.is_dir():
+            files.update({f"config_dir{i}/{p.relative_to(d).as_posix()}": p for p in d.rglob("*.json")})
     return sorted((k, p) for k, p in files.items() if p.is_file())
 
 
-def kernels_digest(kernels_dir: Path | str | None = None) -> str:
+def kernels_digest(kernels_dir: Path | str | None = None, config_dirs: tuple = ()) -> str:
     """sha256 over what a shape's record runs: every ``*.py`` under ``kernels_dir`` (default: the folder of the
     ``kernels`` package this process imports), every ``configs/**/*.json`` there (the committed kernel configs),
-    this module and ``mixer.py``, each as its relative name and its bytes, tracked by git or not."""
+    every ``*.json`` under ``config_dirs`` (the helion backend's user config cache, which a call without an exact
+    committed config reads), this module, ``mixer.py`` and the timing code (``stats.py``, ``profiling.py``), each
+    as its relative name and its bytes, tracked by git or not."""
     if kernels_dir is None:
         import kernels
 
         kernels_dir = Path(kernels.__file__).resolve().parent
     h = hashlib.sha256()
-    for name, path in _digest_files(Path(kernels_dir)):
+    for name, path in _digest_files(Path(kernels_dir), tuple(config_dirs)):
         data = path.read_bytes()
         h.update(f"{name}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
+
+
+def _user_config_dirs(backends: dict) -> tuple:
+    """The user config caches (``kernels.tuning.user_cache_root``) of the backends that have settings (helion)."""
+    from kernels.tuning import user_cache_root
+
+    return tuple(sorted({str(user_cache_root(b.settings.cache_dir)) for b in backends.values()
+                         if b.settings is not None}))
 
 
 def _resume_differences(old: dict, args, res: dict) -> list[str]:
@@ -506,7 +521,7 @@ def _resume_differences(old: dict, args, res: dict) -> list[str]:
     "kernels digest", "GPU/versions (...)"; empty when its records measure the same."""
     out = []
     settings = [k for k in MEASURE_ARGS if old["args"].get(k) != getattr(args, k)]
-    if old.get("backend_settings") != res["backend_settings"]:
+    if old.get("backend_settings") != json.loads(json.dumps(res["backend_settings"], default=str)):
         settings.append("backend settings")
     if settings:
         out.append(f"settings ({', '.join(settings)})")

@@ -5,8 +5,9 @@
 
 Positional arguments are a run's own overrides (the same as ``python -m nano_hybrid.train ...``): the config is
 composed as training composes it and the mixer dims one rank of that run calls are tuned
-(``nano_hybrid.model.config.mixer_dims``: micro-batch, sequence per context-parallel rank, heads and groups per
-tensor-parallel rank, head dim, state dim, chunk, conv width). Without overrides, ``--shapes`` names presets, or
+(``nano_hybrid.model.config.mixer_dims``: micro-batch, sequence, heads and groups per rank (per tensor- and
+context-parallel rank: megatron's context parallelism gives each rank's mixer the whole sequence and a share of the
+heads), head dim, state dim, chunk, conv width). Without overrides, ``--shapes`` names presets, or
 ``bench_shape_grid.py``'s shapes (``grid``: all of them; to tune a grid before it runs). A shape that packs documents
 (model dim "docs") tunes the kernels that take seq_idx with it (the conv1d kernels, keyed ``seq1``); the SSD kernels'
 configs do not depend on seq_idx, so a packed shape shares them with the same shape unpacked (searched once).

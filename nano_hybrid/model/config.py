@@ -272,9 +272,12 @@ def make_transformer_config(cfg: DictConfig, *, device: torch.device, dtype: tor
 
 
 def mixer_dims(cfg: DictConfig) -> dict[str, int]:
-    """The Mamba mixer's kernel dims one rank of the run ``cfg`` calls: b (micro-batch), l (sequence per
-    context-parallel rank), h and g (heads and groups per tensor-parallel rank), p, n, c (chunk), w (conv width).
-    ``scripts/tune_kernels.py`` tunes exactly these; a split that does not divide is a ConfigError naming the keys."""
+    """The Mamba mixer's kernel dims one rank of the run ``cfg`` calls: b (micro-batch), l (sequence), h and g (heads
+    and groups per rank), p, n, c (chunk), w (conv width). With context parallelism, megatron's
+    ``MambaContextParallel`` exchanges the sequence for heads before the conv and the SSD: each rank's kernels see the
+    whole sequence with heads / (TP x CP) heads and groups / (TP x CP) groups, or 1 group (replicated) where
+    groups / TP < CP. ``scripts/tune_kernels.py`` tunes exactly these; a split that does not divide is a
+    ConfigError naming the keys."""
     m = model_dict(cfg.model)
     check_model_cfg(m)
     par = cfg.parallel
@@ -286,8 +289,15 @@ def mixer_dims(cfg: DictConfig) -> dict[str, int]:
     for key, v in (("model.mamba_num_heads", h), ("model.mamba_num_groups", g)):
         if v % tp:
             raise ConfigError(f"{key}={v} is not divisible by parallel.tensor_model_parallel_size={tp}")
+    h, g = h // tp, g // tp
+    if h % cp:
+        raise ConfigError(f"model.mamba_num_heads per tensor-parallel rank ({h}) is not divisible by "
+                          f"parallel.context_parallel_size={cp}")
+    if (cp % g) if g < cp else (g % cp):
+        raise ConfigError(f"model.mamba_num_groups per tensor-parallel rank ({g}) and "
+                          f"parallel.context_parallel_size={cp}: one must divide the other")
     seq = int(cfg.train.seq_length)
     if seq % cp:
         raise ConfigError(f"train.seq_length={seq} is not divisible by parallel.context_parallel_size={cp}")
-    return dict(b=int(cfg.train.micro_batch_size), l=seq // cp, h=h // tp, p=int(m["mamba_head_dim"]), g=g // tp,
+    return dict(b=int(cfg.train.micro_batch_size), l=seq, h=h // cp, p=int(m["mamba_head_dim"]), g=max(1, g // cp),
                 n=int(m["mamba_state_dim"]), c=int(m["mamba_chunk_size"]), w=int(m["mamba_conv_width"]))
