@@ -59,29 +59,43 @@ class KernelBackend:
     # kernels.deterministic: bitwise-repeatable gradients were asked for (the helion kernels are atomics-free, the
     # torch reference is deterministic, mamba-ssm honours MAMBA_DETERMINISTIC=1)
     deterministic: bool = False
-    # the most elements a zxbcdt (b, l, 2*h*p + 2*g*n + h) may have (None: no limit): mamba-ssm's Triton kernels
-    # compute offsets in 32 bits (at Nano widths and 1 x 262144, 2.7e9 elements, its forward stops with an illegal
-    # memory access on an H100); the helion kernels switch to 64-bit indices (kernels.tuning.with_index_dtype_for)
-    max_zxbcdt_elements: int | None = None
+    # the most elements a tensor of the Mamba mixer may have (None: no limit; the zxbcdt input and the chunk
+    # states are the largest, ``mixer_elements``): mamba-ssm's Triton kernels compute offsets in 32 bits
+    # (``INT32_OFFSET_LIMIT``); the helion kernels switch to 64-bit indices (kernels.tuning.with_index_dtype_for)
+    max_mixer_elements: int | None = None
 
-    def shape_refusal(self, *, b: int, l: int, h: int, p: int, g: int, n: int, **_) -> str | None:
-        """One line saying why this backend cannot run the Mamba mixer at dims (b, l, h, p, g, n) (see
-        ``max_zxbcdt_elements``), or None."""
-        elements = zxbcdt_elements(b=b, l=l, h=h, p=p, g=g, n=n)
-        if self.max_zxbcdt_elements is None or elements <= self.max_zxbcdt_elements:
+    def shape_refusal(self, *, b: int, l: int, h: int, p: int, g: int, n: int, c: int, **_) -> str | None:
+        """One line saying why this backend cannot run the Mamba mixer at dims (b, l, h, p, g, n, chunk c) (see
+        ``max_mixer_elements``), or None."""
+        elements, what = mixer_elements(b=b, l=l, h=h, p=p, g=g, n=n, c=c)
+        if self.max_mixer_elements is None or elements <= self.max_mixer_elements:
             return None
-        return (f"kernel backend {self.name!r} indexes with 32-bit offsets: zxbcdt at {b} x {l} with {h} heads "
-                f"x {p}, {g} groups x {n} has {elements:.3g} elements, more than {self.max_zxbcdt_elements}")
+        return (f"kernel backend {self.name!r} indexes with 32-bit offsets: {what} at {b} x {l} with {h} heads "
+                f"x {p}, {g} groups x {n}, chunk {c} has {elements:.3g} elements, more than "
+                f"{self.max_mixer_elements}")
 
     def settings_dict(self) -> dict[str, Any]:
         """{"backend": name, **settings}: what a run or benchmark records about the kernels it ran."""
         return {"backend": self.name, **({} if self.settings is None else self.settings.as_dict())}
 
 
+# mamba-ssm's Triton kernels compute tensor offsets in 32 bits: at Nano widths and 1 x 262144 (zxbcdt of 2.7e9
+# elements) its forward stops with an illegal memory access on an H100
+INT32_OFFSET_LIMIT = 2**31 - 1
+
+
 def zxbcdt_elements(*, b: int, l: int, h: int, p: int, g: int, n: int) -> int:
     """Elements of the Mamba mixer's in_proj output zxbcdt at micro-batch b, sequence l, h heads of p, g groups of
     state n: (b, l, 2*h*p + 2*g*n + h)."""
     return b * l * (2 * h * p + 2 * g * n + h)
+
+
+def mixer_elements(*, b: int, l: int, h: int, p: int, g: int, n: int, c: int) -> tuple[int, str]:
+    """The largest tensor of the Mamba mixer's op at these dims, (elements, name): zxbcdt, or the chunk states
+    (b, ceil(l / c), h, p, n) where they are larger (a large state with a small chunk)."""
+    states = b * -(-l // c) * h * p * n
+    zxbcdt = zxbcdt_elements(b=b, l=l, h=h, p=p, g=g, n=n)
+    return (zxbcdt, "zxbcdt") if zxbcdt >= states else (states, "the chunk states")
 
 
 def _torch_backend() -> KernelBackend:
@@ -136,7 +150,7 @@ def _mamba_ssm_backend() -> KernelBackend:
 
     return KernelBackend(
         "mamba_ssm", mamba_split_conv1d_scan_combined, mamba_chunk_scan_combined, RMSNorm,
-        "mamba-ssm Triton + causal-conv1d CUDA", max_zxbcdt_elements=2**31 - 1,
+        "mamba-ssm Triton + causal-conv1d CUDA", max_mixer_elements=INT32_OFFSET_LIMIT,
     )
 
 

@@ -268,17 +268,24 @@ def test_a_backend_with_32_bit_offsets_is_refused_where_zxbcdt_passes_them(tmp_p
     sequence, on a backend without the limit, and in a model without Mamba layers."""
     import dataclasses
 
-    from kernels.registry import get_backend, zxbcdt_elements
+    from kernels.registry import INT32_OFFSET_LIMIT, get_backend, mixer_elements, zxbcdt_elements
     from nano_hybrid.config import compose
     from nano_hybrid.errors import ConfigError
     from nano_hybrid.model.config import mixer_dims
     from nano_hybrid.runconfig import _check_backend_limit
 
-    nano = dict(h=64, p=64, g=8, n=128)
-    assert zxbcdt_elements(b=1, l=262144, **nano) == 262144 * 10304 > 2**31 - 1
+    nano = dict(h=64, p=64, g=8, n=128, c=128)
+    assert INT32_OFFSET_LIMIT == 2**31 - 1
+    assert zxbcdt_elements(b=1, l=262144, h=64, p=64, g=8, n=128) == 262144 * 10304 > INT32_OFFSET_LIMIT
+    # the chunk states outgrow zxbcdt with a large state and a small chunk: (1, 8192 / 16, 64, 64, 256) > 1 x 8192 x
+    # (2*64*64 + 2*8*256 + 64)
+    assert mixer_elements(b=1, l=262144, **nano) == (262144 * 10304, "zxbcdt")
+    assert mixer_elements(b=1, l=8192, h=64, p=64, g=8, n=256, c=16) == (512 * 64 * 64 * 256, "the chunk states")
     torch_backend = get_backend("torch")
-    limited = dataclasses.replace(torch_backend, name="mamba_ssm", max_zxbcdt_elements=2**31 - 1)
+    limited = dataclasses.replace(torch_backend, name="mamba_ssm", max_mixer_elements=INT32_OFFSET_LIMIT)
+    assert "the chunk states at 1 x 65536" in limited.shape_refusal(b=1, l=65536, h=64, p=64, g=8, n=256, c=16)
     assert limited.shape_refusal(b=1, l=208_000, **nano) is None  # 2.14e9 elements
+    assert "zxbcdt at 1 x 262144" in limited.shape_refusal(b=1, l=262144, **nano)
     assert "2.7e+09 elements" in limited.shape_refusal(b=1, l=262144, **nano)
     assert limited.shape_refusal(b=2, l=131072, **nano) and torch_backend.shape_refusal(b=1, l=262144, **nano) is None
 

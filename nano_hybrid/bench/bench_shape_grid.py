@@ -222,7 +222,8 @@ def _errors_vs_fp32(rec: dict, backends: dict, ops: dict, shape: MixerShape, p: 
         if not _is_oom(e):
             raise
         detail = _oom_detail(e)
-        skipped = "fp32 reference out of GPU memory" + (f" ({detail})" if detail else "")
+        # the fp32 reference's tensors, or the bf16 outputs compared with them
+        skipped = "out of GPU memory in the error check" + (f" ({detail})" if detail else "")
     if skipped is not None:
         # the exception (and with it the frames that held the fp32 tensors) is gone here: free their memory
         q = ref = None  # noqa: F841 - drops any reference left in this frame
@@ -873,7 +874,7 @@ def markdown(res: dict) -> str:
                      _ratio_text(c) if c else "-",
                      f"{r['speedup_device']:.2f}" if r.get("speedup_device") else "-",
                      f"{max(e[B].values()):.2e} / {max(e[A].values()):.2e}" if e else
-                     "not measured (fp32 out of memory)", f"{r.get('first_call_s_' + B)}"])
+                     "not measured (out of memory)", f"{r.get('first_call_s_' + B)}"])
     s = res["summary"]
     control = s.get("control_per_call_range")
     alone = s.get("candidate_only")
@@ -900,6 +901,8 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     if args.warm_only:
         return warm_main(args, backends)
+    if args.continuation:  # a process that continues a grid ends with the one that started it
+        _end_with_parent()
     # named before measuring: the GPU's name may not be asked after a shape has lost this process's CUDA context
     out = Path(args.out) if args.out else reporting.default_out_dir()
     res = run(args, backends)
