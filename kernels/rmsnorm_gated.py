@@ -411,7 +411,6 @@ def _rmsnorm_case(kind: str):
         if d > 1024:
             # wide groups (Mamba2's single group of 5120): a program holds block x next_pow2(d) fp32 values per
             # tensor; one or two rows over 8-16 warps keep them in registers, where 4 rows over 2-4 warps spill
-            # (at d = 5120 a search that began with those seeds ran past its time limit without a winner)
             bases = [dict(block_sizes=[1], num_warps=w, rows_per_program=r, range_num_stages=[0, 2])
                      for w in (8, 16) for r in (64, 128)] + [
                      dict(block_sizes=[2], num_warps=8, rows_per_program=128, range_num_stages=[0, 2])] + bases

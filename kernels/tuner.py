@@ -63,7 +63,7 @@ def search_bytes(model_dims: dict[str, int]) -> int:
     padded length and the per-chunk states (the case's arguments, the candidate's and the reference's outputs, and
     the search's copies of strided arguments). ``SEARCH_PEAKS_SM90`` holds the peaks measured on an H100; the
     largest is 0.90 of this estimate. Searches running at once keep their sum within the GPU's memory
-    (``nano_hybrid.kernel_search.run_children``): on an 80 GiB GPU dozens at the Nano shape, 1 at 1 x 262144."""
+    (``nano_hybrid.kernel_search.run_children``): on an 80 GiB GPU about 20 at the Nano shape, 1 at 1 x 262144."""
     d = model_dims
     c = d.get("c", 128)
     nc = -(-d["l"] // c)

@@ -49,7 +49,7 @@
 #                a later call with the same measuring arguments, kernels and configs on the same $OUT keeps the shapes
 #                already measured). On a fresh machine most of a shape's time is compiling: a first call with
 #                "--warm-jobs 6" compiles the shapes in child processes (on one H100, 6 at a time, each about 2x
-#                slower than alone: give it a call of its own), then "--warm-jobs 0" calls measure at about 20 s a shape
+#                slower than alone: give it a call of its own), then "--warm-jobs 0" calls measure at 20-70 s a shape
 #   tune         the grid's shapes (packed documents too) tuned for this GPU into $OUT/helion_configs
 #                (scripts/tune_kernels.py --shapes grid --missing, TUNE_JOBS searches at once, default 12, for
 #                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. The grid after

@@ -952,9 +952,9 @@ def test_run_children_keep_their_searches_within_the_gpu_memory(tmp_path):
 
 
 def test_search_bytes_stays_above_the_measured_search_peaks():
-    """The estimate that admits searches side by side is above every single search's peak measured on an H100 (at
-    1 x 262144 two searches of 41 GiB ran out of memory under the earlier, lower estimate), and one search at
-    1 x 262144 is admitted alone within 85% of an 80 GiB GPU."""
+    """The estimate that admits searches side by side is above every single search's peak measured on an H100 (two
+    searches admitted on a lower estimate run out of memory together), and one search at 1 x 262144 is admitted
+    alone within 85% of an 80 GiB GPU."""
     from kernels.tuner import SEARCH_PEAKS_SM90, search_bytes
     from nano_hybrid import kernel_search as ks
 

@@ -108,8 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CUDA: before measuring, compile the shapes that will run in this many child processes at a "
                         "time (filling the on-disk Triton caches; no autotuning there); 0: none")
     p.add_argument("--warm-timeout", type=float, default=420.0,
-                   help="seconds a --warm-jobs child may run before its process group is killed (default 420; on "
-                        "one H100 a cold shape took about 190 s alone, more than 240 s six at a time)")
+                   help="seconds a --warm-jobs child may run before its process group is killed (default 420: a cold "
+                        "shape's first calls and fp32 reference, several children at a time)")
     p.add_argument("--warm-only", action="store_true",
                    help="a --warm-jobs child: at each shape run each backend's first call and the fp32 reference's, "
                         "with autotune off, measure nothing and write nothing")
