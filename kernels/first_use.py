@@ -329,7 +329,7 @@ def search_in_child(c: tuning.Choice, kernel, args: Sequence[object], *, start: 
                 rc = None
             finally:
                 if proc.poll() is None:  # overran, or this process is interrupted while it waits
-                    _kill_group(proc)
+                    kill_process_group(proc)
     finally:
         payload.unlink(missing_ok=True)
     seconds = time.monotonic() - t0
@@ -347,9 +347,9 @@ def search_in_child(c: tuning.Choice, kernel, args: Sequence[object], *, start: 
     return _one_line(f"{what} (log: {log})", 700)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the running child's process group (its own session: the child and the compilers it started), then
-    reap the child."""
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the running child's process group (its own session, ``start_new_session``: the child and the
+    compilers it started), then reap the child."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

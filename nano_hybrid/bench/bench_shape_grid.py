@@ -74,6 +74,7 @@ import time
 import traceback
 from pathlib import Path
 
+from kernels.first_use import kill_process_group
 from kernels.settings import STATE_PASSING_NOTICE
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, grid_model_dims, make_params,
@@ -710,15 +711,6 @@ def continue_shapes(args, names: list[str], k: int, out: Path) -> tuple[dict, di
     return shapes, {"k": k, "out": str(child_out), "shapes": list(names), "rc": rc, "stderr_last": last}
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill warm child ``proc`` and its process group (it leads one: ``start_new_session``), and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.wait()
-
-
 def _last_line(path: Path) -> str:
     try:
         lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -759,14 +751,14 @@ def _warm_children(args, names: list[str], jobs: int, log_dir: Path, env: dict, 
             for name, (proc, t0) in list(running.items()):
                 rc, took = proc.poll(), time.perf_counter() - t0
                 if rc is None and took > args.warm_timeout:
-                    _kill_group(proc)
+                    kill_process_group(proc)
                     rc = "timeout"
                 if rc is not None:
                     del running[name]
                     finish(name, rc, took)
     finally:  # an interrupted parent leaves no child behind
         for proc, _ in running.values():
-            _kill_group(proc)
+            kill_process_group(proc)
     return done
 
 
