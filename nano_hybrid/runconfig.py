@@ -305,15 +305,20 @@ def _check_writable_dir(path: Path, key: str, why: str) -> None:
             from None
 
 
-def _check_mixer_shape(cfg: DictConfig, dtype: torch.dtype) -> None:
-    """helion backend: the Mamba mixer dims one rank calls (``mixer_dims``) in the run's dtype lie inside the
-    kernels' shape space (``kernels/shapes.py``); anything else is one ConfigError naming the dim before any work."""
-    from kernels.shapes import UnsupportedShapeError, check_supported
+def _mixer_dims_of_run(cfg: DictConfig) -> dict | None:
+    """The Mamba mixer's kernel dims one rank calls (``mixer_dims``), or None for a model without Mamba layers."""
     from nano_hybrid.model.config import mixer_dims, model_dict
 
     if "M" not in str(model_dict(cfg.model)["hybrid_override_pattern"]):
-        return
-    d = mixer_dims(cfg)
+        return None
+    return mixer_dims(cfg)
+
+
+def _check_mixer_shape(d: dict, dtype: torch.dtype) -> None:
+    """helion backend: the Mamba mixer dims one rank calls (``mixer_dims``) in the run's dtype lie inside the
+    kernels' shape space (``kernels/shapes.py``); anything else is one ConfigError naming the dim before any work."""
+    from kernels.shapes import UnsupportedShapeError, check_supported
+
     try:
         check_supported(nheads=d["h"], headdim=d["p"], ngroups=d["g"], dstate=d["n"], chunk_size=d["c"],
                         dtype=dtype, conv_width=d["w"], batch=d["b"], seqlen=d["l"],
@@ -324,14 +329,10 @@ def _check_mixer_shape(cfg: DictConfig, dtype: torch.dtype) -> None:
                           ) from None
 
 
-def _check_backend_limit(cfg: DictConfig, backend) -> None:
-    """The kernel backend can index the Mamba mixer's tensors at the dims one rank calls
+def _check_backend_limit(d: dict, backend) -> None:
+    """The kernel backend can index the Mamba mixer's tensors at the dims one rank calls, ``d``
     (``KernelBackend.shape_refusal``: mamba_ssm's 32-bit offsets); else one ConfigError before any work."""
-    from nano_hybrid.model.config import mixer_dims, model_dict
-
-    if "M" not in str(model_dict(cfg.model)["hybrid_override_pattern"]):
-        return
-    why = backend.shape_refusal(**mixer_dims(cfg))
+    why = backend.shape_refusal(**d)
     if why:
         raise ConfigError(f"{why}; use kernels.backend=helion, or a smaller train.micro_batch_size / seq_length "
                           "(or more parallel.context_parallel_size)")
@@ -384,9 +385,11 @@ def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
     eval_interval, eval_iters = _check_eval(cfg)
     spec = _check_data(cfg, tok_spec, eval_interval)
     backend = _check_run_io(cfg)
-    if backend.settings is not None:  # helion
-        _check_mixer_shape(cfg, dtype)
-    _check_backend_limit(cfg, backend)
+    mixer = _mixer_dims_of_run(cfg)
+    if mixer is not None:
+        if backend.settings is not None:  # helion
+            _check_mixer_shape(mixer, dtype)
+        _check_backend_limit(mixer, backend)
     return RunPlan(
         run=RunConfig.from_cfg(cfg),
         dims=dims,

@@ -272,7 +272,7 @@ def test_a_backend_with_32_bit_offsets_is_refused_where_zxbcdt_passes_them(tmp_p
     from nano_hybrid.config import compose
     from nano_hybrid.errors import ConfigError
     from nano_hybrid.model.config import mixer_dims
-    from nano_hybrid.runconfig import _check_backend_limit
+    from nano_hybrid.runconfig import _check_backend_limit, _mixer_dims_of_run
 
     nano = dict(h=64, p=64, g=8, n=128, c=128)
     assert INT32_OFFSET_LIMIT == 2**31 - 1
@@ -296,14 +296,15 @@ def test_a_backend_with_32_bit_offsets_is_refused_where_zxbcdt_passes_them(tmp_p
     long = cfg(262144)
     assert mixer_dims(long)["l"] == 262144
     with pytest.raises(ConfigError, match="'mamba_ssm' indexes with 32-bit offsets.*kernels.backend=helion"):
-        _check_backend_limit(long, limited)
-    _check_backend_limit(cfg(8192), limited)
-    _check_backend_limit(long, torch_backend)
+        _check_backend_limit(mixer_dims(long), limited)
+    _check_backend_limit(mixer_dims(cfg(8192)), limited)
+    _check_backend_limit(mixer_dims(long), torch_backend)
+    assert _mixer_dims_of_run(compose(["data=mock", *TINY, "model.hybrid_override_pattern=*E"])) is None
     # context parallelism: each rank's mixer sees the whole sequence with its share of the heads (megatron's
     # MambaContextParallel), 262144 x (2*32*64 + 2*4*128 + 32) = 1.35e9 elements at CP 2
     cp2 = cfg(262144, "parallel.context_parallel_size=2")
     assert {k: mixer_dims(cp2)[k] for k in "blhg"} == dict(b=1, l=262144, h=32, g=4)
-    _check_backend_limit(cp2, limited)
+    _check_backend_limit(mixer_dims(cp2), limited)
     # groups per TP rank fewer than CP: one group per rank, replicated (TP 8 leaves 1 group; CP 2 halves the heads)
     tp8cp2 = cfg(8192, "parallel.tensor_model_parallel_size=8", "parallel.context_parallel_size=2")
     assert {k: mixer_dims(tp8cp2)[k] for k in "lhg"} == dict(l=8192, h=4, g=1)
