@@ -1678,6 +1678,9 @@ def test_shape_grid_continuing_process_measures_as_its_parent(monkeypatch, tmp_p
                 "run_name='__main__', alter_sys=True)", *cmd[4:]]
 
     monkeypatch.setattr(bsg, "continue_command", with_shim)
+    # the child finds tests/conftest.py on its PYTHONPATH (_child_env keeps what the variable already holds)
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH", "")])))
     cpu = bsg.parse_args(_grid_args(tmp_path))
     rc, _ = bsg._continue_in_child(cpu, ["tiny"], 1, tmp_path / "continued_1")
     assert rc == 0
