@@ -375,7 +375,7 @@ def child_main(payload_path: str) -> int:
     ``record`` the winner in the user cache. Exits (1) with its error in the result file when it fails, and on its
     own when its parent is gone."""
     p = torch.load(payload_path, weights_only=False)
-    _exit_with_parent(p["parent_pid"])
+    exit_with_parent(p["parent_pid"])
     try:
         device = torch.device(p["device"])
         if device.type == "cuda":
@@ -401,14 +401,18 @@ def child_main(payload_path: str) -> int:
         return 1
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """End this process when its parent is gone (a training process killed while its search runs)."""
+def exit_with_parent(parent_pid: int, code: int = 3, say: str = "", poll_s: float = 1.0) -> None:
+    """End this process (exit ``code``, after the line ``say`` on stderr if given) as soon as its parent is no longer
+    ``parent_pid`` (a training process killed while its search runs; a benchmark's child whose parent is gone): a
+    daemon thread watches."""
     def watch():
         while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(3)
+            time.sleep(poll_s)
+        if say:
+            print(say, file=sys.stderr, flush=True)
+        os._exit(code)
 
-    threading.Thread(target=watch, name="first-use-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 # ----------------------------------------------------------------------------------------------

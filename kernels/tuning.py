@@ -548,6 +548,11 @@ def fit_config(bound, cfg: helion.Config | Mapping[str, Any],
 _LAUNCH_MISFIT_TYPES = ("OutOfResources", "PTXASError", "CompilationError", "InvalidConfig")
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocator's out-of-memory error (``torch.OutOfMemoryError``, or a message saying so)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
 def launch_misfit(err: BaseException) -> str | None:
     """Why ``err``, raised by a kernel's compile or first launch with a config, means that the config does not fit
     this GPU (a shared-memory or register budget, a grid limit, a Triton compile failure at this config), or None for
@@ -557,7 +562,7 @@ def launch_misfit(err: BaseException) -> str | None:
     from helion.autotuner.logger import classify_triton_exception, match_unrecoverable_runtime_error
 
     text = f"{type(err).__name__}: {err}"
-    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in text.lower():
+    if is_out_of_memory(err):
         return None
     if match_unrecoverable_runtime_error(err):
         return None

@@ -74,7 +74,8 @@ import time
 import traceback
 from pathlib import Path
 
-from kernels.first_use import kill_process_group
+from kernels.first_use import exit_with_parent, kill_process_group
+from kernels.tuning import is_out_of_memory
 from kernels.settings import STATE_PASSING_NOTICE
 from nano_hybrid.bench import environment, profiling, reporting, stats
 from nano_hybrid.bench.mixer import (GRID, MixerShape, add_zxbcdt_layout_arg, grad_of, grid_model_dims, make_params,
@@ -186,14 +187,6 @@ def _fp32_params(p: dict) -> dict:
     return q
 
 
-def _is_oom(e: BaseException) -> bool:
-    """Whether ``e`` is an allocator's out-of-memory error (``torch.cuda.OutOfMemoryError`` where this torch has it)."""
-    import torch
-
-    oom = getattr(torch.cuda, "OutOfMemoryError", None)
-    return (oom is not None and isinstance(e, oom)) or "out of memory" in str(e).lower()
-
-
 def _oom_detail(e: BaseException) -> str:
     """What a CUDA out-of-memory message says about the allocation: "needs 2.00 GiB more, 1.50 GiB free" (the parts
     it names; "" when it names neither)."""
@@ -220,7 +213,7 @@ def _errors_vs_fp32(rec: dict, backends: dict, ops: dict, shape: MixerShape, p: 
         rec["err_ratio_max"] = max(errs[B][k] / max(errs[A][k], 1e-6) for k in ref)
         del ref
     except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
-        if not _is_oom(e):
+        if not is_out_of_memory(e):
             raise
         detail = _oom_detail(e)
         # the fp32 reference's tensors, or the bf16 outputs compared with them
@@ -363,8 +356,6 @@ def _cuda_context_lost(device) -> bool:
 
 def _write_partial(out: Path, res: dict) -> None:
     """``res`` as ``<out>/shape_grid.partial.json``: what has run so far survives a time limit."""
-    import json
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "shape_grid.partial.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
 
@@ -541,8 +532,6 @@ def _earlier_shapes(args, res: dict) -> dict:
     the same as this one (``_resume_differences``: ``MEASURE_ARGS``, backend settings, ``kernels_digest``, GPU and
     library versions; the git commit may differ), each marked ``earlier_call``; else none, with one line saying
     why."""
-    import json
-
     path = Path(args.out or reporting.default_out_dir()) / "shape_grid.partial.json"
     if not path.is_file():
         print(f"--resume: no {path}; every shape runs", flush=True)
@@ -565,7 +554,7 @@ def _earlier_shapes(args, res: dict) -> dict:
 # and its fp32 reference's, take a large share of the GPU's memory
 WARM_ALONE_TOKENS = 65536
 WARM_POLL_S = 0.2  # seconds between looks at the running warm children
-_WARM_MODULE = "nano_hybrid.bench.bench_shape_grid"
+_THIS_MODULE = "nano_hybrid.bench.bench_shape_grid"
 WARM_PARENT_ENV = "NANO_BENCH_WARM_PARENT"  # the pid of the process that started a warm child
 
 
@@ -596,7 +585,7 @@ def _backend_args(args) -> list[str]:
 def warm_command(args, name: str) -> list[str]:
     """The command of the child that warms shape ``name``: this module with ``--warm-only`` at that shape and the
     arguments that choose what it compiles (``_backend_args``)."""
-    return [sys.executable, "-P", "-m", _WARM_MODULE, "--shapes", name, "--warm-only", *_backend_args(args)]
+    return [sys.executable, "-P", "-m", _THIS_MODULE, "--shapes", name, "--warm-only", *_backend_args(args)]
 
 
 def continue_command(args, names: list[str], out: Path | str, k: int) -> list[str]:
@@ -604,7 +593,7 @@ def continue_command(args, names: list[str], out: Path | str, k: int) -> list[st
     lost): this module at those shapes with this call's measuring arguments (``MEASURE_ARGS``: ``_backend_args``,
     rounds, calls per round, profiled calls), ``--out out`` and its number ``k`` in the chain of continuing
     processes; no ``--resume`` and no warming."""
-    return [sys.executable, "-P", "-m", _WARM_MODULE, "--shapes", ",".join(names), *_backend_args(args),
+    return [sys.executable, "-P", "-m", _THIS_MODULE, "--shapes", ",".join(names), *_backend_args(args),
             "--rounds", str(args.rounds), "--iters", str(args.iters), "--profile-iters", str(args.profile_iters),
             "--out", str(out), "--continuation", str(k)]
 
@@ -678,8 +667,6 @@ def _continue_in_child(args, names: list[str], k: int, out: Path) -> tuple[int |
 def _child_records(out: Path) -> dict:
     """The shape records a continuing process left in ``out``: its shape_grid.json, else its
     shape_grid.partial.json (the shapes it recorded before it stopped); {} when it left neither readable."""
-    import json
-
     for name in ("shape_grid.json", "shape_grid.partial.json"):
         try:
             shapes = json.loads((out / name).read_text()).get("shapes")
@@ -792,17 +779,8 @@ def _end_with_parent(poll_s: float = 1.0) -> None:
     measuring process was killed outright stops compiling: a daemon thread compares the parent's pid with
     ``WARM_PARENT_ENV`` (where set; it also covers a parent gone before this process got here), else with the
     parent's pid now."""
-    import threading
-
-    parent = int(os.environ.get(WARM_PARENT_ENV) or os.getppid())
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        print("warm: the process that started this one is gone; stopping", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="warm-parent-watch", daemon=True).start()
+    exit_with_parent(int(os.environ.get(WARM_PARENT_ENV) or os.getppid()), code=1,
+                     say="warm: the process that started this one is gone; stopping", poll_s=poll_s)
 
 
 def warm_main(args, backends: dict) -> int:
