@@ -40,6 +40,7 @@ every run. A later success clears the record.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -57,7 +58,7 @@ import torch
 
 import helion
 
-from kernels import tuner, tuning
+from kernels import compile_cache, debug, tuner, tuning
 
 # seconds the parent waits beyond ``autotune_budget_s`` before it kills the child: the child's start (interpreter,
 # torch, helion, the kernel modules, CUDA context), loading the arguments, the reference config's compile, and the
@@ -124,7 +125,9 @@ def tuned_call(
 
     After the first call with a given argument signature (dtypes, shapes, strides, devices, scalar
     values) the compiled kernel is looked up by that signature alone: the host cost per call is one
-    signature tuple and one dict lookup on top of the launcher."""
+    signature tuple and one dict lookup on top of the launcher. The first call itself loads the config and the
+    generated module from the compile cache (``kernels.compile_cache``; ``kernels.helion.compile_cache``) when an
+    earlier process stored them, and stores them otherwise."""
     rt = tuning.runtime()
     fkey = (kernel_name, id(kernel), tuning._arg_signature(args))
     fn = rt.fast.get(fkey)
@@ -134,19 +137,90 @@ def tuned_call(
         cfg = tuning.as_config(default if adjust is None else adjust(dict(tuning.as_config(default).config)))
         return tuning.run_interpret(kernel, args, cfg)
     kernel = tuning.with_index_dtype_for(kernel, args)  # 64-bit indices where an argument reaches past int32 offsets
-    bound = kernel.bind(tuple(args))
-    cfg, how = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, seeds=seeds, atol=atol,
-                             rtol=rtol, finalize=finalize, prepare=prepare, bound=bound)
+    search = dict(seeds=seeds, atol=atol, rtol=rtol, finalize=finalize, prepare=prepare)
+    p = prepare_call(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, **search)
+    if p.entry is not None:
+        try:
+            out = p.fn(*args)
+        except Exception as e:  # noqa: BLE001 - a config this GPU refuses now is chosen again below
+            if tuning.launch_misfit(e) is None:
+                raise
+            p = prepare_call(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, use_cache=False,
+                             **search)
+        else:
+            p.done()
+            rt.fast[fkey] = p.fn
+            return out
     try:
-        fn = tuning.compiled(kernel, args, cfg, rt=rt, bound=bound)
+        fn = p.compile(kernel, args)
         out = fn(*args)
     except Exception as e:  # noqa: BLE001 - launch_misfit decides; anything else propagates
         why = tuning.launch_misfit(e)
         if why is None:
             raise
-        fn, out = _launch_next_candidate(kernel_name, kernel, args, dims, default, rt, adjust, bound, cfg, how, why)
+        fn, out = _launch_next_candidate(kernel_name, kernel, args, dims, default, rt, adjust, p.bound, p.config,
+                                         p.how, why)
+    else:
+        p.done()
     rt.fast[fkey] = fn
     return out
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A kernel call made ready to launch (``prepare_call``): its config and where it came from, and its compiled
+    callable; from the compile cache (``entry``, compiled, no ``bound``) or chosen now (``bound``, the notices the
+    choice gave, and the compile-cache file to store it in, if any; compiled by ``compile``)."""
+
+    fn: Callable | None
+    config: helion.Config
+    how: str
+    bound: Any = None
+    entry: compile_cache.Entry | None = None
+    entry_path: Path | None = None
+    notices: Sequence[tuple[str, str, str]] = ()
+    rt: tuning.Runtime | None = None
+
+    def compile(self, kernel, args: Sequence[object]) -> Callable:
+        """The compiled callable (``tuning.compiled`` for a choice made now; a compile failure raises here)."""
+        if self.fn is None:
+            self.fn = tuning.compiled(kernel, args, self.config, rt=self.rt, bound=self.bound)
+        return self.fn
+
+    def done(self) -> None:
+        """After the call's first launch ran: say a cached choice's notices again, or store a choice made now in the
+        compile cache (where ``compile_cache.storable``)."""
+        if self.entry is not None:
+            compile_cache.replay(self.entry)
+        elif self.entry_path is not None and compile_cache.storable(self.how, self.rt):
+            compile_cache.store(self.entry_path, self.fn, self.config, self.how, self.notices)
+
+
+def prepare_call(kernel_name: str, kernel, args: Sequence[object], dims: Mapping[str, Any], default, *,
+                 rt: tuning.Runtime, adjust: Callable[[dict], dict] | None = None, use_cache: bool = True,
+                 **search: Any) -> Prepared:
+    """What the first call of ``kernel`` with these arguments does before it launches: load the compile cache's entry
+    (``use_cache`` and ``kernels.helion.compile_cache``), else bind the kernel and choose its config
+    (``select_config`` with ``search``'s first-use search keywords; ``Prepared.compile`` compiles it)."""
+    entry_path = _compile_cache_path(kernel_name, kernel, args, dims, default, rt)
+    if use_cache and entry_path is not None and (entry := compile_cache.load(entry_path)) is not None:
+        return Prepared(compile_cache.compiled_from(entry, args, rt), tuning.as_config(entry.config), entry.how,
+                        entry=entry, entry_path=entry_path, rt=rt)
+    bound = kernel.bind(tuple(args))
+    with tuning.recording_notices() as notices:
+        cfg, how = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, bound=bound, **search)
+    return Prepared(None, cfg, how, bound=bound, entry_path=entry_path, notices=notices, rt=rt)
+
+
+def _compile_cache_path(kernel_name: str, kernel, args: Sequence[object], dims: Mapping[str, Any], default,
+                        rt: tuning.Runtime) -> Path | None:
+    """Where this call's compile-cache entry is (``kernels.compile_cache``); None with ``compile_cache`` off, under
+    ``NANO_HELION_DUMP_DIR`` (every compilation is dumped) and on arch ``cpu`` (no stored configs apply)."""
+    arch = tuning.current_arch()
+    if not rt.settings.compile_cache or debug.dump_dir() is not None or arch == "cpu":
+        return None
+    key = compile_cache.entry_key(kernel_name, kernel, args, dims, default, rt, arch)
+    return compile_cache.entry_path(rt, arch, kernel_name, key)
 
 
 _HOW_WORDS = {"exact": "committed", "cache": "user-cache", "tuned": "first-use tuned", "nearest": "nearest-shape",

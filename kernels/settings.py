@@ -54,6 +54,12 @@ autotune_jobs       8          with autotune, a training run tunes before its fi
                                exact config at the run's mixer shape, this many searches at a time (their
                                compiles overlap, their timings take turns on the GPU;
                                ``nano_hybrid.bench.tune_kernels.pretune``); 1: one after the other
+compile_cache       true       a kernel's first call with an argument signature keeps its chosen config and Helion's
+                               generated Triton module in the per-user cache (``<cache_dir>/compiled/``), so later
+                               processes load them without binding the kernel, choosing again or generating code
+                               (``kernels.compile_cache``: keyed by the kernel sources, the call's arguments, the
+                               config files, the GPU and the versions); false binds, chooses and generates in every
+                               process
 cache_dir           ""         the per-user config cache (``<cache_dir>/<arch>/<kernel>.json``); "" is
                                ``~/.cache/nano_hybrid/helion`` (``$XDG_CACHE_HOME/nano_hybrid/helion``)
 ==================  =========  ===============================================================================
@@ -87,6 +93,7 @@ class HelionSettings:
     autotune: bool = False
     autotune_budget_s: float = 120  # seconds (a float after __post_init__)
     autotune_jobs: int = 8
+    compile_cache: bool = True
     cache_dir: str = ""
 
     def __post_init__(self) -> None:

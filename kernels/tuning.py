@@ -44,7 +44,8 @@ Calling a kernel with a chosen config
 -------------------------------------
 On GPU: ``kernel.bind(args).compile_config(config)`` gives a compiled callable, cached per (kernel, argument
 signature: dtype/shape/stride/device of tensors and values of scalars, config), so a training step pays one dict
-lookup per launch. Wrappers never call ``kernel(*args)`` on GPU, so Helion's own autotuner never runs. Under
+lookup per launch; ``kernels.compile_cache`` keeps the chosen config and the generated module for later processes.
+Wrappers never call ``kernel(*args)`` on GPU, so Helion's own autotuner never runs. Under
 ``HELION_INTERPRET=1`` (CPU) the kernel function runs in Helion's eager reference mode with the config visible to
 ``hl.register_tunable``.
 
@@ -369,8 +370,27 @@ def arch_has_configs(arch: str, root: Path | None = None) -> bool:
     return d.is_dir() and any(d.glob("*.json"))
 
 
+# the notices of a config choice being made (``recording_notices``): (kernel name, what, message)
+_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("nano_hybrid_helion_notices", default=None)
+
+
+@contextlib.contextmanager
+def recording_notices() -> Iterator[list[tuple[str, str, str]]]:
+    """Collect every ``warn_once`` call made inside, said or already said (the compile cache keeps a choice's
+    notices with it and says them again when a later process loads the choice)."""
+    got: list[tuple[str, str, str]] = []
+    token = _RECORDING.set(got)
+    try:
+        yield got
+    finally:
+        _RECORDING.reset(token)
+
+
 def warn_once(kernel_name: str, what: str, msg: str) -> None:
     """One warning per (kernel, what) and process."""
+    rec = _RECORDING.get()
+    if rec is not None:
+        rec.append((kernel_name, what, msg))
     if (kernel_name, what) in _WARNED:
         return
     _WARNED.add((kernel_name, what))
@@ -872,13 +892,19 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
     if fn is None:
         bound = bound if bound is not None else kernel.bind(tuple(args))
         cfg = fit_block_sizes(bound, fit_lists(bound, cfg))
-        fn = bound.compile_config(cfg, allow_print=False)
-        if rt.settings.fast_launch and launches_on_cuda(args):
-            fn = functools.partial(fn, _launcher=FastLauncher())
+        fn = with_launcher(bound.compile_config(cfg, allow_print=False), args, rt)
         rt.compiled[key] = fn
         dump = debug.dump_dir()
         if dump is not None:
             _dump_code(dump, kernel, bound, cfg, args)
+    return fn
+
+
+def with_launcher(fn: Callable, args: Sequence[object], rt: Runtime) -> Callable:
+    """A compiled kernel's callable with the runtime's launcher: a ``FastLauncher`` of its own with
+    ``fast_launch`` on CUDA arguments, else Helion's."""
+    if rt.settings.fast_launch and launches_on_cuda(args):
+        return functools.partial(fn, _launcher=FastLauncher())
     return fn
 
 

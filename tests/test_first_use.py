@@ -193,11 +193,13 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_layering_store_below_search_below_first_use():
-    """kernels.tuning imports neither the search nor first_use, kernels.tuner not first_use (anywhere in the file,
-    function-level imports too); nothing in kernels/ imports nano_hybrid or megatron."""
+    """kernels.tuning imports neither the search, the compile cache nor first_use, kernels.tuner and
+    kernels.compile_cache not first_use (anywhere in the file, function-level imports too); nothing in kernels/
+    imports nano_hybrid or megatron."""
     root = TESTS.parent / "kernels"
-    assert not {"kernels.tuner", "kernels.first_use"} & _imports(root / "tuning.py")
+    assert not {"kernels.tuner", "kernels.first_use", "kernels.compile_cache"} & _imports(root / "tuning.py")
     assert "kernels.first_use" not in _imports(root / "tuner.py")
+    assert not {"kernels.first_use", "kernels.tuner"} & _imports(root / "compile_cache.py")
     for f in root.glob("*.py"):
         assert not [n for n in _imports(f) if n.split(".")[0] in ("nano_hybrid", "megatron")], f
 

@@ -1,0 +1,170 @@
+"""kernels.compile_cache through kernels.first_use.tuned_call: a later process loads a call's chosen config and
+Helion's generated module without binding the kernel, says the choice's notices again, and never loads an entry that
+is corrupt or was made from other inputs.
+
+The calls are rmsnorm_fwd's with the kernel in compiled mode, bound on CPU tensors, the arch forced to sm90 (so the
+committed sm90 configs are chosen from) and a launcher that records each launch instead of running it (a CPU tensor
+cannot be launched). A fresh process is modelled by ``tuning.clear_caches()``: it forgets the loaded files, the
+compiled kernels, the launch caches and the warnings said."""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+
+import helion
+from kernels import compile_cache, first_use, tuning
+from kernels import rmsnorm_gated as R
+from kernels.settings import HelionSettings
+
+M, G, D = 64, 2, 16  # no committed sm90 entry: the nearest tuned shape's config runs, with its notice
+DIMS = R._norm_dims(M, G, D, False, False, torch.bfloat16)
+
+
+@pytest.fixture()
+def launches(monkeypatch, tmp_path):
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    monkeypatch.delenv("NANO_HELION_DUMP_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(tuning, "current_arch", lambda: "sm90")
+    got = []
+
+    def record(triton_kernel, grid, *args, num_warps, num_stages, **kw):
+        got.append((triton_kernel.fn.__name__, tuple(grid), num_warps, num_stages,
+                    tuple(a if not isinstance(a, torch.Tensor) else tuple(a.shape) for a in args)))
+
+    monkeypatch.setattr(tuning, "with_launcher", lambda fn, args, rt: functools.partial(fn, _launcher=record))
+    tuning.clear_caches()
+    yield got
+    tuning.clear_caches()
+
+
+def _kernel():
+    return helion.kernel(R.rmsnorm_gated_fwd_kernel.fn, static_shapes=True,
+                         ignore_warnings=list(R.rmsnorm_gated_fwd_kernel.settings.ignore_warnings))
+
+
+def _args(m=M):
+    x = torch.randn(m, G, D, dtype=torch.bfloat16)
+    return (x, torch.ones(G, D, dtype=torch.bfloat16), x, 1e-5, False, False)
+
+
+def _call(kernel, settings=None, m=M):
+    """tuned_call as a fresh process makes it; the messages of its warnings."""
+    tuning.clear_caches()
+    with warnings.catch_warnings(record=True) as w, tuning.use(settings or HelionSettings()):
+        warnings.simplefilter("always")
+        first_use.tuned_call("rmsnorm_fwd", kernel, _args(m), R._norm_dims(m, G, D, False, False, torch.bfloat16),
+                             R.RMSNORM_FWD_DEFAULT)
+    return [str(x.message) for x in w]
+
+
+def _entries(tmp_path):
+    return sorted((tmp_path / "xdg" / "nano_hybrid" / "helion" / "compiled" / "sm90" / "rmsnorm_fwd").glob("*.json"))
+
+
+def test_a_later_process_loads_the_choice_and_the_code_without_binding(launches, tmp_path, monkeypatch):
+    kernel = _kernel()
+    first = _call(kernel)
+    entry, = _entries(tmp_path)
+    data = json.loads(entry.read_text())
+    assert data["how"] == "nearest" and data["fn_name"] == "rmsnorm_gated_fwd_kernel"
+    # the stored source is what Helion generates for the chosen config at this binding
+    bound = kernel.bind(_args())
+    cfg = tuning.fit_config(bound, data["config"])
+    assert data["source"] == bound.to_triton_code(bound.config_spec.normalized_config(cfg))
+    nearest = [m for m in first if "no tuned sm90 config for rmsnorm_fwd" in m]
+    assert len(nearest) == 1 and "using the nearest tuned shape" in nearest[0]
+
+    launched_first = list(launches)
+    launches.clear()
+    with monkeypatch.context() as mp:
+        mp.setattr(kernel, "bind", lambda *a, **k: pytest.fail("the kernel was bound"))
+        again = _call(kernel)
+    assert launches == launched_first  # same Triton kernel, grid, warps, stages and arguments
+    assert [m for m in again if "nano_hybrid kernels" in m] == [m for m in first if "nano_hybrid kernels" in m]
+    assert _entries(tmp_path) == [entry]
+
+
+def test_other_inputs_make_another_key(launches, tmp_path, monkeypatch):
+    kernel = _kernel()
+    _call(kernel)
+    assert len(_entries(tmp_path)) == 1
+    _call(kernel, m=2 * M)  # another shape
+    assert len(_entries(tmp_path)) == 2
+    # a user-cache entry for the shape: the choice is made again (binding) and is now the cache's config
+    tuning.record("rmsnorm_fwd", DIMS, {"block_sizes": [8], "num_warps": 1}, 0.01, arch="sm90",
+                  root=tuning.user_cache_root())
+    _call(kernel)
+    entries = _entries(tmp_path)
+    assert len(entries) == 3
+    hows = sorted(json.loads(p.read_text())["how"] for p in entries)
+    assert hows == ["cache", "nearest", "nearest"]
+
+    rt = tuning.runtime_for(HelionSettings())
+    args = _args()
+    key = compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm90")
+    assert key == compile_cache.entry_key("rmsnorm_fwd", kernel, _args(), DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm90")
+    strided = (args[0].transpose(0, 1).contiguous().transpose(0, 1),) + args[1:]
+    others = [
+        compile_cache.entry_key("rmsnorm_fwd", kernel, strided, DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm90"),
+        compile_cache.entry_key("rmsnorm_fwd", kernel, args[:3] + (1e-6,) + args[4:], DIMS, R.RMSNORM_FWD_DEFAULT,
+                                rt, "sm90"),
+        compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_BWD_DEFAULT, rt, "sm90"),
+        compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm100"),
+        compile_cache.entry_key("rmsnorm_fwd", tuning.with_index_dtype_for(kernel, args), args, DIMS,
+                                R.RMSNORM_FWD_DEFAULT, tuning.runtime_for(HelionSettings(autotune=True)), "sm90"),
+    ]
+    monkeypatch.setenv("HELION_FORCE_AUTOTUNE", "0")
+    others.append(compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm90"))
+    monkeypatch.delenv("HELION_FORCE_AUTOTUNE")
+    monkeypatch.setattr(compile_cache, "package_digest", lambda: "another kernels package")
+    others.append(compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm90"))
+    assert len({key, *others}) == len(others) + 1
+
+
+def test_with_autotune_only_exact_choices_are_stored(launches, tmp_path, monkeypatch):
+    # no search here: the first-use search would run in a child process; its outcome is not what is tested
+    monkeypatch.setattr(first_use, "tune_first_use", lambda *a, **k: None)
+    kernel = _kernel()
+    _call(kernel, HelionSettings(autotune=True))
+    assert _entries(tmp_path) == []  # the nearest config: a later run must search again
+    tuning.record("rmsnorm_fwd", DIMS, {"block_sizes": [8], "num_warps": 1}, 0.01, arch="sm90",
+                  root=tuning.user_cache_root())
+    _call(kernel, HelionSettings(autotune=True))
+    entry, = _entries(tmp_path)
+    assert json.loads(entry.read_text())["how"] == "cache"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "source"])
+def test_a_damaged_entry_is_not_loaded_and_is_rewritten(launches, tmp_path, damage):
+    kernel = _kernel()
+    _call(kernel)
+    entry, = _entries(tmp_path)
+    good = entry.read_text()
+    if damage == "truncated":
+        entry.write_text(good[: len(good) // 2])
+    else:
+        data = json.loads(good)
+        data["source"] = data["source"].replace("num_warps=", "num_warps=2 * ", 1)
+        entry.write_text(json.dumps(data))
+    launches.clear()
+    msgs = _call(kernel)
+    said = [m for m in msgs if "compile cache entry" in m]
+    assert len(said) == 1 and str(entry) in said[0] and "not loaded" in said[0] and "\n" not in said[0]
+    assert ("not an entry" in said[0]) if damage == "truncated" else ("does not match its sha256" in said[0])
+    assert len(launches) == 1
+    assert entry.read_text() == good
+
+
+def test_off_and_under_the_dump_dir_nothing_is_stored(launches, tmp_path, monkeypatch):
+    kernel = _kernel()
+    _call(kernel, HelionSettings(compile_cache=False))
+    assert _entries(tmp_path) == []
+    monkeypatch.setenv("NANO_HELION_DUMP_DIR", str(tmp_path / "dump"))
+    _call(kernel)
+    assert _entries(tmp_path) == [] and list((tmp_path / "dump").glob("rmsnorm_gated_fwd_kernel_*.py"))
