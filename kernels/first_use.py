@@ -198,25 +198,27 @@ class Prepared:
 
 def prepare_call(kernel_name: str, kernel, args: Sequence[object], dims: Mapping[str, Any], default, *,
                  rt: tuning.Runtime, adjust: Callable[[dict], dict] | None = None, use_cache: bool = True,
-                 **search: Any) -> Prepared:
+                 arch: str | None = None, **search: Any) -> Prepared:
     """What the first call of ``kernel`` with these arguments does before it launches: load the compile cache's entry
     (``use_cache`` and ``kernels.helion.compile_cache``), else bind the kernel and choose its config
-    (``select_config`` with ``search``'s first-use search keywords; ``Prepared.compile`` compiles it)."""
-    entry_path = _compile_cache_path(kernel_name, kernel, args, dims, default, rt)
+    (``select_config`` with ``search``'s first-use search keywords; ``Prepared.compile`` compiles it). ``arch``: whose
+    stored configs are chosen from (default: this GPU's)."""
+    arch = arch or tuning.current_arch()
+    entry_path = _compile_cache_path(kernel_name, kernel, args, dims, default, rt, arch)
     if use_cache and entry_path is not None and (entry := compile_cache.load(entry_path)) is not None:
         return Prepared(compile_cache.compiled_from(entry, args, rt), tuning.as_config(entry.config), entry.how,
                         entry=entry, entry_path=entry_path, rt=rt)
     bound = kernel.bind(tuple(args))
     with tuning.recording_notices() as notices:
-        cfg, how = select_config(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, bound=bound, **search)
+        cfg, how = select_config(kernel_name, kernel, args, dims, default, arch=arch, rt=rt, adjust=adjust, bound=bound,
+                                 **search)
     return Prepared(None, cfg, how, bound=bound, entry_path=entry_path, notices=notices, rt=rt)
 
 
 def _compile_cache_path(kernel_name: str, kernel, args: Sequence[object], dims: Mapping[str, Any], default,
-                        rt: tuning.Runtime) -> Path | None:
+                        rt: tuning.Runtime, arch: str) -> Path | None:
     """Where this call's compile-cache entry is (``kernels.compile_cache``); None with ``compile_cache`` off, under
     ``NANO_HELION_DUMP_DIR`` (every compilation is dumped) and on arch ``cpu`` (no stored configs apply)."""
-    arch = tuning.current_arch()
     if not rt.settings.compile_cache or debug.dump_dir() is not None or arch == "cpu":
         return None
     key = compile_cache.entry_key(kernel_name, kernel, args, dims, default, rt, arch)

@@ -18,7 +18,8 @@
 #                $HELION_NEXT_WHEEL (installed into ./site_helion_next, ahead of ./site on PYTHONPATH): results in
 #                $OUT/helion_next, to set beside the kernels stage's (one Helion version per process)
 #   host         host (CPU) cost per mixer op fwd+bwd of each backend: launch time, wall, device, launches and the top
-#                host functions (scripts/profile_host.py, shapes nano and tp2)
+#                host functions (scripts/profile_host.py, shapes nano and tp2); the helion kernels' first-call work
+#                without and with the compile cache (scripts/bench_compile_cache.py, shapes nano and nano_tp8)
 #   peer         the SSD forward against the fused peer kernel in $PEER_FILE at four shapes (bench_ssd_peer.py)
 #   ssd_peers    the SSD op fwd+bwd beside the open peers: the Helion project's Mamba-2 SSD example (folder
 #                $EXAMPLE_DIR) and flash-linear-attention's chunk_simple_gla (folder $FLA_DIR holding its fla package);
@@ -176,7 +177,8 @@ st_helion_next() {  # the mixer op A/B and the kernel GPU tests again with the H
 }
 st_host() {
     python3 scripts/profile_host.py --backends "$BACKENDS" --shape nano --out "$OUT" \
-        && python3 scripts/profile_host.py --backends "$BACKENDS" --shape tp2 --out "$OUT"
+        && python3 scripts/profile_host.py --backends "$BACKENDS" --shape tp2 --out "$OUT" \
+        && python3 scripts/bench_compile_cache.py --shapes nano,nano_tp8 --out "$OUT"
 }
 st_peer() {
     [ -n "${PEER_FILE:-}" ] || { echo "peer needs PEER_FILE (the fork's ssd_fused5.py)"; return 2; }

@@ -1432,7 +1432,12 @@ def test_shape_grid_kernels_digest_covers_kernel_sources_and_configs(tmp_path):
     assert bsg.kernels_digest(k, config_dirs=(str(cache),)) == latest  # no cache folder yet
     (cache / "sm90").mkdir(parents=True)
     (cache / "sm90" / "conv1d_fwd.json").write_text('{"b1": {}}\n')
-    assert bsg.kernels_digest(k, config_dirs=(str(cache),)) != latest
+    tuned = bsg.kernels_digest(k, config_dirs=(str(cache),))
+    assert tuned != latest
+    # the compile cache under it holds what the sources and configs give (a warming process writes it): not covered
+    (cache / "compiled" / "sm90" / "conv1d_fwd").mkdir(parents=True)
+    (cache / "compiled" / "sm90" / "conv1d_fwd" / "ab12.json").write_text('{"source": ""}\n')
+    assert bsg.kernels_digest(k, config_dirs=(str(cache),)) == tuned
 
 
 def test_shape_grid_resume_compares_settings_as_recorded():
@@ -1940,3 +1945,25 @@ def test_triton_source_dumps_and_compares(tmp_path):
     assert r.returncode == 2 and "no manifest.json there" in r.stderr
     r = run("--out", str(tmp_path / "e"), env={**env, "HELION_INTERPRET": "1"})
     assert r.returncode == 2 and "needs HELION_INTERPRET unset" in r.stderr
+
+
+def test_bench_compile_cache_times_both_modes_in_fresh_processes(tmp_path):
+    """scripts/bench_compile_cache.py times each kernel's first-call work in a fresh process with an empty compile
+    cache and again in a second one that loads every kernel from the entries the first stored (same config source);
+    it refuses interpret mode."""
+    env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
+    cmd = [sys.executable, str(SCRIPTS / "bench_compile_cache.py"), "--kernels", "rmsnorm_fwd,conv1d_fwd",
+           "--shapes", "nano_proxy", "--out", str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "out" / "compile_cache.json").read_text())
+    assert rep["arch"] == "sm90" and rep["kernels"] == ["rmsnorm_fwd", "conv1d_fwd"]
+    cold, cached = rep["results"]["nano_proxy"]["cold"], rep["results"]["nano_proxy"]["cached"]
+    assert set(cold["kernels"]) == set(cached["kernels"]) == {"rmsnorm_fwd", "conv1d_fwd"}
+    for name in cold["kernels"]:
+        assert not cold["kernels"][name]["from_cache"] and cached["kernels"][name]["from_cache"]
+        assert cold["kernels"][name]["how"] == cached["kernels"][name]["how"] == "exact"
+        assert cold["kernels"][name]["s"] > 0 and cached["kernels"][name]["s"] > 0
+    assert "nano_proxy" in r.stdout and "cold" in r.stdout and "cached" in r.stdout
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**env, "HELION_INTERPRET": "1"})
+    assert r.returncode == 2 and "HELION_INTERPRET is set" in r.stderr

@@ -477,17 +477,17 @@ def _digest_files(kernels_dir: Path, config_dirs: tuple = ()) -> list[tuple[str,
                   for p in (kernels_dir / "configs").rglob("*.json")})
     files.update({f"nano_hybrid/bench/{n}": here / n
                   for n in ("bench_shape_grid.py", "mixer.py", "stats.py", "profiling.py")})
-    for i, d in enumerate(Path(c) for c in config_dirs):
+    for i, d in enumerate(Path(c) for c in config_dirs):  # <arch>/<kernel>.json (and first-use failure records)
         if d.is_dir():
-            files.update({f"config_dir{i}/{p.relative_to(d).as_posix()}": p for p in d.rglob("*.json")})
+            files.update({f"config_dir{i}/{p.relative_to(d).as_posix()}": p for p in d.glob("*/*.json")})
     return sorted((k, p) for k, p in files.items() if p.is_file())
 
 
 def kernels_digest(kernels_dir: Path | str | None = None, config_dirs: tuple = ()) -> str:
     """sha256 over what a shape's record runs: every ``*.py`` under ``kernels_dir`` (default: the folder of the
     ``kernels`` package this process imports), every ``configs/**/*.json`` there (the committed kernel configs),
-    every ``*.json`` under ``config_dirs`` (the helion backend's user config cache, which a call without an exact
-    committed config reads), this module, ``mixer.py`` and the timing code (``stats.py``, ``profiling.py``), each
+    every ``<arch>/*.json`` under ``config_dirs`` (the helion backend's user config cache, which a call without an
+    exact committed config reads; not its compile cache, ``compiled/``, which holds what the rest gives), this module, ``mixer.py`` and the timing code (``stats.py``, ``profiling.py``), each
     as its relative name and its bytes, tracked by git or not."""
     if kernels_dir is None:
         import kernels
