@@ -215,14 +215,15 @@ def store(path: Path, fn: Callable, config: helion.Config, how: str,
     return True
 
 
-def compiled_from(entry: Entry, args: Sequence[object], rt: tuning.Runtime) -> Callable:
-    """The callable that ``BoundKernel.compile_config`` gives for the entry's source, with the runtime's launcher."""
+def compiled_from(entry: Entry, kernel, args: Sequence[object], rt: tuning.Runtime) -> Callable:
+    """``tuning.compiled`` of ``kernel`` at these arguments and the entry's config, with the function of the entry's
+    source (what ``BoundKernel.compile_config`` gives for it) and the runtime's launcher."""
     if "TRITON_CACHE_DIR" not in os.environ:  # compile_config's own setup of Triton's cache (TritonBackend)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         os.environ["TRITON_CACHE_DIR"] = helion_triton_cache_dir(device.index if device is not None and
                                                                  device.index is not None else 0)
     module = PyCodeCache.load(entry.source)
-    return tuning.with_launcher(getattr(module, entry.fn_name), args, rt)
+    return tuning.compiled(kernel, args, entry.config, rt=rt, generated=getattr(module, entry.fn_name))
 
 
 def replay(entry: Entry) -> None:

@@ -206,7 +206,7 @@ def prepare_call(kernel_name: str, kernel, args: Sequence[object], dims: Mapping
     arch = arch or tuning.current_arch()
     entry_path = _compile_cache_path(kernel_name, kernel, args, dims, default, rt, arch)
     if use_cache and entry_path is not None and (entry := compile_cache.load(entry_path)) is not None:
-        return Prepared(compile_cache.compiled_from(entry, args, rt), tuning.as_config(entry.config), entry.how,
+        return Prepared(compile_cache.compiled_from(entry, kernel, args, rt), tuning.as_config(entry.config), entry.how,
                         entry=entry, entry_path=entry_path, rt=rt)
     bound = kernel.bind(tuple(args))
     with tuning.recording_notices() as notices:

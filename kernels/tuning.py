@@ -872,10 +872,11 @@ def with_index_dtype_for(kernel, args: Sequence[object]):
 
 
 def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str, Any], *,
-             rt: Runtime | None = None, bound=None) -> Callable:
+             rt: Runtime | None = None, bound=None, generated: Callable | None = None) -> Callable:
     """Compiled callable of ``kernel`` for this argument signature and config (cached in the runtime); with 64-bit
     indices where an argument reaches past 32-bit offsets (``with_index_dtype_for``; ``bound`` is then ignored unless
-    it is the twin's).
+    it is the twin's). ``generated``: the function Helion generated for them, loaded from ``kernels.compile_cache``;
+    it is used as it is, without binding the kernel or compiling.
 
     With ``NANO_HELION_DUMP_DIR`` set (``kernels.debug``), each compilation also writes the normalized config and the
     generated Triton source there (``<kernel>_<sha>.py``): a diagnostic for comparing what two
@@ -889,7 +890,9 @@ def compiled(kernel, args: Sequence[object], config: helion.Config | Mapping[str
     cfg = with_flat_pid(as_config(config))
     key = (id(kernel), _arg_signature(args), cfg.to_json())
     fn = rt.compiled.get(key)
-    if fn is None:
+    if fn is None and generated is not None:
+        fn = rt.compiled[key] = with_launcher(generated, args, rt)
+    elif fn is None:
         bound = bound if bound is not None else kernel.bind(tuple(args))
         cfg = fit_block_sizes(bound, fit_lists(bound, cfg))
         fn = with_launcher(bound.compile_config(cfg, allow_print=False), args, rt)

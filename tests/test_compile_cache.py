@@ -85,9 +85,13 @@ def test_a_later_process_loads_the_choice_and_the_code_without_binding(launches,
     with monkeypatch.context() as mp:
         mp.setattr(kernel, "bind", lambda *a, **k: pytest.fail("the kernel was bound"))
         again = _call(kernel)
-    assert launches == launched_first  # same Triton kernel, grid, warps, stages and arguments
-    assert [m for m in again if "nano_hybrid kernels" in m] == [m for m in first if "nano_hybrid kernels" in m]
-    assert _entries(tmp_path) == [entry]
+        assert launches == launched_first  # same Triton kernel, grid, warps, stages and arguments
+        assert [m for m in again if "nano_hybrid kernels" in m] == [m for m in first if "nano_hybrid kernels" in m]
+        assert _entries(tmp_path) == [entry]
+        # the loaded callable is the runtime's compiled kernel for that config, as a compilation in-process makes it
+        rt = tuning.runtime_for(HelionSettings())
+        fn, = rt.compiled.values()
+        assert tuning.compiled(kernel, _args(), data["config"], rt=rt) is fn
 
 
 def test_other_inputs_make_another_key(launches, tmp_path, monkeypatch):

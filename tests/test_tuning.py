@@ -398,7 +398,8 @@ def test_tuned_call_fast_path_skips_config_lookup(monkeypatch):
     k = _FakeKernel()
     calls = []
     real = first_use.select_config
-    monkeypatch.setattr(first_use, "select_config", lambda *a, **kw: calls.append(a[0]) or real(*a, arch="cpu", **kw))
+    monkeypatch.setattr(first_use, "select_config",
+                        lambda *a, **kw: calls.append(a[0]) or real(*a, **{**kw, "arch": "cpu"}))
     x = torch.zeros(4, 8)
     for _ in range(3):
         assert first_use.tuned_call("fake", k, (x, 3), {"m": 4}, DEFAULT) == ("ran", (4, 8))
