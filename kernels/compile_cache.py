@@ -16,7 +16,7 @@ The key (``entry_key``) is a sha256 over everything the outcome depends on:
   precision...; the autotuner's settings left out), and the source of every module of the ``kernels`` package;
 * the call: each argument's dtype, shape, strides, storage offset and device type, each scalar's type and value,
   the kernel dims and its generic default config;
-* the choice's inputs: the arch, the GPU's name and capability, the bytes of the kernel's committed and user-cache
+* the choice's inputs: the arch, the GPU's name, capability and SM count, the bytes of the kernel's committed and user-cache
   config files (and whether the arch has committed configs), ``kernels.helion.autotune``;
 * the versions of Helion, Triton and torch, and every ``HELION_*`` environment variable.
 
@@ -107,10 +107,12 @@ def _file_digest(path: Path) -> str:
         return "absent"
 
 
-def _device_name() -> list:
+def _device() -> list:
+    """The current GPU's name, capability and SM count (Helion's config spec bounds some keys by the SM count)."""
     if not torch.cuda.is_available():
         return ["cpu"]
-    return [torch.cuda.get_device_name(), list(torch.cuda.get_device_capability())]
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return [props.name, [props.major, props.minor], props.multi_processor_count]
 
 
 def entry_key(kernel_name: str, kernel, args: Sequence[object], dims: Mapping[str, Any],
@@ -126,7 +128,7 @@ def entry_key(kernel_name: str, kernel, args: Sequence[object], dims: Mapping[st
         "dims": {k: repr(v) for k, v in sorted(dims.items())},
         "default": tuning.as_config(default).to_json(),
         "arch": arch,
-        "device": _device_name(),
+        "device": _device(),
         "committed": _file_digest(tuning.config_path(kernel_name, arch)),
         "arch_has_configs": tuning.arch_has_configs(arch),
         "user_cache": _file_digest(tuning.config_path(kernel_name, arch, rt.cache_root)),

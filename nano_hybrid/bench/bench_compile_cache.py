@@ -14,7 +14,7 @@ launched: Triton's own compile (or its cache's load) at the first launch is not 
 uninitialized tensors of the shapes (``--device``, default cuda when there is one). Shapes are
 ``tune_kernels.py``'s (presets, grid shapes, or a run's overrides). Writes ``compile_cache.json`` under ``--out``: per
 shape and mode the seconds per kernel and their sum, the config source per kernel (``how``), versions, arch and
-device; prints one line per shape.
+device (rewritten after each shape); prints one line per shape.
 """
 
 from __future__ import annotations
@@ -99,6 +99,13 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     arch = args.arch or (tuning.current_arch() if torch.cuda.is_available() else "sm90")
     results: dict[str, dict] = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"what": "host seconds of each kernel's first-call work before its launch (bind, config choice, code "
+                      "generation and module load; from the compile cache in the cached mode), one fresh process per "
+                      "shape and mode (nano_hybrid/bench/bench_compile_cache.py)",
+              "arch": arch, "device": device, "env": env_info(), "shapes": shape_dims, "kernels": names,
+              "results": results}
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}  # the children import this tree
     with tempfile.TemporaryDirectory(prefix="compile_cache_bench_") as cache_dir:
@@ -119,14 +126,8 @@ def main(argv=None) -> int:
                                  "from the cache")
             print(f"{shape:24s} {len(names)} kernels: cold {cold['sum_s']:7.2f} s, cached {cached['sum_s']:6.2f} s "
                   f"({cold['sum_s'] / max(cached['sum_s'], 1e-9):.0f}x)", flush=True)
-    env = env_info()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"what": "host seconds of each kernel's first-call work before its launch (bind, config choice, code "
-                      "generation and module load; from the compile cache in the cached mode), one fresh process per "
-                      "shape and mode (nano_hybrid/bench/bench_compile_cache.py)",
-              "arch": arch, "device": device, "env": env, "shapes": shape_dims, "kernels": names, "results": results}
-    (out / "compile_cache.json").write_text(json.dumps(report, indent=1) + "\n")
+            report["results"] = results  # written after each shape: a later shape that fails keeps the earlier ones
+            (out / "compile_cache.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out / 'compile_cache.json'}")
     return 0
 
