@@ -28,17 +28,19 @@ the cache, so every compilation is dumped.
 An entry that cannot be read, or whose source does not match its sha256, is not loaded: one warning names the file,
 and the call binds, chooses and generates as without the cache, then writes a good entry in its place. Entries are
 written to a temporary file and renamed (a reader never sees half an entry); ranks writing the same key write the
-same content.
+same content. A cache that cannot be written (read-only, full) is one warning per cache folder, and the run goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -162,7 +164,7 @@ def load(path: Path) -> Entry | None:
     """The entry at ``path``; None when there is none, or (with one warning) when it cannot be used."""
     try:
         raw = path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, UnicodeDecodeError) as e:
         return _unusable(path, f"unreadable ({type(e).__name__}: {e})")
@@ -210,10 +212,19 @@ def store(path: Path, fn: Callable, config: helion.Config, how: str,
     data = {"format": FORMAT, "fn_name": fn.__name__, "config": tuning.config_to_dict(config), "how": how,
             "notices": [list(n) for n in notices], "helion": versions()[0],
             "source_sha256": hashlib.sha256(source.encode()).hexdigest(), "source": source}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as e:  # a read-only or full cache: the run goes on, compiling in every process
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        tuning.warn_once("*", f"compile-cache-write:{path.parent.parent.parent}",
+                         f"nano_hybrid kernels: cannot write the compile cache entry {path} ({type(e).__name__}: "
+                         f"{e}); kernels are bound and compiled again in every process (set kernels.helion.cache_dir "
+                         "to a writable folder, or kernels.helion.compile_cache=false)")
+        return False
     return True
 
 

@@ -172,3 +172,25 @@ def test_off_and_under_the_dump_dir_nothing_is_stored(launches, tmp_path, monkey
     monkeypatch.setenv("NANO_HELION_DUMP_DIR", str(tmp_path / "dump"))
     _call(kernel)
     assert _entries(tmp_path) == [] and list((tmp_path / "dump").glob("rmsnorm_gated_fwd_kernel_*.py"))
+
+
+def test_a_cache_that_cannot_be_written_is_one_warning_and_the_call_runs(launches, tmp_path):
+    """A compile cache folder that cannot be made (here a regular file in its place; a read-only or full disk alike):
+    the call runs, one warning names the entry and the ways out, and a second call at another shape says nothing
+    more."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "compiled").write_text("")
+    kernel = _kernel()
+    settings = HelionSettings(cache_dir=str(cache))
+    msgs = _call(kernel, settings)
+    said = [m for m in msgs if "compile cache" in m]
+    assert len(said) == 1 and "cannot write the compile cache entry" in said[0]
+    assert str(cache / "compiled" / "sm90" / "rmsnorm_fwd") in said[0]
+    assert "kernels.helion.compile_cache=false" in said[0] and "\n" not in said[0]
+    assert len(launches) == 1
+    with warnings.catch_warnings(record=True) as w, tuning.use(settings):
+        warnings.simplefilter("always")
+        first_use.tuned_call("rmsnorm_fwd", kernel, _args(2 * M),
+                             R._norm_dims(2 * M, G, D, False, False, torch.bfloat16), R.RMSNORM_FWD_DEFAULT)
+    assert not [x for x in w if "compile cache" in str(x.message)] and len(launches) == 2
