@@ -191,24 +191,21 @@ def _unusable(path: Path, what: str) -> None:
     return None
 
 
-def _loaded_module(file: str):
-    """The module ``PyCodeCache`` loaded from ``file`` in this process, or None."""
-    mod = PyCodeCache.modules_no_attr.get(file)
-    return mod if mod is not None else next((m for m in PyCodeCache.modules if getattr(m, "__file__", None) == file),
-                                            None)
-
-
 def store(path: Path, fn: Callable, config: helion.Config, how: str,
           notices: Sequence[tuple[str, str, str]]) -> bool:
     """Write the entry of the compiled callable ``fn`` (what ``tuning.compiled`` returned) at ``path``. Only a
-    module-level function of a module that ``PyCodeCache`` loaded (Helion's generated code) is stored; False for any
-    other callable."""
+    module-level function of a generated Triton module (Helion's output: ``@triton.jit`` kernels beside it) is stored;
+    False for any other callable."""
     fn = fn.func if isinstance(fn, functools.partial) else fn
     file = getattr(fn, "__globals__", {}).get("__file__")
-    if (file is None or getattr(fn, "__qualname__", None) != getattr(fn, "__name__", "")
-            or getattr(_loaded_module(file), fn.__name__, None) is not fn):
+    if file is None or getattr(fn, "__qualname__", None) != getattr(fn, "__name__", ""):
         return False
-    source = Path(file).read_text()
+    try:
+        source = Path(file).read_text()
+    except OSError:
+        return False
+    if f"\ndef {fn.__name__}(" not in source or "@triton.jit" not in source:
+        return False
     data = {"format": FORMAT, "fn_name": fn.__name__, "config": tuning.config_to_dict(config), "how": how,
             "notices": [list(n) for n in notices], "helion": versions()[0],
             "source_sha256": hashlib.sha256(source.encode()).hexdigest(), "source": source}
