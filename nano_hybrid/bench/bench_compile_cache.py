@@ -81,21 +81,13 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from kernels import tuner, tuning
+    from kernels import tuning
     from nano_hybrid.bench.environment import env_info
-    from nano_hybrid.bench.tune_kernels import resolve_shapes
+    from nano_hybrid.bench.tune_kernels import kernels_and_shapes
 
     if tuning.interpret_mode():
         ap.error("HELION_INTERPRET is set: the compile cache serves compiled kernels only; unset it")
-    registry = tuner.discover_tunable_kernels()
-    names = sorted(registry) if not args.kernels else [k.strip() for k in args.kernels.split(",") if k.strip()]
-    unknown = [k for k in names if k not in registry]
-    if unknown:
-        ap.error(f"unknown kernels {unknown}; known: {sorted(registry)}")
-    try:
-        shape_dims = resolve_shapes(args.overrides, args.shapes, None)
-    except ValueError as e:
-        ap.error(str(e))
+    names, shape_dims = kernels_and_shapes(ap, args.kernels, args.overrides, args.shapes)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     arch = args.arch or (tuning.current_arch() if torch.cuda.is_available() else "sm90")
     results: dict[str, dict] = {}

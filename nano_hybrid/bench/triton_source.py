@@ -38,7 +38,7 @@ from helion._compat import supports_block_ptr, supports_tensor_descriptor
 
 from kernels import first_use, tuner, tuning
 from nano_hybrid.bench.environment import env_info
-from nano_hybrid.bench.tune_kernels import resolve_shapes
+from nano_hybrid.bench.tune_kernels import kernels_and_shapes
 from nano_hybrid.errors import EXIT_BAD_INPUT
 
 
@@ -164,15 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    registry = tuner.discover_tunable_kernels()
-    names = sorted(registry) if not args.kernels else [k.strip() for k in args.kernels.split(",") if k.strip()]
-    unknown = [k for k in names if k not in registry]
-    if unknown:
-        ap.error(f"unknown kernels {unknown}; known: {sorted(registry)}")
-    try:
-        shape_dims = resolve_shapes(args.overrides, args.shapes, None)
-    except ValueError as e:
-        ap.error(str(e))
+    names, shape_dims = kernels_and_shapes(ap, args.kernels, args.overrides, args.shapes)
     old_dir = Path(args.compare) if args.compare else None
     if old_dir is not None and not (old_dir / "manifest.json").is_file():
         ap.error(f"--compare {old_dir}: no manifest.json there (a folder this script wrote)")

@@ -359,6 +359,21 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
     return dims
 
 
+def kernels_and_shapes(ap, kernels: str | None, overrides: list[str], presets: str | None
+                       ) -> tuple[list[str], dict[str, dict]]:
+    """The tools' ``--kernels`` (a comma list; default every tunable kernel, sorted) and their shapes
+    (``resolve_shapes`` of a run's overrides or ``--shapes``); ``ap.error`` names what is unknown."""
+    registry = tuner.discover_tunable_kernels()
+    names = sorted(registry) if not kernels else [k.strip() for k in kernels.split(",") if k.strip()]
+    unknown = [k for k in names if k not in registry]
+    if unknown:
+        ap.error(f"unknown kernels {unknown}; known: {sorted(registry)}")
+    try:
+        return names, resolve_shapes(overrides, presets, None)
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def _run_isolated(args, pairs: list[tuple[str, str]], shapes: dict[str, dict], per_budget: float,
                   jobs: int = 1, mem_budget: int | None = None) -> int:
     """Each pair in its own process (fresh CUDA context), ``jobs`` at a time; each child writes its own JSON log and
