@@ -143,8 +143,10 @@ def tuned_call(
         try:
             out = p.fn(*args)
         except Exception as e:  # noqa: BLE001 - a config this GPU refuses now is chosen again below
-            if tuning.launch_misfit(e) is None:
+            why = tuning.launch_misfit(e)
+            if why is None:
                 raise
+            compile_cache.forget(p.entry, why)
             p = prepare_call(kernel_name, kernel, args, dims, default, rt=rt, adjust=adjust, use_cache=False,
                              **search)
         else:
@@ -204,22 +206,27 @@ def prepare_call(kernel_name: str, kernel, args: Sequence[object], dims: Mapping
     (``select_config`` with ``search``'s first-use search keywords; ``Prepared.compile`` compiles it). ``arch``: whose
     stored configs are chosen from (default: this GPU's)."""
     arch = arch or tuning.current_arch()
-    entry_path = _compile_cache_path(kernel_name, kernel, args, dims, default, rt, arch)
-    if use_cache and entry_path is not None and (entry := compile_cache.load(entry_path)) is not None:
-        return Prepared(compile_cache.compiled_from(entry, kernel, args, rt), tuning.as_config(entry.config), entry.how,
-                        entry=entry, entry_path=entry_path, rt=rt)
+    entry_path = _compile_cache_path(kernel_name, kernel, args, dims, default, rt, arch) if use_cache else None
+    if entry_path is not None and (entry := compile_cache.load(entry_path)) is not None:
+        fn = compile_cache.compiled_from(entry, kernel, args, rt)
+        if fn is not None:
+            return Prepared(fn, tuning.as_config(entry.config), entry.how, entry=entry, rt=rt)
     bound = kernel.bind(tuple(args))
     with tuning.recording_notices() as notices:
         cfg, how = select_config(kernel_name, kernel, args, dims, default, arch=arch, rt=rt, adjust=adjust, bound=bound,
                                  **search)
-    return Prepared(None, cfg, how, bound=bound, entry_path=entry_path, notices=notices, rt=rt)
+    # stored under the key of the files as the choice read them (a first-use search may have read them again)
+    return Prepared(None, cfg, how, bound=bound, notices=notices, rt=rt,
+                    entry_path=_compile_cache_path(kernel_name, kernel, args, dims, default, rt, arch))
 
 
 def _compile_cache_path(kernel_name: str, kernel, args: Sequence[object], dims: Mapping[str, Any], default,
                         rt: tuning.Runtime, arch: str) -> Path | None:
     """Where this call's compile-cache entry is (``kernels.compile_cache``); None with ``compile_cache`` off, under
-    ``NANO_HELION_DUMP_DIR`` (every compilation is dumped) and on arch ``cpu`` (no stored configs apply)."""
-    if not rt.settings.compile_cache or debug.dump_dir() is not None or arch == "cpu":
+    ``NANO_HELION_DUMP_DIR`` (every compilation is dumped), on arch ``cpu`` (no stored configs apply) and where the
+    cache does not apply to the kernel (``compile_cache.applies``)."""
+    if (not rt.settings.compile_cache or debug.dump_dir() is not None or arch == "cpu"
+            or not compile_cache.applies(kernel)):
         return None
     key = compile_cache.entry_key(kernel_name, kernel, args, dims, default, rt, arch)
     return compile_cache.entry_path(rt, arch, kernel_name, key)

@@ -69,6 +69,8 @@ import functools
 import json
 import math
 import os
+import socket
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -454,13 +456,26 @@ def record(
     return path
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """``text`` to ``path`` through a temporary file beside it, renamed over it: a reader sees the old file or the new
+    one, never half of one (also from another host on a shared file system). Makes the folder; the temporary file
+    is removed when the write fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
 def _write_config_file(path: Path, data: dict) -> None:
     """``data`` to ``path`` with its entries sorted, replaced atomically (a reader never sees half a file); the
     caller holds ``file_lock(path)``. Forgets the file's cached copy and the runtimes' launch caches."""
     data["entries"] = dict(sorted(data["entries"].items()))
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=False) + "\n")
     _FILE_CACHE.pop(path, None)
     for rt in _RUNTIMES.values():  # their launch caches hold configs read from the old file
         rt.fast.clear()

@@ -9,6 +9,7 @@ compiled kernels, the launch caches and the warnings said."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import warnings
@@ -64,7 +65,8 @@ def _call(kernel, settings=None, m=M):
 
 
 def _entries(tmp_path):
-    return sorted((tmp_path / "xdg" / "nano_hybrid" / "helion" / "compiled" / "sm90" / "rmsnorm_fwd").glob("*.json"))
+    return sorted((tmp_path / "xdg" / "nano_hybrid" / "helion" / "compiled" / compile_cache.package_digest()[:16]
+                   / "sm90" / "rmsnorm_fwd").glob("*.json"))
 
 
 def test_a_later_process_loads_the_choice_and_the_code_without_binding(launches, tmp_path, monkeypatch):
@@ -120,8 +122,13 @@ def test_other_inputs_make_another_key(launches, tmp_path, monkeypatch):
                                 rt, "sm90"),
         compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_BWD_DEFAULT, rt, "sm90"),
         compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm100"),
-        compile_cache.entry_key("rmsnorm_fwd", tuning.with_index_dtype_for(kernel, args), args, DIMS,
-                                R.RMSNORM_FWD_DEFAULT, tuning.runtime_for(HelionSettings(autotune=True)), "sm90"),
+        compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_FWD_DEFAULT,
+                                tuning.runtime_for(HelionSettings(autotune=True)), "sm90"),
+        # the kernel's 64-bit index twin (what tuning.with_index_dtype_for runs past 2^31 elements)
+        compile_cache.entry_key("rmsnorm_fwd", type(kernel)(kernel.fn, configs=kernel.configs,
+                                                           settings=dataclasses.replace(kernel.settings,
+                                                                                        index_dtype=torch.int64)),
+                                args, DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm90"),
     ]
     monkeypatch.setenv("HELION_FORCE_AUTOTUNE", "0")
     others.append(compile_cache.entry_key("rmsnorm_fwd", kernel, args, DIMS, R.RMSNORM_FWD_DEFAULT, rt, "sm90"))
@@ -144,7 +151,7 @@ def test_with_autotune_only_exact_choices_are_stored(launches, tmp_path, monkeyp
     assert json.loads(entry.read_text())["how"] == "cache"
 
 
-@pytest.mark.parametrize("damage", ["truncated", "source"])
+@pytest.mark.parametrize("damage", ["truncated", "source", "config"])
 def test_a_damaged_entry_is_not_loaded_and_is_rewritten(launches, tmp_path, damage):
     kernel = _kernel()
     _call(kernel)
@@ -152,14 +159,18 @@ def test_a_damaged_entry_is_not_loaded_and_is_rewritten(launches, tmp_path, dama
     good = entry.read_text()
     if damage == "truncated":
         entry.write_text(good[: len(good) // 2])
-    else:
+    elif damage == "source":
         data = json.loads(good)
         data["source"] = data["source"].replace("num_warps=", "num_warps=2 * ", 1)
+        entry.write_text(json.dumps(data))
+    else:
+        data = json.loads(good)
+        data["config"]["num_warps"] = 2 * data["config"]["num_warps"]
         entry.write_text(json.dumps(data))
     launches.clear()
     msgs = _call(kernel)
     said = [m for m in msgs if "compile cache entry" in m]
-    assert len(said) == 1 and str(entry) in said[0] and "not loaded" in said[0] and "\n" not in said[0]
+    assert len(said) == 1 and str(entry) in said[0] and "not used" in said[0] and "\n" not in said[0]
     assert ("not an entry" in said[0]) if damage == "truncated" else ("does not match its sha256" in said[0])
     assert len(launches) == 1
     assert entry.read_text() == good
@@ -186,7 +197,7 @@ def test_a_cache_that_cannot_be_written_is_one_warning_and_the_call_runs(launche
     msgs = _call(kernel, settings)
     said = [m for m in msgs if "compile cache" in m]
     assert len(said) == 1 and "cannot write the compile cache entry" in said[0]
-    assert str(cache / "compiled" / "sm90" / "rmsnorm_fwd") in said[0]
+    assert str(cache / "compiled" / compile_cache.package_digest()[:16] / "sm90" / "rmsnorm_fwd") in said[0]
     assert "kernels.helion.compile_cache=false" in said[0] and "\n" not in said[0]
     assert len(launches) == 1
     with warnings.catch_warnings(record=True) as w, tuning.use(settings):
@@ -194,3 +205,64 @@ def test_a_cache_that_cannot_be_written_is_one_warning_and_the_call_runs(launche
         first_use.tuned_call("rmsnorm_fwd", kernel, _args(2 * M),
                              R._norm_dims(2 * M, G, D, False, False, torch.bfloat16), R.RMSNORM_FWD_DEFAULT)
     assert not [x for x in w if "compile cache" in str(x.message)] and len(launches) == 2
+
+
+def test_the_key_is_that_of_the_files_the_choice_read(launches, tmp_path):
+    """A user-cache file written by another process after this one loaded it: this process chooses from its loaded
+    copy and stores the entry under that copy's key, so a later process, which reads the new file, chooses again
+    (from the new entry) instead of loading a choice the file no longer gives."""
+    kernel = _kernel()
+    tuning.clear_caches()
+    with tuning.use(HelionSettings()):
+        first_use.tuned_call("rmsnorm_fwd", kernel, _args(), DIMS, R.RMSNORM_FWD_DEFAULT)  # loads the user cache
+        m2 = 2 * M
+        dims2 = R._norm_dims(m2, G, D, False, False, torch.bfloat16)
+        path = tuning.config_path("rmsnorm_fwd", "sm90", tuning.user_cache_root())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"kernel": "rmsnorm_fwd", "arch": "sm90", "entries": {tuning.shape_key(**dims2): {
+            "dims": dims2, "config": {"block_sizes": [8], "num_warps": 1}, "time_ms": 0.01}}}))
+        first_use.tuned_call("rmsnorm_fwd", kernel, _args(m2), dims2, R.RMSNORM_FWD_DEFAULT)  # the old copy: nearest
+    assert sorted(json.loads(p.read_text())["how"] for p in _entries(tmp_path)) == ["nearest", "nearest"]
+    _call(kernel, m=m2)  # a fresh process reads the new file
+    hows = sorted(json.loads(p.read_text())["how"] for p in _entries(tmp_path))
+    assert hows == ["cache", "nearest", "nearest"]
+
+
+def test_an_entry_whose_config_does_not_launch_is_deleted_and_the_config_chosen_again(launches, tmp_path,
+                                                                                      monkeypatch):
+    """A stored config that this GPU refuses at its first launch (here Triton's OutOfResources for its warp count):
+    one warning names the entry, it is deleted, the call runs the next candidate, and a later process stores
+    nothing for the config that does not launch."""
+    from triton.runtime.errors import OutOfResources
+
+    kernel = _kernel()
+    _call(kernel)
+    entry, = _entries(tmp_path)
+    bad_warps = json.loads(entry.read_text())["config"]["num_warps"]
+    record = tuning.with_launcher
+
+    def refusing(fn, args, rt):
+        launch = record(fn, args, rt)
+        inner = launch.keywords["_launcher"]
+
+        def launcher(triton_kernel, grid, *a, num_warps, num_stages, **kw):
+            if num_warps == bad_warps:
+                raise OutOfResources(300000, 232448, "shared memory")
+            return inner(triton_kernel, grid, *a, num_warps=num_warps, num_stages=num_stages, **kw)
+        return functools.partial(launch.func, _launcher=launcher)
+
+    monkeypatch.setattr(tuning, "with_launcher", refusing)
+    launches.clear()
+    msgs = _call(kernel)
+    said = [m for m in msgs if "compile cache entry" in m]
+    assert len(said) == 1 and str(entry) in said[0] and "entry deleted" in said[0] and "OutOfResources" in said[0]
+    assert any("does not run on this GPU; using" in m for m in msgs)  # the launch-misfit fallback's own warning
+    assert len(launches) == 1 and launches[0][2] != bad_warps
+    assert not entry.exists() and _entries(tmp_path) == []
+
+
+def test_sources_edited_after_import_are_not_stored(launches, tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_cache, "_sources_digest", lambda: "sources edited since import")
+    msgs = _call(_kernel())
+    assert _entries(tmp_path) == [] and len(launches) == 1
+    assert any("sources changed after this process imported them" in m for m in msgs)

@@ -62,7 +62,8 @@ def child(shape: str, dims: dict, names: list[str], arch: str, device: str, cach
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="a run's overrides (as for nano_hybrid.train): its mixer shape")
-    ap.add_argument("--shapes", default=None, help="presets or grid shapes, as tune_kernels.py's --shapes (default nano)")
+    ap.add_argument("--shapes", default=None,
+                    help="presets or grid shapes, as tune_kernels.py's --shapes (default nano)")
     ap.add_argument("--kernels", default=None, help="comma list of tunable kernels (default: all)")
     ap.add_argument("--arch", default=None, help="whose stored configs are chosen from (default: this GPU's, sm90 on "
                                                   "a host without one)")

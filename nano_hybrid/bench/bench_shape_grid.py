@@ -487,8 +487,9 @@ def kernels_digest(kernels_dir: Path | str | None = None, config_dirs: tuple = (
     """sha256 over what a shape's record runs: every ``*.py`` under ``kernels_dir`` (default: the folder of the
     ``kernels`` package this process imports), every ``configs/**/*.json`` there (the committed kernel configs),
     every ``<arch>/*.json`` under ``config_dirs`` (the helion backend's user config cache, which a call without an
-    exact committed config reads; not its compile cache, ``compiled/``, which holds what the rest gives), this module, ``mixer.py`` and the timing code (``stats.py``, ``profiling.py``), each
-    as its relative name and its bytes, tracked by git or not."""
+    exact committed config reads; not its compile cache, ``compiled/``, which holds what the rest gives), this
+    module, ``mixer.py`` and the timing code (``stats.py``, ``profiling.py``), each as its relative name and its
+    bytes, tracked by git or not."""
     if kernels_dir is None:
         import kernels
 
