@@ -151,6 +151,7 @@ def tuned_call(
                              **search)
         else:
             p.done()
+            rt.first_calls["loaded"] += 1
             rt.fast[fkey] = p.fn
             return out
     try:
@@ -164,6 +165,7 @@ def tuned_call(
                                          p.how, why)
     else:
         p.done()
+    rt.first_calls["bound"] += 1
     rt.fast[fkey] = fn
     return out
 

@@ -59,6 +59,7 @@ backends with different settings in one process share no switch.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import copy
@@ -108,6 +109,8 @@ class Runtime:
     fast: dict = dataclasses.field(default_factory=dict)
     # per-shape choices between kernel paths made from the stored configs (e.g. ``ssd_helion.choose_state_passing``)
     decisions: dict = dataclasses.field(default_factory=dict)
+    # first calls by how their kernel was made ready: "loaded" from the compile cache, "bound" (bound and chosen now)
+    first_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def cache_root(self) -> Path:
@@ -117,6 +120,7 @@ class Runtime:
         self.compiled.clear()
         self.fast.clear()
         self.decisions.clear()
+        self.first_calls.clear()
 
 
 _RUNTIMES: dict[HelionSettings, Runtime] = {}

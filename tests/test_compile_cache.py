@@ -79,6 +79,7 @@ def test_a_later_process_loads_the_choice_and_the_code_without_binding(launches,
     bound = kernel.bind(_args())
     cfg = tuning.fit_config(bound, data["config"])
     assert data["source"] == bound.to_triton_code(bound.config_spec.normalized_config(cfg))
+    assert tuning.runtime_for(HelionSettings()).first_calls == {"bound": 1}
     nearest = [m for m in first if "no tuned sm90 config for rmsnorm_fwd" in m]
     assert len(nearest) == 1 and "using the nearest tuned shape" in nearest[0]
 
@@ -87,6 +88,7 @@ def test_a_later_process_loads_the_choice_and_the_code_without_binding(launches,
     with monkeypatch.context() as mp:
         mp.setattr(kernel, "bind", lambda *a, **k: pytest.fail("the kernel was bound"))
         again = _call(kernel)
+        assert tuning.runtime_for(HelionSettings()).first_calls == {"loaded": 1}
         assert launches == launched_first  # same Triton kernel, grid, warps, stages and arguments
         assert [m for m in again if "nano_hybrid kernels" in m] == [m for m in first if "nano_hybrid kernels" in m]
         assert _entries(tmp_path) == [entry]

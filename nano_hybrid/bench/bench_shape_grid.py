@@ -60,6 +60,7 @@ recorded as ``env["kernels_digest"]``; the git commit may differ) and the same G
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import hashlib
@@ -288,11 +289,14 @@ def run_shape(name: str, args, backends: dict, device, log=lambda msg: None, war
     # first call of each arm: compile + config selection (+ first-use tuning for helion with autotune on)
     for lab in arms:
         log(f"{lab}: first call (compile, config selection, any autotuning)")
+        first = _first_calls(backends[lab])
         stats.sync(device)
         t0 = time.perf_counter()
         ops[lab][0]()
         stats.sync(device)
         rec[f"first_call_s_{lab}"] = round(time.perf_counter() - t0, 2)
+        if first is not None:  # the helion kernels made ready from the compile cache or bound now
+            rec[f"first_calls_{lab}"] = dict(_first_calls(backends[lab]) - first)
     if warm_only:
         if not base_refused:
             log(f"{A} fp32: first call (compile)")
@@ -500,6 +504,16 @@ def kernels_digest(kernels_dir: Path | str | None = None, config_dirs: tuple = (
         h.update(f"{name}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()
+
+
+def _first_calls(backend):
+    """A copy of the helion backend's count of kernel first calls by how they were made ready
+    (``kernels.tuning.Runtime.first_calls``: "loaded" from the compile cache, "bound"); None for other backends."""
+    if backend.settings is None:
+        return None
+    from kernels.tuning import runtime_for
+
+    return collections.Counter(runtime_for(backend.settings).first_calls)
 
 
 def _user_config_dirs(backends: dict) -> tuple:
