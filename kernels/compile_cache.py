@@ -41,6 +41,7 @@ entry); the processes of a run that reach a call together each store the same en
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -239,13 +240,14 @@ def store(path: Path, fn: Callable, config: helion.Config, how: str,
     and only while the kernel sources are those this process imported; False otherwise."""
     fn = fn.func if isinstance(fn, functools.partial) else fn
     file = getattr(fn, "__globals__", {}).get("__file__")
-    if file is None or getattr(fn, "__qualname__", None) != getattr(fn, "__name__", ""):
-        return False
-    try:
-        source = Path(file).read_text()
-    except OSError:
-        return False
-    if f"\ndef {fn.__name__}(" not in source or "@triton.jit" not in source:
+    source = None
+    if file is not None and getattr(fn, "__qualname__", None) == getattr(fn, "__name__", ""):
+        with contextlib.suppress(OSError):
+            source = Path(file).read_text()
+    if source is None or f"\ndef {fn.__name__}(" not in source or "@triton.jit" not in source:
+        tuning.warn_once("*", f"compile-cache-not-generated:{getattr(fn, '__qualname__', fn)}",
+                         f"nano_hybrid kernels: {getattr(fn, '__qualname__', fn)!s} is not a function of a generated "
+                         "Triton module that can be read back; the compile cache does not store it")
         return False
     if _sources_digest() != package_digest():
         tuning.warn_once("*", "compile-cache-sources",

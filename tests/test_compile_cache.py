@@ -268,3 +268,20 @@ def test_sources_edited_after_import_are_not_stored(launches, tmp_path, monkeypa
     msgs = _call(_kernel())
     assert _entries(tmp_path) == [] and len(launches) == 1
     assert any("sources changed after this process imported them" in m for m in msgs)
+
+
+def test_a_callable_that_is_not_generated_code_is_said_and_not_stored(tmp_path):
+    """store writes only a module-level function of a generated Triton module; anything else (a function whose
+    module cannot be read back as Helion's output) is one warning naming it, and no file."""
+    tuning.clear_caches()
+
+    def launch(*args):
+        return args
+
+    path = tmp_path / "entry.json"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert compile_cache.store(path, launch, helion.Config(num_warps=4), "exact", ()) is False
+    said = [str(x.message) for x in w if "compile cache does not store" in str(x.message)]
+    assert len(said) == 1 and "launch" in said[0] and not path.exists()
+    tuning.clear_caches()
