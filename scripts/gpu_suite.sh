@@ -18,7 +18,8 @@
 #                $HELION_NEXT_WHEEL (installed into ./site_helion_next, ahead of ./site on PYTHONPATH): results in
 #                $OUT/helion_next, to set beside the kernels stage's (one Helion version per process)
 #   host         host (CPU) cost per mixer op fwd+bwd of each backend: launch time, wall, device, launches and the top
-#                host functions (scripts/profile_host.py, shapes nano and tp2); the helion kernels' first-call work
+#                host functions (scripts/profile_host.py at $HOST_SHAPES, default "nano tp2 nano_b2_l8192_docs8": packed
+#                documents pass seq_idx); the helion kernels' first-call work
 #                without and with the compile cache (scripts/bench_compile_cache.py, shapes nano and nano_tp8)
 #   peer         the SSD forward against the fused peer kernel in $PEER_FILE at four shapes (bench_ssd_peer.py)
 #   ssd_peers    the SSD op fwd+bwd beside the open peers: the Helion project's Mamba-2 SSD example (folder
@@ -62,7 +63,7 @@
 # at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
 # for the A/B stages), REFERENCE_TREE (equivalence, trees), CURRENT_TREE / TREES_SHAPE / TREES_PROCESSES (trees),
 # PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long:
-# steps at which the run is stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune),
+# steps at which the run is stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), HOST_SHAPES (host), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune),
 # SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
 # for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED
 # with its log's tail; later stages still run; the exit code is the number of failed stages. STAGE_TIMEOUT_<stage>
@@ -176,9 +177,11 @@ st_helion_next() {  # the mixer op A/B and the kernel GPU tests again with the H
     )
 }
 st_host() {
-    python3 scripts/profile_host.py --backends "$BACKENDS" --shape nano --out "$OUT" \
-        && python3 scripts/profile_host.py --backends "$BACKENDS" --shape tp2 --out "$OUT" \
-        && python3 scripts/bench_compile_cache.py --shapes nano,nano_tp8 --out "$OUT"
+    local s
+    for s in ${HOST_SHAPES:-nano tp2 nano_b2_l8192_docs8}; do
+        python3 scripts/profile_host.py --backends "$BACKENDS" --shape "$s" --out "$OUT" || return
+    done
+    python3 scripts/bench_compile_cache.py --shapes nano,nano_tp8 --out "$OUT"
 }
 st_peer() {
     [ -n "${PEER_FILE:-}" ] || { echo "peer needs PEER_FILE (the fork's ssd_fused5.py)"; return 2; }

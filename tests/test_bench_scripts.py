@@ -527,6 +527,38 @@ def test_bench_mixer_params_zxbcdt_layouts_hold_the_same_values():
     torch.testing.assert_close(lbd.grad.transpose(0, 1), want["d_zxbcdt"], rtol=1e-5, atol=1e-6)
 
 
+def test_bench_mixer_op_passes_packed_documents_and_profile_host_takes_grid_shapes():
+    """MixerOp's seq_idx reaches the op: with two packed documents the torch backend's output is the op called with
+    that seq_idx and differs from one document's. profile_host takes the grid's shapes (a packed one included) and
+    refuses an unknown shape before it needs a GPU."""
+    import torch
+
+    from kernels.causal_conv1d import docs_seq_idx
+    from kernels.registry import get_backend
+    from nano_hybrid.bench import profile_host
+    from nano_hybrid.errors import EXIT_BAD_INPUT
+
+    cpu, ref = torch.device("cpu"), get_backend("torch")
+    shape = mx.MixerShape(batch=2, seqlen=64, nheads=4, headdim=8, ngroups=2, d_state=16, chunk_size=32)
+    p = mx.make_params(shape, cpu, torch.float32, seed=0)
+    seq = docs_seq_idx(shape.batch, shape.seqlen, shape.seqlen, 2, cpu)
+    with torch.no_grad():
+        packed = mx.MixerOp(ref, shape, p, cpu, torch.float32, seq_idx=seq).split()
+        one = mx.MixerOp(ref, shape, p, cpu, torch.float32).split()
+        want = ref.mamba_split_conv1d_scan_combined(
+            mx.op_zxbcdt(ref, p), p["conv_w"], p["conv_b"], p["dt_bias"].float(), -torch.exp(p["A_log"].float()),
+            D=p["D"], chunk_size=shape.chunk_size, seq_idx=seq, activation="silu", headdim=shape.headdim,
+            ngroups=shape.ngroups, norm_before_gate=False)
+    assert torch.equal(packed, want)
+    half = shape.seqlen // 2  # the first document's outputs are one document's (causal); the second's are not
+    torch.testing.assert_close(packed[:, :half], one[:, :half], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(packed[:, half:], one[:, half:], rtol=1e-3, atol=1e-3)
+    if not torch.cuda.is_available():
+        assert profile_host.main(["--shape", "nano_b2_l8192_docs8"]) == EXIT_BAD_INPUT  # parsed, then no GPU
+    with pytest.raises(SystemExit):
+        profile_host.main(["--shape", "nano_b3"])
+
+
 def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPTS / "ab_step_time.py"), "--backends", "torch,torch", "--warmup", "0",
                         "--blocks", "2", "--block-steps", "2", "--profile-steps", "0", "--n-boot", "200",

@@ -142,14 +142,16 @@ def grad_of(p: dict, name: str):
 
 
 class MixerOp:
-    """One backend's split-conv1d-scan + gated-norm, bound to shared inputs and parameters."""
+    """One backend's split-conv1d-scan + gated-norm, bound to shared inputs and parameters; ``seq_idx`` (b, l) int32
+    ids of packed documents, or None."""
 
-    def __init__(self, backend, shape: MixerShape, params: dict, device, dtype):
+    def __init__(self, backend, shape: MixerShape, params: dict, device, dtype, seq_idx=None):
         import torch
 
         self.backend = backend
         self.shape = shape
         self.p = params
+        self.seq_idx = seq_idx
         self.norm = backend.RMSNormGated(shape.d_inner, eps=1e-5, group_size=shape.group_size,
                                          norm_before_gate=False, device=device, dtype=dtype)
         with torch.no_grad():
@@ -162,7 +164,7 @@ class MixerOp:
         A = -torch.exp(p["A_log"].float())
         return self.backend.mamba_split_conv1d_scan_combined(
             op_zxbcdt(self.backend, p), p["conv_w"], p["conv_b"], p["dt_bias"].float(), A, D=p["D"],
-            chunk_size=s.chunk_size, activation="silu", headdim=s.headdim, ngroups=s.ngroups,
+            chunk_size=s.chunk_size, seq_idx=self.seq_idx, activation="silu", headdim=s.headdim, ngroups=s.ngroups,
             norm_before_gate=False,
         )
 

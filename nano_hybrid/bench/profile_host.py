@@ -31,13 +31,13 @@ from nano_hybrid.errors import EXIT_BAD_INPUT
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")
 
 
-def profile_backend(name: str, shape, params, iters: int, top: int) -> dict:
+def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from nano_hybrid.bench.arms import op_backend, parse_op_arm
 
-    op = mixer.MixerOp(op_backend(parse_op_arm(name)), shape, params, torch.device("cuda"), torch.bfloat16)
+    op = mixer.MixerOp(op_backend(parse_op_arm(name)), shape, params, torch.device("cuda"), torch.bfloat16, seq_idx)
     for _ in range(3):
         op.mixer_fwdbwd()
     torch.cuda.synchronize()
@@ -87,7 +87,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backends", default="mamba_ssm,helion",
                     help="comma list of backend[:kernels.helion.<setting>=value...]")
-    ap.add_argument("--shape", default="nano", choices=sorted(mixer.SHAPES))
+    ap.add_argument("--shape", default="nano", choices=sorted(set(mixer.SHAPES) | set(mixer.GRID)),
+                    help="a benchmark shape or a shape of the grid (bench_shape_grid.py; packed documents pass seq_idx)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
@@ -104,11 +105,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: scripts/profile_host.py needs a CUDA GPU", file=sys.stderr)
         return EXIT_BAD_INPUT
-    shape = mixer.SHAPES[args.shape]
+    from kernels.causal_conv1d import docs_seq_idx
+
+    shape, docs = (mixer.SHAPES[args.shape], 1) if args.shape in mixer.SHAPES else mixer.GRID[args.shape]
     params = mixer.make_params(shape, torch.device("cuda"), torch.bfloat16, 0)
-    res = {"benchmark": "profile_host", "env": environment.env_info(), "args": vars(args), "shape": args.shape, "backends": {}}
+    seq_idx = docs_seq_idx(shape.batch, shape.seqlen, shape.seqlen, docs, "cuda")
+    res = {"benchmark": "profile_host", "env": environment.env_info(), "args": vars(args), "shape": args.shape,
+           "docs_per_sequence": docs, "backends": {}}
     for name in args.backends.split(","):
-        r = profile_backend(name, shape, params, args.iters, args.top)
+        r = profile_backend(name, shape, params, args.iters, args.top, seq_idx)
         res["backends"][name] = r
         print(f"== {name}: enqueue {r['enqueue_ms']:.3f} ms/op, wall {r['wall_ms']:.3f} ms/op, device "
               f"{r['device_ms']:.3f} ms/op, launches {r['kernel_launches_per_op']:.0f}/op, syncs {r['sync_calls_per_op']}")
