@@ -181,6 +181,19 @@ def rmsnorm_gated_bwd_kernel(
 # Generic configs used when no tuned file entry exists (also the search's reference).
 RMSNORM_FWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4)
 RMSNORM_BWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4, rows_per_program=64)
+# Groups wider than WIDE_GROUP (Mamba2's single group of 5120): a program holds block_sizes[0] x next_pow2(group)
+# fp32 values per tensor, so one row over 8 warps keeps them in registers where 4 rows over 4 warps spill (and their
+# compile takes the time of a whole first-use search)
+WIDE_GROUP = 1024
+RMSNORM_FWD_WIDE_DEFAULT = helion.Config(block_sizes=[1], num_warps=8)
+RMSNORM_BWD_WIDE_DEFAULT = helion.Config(block_sizes=[1], num_warps=8, rows_per_program=64)
+
+
+def default_configs(group: int) -> tuple[helion.Config, helion.Config]:
+    """The (forward, backward) generic configs for groups of ``group`` channels."""
+    if group > WIDE_GROUP:
+        return RMSNORM_FWD_WIDE_DEFAULT, RMSNORM_BWD_WIDE_DEFAULT
+    return RMSNORM_FWD_DEFAULT, RMSNORM_BWD_DEFAULT
 
 def _norm_dims(m: int, g: int, d: int, has_z: bool, nbg: bool, dtype: torch.dtype) -> dict:
     return dict(m=m, g=g, gs=d, z=bool(has_z), nbg=bool(nbg), dt=str(dtype).replace("torch.", ""))
@@ -192,7 +205,7 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 class _Plan:
-    __slots__ = ("d", "dims", "g", "m", "shape3", "wshape2", "zdummy")
+    __slots__ = ("bwd_default", "d", "dims", "fwd_default", "g", "m", "shape3", "wshape2", "zdummy")
 
     def __init__(self, x, weight, has_z, group_size, nbg):
         if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
@@ -206,6 +219,7 @@ class _Plan:
         self.shape3 = (self.m, g, d)
         self.wshape2 = (g, d)
         self.dims = _norm_dims(self.m, g, d, has_z, nbg, x.dtype)
+        self.fwd_default, self.bwd_default = default_configs(d)
         # the backward's z argument without z: dz = empty_like(z) is then (1, 1, 1), not a full-size buffer
         self.zdummy = None if has_z else torch.empty((1, 1, 1), dtype=x.dtype, device=x.device)
 
@@ -228,7 +242,7 @@ def _view3(t, shape3):
 
 def _fwd(x3, w2, z3, eps, nbg, p: _Plan):
     args = (x3, w2, x3 if z3 is None else z3, eps, z3 is not None, nbg)
-    return first_use.tuned_call("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, args, p.dims, RMSNORM_FWD_DEFAULT)
+    return first_use.tuned_call("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, args, p.dims, p.fwd_default)
 
 
 def rmsnorm_dweight_sum(dw_partial: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -243,7 +257,7 @@ def _bwd(dy, x3, w2, z3, rstd, nbg, p: _Plan):
     has_z = z3 is not None
     args = (dy3, x3, w2, z3 if has_z else p.zdummy, rstd, has_z, nbg)
     dx, dz, dw_partial = first_use.tuned_call("rmsnorm_bwd", rmsnorm_gated_bwd_kernel, args, p.dims,
-                                              RMSNORM_BWD_DEFAULT, finalize=rmsnorm_bwd_final)
+                                              p.bwd_default, finalize=rmsnorm_bwd_final)
     return dx, (dz if has_z else None), rmsnorm_dweight_sum(dw_partial, w2)
 
 
@@ -382,6 +396,8 @@ def _rmsnorm_case(kind: str):
         w = (1 + 0.1 * torch.randn(g, d, generator=gen)).to(device=device, dtype=torch.bfloat16)
         # Megatron's MambaMixer path: z=None, norm_before_gate=False
         kd = _norm_dims(m, g, d, False, False, torch.bfloat16)
+        fwd_default, bwd_default = default_configs(d)
+        wide = d > WIDE_GROUP
         # Seeds: the TMA / eviction-policy variants of the best shapes first (the H200 winners first:
         # fwd [8] 1 warp; bwd [4] 2 warps 128 rows stages [0, 2]), then a plain grid around them; <= 60 each.
         if kind == "fwd":
@@ -389,11 +405,14 @@ def _rmsnorm_case(kind: str):
             bases = [dict(block_sizes=[8], num_warps=1), dict(block_sizes=[4], num_warps=4),
                      dict(block_sizes=[4], num_warps=1), dict(block_sizes=[8], num_warps=2),
                      dict(block_sizes=[16], num_warps=2), dict(block_sizes=[2], num_warps=1)]
-            seeds = _access_seeds(kind, _n_eviction(rmsnorm_gated_fwd_kernel, args), bases) + tuner.grid_seeds(
-                block_sizes=[[1], [2], [4], [8], [16]], num_warps=[1, 2, 4, 8])
+            grid = dict(block_sizes=[[1], [2], [4], [8], [16]], num_warps=[1, 2, 4, 8])
+            if wide:  # one or two rows over 4-16 warps (WIDE_GROUP)
+                bases = [dict(block_sizes=[b], num_warps=w) for b in (1, 2) for w in (8, 16, 4)]
+                grid = dict(block_sizes=[[1], [2]], num_warps=[2, 4, 8, 16])
+            seeds = _access_seeds(kind, _n_eviction(rmsnorm_gated_fwd_kernel, args), bases) + tuner.grid_seeds(**grid)
             # seeds only: on the H200 one random candidate hung inside Triton's native compile (which
             # no Python-level time limit interrupts), so the search stays on these seeds
-            return tuner.TuneCase(rmsnorm_gated_fwd_kernel, args, kd, RMSNORM_FWD_DEFAULT, _dedup(seeds), atol=2e-2,
+            return tuner.TuneCase(rmsnorm_gated_fwd_kernel, args, kd, fwd_default, _dedup(seeds), atol=2e-2,
                                    rtol=2e-2, n_random=0)
         rstd = torch.rsqrt(x.float().square().mean(-1) + 1e-5)
         dy = torch.randn(m, g, d, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -408,23 +427,22 @@ def _rmsnorm_case(kind: str):
                  dict(block_sizes=[8], num_warps=4, rows_per_program=128, range_num_stages=[0, 2]),
                  dict(block_sizes=[2], num_warps=2, rows_per_program=128, range_num_stages=[0, 2]),
                  dict(block_sizes=[4], num_warps=2, rows_per_program=256, range_num_stages=[0, 2])]
-        if d > 1024:
-            # wide groups (Mamba2's single group of 5120): a program holds block x next_pow2(d) fp32 values per
-            # tensor; one or two rows over 8-16 warps keep them in registers, where 4 rows over 2-4 warps spill
+        grid = dict(rows_per_program=[32, 64, 128, 256], block_sizes=[[2], [4], [8]], num_warps=[2, 4],
+                    range_num_stages=[[0, 2], [0, 3]])
+        if wide:
+            # one or two rows over 4-16 warps (WIDE_GROUP); no random candidates, whose wider tiles each compile for
+            # longer than the search's budget allows
             bases = [dict(block_sizes=[1], num_warps=w, rows_per_program=r, range_num_stages=[0, 2])
                      for w in (8, 16) for r in (64, 128)] + [
-                     dict(block_sizes=[2], num_warps=8, rows_per_program=128, range_num_stages=[0, 2])] + bases
-        seeds = _access_seeds(kind, _n_eviction(rmsnorm_gated_bwd_kernel, args), bases) + tuner.grid_seeds(
-            rows_per_program=[32, 64, 128, 256],
-            block_sizes=[[2], [4], [8]],
-            num_warps=[2, 4],
-            range_num_stages=[[0, 2], [0, 3]],
-        )
+                     dict(block_sizes=[2], num_warps=8, rows_per_program=128, range_num_stages=[0, 2])]
+            grid = dict(rows_per_program=[32, 64, 128, 256], block_sizes=[[1], [2]], num_warps=[4, 8, 16],
+                        range_num_stages=[[0, 2]])
+        seeds = _access_seeds(kind, _n_eviction(rmsnorm_gated_bwd_kernel, args), bases) + tuner.grid_seeds(**grid)
         seeds = [s for s in _dedup(seeds) if s["block_sizes"][0] <= s["rows_per_program"]][:60]
         # Compared on the final results (dx, dz when gated, summed dweight): the partials' count
         # depends on rows_per_program, and dz is never written without z.
-        return tuner.TuneCase(rmsnorm_gated_bwd_kernel, args, kd, RMSNORM_BWD_DEFAULT, seeds, atol=5e-2, rtol=2e-2,
-                               n_random=16, finalize=rmsnorm_bwd_final)
+        return tuner.TuneCase(rmsnorm_gated_bwd_kernel, args, kd, bwd_default, seeds, atol=5e-2, rtol=2e-2,
+                               n_random=0 if wide else 16, finalize=rmsnorm_bwd_final)
 
     return build
 

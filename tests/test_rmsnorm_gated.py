@@ -260,14 +260,38 @@ def test_row_strided_input_is_not_copied(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} differs")
 
 
-def test_rmsnorm_bwd_search_tries_register_sized_rows_first_on_wide_groups():
-    """At a wide group (Mamba2-2.7B: one group of 5120) the backward's search starts with one or two rows per tile
-    over 8-16 warps; at Nano's groups of 512 it keeps its 4-row seeds first."""
-    from kernels.rmsnorm_gated import TUNABLE_KERNELS
-
-    build = TUNABLE_KERNELS["rmsnorm_bwd"].build
-    wide = build(dict(b=1, l=64, h=80, p=64, g=1, n=128, c=256), "cpu")
-    assert [(s["block_sizes"], s["num_warps"]) for s in wide.seeds[:2]] == [([1], 8), ([1], 8)]
-    assert all(s["block_sizes"][0] <= 2 for s in wide.seeds[:5])
-    nano = build(dict(b=1, l=64, h=64, p=64, g=8, n=128, c=128), "cpu")
+def test_rmsnorm_searches_and_defaults_keep_wide_groups_to_register_sized_rows(monkeypatch):
+    """At a wide group (Mamba2-2.7B: one group of 5120) both searches start from the wide default (one row over 8
+    warps), try only one or two rows per tile and no random candidates; at Nano's groups of 512 they keep the generic
+    default, the backward its 4-row seeds first and its random candidates. The wrappers run the default of the
+    call's group width."""
+    wide_dims, nano_dims = dict(b=1, l=64, h=80, p=64, g=1, n=128, c=256), dict(b=1, l=64, h=64, p=64, g=8, n=128, c=128)
+    for kind, wide_default, default in (("fwd", R.RMSNORM_FWD_WIDE_DEFAULT, R.RMSNORM_FWD_DEFAULT),
+                                        ("bwd", R.RMSNORM_BWD_WIDE_DEFAULT, R.RMSNORM_BWD_DEFAULT)):
+        build = R.TUNABLE_KERNELS[f"rmsnorm_{kind}"].build
+        wide, nano = build(wide_dims, "cpu"), build(nano_dims, "cpu")
+        assert wide.default is wide_default and wide_default.config["block_sizes"] == [1]
+        assert wide.seeds and all(s["block_sizes"][0] <= 2 for s in wide.seeds), kind
+        assert wide.n_random == 0 and nano.default is default
+        assert any(s["block_sizes"][0] >= 4 for s in nano.seeds), kind
+    assert nano.n_random > 0
+    assert (wide.seeds[0]["block_sizes"], wide.seeds[0]["num_warps"]) == ([1], 8)
     assert nano.seeds[0]["block_sizes"] == [4] and nano.seeds[0]["num_warps"] == 2
+    assert R.default_configs(R.WIDE_GROUP) == (R.RMSNORM_FWD_DEFAULT, R.RMSNORM_BWD_DEFAULT)
+    assert R.default_configs(R.WIDE_GROUP + 1) == (R.RMSNORM_FWD_WIDE_DEFAULT, R.RMSNORM_BWD_WIDE_DEFAULT)
+
+    got = []
+    real = first_use.tuned_call
+
+    def spy(name, kernel, args, dims, default, **kw):
+        got.append((name, dims["gs"], default))
+        return real(name, kernel, args, dims, default, **kw)
+
+    monkeypatch.setattr(first_use, "tuned_call", spy)
+    for gs in (R.WIDE_GROUP, 2 * R.WIDE_GROUP):
+        x = torch.randn(4, gs, requires_grad=True)
+        w = torch.ones(gs, requires_grad=True)
+        rmsnorm_fn_helion(x, w, eps=1e-5, group_size=gs, norm_before_gate=False).sum().backward()
+    n = R.WIDE_GROUP
+    assert got == [("rmsnorm_fwd", n, R.RMSNORM_FWD_DEFAULT), ("rmsnorm_bwd", n, R.RMSNORM_BWD_DEFAULT),
+                   ("rmsnorm_fwd", 2 * n, R.RMSNORM_FWD_WIDE_DEFAULT), ("rmsnorm_bwd", 2 * n, R.RMSNORM_BWD_WIDE_DEFAULT)]
