@@ -182,8 +182,8 @@ def rmsnorm_gated_bwd_kernel(
 RMSNORM_FWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4)
 RMSNORM_BWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4, rows_per_program=64)
 # Groups wider than WIDE_GROUP (Mamba2's single group of 5120): a program holds block_sizes[0] x next_pow2(group)
-# fp32 values per tensor, so one row over 8 warps keeps them in registers where 4 rows over 4 warps spill (and their
-# compile takes the time of a whole first-use search)
+# fp32 values per tensor, so one row over 8 warps keeps them in registers where 4 rows over 4 warps spill (a search
+# over wide tiles at Mamba2-2.7B ran past its time limit, its candidates compiling for over 15 s each)
 WIDE_GROUP = 1024
 RMSNORM_FWD_WIDE_DEFAULT = helion.Config(block_sizes=[1], num_warps=8)
 RMSNORM_BWD_WIDE_DEFAULT = helion.Config(block_sizes=[1], num_warps=8, rows_per_program=64)
