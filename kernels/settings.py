@@ -68,6 +68,7 @@ cache_dir           ""         the per-user config cache (``<cache_dir>/<arch>/<
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,8 +108,8 @@ class HelionSettings:
                 raise HelionSettingsError(f"kernels.helion.state_passing={v!r}; choose one of "
                                           f"{', '.join(STATE_PASSING_CHOICES)}")
             if f.type == "float":
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                    raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be a number of seconds > 0")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                    raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be a finite number of seconds > 0")
                 object.__setattr__(self, f.name, float(v))
             if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise HelionSettingsError(f"kernels.helion.{f.name}={v!r} must be a whole number >= 1")

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from nano_hybrid.errors import EXIT_BAD_INPUT, EXIT_FAILED, filter_startup_warnings, report_error
+from nano_hybrid.errors import EXIT_BAD_INPUT, EXIT_FAILED, ConfigError, filter_startup_warnings, report_error
 
 filter_startup_warnings()
 
@@ -37,6 +37,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+NPROC_WORDS = ("auto", "cpu", "gpu")  # torchrun's --nproc-per-node words
+
+
 def _world_size(args) -> int | None:
     """Workers in the job when torchrun's options fix it (``--nnodes N`` or ``N:N``, ``--nproc-per-node N``)."""
     nnodes = str(args.nnodes)
@@ -44,12 +47,25 @@ def _world_size(args) -> int | None:
     if hi and hi != lo:
         return None  # elastic: the size is known only at rendezvous
     try:
-        nproc = int(args.nproc_per_node)
-    except ValueError:  # "gpu", "auto": counted on the node
+        nodes = int(lo)
+    except ValueError:
+        nodes = 0
+    if nodes < 1:
+        raise ConfigError(f"--nnodes={args.nnodes!r}: a positive number of nodes (or MIN:MAX)")
+    value = str(args.nproc_per_node)
+    try:
+        nproc = int(value)
+    except ValueError:  # "gpu", "cpu", "auto": counted on the node, as torchrun counts them
+        if value not in NPROC_WORDS:
+            raise ConfigError(f"--nproc-per-node={value!r}: a positive number of workers, or one of "
+                              f"{', '.join(NPROC_WORDS)}") from None
         import torch
 
-        nproc = torch.cuda.device_count() if args.nproc_per_node == "gpu" or torch.cuda.is_available() else os.cpu_count()
-    return int(lo) * int(nproc)
+        gpus = value == "gpu" or (value == "auto" and torch.cuda.is_available())
+        nproc = torch.cuda.device_count() if gpus else os.cpu_count()
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node={value!r}: a positive number of workers, or one of {', '.join(NPROC_WORDS)}")
+    return nodes * nproc
 
 
 def validate_for(overrides: list[str], world_size: int | None) -> None:
@@ -101,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import get_args_parser, run
 
     from kernels.registry import BackendUnavailableError, UnknownBackendError
-    from nano_hybrid.config import ConfigError
     from nano_hybrid.data import DataConfigError
 
     argv = sys.argv[1:] if argv is None else argv
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse printed its usage and message
         return EXIT_BAD_INPUT if e.code else 0
     try:
-        validate_for(overrides, _world_size(args))
+        validate_for(overrides, _world_size(args))  # torchrun's sizes first, then the run's config
     except (ConfigError, DataConfigError, UnknownBackendError, BackendUnavailableError) as e:
         report_error(str(e), rank=0)
         return EXIT_BAD_INPUT

@@ -100,6 +100,38 @@ def check_numbers(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={v!r} must be {what}" + (" or null" if nullable else ""))
 
 
+def check_values(cfg: DictConfig) -> None:
+    """ConfigError naming the first schema key whose value its type does not allow: a yes/no key that is not true
+    or false, a number key that is not finite (nan, inf)."""
+    import math
+
+    from nano_hybrid.schema import GROUPS
+
+    def walk(node, schema: type, prefix: str) -> None:
+        for f in dataclasses.fields(schema):
+            if f.name not in node:
+                continue
+            key, kind = f"{prefix}.{f.name}", str(f.type).removeprefix("Optional[").removesuffix("]")
+            v = OmegaConf.select(node, f.name, default=None)
+            if dataclasses.is_dataclass(f.default_factory) and v is not None:
+                walk(node[f.name], f.default_factory, key)
+            elif v is None:
+                continue
+            elif kind == "bool" and not isinstance(v, bool):
+                raise ConfigError(f"{key}={v!r} must be true or false")
+            elif kind == "float" and not isinstance(v, bool):
+                try:
+                    finite = math.isfinite(float(v))
+                except (TypeError, ValueError):
+                    continue  # not a number: check_numbers names it
+                if not finite:
+                    raise ConfigError(f"{key}={v!r} must be a finite number")
+
+    for group, schema in GROUPS.items():
+        if group in cfg and cfg[group] is not None:
+            walk(cfg[group], schema, group)
+
+
 def _positive_int(cfg: DictConfig, key: str) -> int:
     v = OmegaConf.select(cfg, key)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -139,6 +171,9 @@ def validate_optim(o: DictConfig, train_iters: int) -> None:
     for key in ("lr", "adam_beta1", "adam_beta2", "adam_eps"):
         if not float(o[key]) > 0:
             raise ConfigError(f"optim.{key}={o[key]} must be > 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not float(o[key]) < 1:
+            raise ConfigError(f"optim.{key}={o[key]} must be < 1")
     if not 0 <= float(o.min_lr) <= float(o.lr):
         raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
     if not 0 <= float(o.init_lr) <= float(o.lr):
@@ -221,6 +256,14 @@ def _check_layout(cfg: DictConfig, env: LaunchEnv, mbs: int, gbs: int, device: t
 
         check_memory(cfg, dims, torch.cuda.get_device_properties(device).total_memory)
     return dims
+
+
+def _check_transformer_config(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """The model's own checks, then megatron-core's TransformerConfig checks of the settings together (e.g. the
+    expert bias only with the sigmoid router score), before any work."""
+    from nano_hybrid.model.config import make_transformer_config
+
+    make_transformer_config(cfg, device=device, dtype=dtype)
 
 
 def _check_tokenizer(cfg: DictConfig):
@@ -375,12 +418,18 @@ def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
     env = LaunchEnv.read() if env is None else env
     check_keys(cfg)
     check_numbers(cfg)
+    check_values(cfg)
+    if not 0 <= int(cfg.seed) < 2**32:
+        raise ConfigError(f"seed={cfg.seed} must be in [0, 2**32)")
+    if cfg.get("run_dir") is not None and not str(cfg.run_dir).strip():
+        raise ConfigError("run_dir is empty: name a folder, or leave it null for runs/<model>-<backend>-<time>")
     mbs, gbs, seq, iters = _check_train(cfg)
     device = resolve_device(str(cfg.train.device), env.local_rank)
     dtype = resolve_dtype(str(cfg.train.precision), device)
     check_fp8_settings(cfg, device)
     validate_optim(cfg.optim, iters)
     dims = _check_layout(cfg, env, mbs, gbs, device)
+    _check_transformer_config(cfg, device, dtype)
     tok_spec, tokenizer = _check_tokenizer(cfg)
     eval_interval, eval_iters = _check_eval(cfg)
     spec = _check_data(cfg, tok_spec, eval_interval)

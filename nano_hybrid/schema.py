@@ -67,7 +67,7 @@ class ModelSchema:
     moe_router_bias_update_rate: float = doc("update rate of the expert bias", 1.0e-3)
     moe_router_topk_scaling_factor: Optional[float] = doc("scale of the top-k routing weights (null: none)", None)
     moe_router_dtype: Optional[str] = doc("router compute dtype: fp32 | fp64 (null: the model's)", None)
-    moe_router_load_balancing_type: str = doc("aux_loss | seq_aux_loss | sinkhorn | none", "aux_loss")
+    moe_router_load_balancing_type: str = doc("aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none", "aux_loss")
     moe_aux_loss_coeff: float = doc("load-balancing loss coefficient", 0.0)
     moe_token_dispatcher_type: str = doc("allgather | alltoall (alltoall builds a CUDA stream: GPU only)", "allgather")
     attention_impl: str = doc("sdpa (torch scaled_dot_product_attention) | unfused (megatron DotProductAttention)",

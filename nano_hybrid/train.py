@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if plan.dims.is_main:
             trainer.logger.print(f"done: {trainer.state.step} steps, {trainer.state.consumed_tokens:,} tokens; "
                                  f"metrics in {trainer.run_dir}/metrics.jsonl")
-    except (DataPreparationError, DataConfigError) as e:
+    except (DataPreparationError, DataConfigError, ConfigError) as e:
         report_error(str(e), rank=plan.dims.rank, collective=plan.dims.multi_process)
         return EXIT_BAD_INPUT
     except RunError as e:  # checkpoint, storage, run-dir lock, divergence: one line (once per job if collective)

@@ -222,6 +222,36 @@ def test_auto_falls_back_past_corrupt_checkpoints_and_keeps_them(dist_world1, tm
     with pytest.raises(ck.CheckpointError, match="no checkpoint in .* verifies .*refusing to start from scratch"):
         ck.Checkpointer(cfg).locate()
     assert len(list((root / "corrupt").iterdir())) == 3  # kept, never deleted
+    # the same command again: still refused (the tracker and corrupt/ show the run's progress), nothing moves
+    with pytest.raises(ck.CheckpointError, match=r"holds no checkpoint that verifies, but its tracker names iteration 2 "
+                                                 r"and .*corrupt holds 3 checkpoint\(s\).*checkpoint.load=none"):
+        ck.Checkpointer(cfg).locate()
+    assert len(list((root / "corrupt").iterdir())) == 3 and (root / ck.TRACKER_FILE).read_text() == "2\n"
+    assert ck.Checkpointer(_cfg(tmp_path, keep_last=0, load="none")).locate() is None  # starting over is said
+
+
+def test_a_tracked_checkpoint_that_lost_its_manifest_is_set_aside_not_deleted(dist_world1, tmp_path, capsys):
+    """The tracker is written after the manifest: an iter dir that the tracker names had completed, so without its
+    manifest it moves to corrupt/ (the run falls back to the previous checkpoint, said); an untracked iter dir
+    without one is a save that never completed and is deleted."""
+    cfg = _cfg(tmp_path, keep_last=0)
+    m = _model()
+    c = ck.Checkpointer(cfg)
+    for step in (2, 4):
+        c.save(State(step=step, consumed_samples=step), m)
+    root = tmp_path / "ckpt"
+    (root / "iter_0000004" / ck.META_FILE).unlink()
+    (root / "iter_0000006").mkdir()  # a save of step 6 that crashed before its manifest and the tracker
+    (root / "iter_0000006" / "common.pt").write_bytes(b"partial")
+    c2 = ck.Checkpointer(cfg)
+    assert c2.locate() == root / "iter_0000002" and c2.resume_step == 2
+    assert sorted(d.name for d in (root / "corrupt").iterdir()) == ["iter_0000004"]
+    assert "the tracker names this checkpoint" in (root / "corrupt" / "iter_0000004" / "WHY.txt").read_text()
+    assert (root / "corrupt" / "iter_0000004" / "common.pt").is_file()  # its files are kept
+    assert not (root / "iter_0000006").exists()
+    out = capsys.readouterr().out
+    assert "iter_0000004" in out and "moved to" in out and "removing incomplete checkpoint" in out
+    assert (root / ck.TRACKER_FILE).read_text() == "2\n"
 
 
 @pytest.mark.parametrize("code", ["ENOSPC", "EIO", "EACCES"])

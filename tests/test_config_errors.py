@@ -44,13 +44,34 @@ CASES = [
     (["model.num_query_groups=3"], "model.num_attention_heads=4 must be divisible by model.num_query_groups=3"),
     (["model.hidden_size=250"], "use model.moe_experts_impl=sequential"),
     (["model.moe_ffn_hidden_size=254"], "the expert width 254 to be multiples of 8"),
+    # values of the right type that torch, numpy or megatron would refuse only after start-up, or take silently
+    (["optim.adam_beta1=1.5"], "optim.adam_beta1=1.5 must be < 1"),
+    (["optim.adam_beta2=1.0"], "optim.adam_beta2=1.0 must be < 1"),
+    (["optim.weight_decay=nan"], "optim.weight_decay=nan must be a finite number"),
+    (["optim.clip_grad=nan"], "optim.clip_grad=nan must be a finite number"),
+    (["optim.lr=inf"], "optim.lr=inf must be a finite number"),
+    (["optim.adam_eps=inf"], "optim.adam_eps=inf must be a finite number"),
+    (["seed=-1"], "seed=-1 must be in [0, 2**32)"),
+    (["run_dir="], "run_dir is empty"),
+    (["model.init_method_std=-0.02"], "model.init_method_std=-0.02 must be > 0 and finite"),
+    (["model.norm_epsilon=-1"], "model.norm_epsilon=-1 must be > 0 and finite"),
+    (["model.hidden_dropout=1.5"], "model.hidden_dropout=1.5 must be [0, 1)"),
+    (["model.hybrid_override_pattern=''"], "model.hybrid_override_pattern is empty"),
+    (["model.moe_router_load_balancing_type=bogus"], "model.moe_router_load_balancing_type='bogus'; choose one of"),
+    (["model.moe_router_dtype=bogus"], "model.moe_router_dtype='bogus'; choose one of null, fp32, fp64"),
+    (["model.moe_router_score_function=softmax", "model.moe_router_enable_expert_bias=true"],
+     "megatron rejected model config 'tiny': Expert bias"),
+    (["kernels.deterministic=maybe"], "kernels.deterministic='maybe' must be true or false"),
+    (["checkpoint.save_on_exit=maybe"], "checkpoint.save_on_exit='maybe' must be true or false"),
+    (["model.squared_relu=maybe"], "model.squared_relu='maybe' must be true or false"),
+    (["kernels.helion.autotune_budget_s=inf"], "must be a finite number of seconds > 0"),
 ]
 
 
 @pytest.mark.parametrize("overrides,message", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_bad_input_fails_before_work(overrides, message, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    rc = main([*overrides, f"run_dir={run_dir}"])
+    rc = main([f"run_dir={run_dir}", *overrides])  # an override may set run_dir itself
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == EXIT_BAD_INPUT
     assert len(err) == 1 and err[0].startswith("error: "), err

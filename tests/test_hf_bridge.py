@@ -284,6 +284,34 @@ def test_config_mismatch_stops_with_one_line(exported, capsys):
     assert rc == 2 and len(err) == 1 and "no config.json" in err[0], err
 
 
+def test_init_from_hf_refuses_non_finite_or_damaged_weights_in_one_line(exported, tmp_path):
+    """A NaN in one tensor of the folder, or a truncated safetensors file: one HFBridgeError naming the folder (and
+    the tensor), not weights that train into NaN or a safetensors traceback."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nano_hybrid.hf import HFBridgeError
+
+    cfg, _, folder = exported["tiny"]
+    _, model = _build(TINY)
+    nan = tmp_path / "nan"
+    shutil.copytree(folder, nan)
+    (st,) = sorted(nan.glob("*.safetensors"))
+    tensors = load_file(st)
+    name = next(k for k in sorted(tensors) if "embeddings" in k)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, st, metadata={"format": "pt"})
+    with pytest.raises(HFBridgeError, match=r"init_from_hf=.*nan: non-finite values in the weights of embedding"):
+        load_hf_weights(model, nan, cfg)
+    cut = tmp_path / "cut"
+    shutil.copytree(folder, cut)
+    (st,) = sorted(cut.glob("*.safetensors"))
+    st.write_bytes(st.read_bytes()[:100])
+    with pytest.raises(HFBridgeError, match=r"init_from_hf=.*cut: unreadable weights \(SafetensorError"):
+        load_hf_weights(model, cut, cfg)
+
+
 def test_export_cli_refuses_missing_checkpoint(tmp_path, capsys):
     from nano_hybrid import export_hf
 

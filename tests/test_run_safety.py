@@ -22,6 +22,7 @@ import sys
 import time
 from functools import partial
 
+import pytest
 import torch
 
 from side_by_side import side_by_side
@@ -228,3 +229,21 @@ def test_launcher_says_when_torchrun_killed_workers_that_did_not_stop(monkeypatc
     assert launch.main(["--standalone", "--nproc-per-node", "2", "model=tiny"]) == 1
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(err) == 1 and err[0].startswith("error: the launcher got SIGTERM and the workers did not stop"), err
+
+
+@pytest.mark.parametrize("opts,needle", [
+    (["--nproc-per-node", "abc"], "--nproc-per-node='abc': a positive number of workers, or one of auto, cpu, gpu"),
+    (["--nproc-per-node", "0"], "--nproc-per-node='0': a positive number of workers"),
+    (["--nnodes", "0", "--nproc-per-node", "2"], "--nnodes='0': a positive number of nodes"),
+])
+def test_launcher_refuses_bad_worker_counts_in_one_line_before_starting(opts, needle, monkeypatch, capsys):
+    import torch.distributed.run as trun
+
+    from nano_hybrid import launch
+
+    started = []
+    monkeypatch.setattr(trun, "run", lambda args: started.append(args))
+    assert launch.main(["--standalone", *opts, "model=tiny", "kernels.backend=torch"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and err[0].startswith(f"error: {needle}"), err
+    assert not started

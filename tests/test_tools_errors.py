@@ -238,3 +238,26 @@ def test_run_summary_refuses_an_explicit_skip_that_leaves_no_step(tmp_path, caps
     _one_error(capsys, run_summary.main([str(run), "--skip", "3"]), "--skip 3 leaves no step to time")
     assert run_summary.main([str(run), "--skip", "2"]) == 0
     assert run_summary.main([str(run)]) == 0  # the default skip (5): a run shorter than it is timed whole
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--arch", "bogus"], "--arch 'bogus': a GPU arch such as sm90"),
+    (["--arch", "../../etc"], "--arch '../../etc'"),
+    (["--device", "bogus"], "--device 'bogus': cpu, cuda or cuda:N"),
+    (["--out", "FILE"], "is a file, not a folder"),
+    (["model=tiny", "model.mamba_chunk_size=96"], "chunk_size=96 (a power of two in 16..256) is not supported"),
+])
+def test_bench_compile_cache_refuses_bad_arguments_before_any_child(saved, capsys, monkeypatch, args, needle):
+    import subprocess
+
+    from nano_hybrid.bench import bench_compile_cache
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a child was started"))
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)  # the tool refuses interpret mode before these checks
+    before = _tree(saved)
+    args = [str(saved / "file") if a == "FILE" else a for a in args]
+    with pytest.raises(SystemExit) as e:
+        bench_compile_cache.main(["--kernels", "rmsnorm_fwd", *args] + ([] if "--out" in args else
+                                                                       ["--out", str(saved / "out")]))
+    assert e.value.code == EXIT_BAD_INPUT and needle in capsys.readouterr().err
+    assert _tree(saved) == before

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -90,9 +91,17 @@ def main(argv=None) -> int:
         ap.error("HELION_INTERPRET is set: the compile cache serves compiled kernels only; unset it")
     names, shape_dims = kernels_and_shapes(ap, args.kernels, args.overrides, args.shapes)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        ap.error(f"--device {device!r}: cpu, cuda or cuda:N")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {device}: this host has no CUDA GPU")
     arch = args.arch or (tuning.current_arch() if torch.cuda.is_available() else "sm90")
+    if not re.fullmatch(r"sm\d{2,3}", arch):
+        ap.error(f"--arch {arch!r}: a GPU arch such as sm90 or sm100 (kernels/configs/<arch>/)")
     results: dict[str, dict] = {}
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     report = {"what": "host seconds of each kernel's first-call work before its launch (bind, config choice, code "
                       "generation and module load; from the compile cache in the cached mode), one fresh process per "

@@ -336,9 +336,13 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
         from nano_hybrid.config import ConfigError, compose
         from nano_hybrid.model.config import mixer_dims
 
+        from kernels.shapes import UnsupportedShapeError, check_supported
+
         try:
             dims = mixer_dims(compose(list(overrides)))
-        except ConfigError as e:
+            check_supported(nheads=dims["h"], headdim=dims["p"], ngroups=dims["g"], dstate=dims["n"],
+                            chunk_size=dims["c"], conv_width=dims["w"], batch=dims["b"], seqlen=dims["l"])
+        except (ConfigError, UnsupportedShapeError) as e:
             raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
         return {"run_" + tuning.shape_key(**dims): dims}
     from nano_hybrid.bench.mixer import GRID, grid_model_dims

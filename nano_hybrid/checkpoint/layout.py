@@ -197,11 +197,27 @@ def prune(root: Path, keep_last: int) -> None:
         remove_step_dir(d)
 
 
-def remove_incomplete(root: Path) -> None:
-    """Rank 0: delete the iter_* dirs that never completed (a crash during save)."""
+def remove_incomplete(root: Path) -> list[Path]:
+    """Rank 0: the iter_* dirs without a manifest. One that the tracker names had completed (the tracker is written
+    after the manifest, and pruning never deletes it) and has lost its manifest since: it moves to ``corrupt/``
+    (never deleted), as does every one while the tracker is unreadable. The others are saves that never completed or
+    interrupted deletions (a crash during save or pruning) and are deleted. Returns where the set-aside ones went."""
+    try:
+        tracked, readable = read_tracker(root), True
+    except CheckpointError:
+        tracked, readable = None, False
+    aside = []
     for d in list_checkpoints(root)[1]:
+        if not readable or iteration_of(d) == tracked:
+            why = (f"no {META_FILE}, although the tracker names this checkpoint (it had completed)" if readable
+                   else f"no {META_FILE}, and the tracker is unreadable")
+            dest = set_aside(d, why)
+            log(f"WARNING: {d}: {why}; moved to {dest} (kept for inspection)")
+            aside.append(dest)
+            continue
         log(f"removing incomplete checkpoint {d}")
         shutil.rmtree(d, ignore_errors=True)
+    return aside
 
 
 def set_aside(ckpt: Path, reason: str) -> Path:

@@ -104,11 +104,28 @@ def _resolve_here(load: str, ckpt_dir: Path, verify: bool) -> Path | None:
     return found
 
 
+def _progress_without_checkpoint(root: Path) -> str | None:
+    """What says that the run in ``root`` had saved progress when no checkpoint is left: the tracker's iteration or
+    the checkpoints set aside in ``corrupt/``; None for neither (a fresh run)."""
+    said = []
+    try:
+        tracked = layout.read_tracker(root)
+    except CheckpointError:
+        tracked = None
+    if tracked is not None:
+        said.append(f"its tracker names iteration {tracked}")
+    corrupt = root / layout.CORRUPT_DIR
+    aside = sorted(p.name for p in corrupt.iterdir()) if corrupt.is_dir() else []
+    if aside:
+        said.append(f"{corrupt} holds {len(aside)} checkpoint(s) that failed verification ({', '.join(aside[:3])}"
+                    f"{', ...' if len(aside) > 3 else ''})")
+    return " and ".join(said) or None
+
+
 def _newest_verified(root: Path, verify: bool) -> Path | None:
     """``auto``: the newest complete checkpoint under ``root`` that verifies; the ones that fail are set aside."""
     root = Path(root)
-    layout.remove_incomplete(root)
-    set_aside_now: list[str] = []
+    set_aside_now = [str(d) for d in layout.remove_incomplete(root)]
     while True:
         try:
             ckpt = layout.latest_complete(root)
@@ -116,6 +133,12 @@ def _newest_verified(root: Path, verify: bool) -> Path | None:
             (root / TRACKER_FILE).unlink()
             ckpt = layout.latest_complete(root)
         if ckpt is None:
+            progress = _progress_without_checkpoint(root)
+            if progress and not set_aside_now:
+                raise CheckpointError(
+                    f"{root} holds no checkpoint that verifies, but {progress}; refusing to start from scratch (load "
+                    "one with checkpoint.load=<path> or start over with checkpoint.load=none)"
+                )
             if set_aside_now:
                 raise CheckpointError(
                     f"no checkpoint in {root} verifies (set aside: {', '.join(set_aside_now)}); "

@@ -249,10 +249,15 @@ def _storages(module: torch.nn.Module) -> set[int]:
 def load_hf_weights(model_chunks, folder: str | Path, cfg) -> dict:
     """Copy an HF Nemotron-H folder's weights into this rank's model (any TP/EP/PP layout); see
     :func:`_load_hf_weights`. Every failure is an HFBridgeError (one line)."""
+    from safetensors import SafetensorError
+
     try:
         return _load_hf_weights(model_chunks, folder, cfg)
     except MappingError as e:
         raise HFBridgeError(f"checkpoint.init_from_hf={folder}: {e}") from None
+    except (SafetensorError, OSError, json.JSONDecodeError) as e:  # a damaged or truncated file, an unreadable index
+        raise HFBridgeError(f"checkpoint.init_from_hf={folder}: unreadable weights ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 @torch.no_grad()
@@ -285,6 +290,9 @@ def _load_hf_weights(model_chunks, folder: str | Path, cfg) -> dict:
                 continue  # another pipeline stage's tensor
             if tuple(g.shape) != tuple(sh.global_shape):
                 raise HFBridgeError(f"{key}: HF gives {tuple(g.shape)}, the model's global shape is {tuple(sh.global_shape)}")
+            if g.is_floating_point() and not bool(torch.isfinite(g).all()):
+                raise HFBridgeError(f"checkpoint.init_from_hf={folder}: non-finite values in the weights of {key}; "
+                                    "nothing was trained from them")
             if sh.data.untyped_storage().data_ptr() not in owned:
                 raise HFBridgeError(f"{key}: the sharded state dict holds a copy, not the parameter; cannot load in place")
             sh.data.copy_(g[sh.global_slice()].reshape(sh.local_shape))

@@ -123,6 +123,11 @@ def mamba_heads(m: dict) -> int:
     return int(heads)
 
 
+# megatron-core's router choices (megatron/core/transformer/moe/router.py)
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
+
 # torch._grouped_mm takes operands whose rows are 16-byte aligned: widths that are multiples of 8 in bf16 (4 in fp32)
 GROUPED_MM_ALIGN = 8
 
@@ -137,7 +142,10 @@ def check_model_cfg(m: dict) -> None:
         raise ConfigError(f"model config {m['name']!r} has unknown key(s) {unknown}")
     pat = m["hybrid_override_pattern"]
     bad = sorted(set(pat) - LAYER_SYMBOLS)
-    if not pat or bad:
+    if not pat:
+        raise ConfigError("model.hybrid_override_pattern is empty: one symbol per layer (M Mamba-2, E MoE, * attention, "
+                          "- dense MLP)")
+    if bad:
         raise ConfigError(f"model.hybrid_override_pattern={pat!r}: symbols must be from M E * - (bad: {bad})")
     if m["attention_impl"] not in ATTENTION_IMPLS:
         raise ConfigError(f"model.attention_impl={m['attention_impl']!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
@@ -160,6 +168,19 @@ def check_model_cfg(m: dict) -> None:
         raise ConfigError("model.hybrid_override_pattern has attention layers (*) but model.num_attention_heads is not set")
     if m["position_embedding_type"] not in ("none", "rope", "learned_absolute"):
         raise ConfigError(f"model.position_embedding_type={m.get('position_embedding_type')!r}; use none, rope or learned_absolute")
+    for k, low, high, closed in (("norm_epsilon", 0.0, math.inf, False), ("init_method_std", 0.0, math.inf, False),
+                                 ("hidden_dropout", 0.0, 1.0, True), ("attention_dropout", 0.0, 1.0, True)):
+        v = m[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                (low <= v if closed else low < v) and v < high):
+            where = f"[{low:g}, {high:g})" if closed else "> 0 and finite"
+            raise ConfigError(f"model.{k}={v!r} must be {where}")
+    for k, choices in (("moe_router_score_function", MOE_SCORE_FUNCTIONS),
+                       ("moe_router_load_balancing_type", MOE_LOAD_BALANCING_TYPES),
+                       ("moe_router_dtype", MOE_ROUTER_DTYPES)):
+        if m.get(k) not in choices:
+            raise ConfigError(f"model.{k}={m.get(k)!r}; choose one of {', '.join(str(c).replace('None', 'null') for c in choices)}")
+
     def positive(k: str, nullable: bool = False) -> None:
         v = m.get(k)
         if v is None and nullable:
