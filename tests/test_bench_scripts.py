@@ -1979,6 +1979,25 @@ def test_triton_source_dumps_and_compares(tmp_path):
     assert r.returncode == 2 and "needs HELION_INTERPRET unset" in r.stderr
 
 
+def test_uninitialized_factories_keep_the_asked_device_dtype_and_shape():
+    """The cases the tools bind are built where they will run: torch.randn / torch.rand under
+    uninitialized_factories keep the device (here "meta", which needs no GPU), dtype and shape they are asked for,
+    and are restored afterwards."""
+    import torch
+
+    from nano_hybrid.bench.triton_source import uninitialized_factories
+
+    gen = torch.Generator().manual_seed(0)
+    with uninitialized_factories():
+        a = torch.randn(3, 4, generator=gen, device="meta", dtype=torch.bfloat16)
+        b = torch.rand((2, 5), device=torch.device("meta"))
+    assert (a.device.type, a.dtype, tuple(a.shape)) == ("meta", torch.bfloat16, (3, 4))
+    assert (b.device.type, b.dtype, tuple(b.shape)) == ("meta", torch.float32, (2, 5))
+    assert torch.randn(2, device="meta").device.type == "meta" and torch.randn(2).device.type == "cpu"
+    torch.manual_seed(0)
+    assert torch.equal(torch.randn(3), torch.randn(3, generator=torch.Generator().manual_seed(0)))  # the real one
+
+
 def test_bench_compile_cache_times_both_modes_in_fresh_processes(tmp_path):
     """scripts/bench_compile_cache.py times each kernel's first-call work in a fresh process with an empty compile
     cache and again in a second one that loads every kernel from the entries the first stored (same config source);

@@ -49,7 +49,7 @@ def uninitialized_factories():
     saved = {name: getattr(torch, name) for name in ("randn", "rand")}
 
     def empty(*size, generator=None, device=None, dtype=None, **kw):
-        return torch.empty(*size, dtype=dtype, **kw)
+        return torch.empty(*size, dtype=dtype, device=device, **kw)
 
     try:
         for name in saved:
