@@ -182,8 +182,8 @@ def rmsnorm_gated_bwd_kernel(
 RMSNORM_FWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4)
 RMSNORM_BWD_DEFAULT = helion.Config(block_sizes=[4], num_warps=4, rows_per_program=64)
 # Groups wider than WIDE_GROUP (Mamba2's single group of 5120): a program holds block_sizes[0] x next_pow2(group)
-# fp32 values per tensor, so one row over 8 warps keeps them in registers where 4 rows over 4 warps spill (a search
-# over wide tiles at Mamba2-2.7B ran past its time limit, its candidates compiling for over 15 s each)
+# fp32 values per tensor, so one row over 8 warps keeps them in registers where 4 rows over 4 warps spill (wide tiles
+# at Mamba2-2.7B compile for over 15 s each, longer than a first-use search can spend on one candidate)
 WIDE_GROUP = 1024
 RMSNORM_FWD_WIDE_DEFAULT = helion.Config(block_sizes=[1], num_warps=8)
 RMSNORM_BWD_WIDE_DEFAULT = helion.Config(block_sizes=[1], num_warps=8, rows_per_program=64)
@@ -406,7 +406,7 @@ def _rmsnorm_case(kind: str):
                      dict(block_sizes=[4], num_warps=1), dict(block_sizes=[8], num_warps=2),
                      dict(block_sizes=[16], num_warps=2), dict(block_sizes=[2], num_warps=1)]
             grid = dict(block_sizes=[[1], [2], [4], [8], [16]], num_warps=[1, 2, 4, 8])
-            if wide:  # one or two rows over 4-16 warps (WIDE_GROUP)
+            if wide:  # one or two rows over 4-16 warps (WIDE_GROUP), 2 warps in the plain grid
                 bases = [dict(block_sizes=[b], num_warps=w) for b in (1, 2) for w in (8, 16, 4)]
                 grid = dict(block_sizes=[[1], [2]], num_warps=[2, 4, 8, 16])
             seeds = _access_seeds(kind, _n_eviction(rmsnorm_gated_fwd_kernel, args), bases) + tuner.grid_seeds(**grid)
@@ -430,8 +430,8 @@ def _rmsnorm_case(kind: str):
         grid = dict(rows_per_program=[32, 64, 128, 256], block_sizes=[[2], [4], [8]], num_warps=[2, 4],
                     range_num_stages=[[0, 2], [0, 3]])
         if wide:
-            # one or two rows over 4-16 warps (WIDE_GROUP); no random candidates, whose wider tiles each compile for
-            # longer than the search's budget allows
+            # one or two rows over 4-16 warps (WIDE_GROUP), 2 warps in the plain grid; no random candidates, whose
+            # wider tiles each compile for longer than the search's budget allows
             bases = [dict(block_sizes=[1], num_warps=w, rows_per_program=r, range_num_stages=[0, 2])
                      for w in (8, 16) for r in (64, 128)] + [
                      dict(block_sizes=[2], num_warps=8, rows_per_program=128, range_num_stages=[0, 2])]

@@ -419,8 +419,11 @@ def validate(cfg: DictConfig, env: LaunchEnv | None = None) -> RunPlan:
     check_keys(cfg)
     check_numbers(cfg)
     check_values(cfg)
-    if not 0 <= int(cfg.seed) < 2**32:
-        raise ConfigError(f"seed={cfg.seed} must be in [0, 2**32)")
+    # numpy takes seeds below 2**32; each rank adds its offsets (e.g. 100 x its pipeline rank) to the run's seed
+    for key in ("seed", "data.valid_seed"):
+        v = OmegaConf.select(cfg, key, default=None)
+        if v is not None and not 0 <= int(v) < 2**31:
+            raise ConfigError(f"{key}={v} must be in [0, 2**31)")
     if cfg.get("run_dir") is not None and not str(cfg.run_dir).strip():
         raise ConfigError("run_dir is empty: name a folder, or leave it null for runs/<model>-<backend>-<time>")
     mbs, gbs, seq, iters = _check_train(cfg)

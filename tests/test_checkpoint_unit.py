@@ -212,7 +212,7 @@ def test_auto_falls_back_past_corrupt_checkpoints_and_keeps_them(dist_world1, tm
     assert c2.locate() == root / "iter_0000002"
     assert c2.resume_step == 2
     out = capsys.readouterr().out
-    assert "fails verification" in out and "falling back" in out and "newer one(s) failed verification" in out
+    assert "fails verification" in out and "falling back" in out and "2 newer one(s) set aside in" in out
     assert sorted(d.name for d in (root / "corrupt").iterdir()) == ["iter_0000004", "iter_0000006"]
     assert "missing" in (root / "corrupt" / "iter_0000004" / "WHY.txt").read_text()
     assert (root / ck.TRACKER_FILE).read_text() == "2\n"
@@ -227,7 +227,12 @@ def test_auto_falls_back_past_corrupt_checkpoints_and_keeps_them(dist_world1, tm
                                                  r"and .*corrupt holds 3 checkpoint\(s\).*checkpoint.load=none"):
         ck.Checkpointer(cfg).locate()
     assert len(list((root / "corrupt").iterdir())) == 3 and (root / ck.TRACKER_FILE).read_text() == "2\n"
-    assert ck.Checkpointer(_cfg(tmp_path, keep_last=0, load="none")).locate() is None  # starting over is said
+    # an unreadable tracker in a folder with no checkpoint left: refused too (it is evidence of saved progress)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / ck.TRACKER_FILE).write_text("garbage\n")
+    with pytest.raises(ck.CheckpointError, match="holds no checkpoint that verifies, but it had a tracker file"):
+        ck.Checkpointer(_cfg(tmp_path, dir=str(bare))).locate()
 
 
 def test_a_tracked_checkpoint_that_lost_its_manifest_is_set_aside_not_deleted(dist_world1, tmp_path, capsys):
@@ -246,7 +251,7 @@ def test_a_tracked_checkpoint_that_lost_its_manifest_is_set_aside_not_deleted(di
     c2 = ck.Checkpointer(cfg)
     assert c2.locate() == root / "iter_0000002" and c2.resume_step == 2
     assert sorted(d.name for d in (root / "corrupt").iterdir()) == ["iter_0000004"]
-    assert "the tracker names this checkpoint" in (root / "corrupt" / "iter_0000004" / "WHY.txt").read_text()
+    assert "the tracker names this step" in (root / "corrupt" / "iter_0000004" / "WHY.txt").read_text()
     assert (root / "corrupt" / "iter_0000004" / "common.pt").is_file()  # its files are kept
     assert not (root / "iter_0000006").exists()
     out = capsys.readouterr().out

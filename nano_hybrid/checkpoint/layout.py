@@ -198,19 +198,23 @@ def prune(root: Path, keep_last: int) -> None:
 
 
 def remove_incomplete(root: Path) -> list[Path]:
-    """Rank 0: the iter_* dirs without a manifest. One that the tracker names had completed (the tracker is written
-    after the manifest, and pruning never deletes it) and has lost its manifest since: it moves to ``corrupt/``
-    (never deleted), as does every one while the tracker is unreadable. The others are saves that never completed or
-    interrupted deletions (a crash during save or pruning) and are deleted. Returns where the set-aside ones went."""
+    """Rank 0: the iter_* dirs without a manifest. The one that the tracker names had completed (the tracker is
+    written after the manifest, and pruning never deletes it), unless a save of the same step was replacing it: it
+    moves to ``corrupt/``, never deleted. While the tracker is unreadable, so does every one at or below the newest
+    complete step. The others are saves that never completed or interrupted deletions (a crash during a save or
+    pruning) and are deleted. Returns where the set-aside ones went."""
+    complete, incomplete = list_checkpoints(root)
     try:
         tracked, readable = read_tracker(root), True
     except CheckpointError:
         tracked, readable = None, False
+    newest = complete[-1][0] if complete else -1
     aside = []
-    for d in list_checkpoints(root)[1]:
-        if not readable or iteration_of(d) == tracked:
-            why = (f"no {META_FILE}, although the tracker names this checkpoint (it had completed)" if readable
-                   else f"no {META_FILE}, and the tracker is unreadable")
+    for d in incomplete:
+        it = iteration_of(d)
+        if it == tracked or (not readable and it <= newest):
+            why = (f"no {META_FILE}, although the tracker names this step (it had completed, or a save of the same "
+                   "step was replacing it)" if readable else f"no {META_FILE}, and the tracker is unreadable")
             dest = set_aside(d, why)
             log(f"WARNING: {d}: {why}; moved to {dest} (kept for inspection)")
             aside.append(dest)

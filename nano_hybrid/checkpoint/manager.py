@@ -126,14 +126,17 @@ def _newest_verified(root: Path, verify: bool) -> Path | None:
     """``auto``: the newest complete checkpoint under ``root`` that verifies; the ones that fail are set aside."""
     root = Path(root)
     set_aside_now = [str(d) for d in layout.remove_incomplete(root)]
+    unreadable_tracker = None
     while True:
         try:
             ckpt = layout.latest_complete(root)
-        except CheckpointError:  # an unreadable tracker: the newest complete checkpoint decides
+        except CheckpointError as e:  # an unreadable tracker: the newest complete checkpoint decides
+            unreadable_tracker = str(e)
             (root / TRACKER_FILE).unlink()
             ckpt = layout.latest_complete(root)
         if ckpt is None:
-            progress = _progress_without_checkpoint(root)
+            progress = _progress_without_checkpoint(root) or (
+                unreadable_tracker and f"it had a tracker file ({unreadable_tracker})")
             if progress and not set_aside_now:
                 raise CheckpointError(
                     f"{root} holds no checkpoint that verifies, but {progress}; refusing to start from scratch (load "
@@ -156,7 +159,8 @@ def _newest_verified(root: Path, verify: bool) -> Path | None:
             continue
         if set_aside_now:
             layout.write_tracker(root, layout.iteration_of(ckpt))
-            log(f"WARNING: resuming from {ckpt}, an older checkpoint; {len(set_aside_now)} newer one(s) failed verification")
+            log(f"WARNING: resuming from {ckpt}, an older checkpoint; {len(set_aside_now)} newer one(s) set aside in "
+                f"{root / layout.CORRUPT_DIR}")
         return ckpt
 
 

@@ -290,12 +290,13 @@ def _load_hf_weights(model_chunks, folder: str | Path, cfg) -> dict:
                 continue  # another pipeline stage's tensor
             if tuple(g.shape) != tuple(sh.global_shape):
                 raise HFBridgeError(f"{key}: HF gives {tuple(g.shape)}, the model's global shape is {tuple(sh.global_shape)}")
-            if g.is_floating_point() and not bool(torch.isfinite(g).all()):
-                raise HFBridgeError(f"checkpoint.init_from_hf={folder}: non-finite values in the weights of {key}; "
-                                    "nothing was trained from them")
             if sh.data.untyped_storage().data_ptr() not in owned:
                 raise HFBridgeError(f"{key}: the sharded state dict holds a copy, not the parameter; cannot load in place")
-            sh.data.copy_(g[sh.global_slice()].reshape(sh.local_shape))
+            part = g[sh.global_slice()]  # this rank's slice: each rank checks what it loads
+            if part.is_floating_point() and not bool(torch.isfinite(part).all()):
+                raise HFBridgeError(f"checkpoint.init_from_hf={folder}: non-finite values in the weights of {key}; "
+                                    "nothing was trained from them")
+            sh.data.copy_(part.reshape(sh.local_shape))
             filled.add(key)
 
     used: set = set()

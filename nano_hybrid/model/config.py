@@ -173,7 +173,7 @@ def check_model_cfg(m: dict) -> None:
         v = m[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                 (low <= v if closed else low < v) and v < high):
-            where = f"[{low:g}, {high:g})" if closed else "> 0 and finite"
+            where = f"in [{low:g}, {high:g})" if closed else "> 0 and finite"
             raise ConfigError(f"model.{k}={v!r} must be {where}")
     for k, choices in (("moe_router_score_function", MOE_SCORE_FUNCTIONS),
                        ("moe_router_load_balancing_type", MOE_LOAD_BALANCING_TYPES),
