@@ -53,18 +53,18 @@ def _world_size(args) -> int | None:
     if nodes < 1:
         raise ConfigError(f"--nnodes={args.nnodes!r}: a positive number of nodes (or MIN:MAX)")
     value = str(args.nproc_per_node)
+    bad = ConfigError(f"--nproc-per-node={value!r}: a positive number of workers, or one of {', '.join(NPROC_WORDS)}")
     try:
         nproc = int(value)
     except ValueError:  # "gpu", "cpu", "auto": counted on the node, as torchrun counts them
         if value not in NPROC_WORDS:
-            raise ConfigError(f"--nproc-per-node={value!r}: a positive number of workers, or one of "
-                              f"{', '.join(NPROC_WORDS)}") from None
+            raise bad from None
         import torch
 
         gpus = value == "gpu" or (value == "auto" and torch.cuda.is_available())
         nproc = torch.cuda.device_count() if gpus else os.cpu_count()
     if nproc < 1:
-        raise ConfigError(f"--nproc-per-node={value!r}: a positive number of workers, or one of {', '.join(NPROC_WORDS)}")
+        raise bad
     return nodes * nproc
 
 

@@ -12,6 +12,7 @@ against the kernels' shape space.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from nano_hybrid.data import (
 from nano_hybrid.data.check import CorpusCheckError, check_corpus
 from nano_hybrid.layout import LaunchEnv, ParallelDims
 from nano_hybrid.model.fp8 import check_settings as check_fp8_settings
-from nano_hybrid.schema import RunConfig, check_keys
+from nano_hybrid.schema import GROUPS, RunConfig, check_keys
 
 # The only places data.prepare_if_missing=stdlib builds the stdlib corpus: byte tokens (data=default) and the
 # 131k Tekken BPE (data=stdlib_bpe131k, the Nano default), each with the configured data.tokenizer.
@@ -103,10 +104,6 @@ def check_numbers(cfg: DictConfig) -> None:
 def check_values(cfg: DictConfig) -> None:
     """ConfigError naming the first schema key whose value its type does not allow: a yes/no key that is not true
     or false, a number key that is not finite (nan, inf)."""
-    import math
-
-    from nano_hybrid.schema import GROUPS
-
     def walk(node, schema: type, prefix: str) -> None:
         for f in dataclasses.fields(schema):
             if f.name not in node:
