@@ -240,8 +240,11 @@ def _entries_after_lock(real, cache):
 
 def test_settings_keys_are_typed_and_validated():
     for bad, msg in ((dict(autotune="yes"), "kernels.helion.autotune='yes' must be true or false"),
-                     (dict(autotune_budget_s=0), "kernels.helion.autotune_budget_s=0 must be a number of seconds > 0"),
-                     (dict(autotune_budget_s="60"), "autotune_budget_s='60' must be a number"),
+                     (dict(autotune_budget_s=0),
+                      "kernels.helion.autotune_budget_s=0 must be a finite number of seconds > 0"),
+                     (dict(autotune_budget_s=float("inf")), "autotune_budget_s=inf must be a finite number"),
+                     (dict(autotune_budget_s=float("nan")), "autotune_budget_s=nan must be a finite number"),
+                     (dict(autotune_budget_s="60"), "autotune_budget_s='60' must be a finite number"),
                      (dict(cache_dir=3), "kernels.helion.cache_dir=3 must be a path"),
                      (dict(autotune_jobs=0), "kernels.helion.autotune_jobs=0 must be a whole number >= 1"),
                      (dict(autotune_jobs=2.5), "autotune_jobs=2.5 must be a whole number"),
