@@ -47,6 +47,7 @@ import helion.language as hl
 
 from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
+from kernels.derived import derived
 from kernels.settings import STATE_PASSING_CHOICES, STATE_PASSING_NOTICE
 from kernels.shapes import padded_len
 from kernels.ssd import _pad_len
@@ -403,17 +404,27 @@ def _pad_seq(t: torch.Tensor | None, total: int, dim: int = 1) -> torch.Tensor |
 
 
 def _pad_seq_idx(seq_idx: torch.Tensor | None, total: int) -> torch.Tensor | None:
-    """(b, l) -> (b, total) int32, repeating the last entry (as mamba-ssm reads the last valid token)."""
-    return None if seq_idx is None else _pad_seq_idx_ref(seq_idx.to(torch.int32), total).contiguous()
+    """(b, l) -> (b, total) int32, repeating the last entry (as mamba-ssm reads the last valid token): ``seq_idx``
+    itself when it already is that, else built once per seq_idx tensor (``kernels.derived``)."""
+    if seq_idx is None:
+        return None
+    if seq_idx.dtype == torch.int32 and seq_idx.shape[1] == total and seq_idx.is_contiguous():
+        return seq_idx
+    return derived(seq_idx, ("padded", total),
+                   lambda: _pad_seq_idx_ref(seq_idx.to(torch.int32), total).contiguous())
 
 
 def _seq_end(seq_idx_padded: torch.Tensor | None, chunk_size: int) -> torch.Tensor | None:
     """(b, nc + 1) int32: column 0 is 0 (the sequence the initial state belongs to), column
-    i + 1 the sequence of chunk i's last token."""
+    i + 1 the sequence of chunk i's last token; built once per seq_idx tensor (``kernels.derived``)."""
     if seq_idx_padded is None:
         return None
-    ends = seq_idx_padded[:, chunk_size - 1 :: chunk_size]
-    return torch.cat([torch.zeros_like(ends[:, :1]), ends], dim=1).contiguous()
+
+    def build():
+        ends = seq_idx_padded[:, chunk_size - 1 :: chunk_size]
+        return torch.cat([torch.zeros_like(ends[:, :1]), ends], dim=1).contiguous()
+
+    return derived(seq_idx_padded, ("seq_end", chunk_size), build)
 
 
 def out_buffer(b: int, L: int, h: int, p: int, like: torch.Tensor, seq_major: bool) -> torch.Tensor:

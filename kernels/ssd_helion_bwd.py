@@ -42,6 +42,7 @@ import helion.language as hl
 
 from kernels import first_use, tuning
 from kernels import tuner  # noqa: E402
+from kernels.derived import derived
 from kernels.ssd import _pad_len, _pad_seq_idx
 from kernels.shapes import padded_len
 from kernels.ssd_helion import _check_lengths
@@ -403,20 +404,25 @@ def _state_split(dim: int) -> int:
 
 def seq_masks(seq_idx: torch.Tensor | None, b: int, l: int, nc: int, c: int, device) -> dict[str, torch.Tensor]:
     """fp32 masks the kernels use: prev_keep/last_keep (b, nc, c), same_seq (b, nc, c, c), keep (b, nc); all None
-    without seq_idx (the kernels are specialised without them: nothing to fill, load or multiply)."""
+    without seq_idx (the kernels are specialised without them: nothing to fill, load or multiply). Built once per
+    seq_idx tensor (``kernels.derived``: every layer's backward in a step reads the same masks)."""
     L = nc * c
     if seq_idx is None:
         return dict(prev_keep=None, last_keep=None, same_seq=None, keep=None)
     if seq_idx.shape[0] != b or seq_idx.shape[1] not in (l, L):
         raise ValueError(f"seq_idx must be (batch, seqlen) = {(b, l)}, got {tuple(seq_idx.shape)}")
-    s = _pad_seq_idx(seq_idx, L).reshape(b, nc, c)
-    prev_end = torch.cat([torch.zeros_like(s[:, :1, -1]), s[:, :-1, -1]], dim=1)  # (b, nc)
-    return dict(
-        prev_keep=(s == prev_end[:, :, None]).float(),
-        last_keep=(s == s[:, :, -1:]).float(),
-        same_seq=(s[:, :, :, None] == s[:, :, None, :]).float(),
-        keep=(s[:, :, -1] == prev_end).float(),
-    )
+
+    def build():
+        s = _pad_seq_idx(seq_idx, L).reshape(b, nc, c)
+        prev_end = torch.cat([torch.zeros_like(s[:, :1, -1]), s[:, :-1, -1]], dim=1)  # (b, nc)
+        return dict(
+            prev_keep=(s == prev_end[:, :, None]).float(),
+            last_keep=(s == s[:, :, -1:]).float(),
+            same_seq=(s[:, :, :, None] == s[:, :, None, :]).float(),
+            keep=(s[:, :, -1] == prev_end).float(),
+        )
+
+    return derived(seq_idx, ("masks", nc, c), build)
 
 
 _OUT_SHAPES = {"dx": "x", "dz": "x", "dB": "B", "dC": "B", "ddt": "dt"}

@@ -18,6 +18,7 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.mamba_mixer import MambaMixer, _check_mamba_sequence_packing_support
 
+from kernels.derived import derived
 from nano_hybrid import mcore_compat
 
 
@@ -139,6 +140,15 @@ class BackendMambaMixer(MambaMixer):
             # the op already applied y * silu(z) (no rmsnorm_weight passed); the norm runs without z
             y = self.norm(y)
         return y
+
+    def _create_packed_seq_idx(self, packed_seq_params: PackedSeqParams, total_tokens: int) -> torch.Tensor:
+        """megatron's seq_idx for packed documents, built once per cu_seqlens tensor (``kernels.derived``): every
+        Mamba layer of the step then hands the kernels the same seq_idx object, whose padded copy and masks the
+        kernels build once as well."""
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu  # the tensor megatron's method reads
+        return derived(cu, ("packed_seq_idx", total_tokens),
+                       lambda: super(BackendMambaMixer, self)._create_packed_seq_idx(packed_seq_params, total_tokens))
 
     def _ssm_prefill(self, *args, **kwargs):
         with mcore_compat.scoped_mamba_chunk_scan(self.kernel_backend.mamba_chunk_scan_combined):
