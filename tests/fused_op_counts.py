@@ -71,9 +71,10 @@ def classify(ops: list[str]) -> dict:
                 view=dict(sorted(view.items())))
 
 
-def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1, settings=None) -> dict:
+def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1, settings=None, earlier: int = 0) -> dict:
     """Counts of one forward and backward at (b, l) with chunk 16 (``l`` 32 is two whole chunks), with the op's
-    ``settings`` (a ``HelionSettings``; None: the defaults)."""
+    ``settings`` (a ``HelionSettings``; None: the defaults), after ``earlier`` uncounted calls on the same inputs
+    (as the later layers of a step, which get the same seq_idx tensor)."""
     from kernels import mamba_split_helion as msh
 
     h, p, g, n, c = 4, 8, 2, 16, 16
@@ -91,6 +92,13 @@ def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1, settin
         si[:, l // 2:] = 1
     init_s = torch.randn(b, h, p, n, generator=gen).requires_grad_() if init else None
     dout = torch.randn(b, l, dim, generator=gen).bfloat16()
+    for _ in range(earlier):
+        msh.mamba_split_conv1d_scan_combined_helion(
+            zxbcdt, w, bias, dt_bias, A, D, c, initial_states=init_s, seq_idx=si, headdim=p, ngroups=g,
+            settings=settings).backward(dout)
+    for leaf in (zxbcdt, w, bias, dt_bias, A, D, init_s):
+        if leaf is not None:
+            leaf.grad = None  # the counted backward stores its gradients as the first does (no accumulation)
     counter = _Counter()
     orig = _install(counter)
     try:
