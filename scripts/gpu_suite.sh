@@ -19,7 +19,8 @@
 #                $OUT/helion_next, to set beside the kernels stage's (one Helion version per process)
 #   host         host (CPU) cost per mixer op fwd+bwd of each backend: launch time, wall, device, launches and the top
 #                host functions (scripts/profile_host.py at $HOST_SHAPES, default "nano tp2 nano_b2_l8192_docs8": packed
-#                documents pass seq_idx); the helion kernels' first-call work
+#                documents pass seq_idx, the same tensor every call and a new one per call, $HOST_SEQ_IDX, default
+#                both); the helion kernels' first-call work
 #                without and with the compile cache (scripts/bench_compile_cache.py, shapes nano and nano_tp8)
 #   peer         the SSD forward against the fused peer kernel in $PEER_FILE at four shapes (bench_ssd_peer.py)
 #   ssd_peers    the SSD op fwd+bwd beside the open peers: the Helion project's Mamba-2 SSD example (folder
@@ -179,7 +180,8 @@ st_helion_next() {  # the mixer op A/B and the kernel GPU tests again with the H
 st_host() {
     local s
     for s in ${HOST_SHAPES:-nano tp2 nano_b2_l8192_docs8}; do
-        python3 scripts/profile_host.py --backends "$BACKENDS" --shape "$s" --out "$OUT" || return
+        python3 scripts/profile_host.py --backends "$BACKENDS" --shape "$s" --seq-idx "${HOST_SEQ_IDX:-both}" \
+            --out "$OUT" || return
     done
     python3 scripts/bench_compile_cache.py --shapes nano,nano_tp8 --out "$OUT"
 }

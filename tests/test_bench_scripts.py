@@ -555,8 +555,11 @@ def test_bench_mixer_op_passes_packed_documents_and_profile_host_takes_grid_shap
     assert not torch.allclose(packed[:, half:], one[:, half:], rtol=1e-3, atol=1e-3)
     if not torch.cuda.is_available():
         assert profile_host.main(["--shape", "nano_b2_l8192_docs8"]) == EXIT_BAD_INPUT  # parsed, then no GPU
+        assert profile_host.main(["--shape", "nano_b2_l8192_docs8", "--seq-idx", "both"]) == EXIT_BAD_INPUT
     with pytest.raises(SystemExit):
         profile_host.main(["--shape", "nano_b3"])
+    with pytest.raises(SystemExit):
+        profile_host.main(["--shape", "nano_b2_l8192_docs8", "--seq-idx", "each"])
 
 
 def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):

@@ -11,6 +11,12 @@ Per backend: ``enqueue_ms`` (host time to issue one op with the queue never drai
 ``device_ms`` (sum of kernel times from torch.profiler), the number of synchronising CUDA runtime
 calls per op (cudaStreamSynchronize, cudaDeviceSynchronize, cudaMemcpy*), and the top host functions
 by own time (cProfile). Writes ``host_profile_<shape>.json`` to $OUT (default runs/bench/<gpu>).
+
+At a shape with packed documents, ``--seq-idx`` says what each call gets: ``shared`` (default) the same seq_idx
+tensor every call, as every Mamba layer of a step gets it (the kernels' seq_idx work, ``kernels.derived``, is built
+at the first call only); ``per-call`` a new copy each call, as layers that each build their own seq_idx (that work
+then runs every call; the copy adds one small launch); ``both`` profiles each backend both ways, the second under
+the name ``<backend> [seq_idx per call]``.
 """
 
 from __future__ import annotations
@@ -31,19 +37,26 @@ from nano_hybrid.errors import EXIT_BAD_INPUT
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaEventSynchronize")
 
 
-def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None) -> dict:
+def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None,
+                    seq_idx_per_call: bool = False) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from nano_hybrid.bench.arms import op_backend, parse_op_arm
 
     op = mixer.MixerOp(op_backend(parse_op_arm(name)), shape, params, torch.device("cuda"), torch.bfloat16, seq_idx)
-    for _ in range(3):
+
+    def call():
+        if seq_idx_per_call and seq_idx is not None:
+            op.seq_idx = seq_idx.clone()
         op.mixer_fwdbwd()
+
+    for _ in range(3):
+        call()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
-        op.mixer_fwdbwd()
+        call()
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     t2 = time.perf_counter()
@@ -51,7 +64,7 @@ def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None
     wall_ms = (t2 - t0) * 1e3 / iters
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            op.mixer_fwdbwd()
+            call()
         torch.cuda.synchronize()
     device_us = 0.0
     syncs: dict[str, float] = {}
@@ -67,7 +80,7 @@ def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(iters):
-        op.mixer_fwdbwd()
+        call()
     torch.cuda.synchronize()
     pr.disable()
     buf = io.StringIO()
@@ -91,6 +104,9 @@ def main(argv=None) -> int:
                     help="a benchmark shape or a shape of the grid (bench_shape_grid.py; packed documents pass seq_idx)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--seq-idx", default="shared", choices=("shared", "per-call", "both"),
+                    help="packed documents: the same seq_idx tensor every call (shared, as a step's layers get it), "
+                         "a new copy each call (per-call), or each backend both ways")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from nano_hybrid.bench.arms import parse_op_arm
@@ -112,8 +128,12 @@ def main(argv=None) -> int:
     seq_idx = docs_seq_idx(shape.batch, shape.seqlen, shape.seqlen, docs, "cuda")
     res = {"benchmark": "profile_host", "env": environment.env_info(), "args": vars(args), "shape": args.shape,
            "docs_per_sequence": docs, "backends": {}}
-    for name in args.backends.split(","):
-        r = profile_backend(name, shape, params, args.iters, args.top, seq_idx)
+    ways = {"shared": (False,), "per-call": (True,), "both": (False, True)}[args.seq_idx] if docs > 1 else (False,)
+    for name, per_call in ((n, w) for n in args.backends.split(",") for w in ways):
+        r = profile_backend(name, shape, params, args.iters, args.top, seq_idx, seq_idx_per_call=per_call)
+        r["seq_idx"] = None if docs == 1 else ("per-call" if per_call else "shared")
+        if per_call and len(ways) > 1:
+            name = f"{name} [seq_idx per call]"
         res["backends"][name] = r
         print(f"== {name}: enqueue {r['enqueue_ms']:.3f} ms/op, wall {r['wall_ms']:.3f} ms/op, device "
               f"{r['device_ms']:.3f} ms/op, launches {r['kernel_launches_per_op']:.0f}/op, syncs {r['sync_calls_per_op']}")
