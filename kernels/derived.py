@@ -2,63 +2,46 @@
 
 Every Mamba layer of a step reads the same packed-document ``seq_idx`` (one per micro-batch). What the helion
 kernels derive from it (the int32 copy padded to whole chunks, each chunk's last sequence id, the backward's
-same-sequence masks) depends on nothing else, so the first layer's call builds it and the other layers', forward
-and backward, reuse it: no launches and no host work per layer.
+same-sequence masks) depends on nothing else, so the first call that needs a value builds it and every later call
+with the same tensor object, forward or backward, in any layer, gets it with one dictionary lookup.
 
-An entry belongs to one tensor object: it is keyed by the object's identity, holds only a weak reference to it
-(the entry goes when the tensor does), and is rebuilt when the tensor has been written in place since (its version
-counter moved). At most ``MAX_TENSORS`` tensors keep entries (the least recently used goes first), so a long run
-holds a few micro-batches' masks, not one per step. The derived tensors are shared: callers must not write to them.
+The values live on the tensor itself (a Python attribute), so they go when the tensor goes: a micro-batch's masks
+are freed with its ``seq_idx``, and nothing is keyed by ``id``. A value is rebuilt when the tensor's version counter
+has moved since it was built, i.e. after an in-place write through torch (on the tensor or on a view of it). Writes
+that torch does not count (through ``.data``, a NumPy or DLPack alias, a custom kernel, a CUDA-graph replay) are not
+seen: the index tensors this serves are written by none of them. Under inference mode, or for an inference tensor
+(which has no version counter), values are built per call and not kept. The values are shared: callers must not
+write to them.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from typing import Callable, Hashable
 
 import torch
 
-MAX_TENSORS = 8
-
-# id(tensor) -> (weak reference to it, its version when the entry was made, {key: derived tensor})
-_ENTRIES: "OrderedDict[int, tuple[weakref.ref, int, dict]]" = OrderedDict()
+_ATTR = "_nano_hybrid_derived"  # on the tensor: (its version when the values were built, {key: value})
 
 
-def _forget(tid: int, ref: weakref.ref) -> None:
-    entry = _ENTRIES.get(tid)
-    if entry is not None and entry[0] is ref:
-        del _ENTRIES[tid]
-
-
-def derived(t: torch.Tensor, key: Hashable, build: Callable[[], torch.Tensor]):
+def derived(t: torch.Tensor, key: Hashable, build: Callable[[], object]):
     """``build()`` the first time ``key`` is asked of tensor ``t`` (and again after ``t`` is written in place);
-    the same result afterwards. ``build`` must depend only on ``t``'s values and ``key``."""
-    if t.is_inference():  # no version counter to tell an in-place write: built per call
+    the same object afterwards. ``build`` must depend only on ``t``'s values and ``key``, and must not return
+    ``t`` itself."""
+    if t.is_inference() or torch.is_inference_mode_enabled():
         with torch.no_grad():
             return build()
-    tid = id(t)
-    entry = _ENTRIES.get(tid)
-    if entry is None or entry[0]() is not t or entry[1] != t._version:
-        ref = weakref.ref(t, lambda r, tid=tid: _forget(tid, r))
-        entry = (ref, t._version, {})
-        _ENTRIES[tid] = entry
-        while len(_ENTRIES) > MAX_TENSORS:
-            _ENTRIES.popitem(last=False)
-    else:
-        _ENTRIES.move_to_end(tid)
-    values = entry[2]
+    entry = t.__dict__.get(_ATTR)
+    if entry is None or entry[0] != t._version:
+        entry = (t._version, {})
+        setattr(t, _ATTR, entry)
+    values = entry[1]
     if key not in values:
         with torch.no_grad():
             values[key] = build()
     return values[key]
 
 
-def clear() -> None:
-    """Drop every entry (tests; a process that wants the memory back at once)."""
-    _ENTRIES.clear()
-
-
-def cached_count() -> int:
-    """How many tensors have entries now."""
-    return len(_ENTRIES)
+def cached_keys(t: torch.Tensor) -> list:
+    """The keys ``t`` holds values for now (tests, debugging)."""
+    entry = t.__dict__.get(_ATTR)
+    return [] if entry is None or entry[0] != t._version else list(entry[1])

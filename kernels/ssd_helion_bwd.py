@@ -405,7 +405,8 @@ def _state_split(dim: int) -> int:
 def seq_masks(seq_idx: torch.Tensor | None, b: int, l: int, nc: int, c: int, device) -> dict[str, torch.Tensor]:
     """fp32 masks the kernels use: prev_keep/last_keep (b, nc, c), same_seq (b, nc, c, c), keep (b, nc); all None
     without seq_idx (the kernels are specialised without them: nothing to fill, load or multiply). Built once per
-    seq_idx tensor (``kernels.derived``: every layer's backward in a step reads the same masks)."""
+    seq_idx tensor (``kernels.derived``): the first backward that needs them builds them, the step's other layers'
+    backwards read the same masks, and they are freed with the seq_idx tensor (same_seq is 4 * b * L * c bytes)."""
     L = nc * c
     if seq_idx is None:
         return dict(prev_keep=None, last_keep=None, same_seq=None, keep=None)
@@ -422,7 +423,7 @@ def seq_masks(seq_idx: torch.Tensor | None, b: int, l: int, nc: int, c: int, dev
             keep=(s[:, :, -1] == prev_end).float(),
         )
 
-    return derived(seq_idx, ("masks", nc, c), build)
+    return dict(derived(seq_idx, ("masks", nc, c), build))  # a copy of the shared dict, the masks themselves shared
 
 
 _OUT_SHAPES = {"dx": "x", "dz": "x", "dB": "B", "dC": "B", "ddt": "dt"}

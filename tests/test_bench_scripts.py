@@ -560,6 +560,13 @@ def test_bench_mixer_op_passes_packed_documents_and_profile_host_takes_grid_shap
         profile_host.main(["--shape", "nano_b3"])
     with pytest.raises(SystemExit):
         profile_host.main(["--shape", "nano_b2_l8192_docs8", "--seq-idx", "each"])
+    per = " [seq_idx per call]"
+    assert profile_host.profile_arms("mamba_ssm,helion", "both", 8) == [
+        ("mamba_ssm", "mamba_ssm", False), ("mamba_ssm" + per, "mamba_ssm", True),
+        ("helion", "helion", False), ("helion" + per, "helion", True)]
+    assert profile_host.profile_arms("helion", "per-call", 8) == [("helion" + per, "helion", True)]
+    assert profile_host.profile_arms("mamba_ssm,helion", "both", 1) == [  # no packed documents: one way
+        ("mamba_ssm", "mamba_ssm", False), ("helion", "helion", False)]
 
 
 def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):

@@ -509,10 +509,8 @@ def test_op_count_fused_path(seq, earlier):
     backward's masks; a later call with the same seq_idx (the step's other layers) builds none of them
     (tests/fused_op_counts.py; -s prints the counts). A copy or cast of a full activation added around the kernels
     fails this test."""
-    from kernels import derived
     from fused_op_counts import count
 
-    derived.clear()
     res = count(seq=seq, earlier=earlier)
     for part in ("forward", "backward"):
         r = res[part]

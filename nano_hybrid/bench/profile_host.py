@@ -14,9 +14,9 @@ by own time (cProfile). Writes ``host_profile_<shape>.json`` to $OUT (default ru
 
 At a shape with packed documents, ``--seq-idx`` says what each call gets: ``shared`` (default) the same seq_idx
 tensor every call, as every Mamba layer of a step gets it (the kernels' seq_idx work, ``kernels.derived``, is built
-at the first call only); ``per-call`` a new copy each call, as layers that each build their own seq_idx (that work
-then runs every call; the copy adds one small launch); ``both`` profiles each backend both ways, the second under
-the name ``<backend> [seq_idx per call]``.
+at the first call only); ``per-call`` a new tensor each call, as layers that each build their own seq_idx (that
+work then runs every call; the copies are made before each timed loop, not in it); ``both`` profiles each backend
+both ways. A per-call arm is named ``<backend> [seq_idx per call]``.
 """
 
 from __future__ import annotations
@@ -46,13 +46,24 @@ def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None
 
     op = mixer.MixerOp(op_backend(parse_op_arm(name)), shape, params, torch.device("cuda"), torch.bfloat16, seq_idx)
 
+    fresh = seq_idx_per_call and seq_idx is not None
+    copies: list = []
+
+    def prepare(n: int) -> None:
+        """A new seq_idx tensor for each of the next n calls (per call), made before they are timed."""
+        if fresh:
+            copies[:] = [seq_idx.clone() for _ in range(n)]
+            torch.cuda.synchronize()
+
     def call():
-        if seq_idx_per_call and seq_idx is not None:
-            op.seq_idx = seq_idx.clone()
+        if fresh:
+            op.seq_idx = copies.pop()
         op.mixer_fwdbwd()
 
+    prepare(3)
     for _ in range(3):
         call()
+    prepare(iters)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -62,6 +73,7 @@ def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None
     t2 = time.perf_counter()
     enqueue_ms = (t1 - t0) * 1e3 / iters
     wall_ms = (t2 - t0) * 1e3 / iters
+    prepare(iters)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             call()
@@ -77,6 +89,7 @@ def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None
             syncs[e.key] = e.count / iters
         if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
             launches += e.count / iters
+    prepare(iters)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(iters):
@@ -94,6 +107,14 @@ def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None
     return {"enqueue_ms": enqueue_ms, "wall_ms": wall_ms, "device_ms": device_us / 1e3 / iters,
             "kernel_launches_per_op": launches, "sync_calls_per_op": syncs, "top_own_time": rows,
             "cprofile_text": buf.getvalue()[-6000:]}
+
+
+def profile_arms(backends: str, seq_idx: str, docs: int) -> list[tuple[str, str, bool]]:
+    """(arm name, backend spec, seq_idx per call) for each profile ``main`` runs: each backend once, or, with packed
+    documents (``docs`` > 1), once per ``--seq-idx`` way; a per-call arm is named ``<backend> [seq_idx per call]``."""
+    ways = {"shared": (False,), "per-call": (True,), "both": (False, True)}[seq_idx] if docs > 1 else (False,)
+    return [(f"{b} [seq_idx per call]" if per_call else b, b, per_call)
+            for b in backends.split(",") for per_call in ways]
 
 
 def main(argv=None) -> int:
@@ -128,12 +149,9 @@ def main(argv=None) -> int:
     seq_idx = docs_seq_idx(shape.batch, shape.seqlen, shape.seqlen, docs, "cuda")
     res = {"benchmark": "profile_host", "env": environment.env_info(), "args": vars(args), "shape": args.shape,
            "docs_per_sequence": docs, "backends": {}}
-    ways = {"shared": (False,), "per-call": (True,), "both": (False, True)}[args.seq_idx] if docs > 1 else (False,)
-    for name, per_call in ((n, w) for n in args.backends.split(",") for w in ways):
-        r = profile_backend(name, shape, params, args.iters, args.top, seq_idx, seq_idx_per_call=per_call)
+    for name, spec, per_call in profile_arms(args.backends, args.seq_idx, docs):
+        r = profile_backend(spec, shape, params, args.iters, args.top, seq_idx, seq_idx_per_call=per_call)
         r["seq_idx"] = None if docs == 1 else ("per-call" if per_call else "shared")
-        if per_call and len(ways) > 1:
-            name = f"{name} [seq_idx per call]"
         res["backends"][name] = r
         print(f"== {name}: enqueue {r['enqueue_ms']:.3f} ms/op, wall {r['wall_ms']:.3f} ms/op, device "
               f"{r['device_ms']:.3f} ms/op, launches {r['kernel_launches_per_op']:.0f}/op, syncs {r['sync_calls_per_op']}")
