@@ -308,7 +308,9 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
         })
         run["written"] = str(path)
     peak = run["peak_gpu_bytes"]
-    print(f"   winner {best_ms * 1000:.1f} us (generic default {run['generic_default_ms']}) "
+    dflt = run["generic_default_ms"]
+    print(f"   winner {best_ms * 1000:.1f} us (generic default "
+          + (f"{dflt * 1000:.1f} us" if dflt is not None else "not run") + ") "
           f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}"
           + (f"; peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else ""), flush=True)
 
