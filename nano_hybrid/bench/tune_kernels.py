@@ -310,7 +310,7 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
     peak = run["peak_gpu_bytes"]
     dflt = run["generic_default_ms"]
     print(f"   winner {best_ms * 1000:.1f} us (generic default "
-          + (f"{dflt * 1000:.1f} us" if dflt is not None else "not run") + ") "
+          + (f"{dflt * 1000:.1f} us" if dflt is not None else "not timed") + ") "
           f"tried {run['n_tried']}/{len(cands)} ok {run['n_ok']}"
           + (f"; peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else ""), flush=True)
 
