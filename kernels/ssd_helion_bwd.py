@@ -514,9 +514,10 @@ def ssd_backward_helion(
         Dw = D.float()
     dxc = buf("dx", xc)
     dx_args = (xc, doxc, Bc, CB, dt_out, dA_cumsum, dL, m["last_keep"], Dw, dxc)
-    # dx over row tiles; the per-row-tile ddacs_row and dD partials are summed here (8 MB and 4 MB at the Nano shape)
+    # dx over row tiles; the per-row-tile ddacs_row partials are summed here (8 MB at the Nano shape), the dD
+    # partials (b, nc, row tiles, h, p) at the end, in one reduction
     ddt_out, row_part, ddacs_col, dD_part = _call("ssd_bwd_dx", dx_args, dims)
-    ddacs_row, dD_part = row_part.sum(dim=3), dD_part.sum(dim=2)
+    ddacs_row = row_part.sum(dim=3)
     dBc, dCc = buf("dB", Bc), buf("dC", Cc)
     ddacs_prev, dCB = _call("ssd_bwd_dc_dcb", (xc, doxc, Bc, Cc, dt_out, dA_cumsum, states_in, m["same_seq"],
                                                m["prev_keep"], dCc), dims)
@@ -541,7 +542,7 @@ def ssd_backward_helion(
 
     dD = None
     if D is not None:
-        dD = dD_part.sum(dim=(0, 1, 3) if D.dim() == 1 else (0, 1)).to(D.dtype)
+        dD = dD_part.sum(dim=(0, 1, 2, 4) if D.dim() == 1 else (0, 1, 2)).to(D.dtype)
     return dict(
         dx=result("dx", dxc), dz=result("dz", dzc), ddt=result("ddt", ddtc), dA=dA_part.sum(dim=(0, 1)).to(A.dtype),
         dB=result("dB", dBc), dC=result("dC", dCc), dD=dD,
