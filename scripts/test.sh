@@ -2,7 +2,12 @@
 # The README's test command (also what CI runs): set up .venv, then pytest on CPU (GPU tests are
 # marked and skipped without CUDA). With no arguments pytest runs tests/ (pyproject testpaths);
 # arguments go to pytest, e.g.  bash scripts/test.sh tests/test_data.py -x
+# The tests run in min(cores, 4) pytest-xdist worker processes (about half the time of one process on 2 cores);
+# a later -n in the arguments wins, e.g.  bash scripts/test.sh -n 0   (one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_venv.sh
-python -m pytest -q "$@"
+workers=$(nproc 2>/dev/null || echo 1)
+[ "$workers" -gt 4 ] && workers=4
+[ "$workers" -lt 2 ] && workers=0  # one core: one process, no workers
+python -m pytest -q -n "$workers" "$@"
