@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_venv.sh
-workers=$(nproc 2>/dev/null || echo 1)
-[ "$workers" -gt 4 ] && workers=4
-[ "$workers" -lt 2 ] && workers=0  # one core: one process, no workers
+# the cores this process may use (not nproc: it follows OMP_NUM_THREADS), at most 4; one core: no workers
+workers=$(python -c 'import os; print(min(len(os.sched_getaffinity(0)), 4))')
+[ "$workers" -lt 2 ] && workers=0
 python -m pytest -q -n "$workers" "$@"
