@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 from omegaconf import DictConfig
@@ -16,12 +15,6 @@ from omegaconf import DictConfig
 from nano_hybrid import mcore_compat
 from nano_hybrid.config import ConfigError
 from nano_hybrid.layout import ParallelDims
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def initialize_parallel(cfg: DictConfig, *, dims: ParallelDims | None = None, backend: str | None = None) -> ParallelDims:
@@ -94,8 +87,8 @@ def _init_process_group(dims: ParallelDims, backend: str | None) -> None:
         if dims.launched:
             dist.init_process_group(backend, init_method="env://", rank=dims.rank, world_size=dims.world_size, **kw)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                    **kw)
+            # one process: an in-process store (no port to pick, so processes started side by side cannot race)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
     elif dist.get_world_size() != dims.world_size:
         raise RuntimeError(f"torch.distributed is already initialised with world size {dist.get_world_size()}, "
                            f"expected {dims.world_size}")

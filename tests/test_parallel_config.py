@@ -190,4 +190,7 @@ def test_nccl_process_group_is_bound_to_the_ranks_device_and_gloo_to_none(monkey
     assert nccl == "nccl" and kw_nccl["device_id"] == torch.device("cuda", dims.local_rank)
     assert gloo == "gloo" and kw_gloo["device_id"] is None
     assert kw_nccl["rank"] == dims.rank and kw_nccl["world_size"] == dims.world_size
-    assert (kw_nccl["init_method"] == "env://") == launched
+    if launched:
+        assert kw_nccl["init_method"] == "env://" and "store" not in kw_nccl
+    else:  # one process: an in-process store, no port
+        assert "init_method" not in kw_nccl and isinstance(kw_nccl["store"], dist.HashStore)
