@@ -543,7 +543,7 @@ def ssd_state_passing_helion(
         seq_end = _seq_end(_pad_seq_idx(seq_idx, nc * chunk_size), chunk_size)
     dim = p * n
     init = None if initial_states is None else initial_states.reshape(b, h, dim).contiguous()
-    like = torch.empty(0, device=states.device, dtype=state_dtype or states.dtype)
+    like = tuning.dtype_marker(state_dtype or states.dtype, states.device)
     states_in, final_states = _run(
         "ssd_state_passing", dict(b=b, h=h, d=dim, nc=nc), [dim],
         (states.reshape(b, nc, h, dim).contiguous(), dA_chunk_cumsum.contiguous(), init, seq_end, like),
@@ -573,7 +573,7 @@ def ssd_chunk_state_passing_helion(
     _check_initial_states(initial_states, b, h, p, n)
     L = nc * c
     sidx = _pad_seq_idx(seq_idx, L)
-    like = torch.empty(0, device=x.device, dtype=state_dtype or B.dtype)
+    like = tuning.dtype_marker(state_dtype or B.dtype, x.device)
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     return _run(
         "ssd_chunk_state_passing", dims, [p, n, c],
@@ -739,7 +739,7 @@ def ssd_bmm_chunk_helion(
     return _run(
         "ssd_bmm_chunk", dict(b=b, l=L, g=g, n=n, c=chunk_size), [chunk_size, chunk_size, n],
         (_pad_seq(C, L), _pad_seq(B, L), _pad_seq_idx(seq_idx, L), chunk_size,
-         torch.empty(0, device=C.device, dtype=cb_dtype)),
+         tuning.dtype_marker(cb_dtype, C.device)),
         config,
     )
 

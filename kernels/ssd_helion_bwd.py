@@ -376,9 +376,14 @@ def _block_seeds(name: str) -> list[list[int]]:
     return _MULTI_BLOCK_SEEDS.get(name, _BLOCK_SEEDS)
 
 
+_CALL_SEEDS: dict[str, list[dict]] = {}  # name -> the first-use search's seed configs, built at its first call
+
+
 def _call(name: str, args: tuple, dims: dict):
-    return first_use.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name],
-                                seeds=[{"block_sizes": bs} for bs in _block_seeds(name)] if _has_blocks(name) else [])
+    seeds = _CALL_SEEDS.get(name)
+    if seeds is None:
+        seeds = _CALL_SEEDS[name] = [{"block_sizes": bs} for bs in _block_seeds(name)] if _has_blocks(name) else []
+    return first_use.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name], seeds=seeds)
 
 
 def _has_blocks(name: str) -> bool:
@@ -489,19 +494,19 @@ def ssd_backward_helion(
                            device=dev)
 
     dzc = buf("dz", zc)
-    ds_like = torch.empty(0, dtype=x.dtype if dstates_dtype == "input" else torch.float32, device=dev)
+    ds_like = tuning.dtype_marker(x.dtype if dstates_dtype == "input" else torch.float32, dev)
     doxc, dstates = _call("ssd_bwd_dz_dstates",
                           (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"], dzc, ds_like), dims)
 
     blk = _state_split(p * n)
     ns = p * n // blk
-    dfin = (torch.zeros(b, h, p, n, dtype=torch.float32, device=dev) if dfinal_states is None
+    dfin = (tuning.zeros_input((b, h, p, n), torch.float32, dev) if dfinal_states is None  # read only
             else dfinal_states.float().contiguous())
     dA_last = dA_cumsum[..., -1]  # strided view, read in place
     dL, ddA_part, dinit = _call(
         "ssd_bwd_state_passing",
         (dstates.view(b, nc, h, ns, blk), states_in.view(b, nc, h, ns, blk), dA_last, m["keep"],
-         dfin.view(b, h, ns, blk), torch.empty(0, dtype=x.dtype, device=dev)),
+         dfin.view(b, h, ns, blk), tuning.dtype_marker(x.dtype, dev)),
         dict(dims, blk=blk))
     dL = dL.view(b, nc, h, p, n)
     ddA_chunk = ddA_part.sum(-1)

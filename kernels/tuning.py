@@ -289,6 +289,8 @@ def clear_caches() -> None:
     """Forget loaded files, compiled kernels and the warnings already given (every runtime)."""
     _FILE_CACHE.clear()
     _WARNED.clear()
+    _MARKERS.clear()
+    _ZEROS.clear()
     for rt in _RUNTIMES.values():
         rt.clear()
 
@@ -790,8 +792,8 @@ class FastLauncher:
     call, and any call whose launch key differs from the last one, still goes through Helion's launcher and
     keeps the ``CompiledKernel`` it returns; the others call that binary's launcher with the same arguments
     ``JITFunction.run`` would pass (``kernel.run(grid..., stream, function, packed_metadata, launch_metadata,
-    hooks, *args)``). The launch key is stricter than Triton's specialisation: every tensor's dtype, device and
-    16-byte alignment, and the exact value of every other argument. Calls with any other launcher keyword
+    hooks, *args)``). The launch key (``launch_key``) is stricter than Triton's specialisation: every tensor's address
+    modulo 16, and the exact value of every other argument. Calls with any other launcher keyword
     (remote copies, persistent state, cooperative grids) always take Helion's path."""
 
     __slots__ = ("jit", "key", "kernel", "n_fast", "n_slow")
@@ -805,22 +807,20 @@ class FastLauncher:
 
     @staticmethod
     def launch_key(args: Sequence[object]) -> tuple:
-        key = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                key.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
-            else:
-                key.append((type(a), a))
-        return tuple(key)
+        """Each tensor's address modulo 16 and every other argument's type and value. A FastLauncher belongs to one
+        compiled kernel, which ``compiled`` keeps per argument signature: the tensors' dtypes and devices are fixed
+        by it (the kernel's own outputs follow its inputs'), so only their alignment can change between calls."""
+        return tuple([a.data_ptr() & 15 if isinstance(a, torch.Tensor) else (type(a), a) for a in args])
 
     def __call__(self, triton_kernel, grid, *args, num_warps, num_stages, **kwargs):
         if not kwargs and self.kernel is not None and triton_kernel is self.jit and self.launch_key(args) == self.key:
             k = self.kernel
             g = tuple(grid)
             stream = _current_stream()
-            hooks = _launch_hooks()
+            enter, exit_ = _launch_hooks()
+            # Triton's launch_metadata is None without an enter hook; it is only asked for when one is set
             k.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, k.function, k.packed_metadata,
-                  k.launch_metadata(g, stream, *args), hooks[0], hooks[1], *args)
+                  None if enter is None else k.launch_metadata(g, stream, *args), enter, exit_, *args)
             self.n_fast += 1
             return k
         from helion.runtime import default_launcher
@@ -835,14 +835,48 @@ class FastLauncher:
         return k
 
 
+_MARKERS: dict[tuple, torch.Tensor] = {}
+
+
+def dtype_marker(dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero-size tensor of ``dtype`` on ``device``, what a kernel takes to learn the dtype of an output it
+    allocates (its ``like`` argument): one per (dtype, device), kept for the process, so a call allocates none."""
+    key = (dtype, torch.device(device) if isinstance(device, str) else device)
+    t = _MARKERS.get(key)
+    if t is None:
+        t = _MARKERS[key] = torch.empty(0, dtype=dtype, device=device)
+    return t
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def zeros_input(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor that kernels only read (a gradient that does not flow, e.g. the final states'), one per (shape,
+    dtype, device), kept for the process: a backward without that gradient launches no fill for it. Never write
+    into it."""
+    key = (tuple(shape), dtype, torch.device(device) if isinstance(device, str) else device)
+    t = _ZEROS.get(key)
+    if t is None:
+        t = _ZEROS[key] = torch.zeros(*shape, dtype=dtype, device=device)
+    return t
+
+
 def _current_stream() -> int:
-    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    # the current device's current stream; CUDA is initialised by the time a compiled kernel has launched once
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+_KNOBS: list = []  # triton.knobs, imported at the first fast launch
 
 
 def _launch_hooks() -> tuple:
-    from triton import knobs
+    if not _KNOBS:
+        from triton import knobs
 
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        _KNOBS.append(knobs)
+    rt = _KNOBS[0].runtime
+    return rt.launch_enter_hook, rt.launch_exit_hook
 
 
 def launches_on_cuda(args: Sequence[object]) -> bool:

@@ -783,7 +783,7 @@ def test_block_sizes_are_clamped_to_the_dimension_they_tile(monkeypatch):
 
 def test_fast_launcher_reuses_the_binary_only_for_the_same_launch_key(monkeypatch):
     """FastLauncher: the first call goes through Helion's launcher and keeps the CompiledKernel it returns;
-    calls with the same launch key (tensor dtype/device/16-byte alignment, exact other values) call that
+    calls with the same launch key (each tensor's address modulo 16, exact other values) call that
     binary's launcher with JITFunction.run's arguments; another alignment, scalar value, JIT function or
     an extra launcher keyword goes through Helion's launcher again."""
     import types
@@ -800,7 +800,7 @@ def test_fast_launcher_reuses_the_binary_only_for_the_same_launch_key(monkeypatc
             runs.append(a)
 
         def launch_metadata(self, grid, stream, *args):
-            return None
+            return ("metadata", grid)
 
     compiled_kernel = FakeCompiled()
 
@@ -824,6 +824,11 @@ def test_fast_launcher_reuses_the_binary_only_for_the_same_launch_key(monkeypatc
     fl(object(), (4,), x, y, 4, 1e-5, num_warps=4, num_stages=1)  # another JIT function
     fl(jit, (4,), x, y, 4, 1e-5, num_warps=4, num_stages=1, launch_cooperative_grid=True)
     assert len(slow) == 5 and len(runs) == 1 and (fl.n_fast, fl.n_slow) == (1, 5)
+    # with a launch-enter hook set, the binary gets Triton's launch metadata and the hooks
+    monkeypatch.setattr(tuning, "_launch_hooks", lambda: ("enter", "exit"))
+    for _ in range(2):  # the keyword call above dropped the kept binary: Helion's launcher first, then the binary
+        fl(jit, (4,), x, y, 4, 1e-5, num_warps=4, num_stages=1)
+    assert runs[-1][6:9] == (("metadata", (4,)), "enter", "exit") and (fl.n_fast, fl.n_slow) == (2, 6)
     # a kernel whose binary takes other arguments than passed (defaults) never takes the fast path
     compiled_kernel.src = types.SimpleNamespace(fn=types.SimpleNamespace(arg_names=["x", "y", "n", "eps", "extra"]))
     fl2 = tuning.FastLauncher()
@@ -1048,3 +1053,18 @@ def test_a_config_file_that_cannot_be_used_is_one_error_naming_it(tmp_path, monk
     monkeypatch.setattr(tuning, "CONFIG_ROOT", (tmp_path / "cache").resolve())  # the same file, as a committed one
     with pytest.raises(tuning.ConfigFileError, match="restore it from git"):
         tuning.read_config_file(arch / "rmsnorm_fwd.json")
+
+
+def test_dtype_markers_and_read_only_zeros_are_made_once_per_key():
+    """tuning.dtype_marker / zeros_input: one tensor per (shape,) dtype and device for the process (a kernel call
+    allocates or fills none of them again); another dtype or shape gets its own; clear_caches forgets them."""
+    tuning.clear_caches()
+    m = tuning.dtype_marker(torch.bfloat16, torch.device("cpu"))
+    assert m.numel() == 0 and m.dtype == torch.bfloat16
+    assert tuning.dtype_marker(torch.bfloat16, "cpu") is m
+    assert tuning.dtype_marker(torch.float32, "cpu") is not m
+    z = tuning.zeros_input((2, 3), torch.float32, "cpu")
+    assert torch.equal(z, torch.zeros(2, 3)) and tuning.zeros_input([2, 3], torch.float32, torch.device("cpu")) is z
+    assert tuning.zeros_input((3, 2), torch.float32, "cpu").shape == (3, 2)
+    tuning.clear_caches()
+    assert tuning.dtype_marker(torch.bfloat16, "cpu") is not m and tuning.zeros_input((2, 3), torch.float32, "cpu") is not z
