@@ -55,7 +55,9 @@
 #                slower than alone: give it a call of its own), then "--warm-jobs 0" calls measure at 20-70 s a shape
 #   tune         the grid's shapes (packed documents too) tuned for this GPU into $OUT/helion_configs
 #                (scripts/tune_kernels.py --shapes grid --missing, TUNE_JOBS searches at once, default 12, for
-#                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. The grid after
+#                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. TUNE_SHAPES and
+#                TUNE_KERNELS (comma-separated) narrow it; TUNE_MISSING=0 searches pairs that have a config too (the
+#                stored config is timed in the same search and replaced only by a faster one). The grid after
 #                tuning: GRID_ARGS="--kernels-helion autotune=true,cache_dir=$OUT/helion_configs"; to commit them:
 #                scripts/tune_kernels.py --merge $OUT/helion_configs
 #
@@ -64,7 +66,7 @@
 # at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
 # for the A/B stages), REFERENCE_TREE (equivalence, trees), CURRENT_TREE / TREES_SHAPE / TREES_PROCESSES (trees),
 # PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long:
-# steps at which the run is stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), HOST_SHAPES (host), TUNE_SHAPES / TUNE_JOBS / TUNE_MINUTES (tune),
+# steps at which the run is stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), HOST_SHAPES (host), TUNE_SHAPES / TUNE_KERNELS / TUNE_MISSING / TUNE_JOBS / TUNE_MINUTES (tune),
 # SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
 # for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED
 # with its log's tail; later stages still run; the exit code is the number of failed stages. STAGE_TIMEOUT_<stage>
@@ -254,8 +256,12 @@ st_grid() {
     python3 scripts/bench_shape_grid.py --out "$OUT" --resume ${GRID_ARGS:-}
 }
 st_tune() {
-    python3 scripts/tune_kernels.py --shapes "${TUNE_SHAPES:-grid}" --missing --jobs "${TUNE_JOBS:-12}" \
-        --budget-min "${TUNE_MINUTES:-8}" --out-root "$OUT/helion_configs"
+    local only=()
+    [ -n "${TUNE_KERNELS:-}" ] && only=(--kernels "$TUNE_KERNELS")
+    local missing=(--missing)
+    [ "${TUNE_MISSING:-1}" = "0" ] && missing=()
+    python3 scripts/tune_kernels.py --shapes "${TUNE_SHAPES:-grid}" ${missing[@]+"${missing[@]}"} ${only[@]+"${only[@]}"} \
+        --jobs "${TUNE_JOBS:-12}" --budget-min "${TUNE_MINUTES:-8}" --out-root "$OUT/helion_configs"
 }
 
 st_parity() {
