@@ -16,6 +16,11 @@ bwd_states_dtype    input      dtype of the states the backward recomputes (chun
 bwd_dstates_dtype   input      dtype of the per-chunk state gradients dz_dstates writes and the backward state
                                passing reads: "input" (x's dtype; each chunk's term is rounded before the fp32
                                running sum) or "fp32" (as mamba-ssm).
+bwd_cb_dtype        fp32       dtype of C.B^T that the backward recomputes (``ssd_bmm_chunk``) and ``ssd_bwd_dx``
+                               reads: "fp32" (as mamba-ssm) or "input" (x's dtype: half of the (b, nc, g, c, c)
+                               bytes the bmm writes and dx reads; dx rounds its decayed weights to x's dtype for the
+                               dx GEMM either way, while its ddA sums and ddt then see the rounded C.B^T). The
+                               forward's C.B^T is in x's dtype already (``ssd_helion.forward_cb_dtype``).
 save_cumsum         true       the fused op's forward keeps dA_cumsum and dt_out (two fp32 (b, h, l) tensors) for
                                its backward, which then launches no chunk cumsum; false recomputes them, as
                                mamba-ssm does. The values are bitwise the same either way.
@@ -75,7 +80,7 @@ from typing import Any
 DTYPE_CHOICES = ("input", "fp32")
 STATE_PASSING_CHOICES = ("auto", "fused", "split")
 STATE_PASSING_NOTICE = "nano_hybrid kernels: state passing at"  # how the one line of an "auto" decision begins
-_DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype")
+_DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype", "bwd_cb_dtype")
 
 
 class HelionSettingsError(ValueError):
@@ -86,6 +91,7 @@ class HelionSettingsError(ValueError):
 class HelionSettings:
     bwd_states_dtype: str = "input"
     bwd_dstates_dtype: str = "input"
+    bwd_cb_dtype: str = "fp32"
     save_cumsum: bool = True
     save_conv_states: bool = False
     state_passing: str = "auto"

@@ -243,6 +243,38 @@ def test_bwd_dstates_dtype(monkeypatch):
         assert rel < 2e-2, f"{k}: rel. difference {rel:.3e} between bf16 and fp32 dstates"
 
 
+def test_bwd_cb_dtype(monkeypatch):
+    """bf16 inputs: C.B^T recomputed in x's dtype for the backward (bwd_cb_dtype "input") changes neither the output
+    nor dz, the B and C columns of d_zxbcdt, dD or the initial states' gradient (none of them reads it), and keeps
+    the gradients that do (x's and dt's columns, the conv weights, dt_bias, A) within bf16 rounding of the fp32 C.B^T
+    run (the default, mamba-ssm's); the backward's bmm writes C.B^T in the chosen dtype. Odd seqlen, seq_idx, initial
+    states."""
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    res, seen = {}, []
+    pieces = msh.ssd_chunk_pieces_helion
+
+    def spy(*a, **kw):
+        out = pieces(*a, **kw)
+        seen.append(out[4].dtype)  # CB
+        return out
+
+    monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy)
+    for mode in ("input", "fp32"):
+        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c, HelionSettings(bwd_cb_dtype=mode))
+    assert seen == [torch.bfloat16, torch.float32], seen
+    a, f = res["input"], res["fp32"]
+    dim = h * p
+    assert torch.equal(a["out"], f["out"])
+    assert torch.equal(a["zxbcdt"][..., :dim], f["zxbcdt"][..., :dim])  # dz
+    assert torch.equal(a["zxbcdt"][..., 2 * dim: 2 * dim + 2 * g * n], f["zxbcdt"][..., 2 * dim: 2 * dim + 2 * g * n])
+    assert not torch.equal(a["zxbcdt"][..., dim: 2 * dim], f["zxbcdt"][..., dim: 2 * dim])  # dx reads the rounded CB
+    assert torch.equal(a["D"], f["D"]) and torch.equal(a["init"], f["init"])  # dD and dinit do not read C.B^T
+    for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A"):
+        x, y = a[k].float(), f[k].float()
+        rel = ((x - y).norm() / y.norm()).item()
+        assert rel < 2e-2, f"{k}: rel. difference {rel:.3e} between bf16 and fp32 C.B^T in the backward"
+
+
 def test_zxbcdt_transposed_view_in_place():
     """zxbcdt as Megatron's mixer hands it to a backend with ``strided_zxbcdt`` (a (b, l, d) view of the (l, b, d)
     in_proj output, no copy): outputs and every gradient are bitwise those of the contiguous input; y is a (b, l, d)
@@ -435,6 +467,33 @@ def test_bwd_states_dtype_nano_bf16():
     for mode in ("states", "states+dstates"):
         for nm, ef, eb in zip(names, errs["fp32"], errs[mode]):
             assert eb <= 1.1 * ef + 1e-4, f"{nm}: bf16 backward {mode} {eb:.3e} vs fp32 {ef:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.gpu_mem(12)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bwd_cb_dtype_nano_bf16():
+    """Nano shape, bf16: the backward's C.B^T in bf16 (bwd_cb_dtype "input") against fp32 (the default): the output
+    is bitwise the same, and the relative L2 error against the fp32 torch reference of every gradient, and of the dt
+    columns of d_zxbcdt (where the ddA sums end up), stays within 1.5x the default's + 1e-4 (printed for the
+    kernel report)."""
+    h = 64
+    inputs, run_op = _gpu_bf16_runner(2, 8192, h, 64, 8, 128, 128)
+
+    def run(fn, cast, **extra):
+        res = run_op(fn, cast, **extra)
+        return res + [res[1][..., -h:]]  # + the ddt columns
+
+    names = ["out"] + inputs + ["ddt columns"]
+    ref = run(mamba_split_conv1d_scan_combined_ref, True)
+    got = {mode: run(msh.mamba_split_conv1d_scan_combined_helion, False, settings=HelionSettings(bwd_cb_dtype=mode))
+           for mode in ("fp32", "input")}
+    assert torch.equal(got["fp32"][0], got["input"][0])
+    errs = {mode: [((hh - r).norm() / r.norm()).item() for hh, r in zip(g, ref)] for mode, g in got.items()}
+    for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
+        print(f"bwd C.B^T rel. L2 error vs fp32 reference: {nm}: fp32 {ef:.4e}, bf16 {eb:.4e}")
+    for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
+        assert eb <= 1.5 * ef + 1e-4, f"{nm}: bf16 C.B^T in the backward {eb:.3e} vs fp32 {ef:.3e}"
 
 
 @pytest.mark.gpu
