@@ -182,6 +182,19 @@ def _bf16_seq_case_grads(b, l, h, p, g, n, c, settings: HelionSettings) -> dict:
     return dict(zip(["out"] + list(t) + ["init"], [o, *torch.autograd.grad((o.float() * do.float()).sum(), ins)]))
 
 
+def _bf16_and_fp32_grads(key: str, *dims) -> tuple[dict, dict]:
+    """``_bf16_seq_case_grads`` at ``dims`` with the dtype setting ``key`` at "input" and then at "fp32"."""
+    return tuple(_bf16_seq_case_grads(*dims, HelionSettings(**{key: mode})) for mode in ("input", "fp32"))
+
+
+def _assert_within_bf16_rounding(a: dict, f: dict, keys, what: str) -> None:
+    """Each of ``keys`` in ``a`` within 2e-2 relative L2 of ``f`` (a few bf16 roundings of the same sums)."""
+    for k in keys:
+        x, y = a[k].float(), f[k].float()
+        rel = ((x - y).norm() / y.norm()).item()
+        assert rel < 2e-2, f"{k}: rel. difference {rel:.3e} {what}"
+
+
 def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
     """bf16 inputs: the backward's recomputed states in x's dtype (bwd_states_dtype "input", the default) change only what
     the ddA sums feed (dt's slice of dzxbcdt, dA, ddt_bias), which stay within bf16 rounding of the fp32-states run;
@@ -220,7 +233,7 @@ def test_bwd_dstates_dtype(monkeypatch):
     from kernels import ssd_helion_bwd as bwd
 
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
-    res, seen = {}, []
+    seen = []
     call = bwd._call
 
     def spy(name, args, dims):
@@ -230,17 +243,13 @@ def test_bwd_dstates_dtype(monkeypatch):
         return out
 
     monkeypatch.setattr(bwd, "_call", spy)
-    for mode in ("input", "fp32"):
-        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c, HelionSettings(bwd_dstates_dtype=mode))
+    a, f = _bf16_and_fp32_grads("bwd_dstates_dtype", b, l, h, p, g, n, c)
     assert seen == [torch.bfloat16, torch.float32], seen
-    a, f = res["input"], res["fp32"]
     dim = h * p
     assert torch.equal(a["out"], f["out"])
     assert torch.equal(a["zxbcdt"][..., :dim], f["zxbcdt"][..., :dim])  # dz
-    for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "init"):
-        x, y = a[k].float(), f[k].float()
-        rel = ((x - y).norm() / y.norm()).item()
-        assert rel < 2e-2, f"{k}: rel. difference {rel:.3e} between bf16 and fp32 dstates"
+    _assert_within_bf16_rounding(a, f, ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "init"),
+                                 "between bf16 and fp32 dstates")
 
 
 def test_bwd_cb_dtype(monkeypatch):
@@ -250,7 +259,7 @@ def test_bwd_cb_dtype(monkeypatch):
     run (the default, mamba-ssm's); the backward's bmm writes C.B^T in the chosen dtype. Odd seqlen, seq_idx, initial
     states."""
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
-    res, seen = {}, []
+    seen = []
     pieces = msh.ssd_chunk_pieces_helion
 
     def spy(*a, **kw):
@@ -259,20 +268,16 @@ def test_bwd_cb_dtype(monkeypatch):
         return out
 
     monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy)
-    for mode in ("input", "fp32"):
-        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c, HelionSettings(bwd_cb_dtype=mode))
+    a, f = _bf16_and_fp32_grads("bwd_cb_dtype", b, l, h, p, g, n, c)
     assert seen == [torch.bfloat16, torch.float32], seen
-    a, f = res["input"], res["fp32"]
     dim = h * p
     assert torch.equal(a["out"], f["out"])
     assert torch.equal(a["zxbcdt"][..., :dim], f["zxbcdt"][..., :dim])  # dz
     assert torch.equal(a["zxbcdt"][..., 2 * dim: 2 * dim + 2 * g * n], f["zxbcdt"][..., 2 * dim: 2 * dim + 2 * g * n])
     assert not torch.equal(a["zxbcdt"][..., dim: 2 * dim], f["zxbcdt"][..., dim: 2 * dim])  # dx reads the rounded CB
     assert torch.equal(a["D"], f["D"]) and torch.equal(a["init"], f["init"])  # dD and dinit do not read C.B^T
-    for k in ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A"):
-        x, y = a[k].float(), f[k].float()
-        rel = ((x - y).norm() / y.norm()).item()
-        assert rel < 2e-2, f"{k}: rel. difference {rel:.3e} between bf16 and fp32 C.B^T in the backward"
+    _assert_within_bf16_rounding(a, f, ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A"),
+                                 "between bf16 and fp32 C.B^T in the backward")
 
 
 def test_zxbcdt_transposed_view_in_place():
@@ -439,6 +444,19 @@ def _gpu_bf16_runner(b, l, h, p, g, n, c):
     return list(t), run
 
 
+def _gpu_nano_with_ddt_columns():
+    """The Nano shape in bf16 on the GPU (``_gpu_bf16_runner``): (names, run, the fp32 torch reference's results), where
+    ``run`` also returns the dt columns of d_zxbcdt (where the ddA sums end up) as a last entry."""
+    h = 64
+    inputs, run_op = _gpu_bf16_runner(2, 8192, h, 64, 8, 128, 128)
+
+    def run(fn, cast, **extra):
+        res = run_op(fn, cast, **extra)
+        return res + [res[1][..., -h:]]  # + the ddt columns
+
+    return ["out"] + inputs + ["ddt columns"], run, run(mamba_split_conv1d_scan_combined_ref, True)
+
+
 @pytest.mark.gpu
 @pytest.mark.gpu_mem(12)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -447,15 +465,7 @@ def test_bwd_states_dtype_nano_bf16():
     dstates in bf16 (bwd_dstates_dtype "input"), against fp32 for both (mamba-ssm's choice): the relative L2
     error against the fp32 torch reference of every gradient, and of the dt columns of d_zxbcdt (where the ddA sums
     end up), may grow by at most 10% + 1e-4 (printed for the results README)."""
-    h = 64
-    inputs, run_op = _gpu_bf16_runner(2, 8192, h, 64, 8, 128, 128)
-
-    def run(fn, cast, **extra):
-        res = run_op(fn, cast, **extra)
-        return res + [res[1][..., -h:]]  # + the ddt columns
-
-    names = ["out"] + inputs + ["ddt columns"]
-    ref = run(mamba_split_conv1d_scan_combined_ref, True)
+    names, run, ref = _gpu_nano_with_ddt_columns()
     errs = {}
     for mode, states, dstates in (("fp32", "fp32", "fp32"), ("states", "input", "fp32"), ("states+dstates", "input", "input")):
         got = run(msh.mamba_split_conv1d_scan_combined_helion, False,
@@ -477,15 +487,7 @@ def test_bwd_cb_dtype_nano_bf16():
     is bitwise the same, and the relative L2 error against the fp32 torch reference of every gradient, and of the dt
     columns of d_zxbcdt (where the ddA sums end up), stays within 1.5x the default's + 1e-4 (printed for the
     kernel report)."""
-    h = 64
-    inputs, run_op = _gpu_bf16_runner(2, 8192, h, 64, 8, 128, 128)
-
-    def run(fn, cast, **extra):
-        res = run_op(fn, cast, **extra)
-        return res + [res[1][..., -h:]]  # + the ddt columns
-
-    names = ["out"] + inputs + ["ddt columns"]
-    ref = run(mamba_split_conv1d_scan_combined_ref, True)
+    names, run, ref = _gpu_nano_with_ddt_columns()
     got = {mode: run(msh.mamba_split_conv1d_scan_combined_helion, False, settings=HelionSettings(bwd_cb_dtype=mode))
            for mode in ("fp32", "input")}
     assert torch.equal(got["fp32"][0], got["input"][0])
