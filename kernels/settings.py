@@ -19,8 +19,9 @@ bwd_dstates_dtype   input      dtype of the per-chunk state gradients dz_dstates
 bwd_cb_dtype        fp32       dtype of C.B^T that the backward recomputes (``ssd_bmm_chunk``) and ``ssd_bwd_dx``
                                reads: "fp32" (as mamba-ssm) or "input" (x's dtype: half of the (b, nc, g, c, c)
                                bytes the bmm writes and dx reads; dx rounds its decayed weights to x's dtype for the
-                               dx GEMM either way, while its ddA sums and ddt then see the rounded C.B^T). The
-                               forward's C.B^T is in x's dtype already (``ssd_helion.forward_cb_dtype``).
+                               dx GEMM either way, while its ddA sums and ddt then see the rounded C.B^T;
+                               ``ssd_bwd_dx`` runs the configs tuned with an fp32 C.B^T). The forward's C.B^T is
+                               in x's dtype already (``ssd_helion.forward_cb_dtype``).
 save_cumsum         true       the fused op's forward keeps dA_cumsum and dt_out (two fp32 (b, h, l) tensors) for
                                its backward, which then launches no chunk cumsum; false recomputes them, as
                                mamba-ssm does. The values are bitwise the same either way.

@@ -792,8 +792,11 @@ class FastLauncher:
     call, and any call whose launch key differs from the last one, still goes through Helion's launcher and
     keeps the ``CompiledKernel`` it returns; the others call that binary's launcher with the same arguments
     ``JITFunction.run`` would pass (``kernel.run(grid..., stream, function, packed_metadata, launch_metadata,
-    hooks, *args)``). The launch key (``launch_key``) is stricter than Triton's specialisation: every tensor's address
-    modulo 16, and the exact value of every other argument. Calls with any other launcher keyword
+    hooks, *args)``). A FastLauncher is made by ``with_launcher`` for one compiled kernel, which ``compiled`` keeps
+    per argument signature (every tensor's dtype, shape, strides, device and storage offset, every other value); with
+    that signature, the launch key (``launch_key``: every tensor's address modulo 16, the exact value of every other
+    argument) is stricter than Triton's specialisation. Triton's per-call debug, instrumentation and pre-run hooks
+    are not consulted on the fast path: set them before a kernel's first launch. Calls with any other launcher keyword
     (remote copies, persistent state, cooperative grids) always take Helion's path."""
 
     __slots__ = ("jit", "key", "kernel", "n_fast", "n_slow")
@@ -838,10 +841,18 @@ class FastLauncher:
 _MARKERS: dict[tuple, torch.Tensor] = {}
 
 
+def _device_key(device) -> torch.device:
+    """``device`` as a torch.device with its index (a bare "cuda" is the current device)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def dtype_marker(dtype: torch.dtype, device) -> torch.Tensor:
     """A zero-size tensor of ``dtype`` on ``device``, what a kernel takes to learn the dtype of an output it
     allocates (its ``like`` argument): one per (dtype, device), kept for the process, so a call allocates none."""
-    key = (dtype, torch.device(device) if isinstance(device, str) else device)
+    key = (dtype, _device_key(device))
     t = _MARKERS.get(key)
     if t is None:
         t = _MARKERS[key] = torch.empty(0, dtype=dtype, device=device)
@@ -855,7 +866,7 @@ def zeros_input(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tenso
     """A zero tensor that kernels only read (a gradient that does not flow, e.g. the final states'), one per (shape,
     dtype, device), kept for the process: a backward without that gradient launches no fill for it. Never write
     into it."""
-    key = (tuple(shape), dtype, torch.device(device) if isinstance(device, str) else device)
+    key = (tuple(shape), dtype, _device_key(device))
     t = _ZEROS.get(key)
     if t is None:
         t = _ZEROS[key] = torch.zeros(*shape, dtype=dtype, device=device)

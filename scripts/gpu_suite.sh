@@ -56,8 +56,9 @@
 #   tune         the grid's shapes (packed documents too) tuned for this GPU into $OUT/helion_configs
 #                (scripts/tune_kernels.py --shapes grid --missing, TUNE_JOBS searches at once, default 12, for
 #                TUNE_MINUTES, default 8); a pair already there is kept, so the next call goes on. TUNE_SHAPES and
-#                TUNE_KERNELS (comma-separated) narrow it; TUNE_MISSING=0 searches pairs that have a config too (the
-#                stored config is timed in the same search and replaced only by a faster one). The grid after
+#                TUNE_KERNELS (comma-separated) narrow it; TUNE_MISSING=0 searches every listed pair again, configs or
+#                not: each search starts from the committed config (kernels/configs) and its neighbours, so it stores
+#                nothing slower than that config, and it overwrites an earlier call's entry in $OUT/helion_configs. The grid after
 #                tuning: GRID_ARGS="--kernels-helion autotune=true,cache_dir=$OUT/helion_configs"; to commit them:
 #                scripts/tune_kernels.py --merge $OUT/helion_configs
 #
@@ -259,7 +260,11 @@ st_tune() {
     local only=()
     [ -n "${TUNE_KERNELS:-}" ] && only=(--kernels "$TUNE_KERNELS")
     local missing=(--missing)
-    [ "${TUNE_MISSING:-1}" = "0" ] && missing=()
+    case "${TUNE_MISSING:-1}" in
+        0) missing=() ;;
+        1) ;;
+        *) echo "TUNE_MISSING must be 0 or 1, got $TUNE_MISSING"; return 2 ;;
+    esac
     python3 scripts/tune_kernels.py --shapes "${TUNE_SHAPES:-grid}" ${missing[@]+"${missing[@]}"} ${only[@]+"${only[@]}"} \
         --jobs "${TUNE_JOBS:-12}" --budget-min "${TUNE_MINUTES:-8}" --out-root "$OUT/helion_configs"
 }

@@ -182,9 +182,10 @@ def _bf16_seq_case_grads(b, l, h, p, g, n, c, settings: HelionSettings) -> dict:
     return dict(zip(["out"] + list(t) + ["init"], [o, *torch.autograd.grad((o.float() * do.float()).sum(), ins)]))
 
 
-def _bf16_and_fp32_grads(key: str, *dims) -> tuple[dict, dict]:
-    """``_bf16_seq_case_grads`` at ``dims`` with the dtype setting ``key`` at "input" and then at "fp32"."""
-    return tuple(_bf16_seq_case_grads(*dims, HelionSettings(**{key: mode})) for mode in ("input", "fp32"))
+def _bf16_and_fp32_grads(key: str, *dims, **other) -> tuple[dict, dict]:
+    """``_bf16_seq_case_grads`` at ``dims`` with the dtype setting ``key`` at "input" and then at "fp32" (and the
+    ``other`` settings in both)."""
+    return tuple(_bf16_seq_case_grads(*dims, HelionSettings(**{key: mode}, **other)) for mode in ("input", "fp32"))
 
 
 def _assert_within_bf16_rounding(a: dict, f: dict, keys, what: str) -> None:
@@ -252,23 +253,30 @@ def test_bwd_dstates_dtype(monkeypatch):
                                  "between bf16 and fp32 dstates")
 
 
-def test_bwd_cb_dtype(monkeypatch):
+@pytest.mark.parametrize("save_conv_states", [False, True], ids=["recompute", "saved_states"])
+def test_bwd_cb_dtype(monkeypatch, save_conv_states):
     """bf16 inputs: C.B^T recomputed in x's dtype for the backward (bwd_cb_dtype "input") changes neither the output
     nor dz, the B and C columns of d_zxbcdt, dD or the initial states' gradient (none of them reads it), and keeps
     the gradients that do (x's and dt's columns, the conv weights, dt_bias, A) within bf16 rounding of the fp32 C.B^T
-    run (the default, mamba-ssm's); the backward's bmm writes C.B^T in the chosen dtype. Odd seqlen, seq_idx, initial
-    states."""
+    run (the default, mamba-ssm's); the backward's C.B^T is in the chosen dtype, with the states recomputed and with
+    them kept from the forward (save_conv_states). Odd seqlen, seq_idx, initial states."""
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
     seen = []
-    pieces = msh.ssd_chunk_pieces_helion
+    pieces, bmm = msh.ssd_chunk_pieces_helion, msh.ssd_bmm_chunk_helion
 
-    def spy(*a, **kw):
+    def spy_pieces(*a, **kw):
         out = pieces(*a, **kw)
         seen.append(out[4].dtype)  # CB
         return out
 
-    monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy)
-    a, f = _bf16_and_fp32_grads("bwd_cb_dtype", b, l, h, p, g, n, c)
+    def spy_bmm(*a, **kw):
+        out = bmm(*a, **kw)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy_pieces)
+    monkeypatch.setattr(msh, "ssd_bmm_chunk_helion", spy_bmm)
+    a, f = _bf16_and_fp32_grads("bwd_cb_dtype", b, l, h, p, g, n, c, save_conv_states=save_conv_states)
     assert seen == [torch.bfloat16, torch.float32], seen
     dim = h * p
     assert torch.equal(a["out"], f["out"])
@@ -588,6 +596,19 @@ def test_op_count_fused_path(seq, earlier):
     else:
         assert res["forward"]["work"] == {}
         assert res["backward"]["work"] == small  # no mask of ones: the backward kernels are specialised without
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode run (CPU)")
+def test_zero_final_state_gradient_stays_zero():
+    """A backward without a final-state gradient reads the process-wide zero tensor (``tuning.zeros_input``) that
+    every later backward at that shape reads too: after forward and backward (twice) it is still all zeros."""
+    from fused_op_counts import count
+
+    from kernels import tuning
+
+    count(earlier=1)
+    kept = list(tuning._ZEROS.values())
+    assert kept and all(t.dtype == torch.float32 and not t.any() for t in kept)
 
 
 def test_op_count_partial_chunk():

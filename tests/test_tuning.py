@@ -865,6 +865,14 @@ def test_fast_launch_switch_wraps_compiled_kernels(monkeypatch):
         tuning.compiled(FakeKernel(), (torch.zeros(2),), helion.Config(num_warps=4))()
     assert calls[0] is None and isinstance(calls[1], tuning.FastLauncher)
     assert len(slow.compiled) == 1 and len(fast.compiled) == 1  # each runtime keeps its own compiled kernels
+    # the launch key leaves dtypes and devices to the argument signature: each gets its own compiled kernel and launcher
+    k, cfg = FakeKernel(), helion.Config(num_warps=4)
+    f32 = tuning.compiled(k, (torch.zeros(2),), cfg, rt=fast)
+    f64 = tuning.compiled(k, (torch.zeros(2, dtype=torch.float64),), cfg, rt=fast)
+    meta = tuning.compiled(k, (torch.zeros(2, device="meta"),), cfg, rt=fast)
+    assert tuning.compiled(k, (torch.ones(2),), cfg, rt=fast) is f32
+    launchers = [f.keywords["_launcher"] for f in (f32, f64, meta)]
+    assert len({id(f) for f in (f32, f64, meta)}) == 3 and len({id(fl) for fl in launchers}) == 3
     tuning.clear_caches()
 
 
@@ -1056,8 +1064,8 @@ def test_a_config_file_that_cannot_be_used_is_one_error_naming_it(tmp_path, monk
 
 
 def test_dtype_markers_and_read_only_zeros_are_made_once_per_key():
-    """tuning.dtype_marker / zeros_input: one tensor per (shape,) dtype and device for the process (a kernel call
-    allocates or fills none of them again); another dtype or shape gets its own; clear_caches forgets them."""
+    """tuning.dtype_marker / zeros_input: one tensor per (shape,) dtype and device for the process (later calls get
+    the same tensor); another dtype or shape gets its own; clear_caches forgets them."""
     tuning.clear_caches()
     m = tuning.dtype_marker(torch.bfloat16, torch.device("cpu"))
     assert m.numel() == 0 and m.dtype == torch.bfloat16
