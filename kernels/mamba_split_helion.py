@@ -5,7 +5,8 @@ signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward
 the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx) and, unlike mamba-ssm, the two
 small fp32 (b, h, l) tensors dA_cumsum and dt_out (``HelionSettings.save_cumsum``); the backward recomputes the
 conv and the forward pieces it needs (chunk_state+state_passing in ``HelionSettings.bwd_states_dtype``; C.B^T in
-``HelionSettings.bwd_cb_dtype``; the chunk cumsum too without save_cumsum) and runs the Helion backward of ``kernels/ssd_helion_bwd.py``.
+``HelionSettings.bwd_cb_dtype``; the chunk cumsum too without save_cumsum) and runs the Helion backward of
+``kernels/ssd_helion_bwd.py``.
 With ``HelionSettings.save_conv_states`` the forward also keeps the conv output and the chunk states, and the
 backward recomputes only C.B^T (bitwise the same gradients, more activation memory).
 ``settings`` (a ``kernels.settings.HelionSettings``; the backend binds its own) picks those dtypes and options.

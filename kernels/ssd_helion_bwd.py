@@ -27,7 +27,8 @@ to its cheapest autotune config.)
 
 Input layouts (the same as ``kernels/ssd.py`` and mamba-ssm): x/dout/z/out_x (b, l, h, p),
 B/C (b, l, g, n), dt_out/dA_cumsum (b, h, nc, c) fp32, states_in (b, nc, h, p, n) x.dtype or fp32,
-CB (b, nc, g, c, c) fp32 or x.dtype (``HelionSettings.bwd_cb_dtype``), seq_idx (b, l) int. ``seqlen % chunk_size != 0`` is handled by padding.
+CB (b, nc, g, c, c) fp32 or x.dtype (``HelionSettings.bwd_cb_dtype``), seq_idx (b, l) int. A seqlen that is not a
+multiple of chunk_size is handled by padding.
 """
 
 from __future__ import annotations
@@ -376,13 +377,13 @@ def _block_seeds(name: str) -> list[list[int]]:
     return _MULTI_BLOCK_SEEDS.get(name, _BLOCK_SEEDS)
 
 
-_CALL_SEEDS: dict[str, list[dict]] = {}  # name -> the first-use search's seed configs, built at its first call
+_CALL_SEEDS: dict[str, tuple[dict, ...]] = {}  # name -> the first-use search's seed configs, built at its first call
 
 
 def _call(name: str, args: tuple, dims: dict):
     seeds = _CALL_SEEDS.get(name)
     if seeds is None:
-        seeds = _CALL_SEEDS[name] = [{"block_sizes": bs} for bs in _block_seeds(name)] if _has_blocks(name) else []
+        seeds = _CALL_SEEDS[name] = tuple({"block_sizes": bs} for bs in _block_seeds(name)) if _has_blocks(name) else ()
     return first_use.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name], seeds=seeds)
 
 

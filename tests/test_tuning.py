@@ -1075,4 +1075,5 @@ def test_dtype_markers_and_read_only_zeros_are_made_once_per_key():
     assert torch.equal(z, torch.zeros(2, 3)) and tuning.zeros_input([2, 3], torch.float32, torch.device("cpu")) is z
     assert tuning.zeros_input((3, 2), torch.float32, "cpu").shape == (3, 2)
     tuning.clear_caches()
-    assert tuning.dtype_marker(torch.bfloat16, "cpu") is not m and tuning.zeros_input((2, 3), torch.float32, "cpu") is not z
+    assert tuning.dtype_marker(torch.bfloat16, "cpu") is not m
+    assert tuning.zeros_input((2, 3), torch.float32, "cpu") is not z
