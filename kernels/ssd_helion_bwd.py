@@ -377,19 +377,18 @@ def _block_seeds(name: str) -> list[list[int]]:
     return _MULTI_BLOCK_SEEDS.get(name, _BLOCK_SEEDS)
 
 
-_CALL_SEEDS: dict[str, tuple[dict, ...]] = {}  # name -> the first-use search's seed configs, built at its first call
-
-
-def _call(name: str, args: tuple, dims: dict):
-    seeds = _CALL_SEEDS.get(name)
-    if seeds is None:
-        seeds = _CALL_SEEDS[name] = tuple({"block_sizes": bs} for bs in _block_seeds(name)) if _has_blocks(name) else ()
-    return first_use.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name], seeds=seeds)
-
-
 def _has_blocks(name: str) -> bool:
     """Whether kernel ``name`` has a tunable block size (its default config lists one)."""
     return bool(_DEFAULTS[name].config.get("block_sizes"))
+
+
+# each kernel's first-use search seeds (its block-size seeds; none for a kernel without block sizes)
+_CALL_SEEDS = {name: tuple({"block_sizes": bs} for bs in _block_seeds(name)) if _has_blocks(name) else ()
+               for name in _KERNELS}
+
+
+def _call(name: str, args: tuple, dims: dict):
+    return first_use.tuned_call(name, _KERNELS[name], args, dims, _DEFAULTS[name], seeds=_CALL_SEEDS[name])
 
 
 def _pad_chunks(t: torch.Tensor | None, L: int) -> torch.Tensor | None:

@@ -79,6 +79,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 import helion
+from triton import knobs as triton_knobs
 
 from kernels import debug
 from kernels.settings import HelionSettings
@@ -878,15 +879,8 @@ def _current_stream() -> int:
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
 
-_KNOBS: list = []  # triton.knobs, imported at the first fast launch
-
-
 def _launch_hooks() -> tuple:
-    if not _KNOBS:
-        from triton import knobs
-
-        _KNOBS.append(knobs)
-    rt = _KNOBS[0].runtime
+    rt = triton_knobs.runtime
     return rt.launch_enter_hook, rt.launch_exit_hook
 
 
