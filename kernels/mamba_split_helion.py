@@ -1,14 +1,13 @@
 """The fused Mamba-2 training op with the Helion SSD: split -> causal conv1d -> SSD (+z gate).
 
 ``mamba_split_conv1d_scan_combined_helion`` has mamba-ssm 2.3.2's ``mamba_split_conv1d_scan_combined``
-signature and memory behaviour (``MambaSplitConv1dScanCombinedFn``): the forward saves only zxbcdt,
-the conv weight/bias, out_x, dt_bias, A, D (and initial_states / seq_idx) and, unlike mamba-ssm, the two
-small fp32 (b, h, l) tensors dA_cumsum and dt_out (``HelionSettings.save_cumsum``); the backward recomputes the
-conv and the forward pieces it needs (chunk_state+state_passing in ``HelionSettings.bwd_states_dtype``; C.B^T in
-``HelionSettings.bwd_cb_dtype``; the chunk cumsum too without save_cumsum) and runs the Helion backward of
-``kernels/ssd_helion_bwd.py``.
-With ``HelionSettings.save_conv_states`` the forward also keeps the conv output and the chunk states, and the
-backward recomputes only C.B^T (bitwise the same gradients, more activation memory).
+signature. Its forward saves what mamba-ssm's ``MambaSplitConv1dScanCombinedFn`` saves (zxbcdt, the conv
+weight/bias, out_x, dt_bias, A, D, initial_states / seq_idx), the two small fp32 (b, h, l) tensors dA_cumsum and
+dt_out (``HelionSettings.save_cumsum``) and, by default (``HelionSettings.save_conv_states``), the conv output and
+the states entering each chunk: the backward then recomputes only C.B^T (in fp32, as mamba-ssm) and runs the Helion
+backward of ``kernels/ssd_helion_bwd.py``. With save_conv_states off the forward keeps neither and the backward
+recomputes the conv and chunk_state+state_passing (in ``HelionSettings.bwd_states_dtype``), as mamba-ssm does: less
+activation memory, bitwise the same gradients.
 ``settings`` (a ``kernels.settings.HelionSettings``; the backend binds its own) picks those dtypes and options.
 
 Megatron's training path passes neither ``rmsnorm_weight`` nor ``outproj_weight`` (the gated norm
@@ -135,19 +134,18 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         x = x.reshape(b, L, nheads, headdim)
         B = B.reshape(b, L, ngroups, dstate)
         C = C.reshape(b, L, ngroups, dstate)
-        cb_dtype = torch.float32 if ctx.settings.bwd_cb_dtype == "fp32" else x.dtype
         if states_in is None:
             dA_cumsum, dt_out, states_in, _, CB = ssd_chunk_pieces_helion(
                 B, x, C, dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True, dt_limit=ctx.dt_limit,
                 initial_states=initial_states, seq_idx=seq_idx,
                 state_dtype=torch.float32 if ctx.settings.bwd_states_dtype == "fp32" else x.dtype,
-                cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out), cb_dtype=cb_dtype,
+                cumsum=None if dA_cumsum is None else (dA_cumsum, dt_out),
                 state_passing=ctx.settings.state_passing)
         else:  # the forward's states (x's dtype, as bwd_states_dtype=input recomputes them): only C.B^T runs
             if dA_cumsum is None:
                 dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True,
                                                             dt_limit=ctx.dt_limit)
-            CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=cb_dtype)
+            CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=torch.float32)
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)
         dz, dxBC_given, ddt = torch.split(dzxbcdt, splits, dim=-1)

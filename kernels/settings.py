@@ -16,20 +16,16 @@ bwd_states_dtype    input      dtype of the states the backward recomputes (chun
 bwd_dstates_dtype   input      dtype of the per-chunk state gradients dz_dstates writes and the backward state
                                passing reads: "input" (x's dtype; each chunk's term is rounded before the fp32
                                running sum) or "fp32" (as mamba-ssm).
-bwd_cb_dtype        fp32       dtype of C.B^T that the backward recomputes (``ssd_bmm_chunk``) and ``ssd_bwd_dx``
-                               reads: "fp32" (as mamba-ssm) or "input" (x's dtype: half of the (b, nc, g, c, c)
-                               bytes the bmm writes and dx reads; dx rounds its decayed weights to x's dtype for the
-                               dx GEMM either way, while its ddA sums and ddt then see the rounded C.B^T;
-                               ``ssd_bwd_dx`` runs the configs tuned with an fp32 C.B^T). The forward's C.B^T is
-                               in x's dtype already (``ssd_helion.forward_cb_dtype``).
 save_cumsum         true       the fused op's forward keeps dA_cumsum and dt_out (two fp32 (b, h, l) tensors) for
                                its backward, which then launches no chunk cumsum; false recomputes them, as
                                mamba-ssm does. The values are bitwise the same either way.
-save_conv_states    false      the fused op's forward also keeps the conv output (b, l, di + 2 g n) and the states
+save_conv_states    true       the fused op's forward also keeps the conv output (b, l, di + 2 g n) and the states
                                entering each chunk (b, nc, h, p, n, x's dtype) for its backward, which then runs
                                neither the conv nor chunk_state + state_passing again: bitwise the same gradients,
-                               for a * l * (di + 2 g n + h p n / c) more bytes per layer (335 MB at Nano's 2 x 8192
-                               in bf16); needs bwd_states_dtype=input (the forward's states are in x's dtype)
+                               for b l (di + 2 g n + h p n / c) more elements per Mamba layer (335 MB at Nano's
+                               2 x 8192 in bf16; the memory planner counts them); false recomputes them in the
+                               backward, as mamba-ssm does. bwd_states_dtype=fp32 needs it false (the forward's
+                               states are in x's dtype)
 state_passing       auto       how the forward (and the backward's recompute) computes the states entering each
                                chunk: "fused" (``ssd_chunk_state_passing``: one program per (batch, head, headdim
                                block, dstate block) walks the chunks in order, the running state in registers),
@@ -81,7 +77,7 @@ from typing import Any
 DTYPE_CHOICES = ("input", "fp32")
 STATE_PASSING_CHOICES = ("auto", "fused", "split")
 STATE_PASSING_NOTICE = "nano_hybrid kernels: state passing at"  # how the one line of an "auto" decision begins
-_DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype", "bwd_cb_dtype")
+_DTYPE_KEYS = ("bwd_states_dtype", "bwd_dstates_dtype")
 
 
 class HelionSettingsError(ValueError):
@@ -92,9 +88,8 @@ class HelionSettingsError(ValueError):
 class HelionSettings:
     bwd_states_dtype: str = "input"
     bwd_dstates_dtype: str = "input"
-    bwd_cb_dtype: str = "fp32"
     save_cumsum: bool = True
-    save_conv_states: bool = False
+    save_conv_states: bool = True
     state_passing: str = "auto"
     zxbcdt_in_place: bool = True
     fast_launch: bool = True
@@ -124,8 +119,9 @@ class HelionSettings:
                 raise HelionSettingsError(f"kernels.helion.cache_dir={v!r} must be a path (a string; \"\" for "
                                           "~/.cache/nano_hybrid/helion)")
         if self.save_conv_states and self.bwd_states_dtype != "input":
-            raise HelionSettingsError("kernels.helion.save_conv_states=true needs kernels.helion.bwd_states_dtype=input "
-                                      f"(the forward's states are in x's dtype), got {self.bwd_states_dtype!r}")
+            raise HelionSettingsError("kernels.helion.bwd_states_dtype=fp32 needs kernels.helion.save_conv_states=false "
+                                      "(save_conv_states, on by default, keeps the forward's states, which are in x's "
+                                      "dtype)")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -328,7 +328,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
 def forward_cb_dtype(dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
     """The dtype of CB between the forward's bmm and chunk_scan for inputs (x, B, C) of ``dtype``: the inputs' own
     (bf16 in training: ``ssd_chunk_scan_cb16``; fp32 inputs keep an fp32 CB and ``ssd_chunk_scan``, as mamba-ssm).
-    The backward recomputes CB in ``HelionSettings.bwd_cb_dtype`` (fp32 by default)."""
+    The backward recomputes CB in fp32."""
     return dtype
 
 

@@ -41,9 +41,10 @@ from pathlib import Path
 ARMS = {
     "mamba_ssm": ["kernels.backend=mamba_ssm"],
     "helion": ["kernels.backend=helion"],
-    # the helion backward with mamba-ssm's fp32 recomputed states and state gradients
-    "helion_fp32": ["kernels.backend=helion", "kernels.helion.bwd_states_dtype=fp32",
-                    "kernels.helion.bwd_dstates_dtype=fp32"],
+    # the helion backward with mamba-ssm's fp32 recomputed states and state gradients (states recomputed, as
+    # mamba-ssm does: the forward's kept states are in x's dtype)
+    "helion_fp32": ["kernels.backend=helion", "kernels.helion.save_conv_states=false",
+                    "kernels.helion.bwd_states_dtype=fp32", "kernels.helion.bwd_dstates_dtype=fp32"],
     # the linears in float8 (train.fp8=tensorwise, the default train.fp8_modules), either backend
     "mamba_ssm_fp8": ["kernels.backend=mamba_ssm", "train.fp8=tensorwise"],
     "helion_fp8": ["kernels.backend=helion", "train.fp8=tensorwise"],

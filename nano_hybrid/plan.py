@@ -31,8 +31,8 @@ heads, ``k`` top-k, ``f`` expert FFN, ``fs`` shared-expert FFN, ``E`` experts, `
 - Mamba (M): ``zxBCdt`` and ``out_x`` (saved by the fused split-conv1d-scan op: a T D_in + a T di), the
   gated output before the gated norm and that norm's output (saved by the norm and by out_proj: 2 a T di)
   and the norm's fp32 rstd per group; the helion backend also keeps two fp32 (b, heads, l) tensors
-  (``kernels.helion.save_cumsum``) and, with ``kernels.helion.save_conv_states``, the conv output (a T (di + 2
-  groups x state)) and the states entering each chunk (a T / chunk x di x state);
+  (``kernels.helion.save_cumsum``) and, with ``kernels.helion.save_conv_states`` (the default), the conv
+  output (a T (di + 2 groups x state)) and the states entering each chunk (a T / chunk x di x state);
 - attention (*): the fused QKV projection output, which the SDPA backward keeps (q, k, v are views:
   a T (heads + 2 groups) kv), the attention output (a T heads kv, saved by the output projection) and the
   fp32 log-sum-exp (4 T heads); ``model.attention_impl=unfused`` (megatron's DotProductAttention) keeps the

@@ -101,11 +101,12 @@ def test_arm_labels_and_alternation():
 
 def test_helion_arms_run_the_composed_settings_plus_their_own():
     """An A/B arm's backend is resolved as a training run resolves it: a helion arm runs the composed config's
-    kernels.helion settings (here bwd_states_dtype=fp32 given as a run override) plus its own kernels.helion keys;
+    kernels.helion settings (here bwd_states_dtype=fp32 and save_conv_states=false given as run overrides) plus its own kernels.helion keys;
     the JSON record names every resolved setting; bad keys and values fail before any work, naming the arm."""
     from nano_hybrid.config import ConfigError, compose
 
-    cfg = compose(["model=tiny", "kernels.backend=torch", "kernels.helion.bwd_states_dtype=fp32"])
+    cfg = compose(["model=tiny", "kernels.backend=torch", "kernels.helion.bwd_states_dtype=fp32",
+                   "kernels.helion.save_conv_states=false"])
     plain, own, ref = (arms.parse_arm(x) for x in ("helion", "helion:kernels.helion.save_cumsum=false", "torch"))
     assert own.label == "helion+save_cumsum-false" and own.overrides == (("kernels.helion.save_cumsum", False),)
     be = arms.arm_backends(cfg, [plain, own, ref, plain])
@@ -1029,7 +1030,7 @@ def test_bench_layers_backend_options():
 
     from nano_hybrid.config import ConfigError, compose
 
-    cfg = compose(["model=tiny", "kernels.helion.bwd_states_dtype=fp32"])
+    cfg = compose(["model=tiny", "kernels.helion.bwd_states_dtype=fp32", "kernels.helion.save_conv_states=false"])
     be = blay._backend("torch:zxbcdt_copy", cfg)
     assert be.name == "torch" and be.strided_zxbcdt is False
     assert dataclasses.replace(blay._backend("torch", cfg), strided_zxbcdt=True).strided_zxbcdt

@@ -48,6 +48,7 @@ def test_plan_runs_seeds_per_arm_and_a_long_run(tmp_path):
     fp32 = _plan(tmp_path, arms=["mamba_ssm", "helion", "helion_fp32"], long_iters=None)
     cfg = compose(fp32.runs[-1].overrides)
     assert cfg.kernels.helion.bwd_states_dtype == "fp32" and cfg.kernels.helion.bwd_dstates_dtype == "fp32"
+    assert cfg.kernels.helion.save_conv_states is False
     assert all(r.arm != "long" for r in fp32.runs)
 
 

@@ -33,10 +33,11 @@ def _case(b, l, h, p, g, n, D2=False, seed=0, device="cpu", dtype=torch.float32)
         ((2, 40, 6, 8, 3, 16, 16), True, False, True),  # ngroups 3, D per head-dim
     ],
 )
-@pytest.mark.parametrize("save_cumsum", [True, False])
-def test_fused_op_grads_match_reference(shape, seq, init, D2, save_cumsum, monkeypatch):
-    """Output, final states and every gradient vs the autograd reference, with the chunk cumsum kept from the
-    forward (the default) or recomputed in the backward (``HelionSettings(save_cumsum=False)``)."""
+@pytest.mark.parametrize("saved", [True, False], ids=["saved", "recomputed"])
+def test_fused_op_grads_match_reference(shape, seq, init, D2, saved, monkeypatch):
+    """Output, final states and every gradient vs the autograd reference, with the chunk cumsum, the conv output and
+    the chunk states kept from the forward (the defaults) or recomputed in the backward, as mamba-ssm does
+    (``HelionSettings(save_cumsum=False, save_conv_states=False)``)."""
     from kernels import ssd_helion as sh
 
     launched = []
@@ -57,8 +58,8 @@ def test_fused_op_grads_match_reference(shape, seq, init, D2, save_cumsum, monke
     kw = dict(chunk_size=c, initial_states=t0 if init else None, seq_idx=si, headdim=p, ngroups=g,
               return_final_states=True, norm_before_gate=False)
     o1, f1 = mamba_split_conv1d_scan_combined_ref(*t.values(), **kw)
-    o2, f2 = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), settings=HelionSettings(save_cumsum=save_cumsum),
-                                                          **kw)
+    settings = HelionSettings(save_cumsum=saved, save_conv_states=saved)
+    o2, f2 = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), settings=settings, **kw)
     tol = 1e-4
     torch.testing.assert_close(o2, o1, atol=tol, rtol=tol)
     torch.testing.assert_close(f2, f1, atol=1e-4, rtol=1e-4)
@@ -70,9 +71,9 @@ def test_fused_op_grads_match_reference(shape, seq, init, D2, save_cumsum, monke
     for nm, a, bb in zip(names, g1, g2):
         err = (a - bb).abs().max().item()
         assert err <= tol * max(1.0, a.abs().max().item()), f"{nm}: max err {err:.3e}"
-    # forward and backward recompute: with the cumsum saved, the backward launches no cumsum
-    assert launched.count("ssd_chunk_cumsum") == (1 if save_cumsum else 2), launched
-    assert launched.count("ssd_chunk_state_passing") == 2, launched
+    # the forward, and the backward's recompute: with them saved, the backward launches neither
+    assert launched.count("ssd_chunk_cumsum") == (1 if saved else 2), launched
+    assert launched.count("ssd_chunk_state_passing") == (1 if saved else 2), launched
     # fp32 inputs: CB stays fp32 (chunk_scan_cb16 runs for 16-bit inputs only)
     assert launched.count("ssd_chunk_scan") == 1 and "ssd_chunk_scan_cb16" not in launched, launched
 
@@ -164,10 +165,15 @@ def test_split_state_passing_matches_the_fused_kernel(monkeypatch, save_conv_sta
 
 
 def test_save_conv_states_needs_input_dtype_states():
+    """save_conv_states (on by default) keeps the forward's states, in x's dtype: fp32 backward states need it off,
+    and an explicit save_conv_states=true with them is refused too."""
     from kernels.settings import HelionSettingsError
 
-    with pytest.raises(HelionSettingsError, match="save_conv_states=true needs kernels.helion.bwd_states_dtype=input"):
-        HelionSettings(save_conv_states=True, bwd_states_dtype="fp32")
+    assert HelionSettings().save_conv_states is True
+    for kw in ({}, {"save_conv_states": True}):
+        with pytest.raises(HelionSettingsError, match="bwd_states_dtype=fp32 needs kernels.helion.save_conv_states=false"):
+            HelionSettings(bwd_states_dtype="fp32", **kw)
+    assert HelionSettings(bwd_states_dtype="fp32", save_conv_states=False).bwd_states_dtype == "fp32"
 
 
 def _bf16_seq_case_grads(b, l, h, p, g, n, c, settings: HelionSettings) -> dict:
@@ -211,7 +217,8 @@ def test_bwd_states_dtype_changes_only_the_ddA_gradients(monkeypatch):
 
     monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy)
     for mode in ("input", "fp32"):
-        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c, HelionSettings(bwd_states_dtype=mode))
+        res[mode] = _bf16_seq_case_grads(b, l, h, p, g, n, c,
+                                         HelionSettings(bwd_states_dtype=mode, save_conv_states=False))
     a, f = res["input"], res["fp32"]
     W = a["zxbcdt"].shape[-1]
     for k in a:
@@ -251,41 +258,6 @@ def test_bwd_dstates_dtype(monkeypatch):
     assert torch.equal(a["zxbcdt"][..., :dim], f["zxbcdt"][..., :dim])  # dz
     _assert_within_bf16_rounding(a, f, ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "init"),
                                  "between bf16 and fp32 dstates")
-
-
-@pytest.mark.parametrize("save_conv_states", [False, True], ids=["recompute", "saved_states"])
-def test_bwd_cb_dtype(monkeypatch, save_conv_states):
-    """bf16 inputs: C.B^T recomputed in x's dtype for the backward (bwd_cb_dtype "input") changes neither the output
-    nor dz, the B and C columns of d_zxbcdt, dD or the initial states' gradient (none of them reads it), and keeps
-    the gradients that do (x's and dt's columns, the conv weights, dt_bias, A) within bf16 rounding of the fp32 C.B^T
-    run (the default, mamba-ssm's); the backward's C.B^T is in the chosen dtype, with the states recomputed and with
-    them kept from the forward (save_conv_states). Odd seqlen, seq_idx, initial states."""
-    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
-    seen = []
-    pieces, bmm = msh.ssd_chunk_pieces_helion, msh.ssd_bmm_chunk_helion
-
-    def spy_pieces(*a, **kw):
-        out = pieces(*a, **kw)
-        seen.append(out[4].dtype)  # CB
-        return out
-
-    def spy_bmm(*a, **kw):
-        out = bmm(*a, **kw)
-        seen.append(out.dtype)
-        return out
-
-    monkeypatch.setattr(msh, "ssd_chunk_pieces_helion", spy_pieces)
-    monkeypatch.setattr(msh, "ssd_bmm_chunk_helion", spy_bmm)
-    a, f = _bf16_and_fp32_grads("bwd_cb_dtype", b, l, h, p, g, n, c, save_conv_states=save_conv_states)
-    assert seen == [torch.bfloat16, torch.float32], seen
-    dim = h * p
-    assert torch.equal(a["out"], f["out"])
-    assert torch.equal(a["zxbcdt"][..., :dim], f["zxbcdt"][..., :dim])  # dz
-    assert torch.equal(a["zxbcdt"][..., 2 * dim: 2 * dim + 2 * g * n], f["zxbcdt"][..., 2 * dim: 2 * dim + 2 * g * n])
-    assert not torch.equal(a["zxbcdt"][..., dim: 2 * dim], f["zxbcdt"][..., dim: 2 * dim])  # dx reads the rounded CB
-    assert torch.equal(a["D"], f["D"]) and torch.equal(a["init"], f["init"])  # dD and dinit do not read C.B^T
-    _assert_within_bf16_rounding(a, f, ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A"),
-                                 "between bf16 and fp32 C.B^T in the backward")
 
 
 def test_zxbcdt_transposed_view_in_place():
@@ -379,16 +351,24 @@ def test_mixer_layer_moves_no_activation_between_its_projections():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-def test_saves_only_small_tensors():
-    t = _case(1, 32, 4, 8, 2, 16)
+def test_saved_tensors():
+    """What the op keeps for its backward: with save_conv_states off, as mamba-ssm, nothing larger than zxbcdt and in
+    all zxbcdt, out_x, the (b, h, l) dA_cumsum and dt_out and the per-channel/per-head parameters; with it (the
+    default) exactly the conv output (b, l, h p + 2 g n) and the states entering each chunk (b, nc, h, p, n) more."""
+    b, l, h, p, g, n, c = 1, 32, 4, 8, 2, 16, 16
+    t = _case(b, l, h, p, g, n)
     for v in t.values():
         v.requires_grad_(True)
-    out = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=16, headdim=8, ngroups=2)
-    saved = out.grad_fn.saved_tensors
-    big = [s for s in saved if s is not None and s.numel() > t["zxbcdt"].numel()]
-    assert not big, "the Function must not keep tensors larger than zxbcdt alive"
-    # zxbcdt, out_x, the (b, h, l) dA_cumsum and dt_out and the per-channel/per-head parameters
-    assert sum(s.numel() for s in saved if s is not None) <= t["zxbcdt"].numel() + out.numel() + 2 * 4 * 32 + 4096
+    total = {}
+    for keep in (False, True):
+        out = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=c, headdim=p, ngroups=g,
+                                                          settings=HelionSettings(save_conv_states=keep))
+        saved = [s for s in out.grad_fn.saved_tensors if s is not None]
+        assert not [s for s in saved if s.numel() > t["zxbcdt"].numel()], "a saved tensor larger than zxbcdt"
+        total[keep] = sum(s.numel() for s in saved)
+    assert total[False] <= t["zxbcdt"].numel() + out.numel() + 2 * h * l + 4096
+    assert total[True] - total[False] == b * l * (h * p + 2 * g * n) + b * (l // c) * h * p * n
+    assert HelionSettings().save_conv_states
 
 
 def test_unsupported_options_raise():
@@ -477,7 +457,8 @@ def test_bwd_states_dtype_nano_bf16():
     errs = {}
     for mode, states, dstates in (("fp32", "fp32", "fp32"), ("states", "input", "fp32"), ("states+dstates", "input", "input")):
         got = run(msh.mamba_split_conv1d_scan_combined_helion, False,
-                  settings=HelionSettings(bwd_states_dtype=states, bwd_dstates_dtype=dstates))
+                  settings=HelionSettings(bwd_states_dtype=states, bwd_dstates_dtype=dstates,
+                                          save_conv_states=False))
         errs[mode] = [((hh - r).norm() / r.norm()).item() for hh, r in zip(got, ref)]
     for i, nm in enumerate(names):
         print(f"bwd states rel. L2 error vs fp32 reference: {nm}: fp32 {errs['fp32'][i]:.4e}, bf16 states "
@@ -485,25 +466,6 @@ def test_bwd_states_dtype_nano_bf16():
     for mode in ("states", "states+dstates"):
         for nm, ef, eb in zip(names, errs["fp32"], errs[mode]):
             assert eb <= 1.1 * ef + 1e-4, f"{nm}: bf16 backward {mode} {eb:.3e} vs fp32 {ef:.3e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.gpu_mem(12)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bwd_cb_dtype_nano_bf16():
-    """Nano shape, bf16: the backward's C.B^T in bf16 (bwd_cb_dtype "input") against fp32 (the default): the output
-    is bitwise the same, and the relative L2 error against the fp32 torch reference of every gradient, and of the dt
-    columns of d_zxbcdt (where the ddA sums end up), stays within 1.5x the default's + 1e-4 (printed for the
-    kernel report)."""
-    names, run, ref = _gpu_nano_with_ddt_columns()
-    got = {mode: run(msh.mamba_split_conv1d_scan_combined_helion, False, settings=HelionSettings(bwd_cb_dtype=mode))
-           for mode in ("fp32", "input")}
-    assert torch.equal(got["fp32"][0], got["input"][0])
-    errs = {mode: [((hh - r).norm() / r.norm()).item() for hh, r in zip(g, ref)] for mode, g in got.items()}
-    for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
-        print(f"bwd C.B^T rel. L2 error vs fp32 reference: {nm}: fp32 {ef:.4e}, bf16 {eb:.4e}")
-    for nm, ef, eb in zip(names, errs["fp32"], errs["input"]):
-        assert eb <= 1.5 * ef + 1e-4, f"{nm}: bf16 C.B^T in the backward {eb:.3e} vs fp32 {ef:.3e}"
 
 
 @pytest.mark.gpu
@@ -520,9 +482,9 @@ def test_state_settings_on_the_gpu_tp8_bf16():
     inputs, run = _gpu_bf16_runner(b, l, h, p, g, n, c)
     ref = run(mamba_split_conv1d_scan_combined_ref, True)
     got = {name: run(msh.mamba_split_conv1d_scan_combined_helion, False, settings=HelionSettings(**st))
-           for name, st in (("fused", dict(state_passing="fused")),
+           for name, st in (("fused", dict(state_passing="fused", save_conv_states=False)),
                             ("save_conv_states", dict(state_passing="fused", save_conv_states=True)),
-                            ("split", dict(state_passing="split")), ("auto", {}))}
+                            ("split", dict(state_passing="split", save_conv_states=False)), ("auto", {}))}
     names = ["out"] + inputs
     for nm, a, bb in zip(names, got["fused"], got["save_conv_states"]):
         assert torch.equal(a, bb), f"{nm}: save_conv_states differs from the recompute"
@@ -564,29 +526,31 @@ def test_zxbcdt_transposed_view_nano_bf16():
 
 FWD_KERNELS = ["causal_conv1d_fwd_kernel", "_chunk_cumsum_kernel", "_chunk_state_passing_kernel", "_bmm_chunk_kernel",
                "_chunk_scan_kernel"]
-BWD_KERNELS = ["causal_conv1d_fwd_kernel", "_chunk_state_passing_kernel", "_bmm_chunk_kernel", "ssd_bwd_dz_dstates",
-               "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt",
-               "causal_conv1d_bwd_kernel"]
+BWD_KERNELS = ["_bmm_chunk_kernel", "ssd_bwd_dz_dstates", "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb",
+               "ssd_bwd_db", "ssd_bwd_dt", "causal_conv1d_bwd_kernel"]
+BWD_RECOMPUTE = ["causal_conv1d_fwd_kernel", "_chunk_state_passing_kernel"]  # with save_conv_states=false
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode op count (CPU)")
-@pytest.mark.parametrize("seq,earlier", [(False, 0), (True, 0), (True, 1)],
-                         ids=["no_seq_idx", "seq_idx", "seq_idx_again"])
-def test_op_count_fused_path(seq, earlier):
-    """The fused op launches 5 Helion kernels forward and 10 backward, and outside them runs only the small
-    reductions of per-program partials and, at the first call with a seq_idx tensor, the chunk ends and the
-    backward's masks; a later call with the same seq_idx (the step's other layers) builds none of them
-    (tests/fused_op_counts.py; -s prints the counts). A copy or cast of a full activation added around the kernels
-    fails this test."""
+@pytest.mark.parametrize("seq,earlier,recompute", [(False, 0, False), (True, 0, False), (True, 1, False),
+                                                   (False, 0, True), (True, 0, True)],
+                         ids=["no_seq_idx", "seq_idx", "seq_idx_again", "recompute", "recompute_seq_idx"])
+def test_op_count_fused_path(seq, earlier, recompute):
+    """The fused op launches 5 Helion kernels forward and 8 backward (10 with save_conv_states=false: the conv and
+    the chunk states again), and outside them runs only the small reductions of per-program partials and, at the
+    first call with a seq_idx tensor, the chunk ends and the backward's masks; a later call with the same seq_idx (the
+    step's other layers) builds none of them (tests/fused_op_counts.py; -s prints the counts). A copy or cast of a
+    full activation added around the kernels fails this test."""
     from fused_op_counts import count
 
-    res = count(seq=seq, earlier=earlier)
+    res = count(seq=seq, earlier=earlier, settings=HelionSettings(save_conv_states=not recompute))
     for part in ("forward", "backward"):
         r = res[part]
         print(f"\n{part}: {r['n_work']} work ops, {r['n_alloc']} allocs, {r['n_view']} views, "
               f"{r['n_helion']} Helion kernels\n  work: {r['work']}\n  helion: {r['helion']}")
     assert res["forward"]["helion"] == {f"helion:{k}": 1 for k in FWD_KERNELS}
-    assert res["backward"]["helion"] == {f"helion:{k}": 1 for k in BWD_KERNELS}
+    bwd = BWD_RECOMPUTE + BWD_KERNELS if recompute else BWD_KERNELS
+    assert res["backward"]["helion"] == {f"helion:{k}": 1 for k in bwd}
     small = {"sum": 7, "_to_copy": 2, "copy_": 1}
     if not earlier:  # the final states' zero gradient, made once per shape and reused (tuning.zeros_input)
         small["zeros"] = 1

@@ -232,16 +232,17 @@ def test_readme_planner_commands_run(capsys):
 
 def test_helion_saved_tensors_follow_its_settings():
     """The helion op's extra saved tensors follow kernels.helion: two fp32 (b, heads, l) tensors with save_cumsum
-    (the default), none without it, and with save_conv_states the conv output and the chunk states in bf16 (Nano's
-    Mamba layer at 2 x 8192: 201.3 MB + 134.2 MB)."""
+    (the default), none without it, and with save_conv_states (the default) the conv output and the chunk states in
+    bf16 (Nano's Mamba layer at 2 x 8192: 201.3 MB + 134.2 MB), none without it."""
     from nano_hybrid.plan import layer_activations
 
     base = ["model=nano30b_slice", *GPU, "train.micro_batch_size=2", "train.global_batch_size=2",
             "train.seq_length=8192"]
     m = {}
-    for name, extra in (("mamba_ssm", []), ("helion", ["kernels.backend=helion"]),
-                        ("no_cumsum", ["kernels.backend=helion", "kernels.helion.save_cumsum=false"]),
-                        ("conv_states", ["kernels.backend=helion", "kernels.helion.save_conv_states=true"])):
+    recompute = "kernels.helion.save_conv_states=false"
+    for name, extra in (("mamba_ssm", []), ("helion", ["kernels.backend=helion", recompute]),
+                        ("no_cumsum", ["kernels.backend=helion", "kernels.helion.save_cumsum=false", recompute]),
+                        ("conv_states", ["kernels.backend=helion"])):
         s, _ = shape_from_cfg(compose([*base, *extra]))
         m[name] = layer_activations(s, "M")
     assert m["no_cumsum"] == m["mamba_ssm"]
@@ -249,11 +250,10 @@ def test_helion_saved_tensors_follow_its_settings():
     assert m["conv_states"]["conv_states"] == 2 * 2 * 8192 * (4096 + 2048) + 2 * 2 * 64 * 4096 * 128
     assert {k: v for k, v in m["conv_states"].items() if k != "conv_states"} == m["helion"]
     # the selective recompute of the SSD region rebuilds them too
-    s, _ = shape_from_cfg(compose([*base, "kernels.backend=helion", "kernels.helion.save_conv_states=true"]))
+    s, _ = shape_from_cfg(compose([*base, "kernels.backend=helion"]))
     assert "conv_states" not in layer_activations(s, "M", ("ssd",))
-    with pytest.raises(Exception, match="save_conv_states=true needs"):
-        shape_from_cfg(compose([*base, "kernels.backend=helion", "kernels.helion.save_conv_states=true",
-                                "kernels.helion.bwd_states_dtype=fp32"]))
+    with pytest.raises(Exception, match="bwd_states_dtype=fp32 needs kernels.helion.save_conv_states=false"):
+        shape_from_cfg(compose([*base, "kernels.backend=helion", "kernels.helion.bwd_states_dtype=fp32"]))
 
 
 def test_unfused_attention_keeps_the_softmax_probabilities():

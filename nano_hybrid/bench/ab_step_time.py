@@ -20,7 +20,7 @@ Method:
   (``SWITCHABLE``: model.lm_head_loss, model.lm_loss_chunk_tokens, optim.fused, train.fp8) may differ between arms;
   an arm without a key runs the composed config's value (``apply_arm``). A helion arm runs the composed
   ``kernels.helion`` settings plus its own ``kernels.helion.<setting>`` keys (``arms.arm_backends``), e.g.
-  ``helion,helion:kernels.helion.bwd_states_dtype=fp32``; the JSON's ``arm_settings`` names every resolved setting.
+  ``helion,helion:kernels.helion.save_conv_states=false``; the JSON's ``arm_settings`` names every resolved setting.
 - Warm-up: --warmup steps per arm (compilation, autotuning, allocator). Then --blocks rounds; in each,
   every arm runs --block-steps steps, arm order alternating (ABBA...), so drift and thermal state hit
   all arms equally. The first --discard steps after each switch are not counted.

@@ -33,7 +33,7 @@ KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 
 def _backend(spec: str, cfg):
     """A --backends entry: a backend name, optionally with ``kernels.helion.<setting>=value`` keys
-    (``helion:kernels.helion.bwd_states_dtype=fp32``), resolved as a training run resolves it (the composed config's
+    (``helion:kernels.helion.save_conv_states=false``), resolved as a training run resolves it (the composed config's
     ``kernels.helion`` plus the entry's keys, ``arms.arm_backends``); or "helion:zxbcdt_copy" (the helion backend with
     the mixer's zxbcdt copy that megatron makes for mamba-ssm, to measure what skipping it gains)."""
     import dataclasses
