@@ -278,8 +278,8 @@ def test_state_passing_auto_on_the_committed_sm90_configs():
 
 @pytest.mark.skipif(CUDA, reason="CPU interpret-mode test")
 def test_state_passing_is_decided_once_per_shape(monkeypatch):
-    """The fused op's forward and its backward's recompute take the path decided at the first call of a shape, once
-    per runtime; "auto" on the CPU runs the fused kernel."""
+    """The fused op's forward and its backward's recompute (``save_conv_states=false``) take the path decided at the
+    first call of a shape, once per runtime; "auto" on the CPU runs the fused kernel."""
     from fused_op_counts import count
 
     from kernels import tuning
@@ -290,7 +290,7 @@ def test_state_passing_is_decided_once_per_shape(monkeypatch):
     monkeypatch.setattr(sh, "choose_state_passing",
                         lambda mode, dims, **kw: calls.append((mode, dims, kw)) or (False, "test"))
     monkeypatch.setattr(sh, "_run", lambda name, *a, **kw: launched.append(name) or real_run(name, *a, **kw))
-    settings = HelionSettings(cache_dir="/nonexistent/auto-test")
+    settings = HelionSettings(cache_dir="/nonexistent/auto-test", save_conv_states=False)
     tuning.runtime_for(settings).clear()
     count(settings=settings)
     count(settings=settings)
