@@ -12,7 +12,8 @@ bwd_states_dtype    input      dtype of the states the backward recomputes (chun
                                "input" (x's dtype, bf16 in training) or "fp32" (as mamba-ssm). Of their readers
                                only the backward state passing's ddA sums see the difference (the dB/dC kernels
                                round the states to x's dtype before their GEMMs either way); bf16 halves the
-                               268 MB per layer (Nano shape) the recompute writes and two kernels read.
+                               268 MB per layer (Nano shape) the recompute writes and two kernels read. The
+                               backward recomputes them only with save_conv_states=false, which "fp32" needs.
 bwd_dstates_dtype   input      dtype of the per-chunk state gradients dz_dstates writes and the backward state
                                passing reads: "input" (x's dtype; each chunk's term is rounded before the fp32
                                running sum) or "fp32" (as mamba-ssm).

@@ -214,11 +214,13 @@ def test_bench_kernels_args():
 
 def test_bench_kernels_helion_settings_arms(tmp_path):
     """--backend/--compare take kernels.helion.<setting> keys: the arm's label keys its results and names the file;
-    the helion op with save_conv_states gives bitwise the outputs and gradients of the default (CPU, interpret)."""
-    a = bk.parse_args(["--backend", "helion", "--compare", "helion:kernels.helion.save_conv_states=true"])
-    assert (a.backend, a.compare) == ("helion", "helion+save_conv_states-true")
-    assert bk.output_stem(a) == "kernels_helion_vs_helion+save_conv_states-true_nano"
-    assert arms.op_backend(a.arm_specs[a.compare]).settings.save_conv_states is True
+    the helion op with the states recomputed (save_conv_states=false) gives bitwise the outputs and gradients of the
+    default, which keeps them (CPU, interpret)."""
+    a = bk.parse_args(["--backend", "helion", "--compare", "helion:kernels.helion.save_conv_states=false"])
+    assert (a.backend, a.compare) == ("helion", "helion+save_conv_states-false")
+    assert bk.output_stem(a) == "kernels_helion_vs_helion+save_conv_states-false_nano"
+    assert arms.op_backend(a.arm_specs[a.compare]).settings.save_conv_states is False
+    assert arms.op_backend(a.arm_specs[a.backend]).settings.save_conv_states is True
     with pytest.raises(ValueError, match="only kernels.helion.<setting> keys apply to an op benchmark"):
         arms.parse_op_arm("helion:train.fp8=rowwise")
     with pytest.raises(SystemExit):  # profile_host refuses a bad arm before it needs a GPU
@@ -229,17 +231,18 @@ def test_bench_kernels_helion_settings_arms(tmp_path):
                 ["--backend", "torch", "--compare", "torch:kernels.helion.save_cumsum=false"]):
         with pytest.raises(SystemExit):
             bk.parse_args(bad)
-    rc = bk.main(["--backend", "helion", "--compare", "helion:kernels.helion.save_conv_states=true", "--shape", "tiny",
+    rc = bk.main(["--backend", "helion", "--compare", "helion:kernels.helion.save_conv_states=false", "--shape", "tiny",
                   "--dtype", "fp32", "--rounds", "1", "--iters", "1", "--warmup", "0", "--profile-iters", "0",
                   "--no-control", "--out", str(tmp_path)])
-    d = json.loads((tmp_path / "kernels_helion_vs_helion+save_conv_states-true_tiny.json").read_text())
+    d = json.loads((tmp_path / "kernels_helion_vs_helion+save_conv_states-false_tiny.json").read_text())
     assert rc == 0 and d["correctness"]["passed"]
-    assert max(d["correctness"]["helion+save_conv_states-true_vs_helion"].values()) == 0.0
-    assert d["backend_settings"]["helion+save_conv_states-true"]["save_conv_states"] is True
-    assert d["arm_settings"]["helion+save_conv_states-true"] == {"backend": "helion",
-                                                                 "kernels.helion.save_conv_states": True}
+    assert max(d["correctness"]["helion+save_conv_states-false_vs_helion"].values()) == 0.0
+    assert d["backend_settings"]["helion+save_conv_states-false"]["save_conv_states"] is False
+    assert d["backend_settings"]["helion"]["save_conv_states"] is True
+    assert d["arm_settings"]["helion+save_conv_states-false"] == {"backend": "helion",
+                                                                  "kernels.helion.save_conv_states": False}
     # the chunk-state path each arm took (state_passing=auto: the fused kernel without a GPU)
-    assert d["state_passing"] == {"helion": "fused", "helion+save_conv_states-true": "fused"}
+    assert d["state_passing"] == {"helion": "fused", "helion+save_conv_states-false": "fused"}
 
 
 def test_bench_kernels_unknown_backend_fails_clearly(tmp_path):

@@ -777,7 +777,7 @@ def test_views_past_int32_offsets_match_the_reference():
 def test_mixer_with_saved_conv_states_gives_the_same_gradients(monkeypatch):
     """``kernels.helion.save_conv_states=true`` reaches the model's Mamba mixer through the run config: its op runs the
     conv once per forward + backward instead of twice, and the layer's output and every gradient are bitwise those of
-    the default."""
+    ``save_conv_states=false``."""
     from nano_hybrid.config import compose
     from nano_hybrid.model import build_model
     from nano_hybrid.parallel import destroy_parallel, initialize_parallel

@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", required=True, help="baseline kernel backend A (torch | mamba_ssm | helion), "
                                                      "helion optionally with :kernels.helion.<setting>=value keys")
     p.add_argument("--compare", default=None, help="candidate backend B, timed side by side with A (same syntax), "
-                                                   "e.g. helion:kernels.helion.save_conv_states=true")
+                                                   "e.g. helion:kernels.helion.save_conv_states=false")
     p.add_argument("--shape", default="nano", choices=sorted(SHAPES), help="mixer shape (default nano)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")

@@ -217,7 +217,8 @@ def search_all(args, registry: dict, pairs: list[tuple[str, str]], shape_dims: d
         "budget_s_per_kernel_shape": per_budget,
         "runs": [],
     }
-    log_path = out_dir / f"tune_{arch}_{dt.datetime.now().strftime('%Y%m%d_%H%M%S')}.json"
+    # the process id keeps apart the logs of searches that start in the same second (isolated searches in parallel)
+    log_path = out_dir / f"tune_{arch}_{dt.datetime.now().strftime('%Y%m%d_%H%M%S')}_{os.getpid()}.json"
     device = torch.device("cuda")
     for name, shape in pairs:
         t0 = time.monotonic()
