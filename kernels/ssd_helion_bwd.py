@@ -512,7 +512,7 @@ def ssd_backward_helion(
     ddA_chunk = ddA_part.sum(-1)
 
     if D is None:
-        Dw = torch.zeros(h, p, dtype=torch.float32, device=dev)
+        Dw = tuning.zeros_input((h, p), torch.float32, dev)  # read only
     elif D.dim() == 1:
         Dw = D.float().view(h, 1).expand(h, p)  # stride-0 view, no copy
     else:
