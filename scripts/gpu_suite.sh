@@ -27,12 +27,13 @@
 #                $EXAMPLE_DIR) and flash-linear-attention's chunk_simple_gla (folder $FLA_DIR holding its fla package);
 #                either or both; shapes $PEER_SHAPES (default nano) (bench_ssd_helion_example.py)
 #   layers       per-layer A/B at Nano widths and the 52-layer projection (bench_layers.py)
-#   step         nano30b_slice training-step A/B (ab_step_time.py)
+#   step         nano30b_slice training-step A/B (ab_step_time.py; STEP_BLOCKS ABBA rounds, default 4)
 #   loss_match   50-step loss match of torch, helion, mamba_ssm (backend_loss_match.py)
 #   data         nano30b_slice on the 131k-BPE stdlib corpus with validation loss (training run)
 #   hf           nano30b_slice exported to Hugging Face and checked against transformers (scripts/hf_check.py)
 #   memory       memory planner against measured peak memory (scripts/plan_vs_measured.py)
-#   fullsize     the 52-layer model (32 experts, mbs 1 x 8192) forward+backward A/B (ab_step_time.py --fwd-bwd-only)
+#   fullsize     the 52-layer model (32 experts, mbs 1 x 8192) forward+backward A/B (ab_step_time.py --fwd-bwd-only;
+#                FULLSIZE_BLOCKS ABBA rounds of 5 steps, default 20)
 #   breakdown    device time per category of a nano30b_slice step (step_breakdown.py) and the step A/B of the
 #                default LM head + optimizer against the plain ones (ab_step_time.py)
 #   convergence  scripts/convergence_ab.sh with recipe $RECIPE (two GPUs: one arm each)
@@ -199,8 +200,8 @@ st_ssd_peers() {
 }
 st_layers() { python3 scripts/bench_layers.py --backends "$BACKENDS" --out "$OUT"; }
 st_step() {
-    python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --warmup 3 --blocks 4 --block-steps 4 --discard 1 \
-        --profile-steps 2 --out "$OUT"
+    python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --warmup 3 --blocks "${STEP_BLOCKS:-4}" --block-steps 4 \
+        --discard 1 --profile-steps 2 --out "$OUT"
 }
 st_loss_match() { python3 scripts/backend_loss_match.py --backends "torch,${BACKENDS},torch" --out "$OUT"; }
 st_data() {
@@ -211,8 +212,8 @@ st_data() {
 st_hf() { python3 scripts/hf_check.py | tee "$OUT/hf_check.jsonl"; }
 st_memory() { python3 scripts/plan_vs_measured.py --out "$OUT"; }
 st_fullsize() {
-    python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --fwd-bwd-only --warmup 2 --blocks 20 --block-steps 5 \
-        --discard 1 --profile-steps 0 --tag fwdbwd --out "$OUT" model=nano30b model.num_moe_experts=32 \
+    python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --fwd-bwd-only --warmup 2 --blocks "${FULLSIZE_BLOCKS:-20}" \
+        --block-steps 5 --discard 1 --profile-steps 0 --tag fwdbwd --out "$OUT" model=nano30b model.num_moe_experts=32 \
         train.micro_batch_size=1 train.global_batch_size=1 train.seq_length=8192 train.memory_check=false
 }
 st_breakdown() {  # the defaults (chunked_compiled LM head + loss, fused AdamW) against megatron's plain head + foreach

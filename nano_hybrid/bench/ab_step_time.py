@@ -154,9 +154,10 @@ def step_timer(step_fn, ctx, device):
     return step_time
 
 
-def measure_arms(a, use, step_time, labels: list[str], device) -> tuple[dict, dict, dict]:
+def measure_arms(a, use, step_time, labels: list[str], device, verbose: bool = False) -> tuple[dict, dict, dict]:
     """Warm-up per arm, then ``a.blocks`` ABBA rounds of ``a.block_steps`` steps per arm: (times, losses, peak
-    GiB) per arm label; the first ``a.discard`` steps after each switch are not timed."""
+    GiB) per arm label; the first ``a.discard`` steps after each switch are not timed. ``verbose``: one line per arm
+    and round as it finishes (a run stopped at its time limit still leaves its timings in the log)."""
     import torch
 
     losses = {lab: [] for lab in labels}
@@ -166,16 +167,21 @@ def measure_arms(a, use, step_time, labels: list[str], device) -> tuple[dict, di
             step_time()
     times = {lab: [] for lab in labels}
     peak_gb = {lab: 0.0 for lab in labels}  # peak allocated memory within each arm's blocks (CUDA)
-    for order in stats.alternating_order(len(a.arms), a.blocks):
+    for r, order in enumerate(stats.alternating_order(len(a.arms), a.blocks)):
         for i in order:
             use(i)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            block = []
             for k in range(a.block_steps):
                 dt, loss = step_time()
                 if k >= a.discard:
                     times[labels[i]].append(dt)
+                    block.append(dt)
                 losses[labels[i]].append(loss)
+            if verbose:
+                print(f"round {r + 1}/{a.blocks} {labels[i]}: " + " ".join(f"{t * 1e3:.1f}" for t in block) + " ms",
+                      flush=True)
             if device.type == "cuda":
                 peak_gb[labels[i]] = max(peak_gb[labels[i]], torch.cuda.max_memory_allocated(device) / 2**30)
     return times, losses, peak_gb
@@ -234,7 +240,8 @@ def run(a) -> dict | None:
             apply_arm(ctx, a.arm_specs[i], backends)
             replay.reset()
 
-        times, losses, peak_gb = measure_arms(a, use, step_time, labels, plan.device)
+        times, losses, peak_gb = measure_arms(a, use, step_time, labels, plan.device,
+                                                 verbose=plan.dims.rank == 0)
         profile = profile_arms(a, use, step_time, step_fn, ctx, plan, labels, backends, times)
         if plan.dims.rank != 0:
             return None
