@@ -32,8 +32,9 @@
 #   data         nano30b_slice on the 131k-BPE stdlib corpus with validation loss (training run)
 #   hf           nano30b_slice exported to Hugging Face and checked against transformers (scripts/hf_check.py)
 #   memory       memory planner against measured peak memory (scripts/plan_vs_measured.py)
-#   fullsize     the 52-layer model (32 experts, mbs 1 x 8192) forward+backward A/B (ab_step_time.py --fwd-bwd-only;
-#                FULLSIZE_BLOCKS ABBA rounds of 5 steps, default 20)
+#   fullsize     the 52-layer model (mbs 1 x 8192) forward+backward A/B (ab_step_time.py --fwd-bwd-only;
+#                FULLSIZE_BLOCKS ABBA rounds of 5 steps, default 20; FULLSIZE_EXPERTS routed experts, default 32,
+#                about 89 GiB: an 80 GB card takes 8, python -m nano_hybrid.plan gives the peak of others)
 #   breakdown    device time per category of a nano30b_slice step (step_breakdown.py) and the step A/B of the
 #                default LM head + optimizer against the plain ones (ab_step_time.py)
 #   convergence  scripts/convergence_ab.sh with recipe $RECIPE (two GPUs: one arm each)
@@ -68,7 +69,8 @@
 # at the end: $OUT without checkpoints, data caches and files of 20 MB or more), BACKENDS (default "mamba_ssm,helion"
 # for the A/B stages), REFERENCE_TREE (equivalence, trees), CURRENT_TREE / TREES_SHAPE / TREES_PROCESSES (trees),
 # PEER_FILE (peer), RECIPE (convergence, default convergence_ab_h200_2000_lowlr), MINUTES, CALL_SECONDS, SUITE_T0 and LONG_STOPS (long:
-# steps at which the run is stopped and resumed at once, e.g. "2000"), GRID_ARGS (grid), HOST_SHAPES (host), TUNE_SHAPES / TUNE_KERNELS / TUNE_MISSING / TUNE_JOBS / TUNE_MINUTES (tune),
+# steps at which the run is stopped and resumed at once, e.g. "2000"), STEP_BLOCKS (step), FULLSIZE_BLOCKS /
+# FULLSIZE_EXPERTS (fullsize), GRID_ARGS (grid), HOST_SHAPES (host), TUNE_SHAPES / TUNE_KERNELS / TUNE_MISSING / TUNE_JOBS / TUNE_MINUTES (tune),
 # SEEDS_ARGS (seeds: extra convergence_study.py arguments, e.g. "--arms mamba_ssm,helion,helion_fp32", or "--arms none"
 # for the long run alone), STAGE_TIMEOUT (seconds per stage, default 900). A failing stage leaves $OUT/STAGE.FAILED
 # with its log's tail; later stages still run; the exit code is the number of failed stages. STAGE_TIMEOUT_<stage>
@@ -213,8 +215,9 @@ st_hf() { python3 scripts/hf_check.py | tee "$OUT/hf_check.jsonl"; }
 st_memory() { python3 scripts/plan_vs_measured.py --out "$OUT"; }
 st_fullsize() {
     python3 scripts/ab_step_time.py --backends "$BACKENDS,$A" --fwd-bwd-only --warmup 2 --blocks "${FULLSIZE_BLOCKS:-20}" \
-        --block-steps 5 --discard 1 --profile-steps 0 --tag fwdbwd --out "$OUT" model=nano30b model.num_moe_experts=32 \
-        train.micro_batch_size=1 train.global_batch_size=1 train.seq_length=8192 train.memory_check=false
+        --block-steps 5 --discard 1 --profile-steps 0 --tag fwdbwd --out "$OUT" model=nano30b \
+        model.num_moe_experts="${FULLSIZE_EXPERTS:-32}" train.micro_batch_size=1 train.global_batch_size=1 \
+        train.seq_length=8192 train.memory_check=false
 }
 st_breakdown() {  # the defaults (chunked_compiled LM head + loss, fused AdamW) against megatron's plain head + foreach
     local plain=":model.lm_head_loss=plain:optim.fused=false"

@@ -591,6 +591,11 @@ def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
     assert sp["ci_lo"] <= sp["speedup"] <= sp["ci_hi"]
     assert d["config"]["model"] == "tiny" and d["tokens_per_step"] == 32
     assert d["profile"] == {}  # --profile-steps 0
+    # one line per arm and round as it finishes, with that round's timed steps (2 steps - 1 discarded)
+    rounds = [ln for ln in r.stdout.splitlines() if ln.startswith("round ")]
+    assert [ln.split(":")[0] for ln in rounds] == ["round 1/2 torch", "round 1/2 torch#2", "round 2/2 torch#2",
+                                                   "round 2/2 torch"]
+    assert all(ln.endswith(" ms") and len(ln.split(":")[1].split()) == 2 for ln in rounds)
     # a benchmark saves no checkpoint, so it never needs (or is refused for lack of) free space for one
     ckpt = tmp_path / "run" / "checkpoints"
     assert not (ckpt.exists() and any(ckpt.iterdir()))

@@ -23,7 +23,8 @@ Method:
   ``helion,helion:kernels.helion.save_conv_states=false``; the JSON's ``arm_settings`` names every resolved setting.
 - Warm-up: --warmup steps per arm (compilation, autotuning, allocator). Then --blocks rounds; in each,
   every arm runs --block-steps steps, arm order alternating (ABBA...), so drift and thermal state hit
-  all arms equally. The first --discard steps after each switch are not counted.
+  all arms equally. The first --discard steps after each switch are not counted. Rank 0 prints one line per arm
+  and round as it finishes (its timed steps, ms), so a run stopped at a time limit leaves its timings in the log.
 - Same batches: --block-steps global batches are drawn once and replayed in the same order in every
   block of every arm.
 - Per arm: median and p90 step time, tokens/s/GPU and TFLOP/s/GPU (model FLOPs from nano_hybrid/flops.py).
@@ -241,7 +242,7 @@ def run(a) -> dict | None:
             replay.reset()
 
         times, losses, peak_gb = measure_arms(a, use, step_time, labels, plan.device,
-                                                 verbose=plan.dims.rank == 0)
+                                              verbose=plan.dims.rank == 0)
         profile = profile_arms(a, use, step_time, step_fn, ctx, plan, labels, backends, times)
         if plan.dims.rank != 0:
             return None
