@@ -843,7 +843,10 @@ _MARKERS: dict[tuple, torch.Tensor] = {}
 
 
 def _device_key(device) -> torch.device:
-    """``device`` as a torch.device with its index (a bare "cuda" is the current device)."""
+    """``device`` as a torch.device with its index (a bare "cuda" is the current device). Called on every backward
+    (dtype markers, read-only zeros): a torch.device that already names its card is returned as it is."""
+    if isinstance(device, torch.device) and (device.index is not None or device.type != "cuda"):
+        return device
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

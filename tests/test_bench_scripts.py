@@ -101,8 +101,9 @@ def test_arm_labels_and_alternation():
 
 def test_helion_arms_run_the_composed_settings_plus_their_own():
     """An A/B arm's backend is resolved as a training run resolves it: a helion arm runs the composed config's
-    kernels.helion settings (here bwd_states_dtype=fp32 and save_conv_states=false given as run overrides) plus its own kernels.helion keys;
-    the JSON record names every resolved setting; bad keys and values fail before any work, naming the arm."""
+    kernels.helion settings (here bwd_states_dtype=fp32 and save_conv_states=false given as run overrides) plus its
+    own kernels.helion keys; the JSON record names every resolved setting; bad keys and values fail before any work,
+    naming the arm."""
     from nano_hybrid.config import ConfigError, compose
 
     cfg = compose(["model=tiny", "kernels.backend=torch", "kernels.helion.bwd_states_dtype=fp32",
