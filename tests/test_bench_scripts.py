@@ -2037,3 +2037,34 @@ def test_bench_compile_cache_times_both_modes_in_fresh_processes(tmp_path):
     assert "nano_proxy" in r.stdout and "cold" in r.stdout and "cached" in r.stdout
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env={**env, "HELION_INTERPRET": "1"})
     assert r.returncode == 2 and "HELION_INTERPRET is set" in r.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="interpret-mode run (CPU)")
+def test_bench_configs_times_variants_against_the_selected_config(tmp_path, capsys):
+    """scripts/bench_configs.py runs a kernel's selected config, each --variant layered over it and the selected one
+    again (the A-vs-A control), checks every arm's outputs against the selected config's and writes the record; bad
+    variants and an unknown kernel fail before any work with one message."""
+    from nano_hybrid.bench import bench_configs as bc
+
+    rc = bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--variant", 'w8={"num_warps": 8}', "--rounds", "2",
+                  "--iters", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    (path,) = tmp_path.glob("configs_rmsnorm_fwd_*.json")
+    d = json.loads(path.read_text())
+    assert list(d["configs"]) == ["selected", "w8", "selected#2"]
+    assert d["configs"]["w8"] == {**d["configs"]["selected"], "num_warps": 8}
+    assert d["configs"]["selected#2"] == d["configs"]["selected"]
+    assert all(c["bitwise_equal"] and c["max_abs_diff"] == 0.0 for c in d["checks"].values())
+    assert {arm: t["n"] for arm, t in d["times_us"].items()} == {"selected": 2, "w8": 2, "selected#2": 2}
+    assert set(d["vs_selected"]) == {"w8", "selected#2"}
+    assert path.with_suffix(".md").is_file()
+    for bad, msg in ((["--variant", "w8"], "expected NAME=JSON"), (["--variant", "w8={num_warps: 8}"], "is not JSON"),
+                     (["--variant", "selected={\"num_warps\": 8}"], "other than 'selected'"),
+                     (["--variant", 'a={"num_warps": 8}', "--variant", 'a={"num_warps": 2}'], "distinct"),
+                     (["--variant", "a=[]"], "non-empty JSON object")):
+        with pytest.raises(SystemExit):
+            bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--out", str(tmp_path), *bad])
+        assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bc.main(["--kernel", "nope", "model=tiny", "--out", str(tmp_path)])
+    assert "unknown kernels ['nope']" in capsys.readouterr().err
