@@ -2068,3 +2068,6 @@ def test_bench_configs_times_variants_against_the_selected_config(tmp_path, caps
     with pytest.raises(SystemExit):
         bc.main(["--kernel", "nope", "model=tiny", "--out", str(tmp_path)])
     assert "unknown kernels ['nope']" in capsys.readouterr().err
+    rc = bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--out", str(tmp_path / "bad"), "--variant",
+                  'x={"no_such_key": 1}'])
+    assert rc == 2 and "--variant x:" in capsys.readouterr().err and not (tmp_path / "bad").exists()

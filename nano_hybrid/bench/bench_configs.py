@@ -31,6 +31,10 @@ from nano_hybrid.errors import EXIT_BAD_INPUT
 CONTROL = "selected#2"
 
 
+class VariantError(ValueError):
+    """A --variant the kernel's config space refuses."""
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
     """``NAME=JSON`` -> (name, partial config dict)."""
     name, sep, body = text.partition("=")
@@ -62,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(name: str, shape: str, md: dict, variants: dict[str, dict], a) -> dict:
-    import helion  # noqa: F401  (the kernels' package; imported here so --help needs no GPU stack)
+    import helion  # imported here, as torch, so --help needs no GPU stack
+    from helion.autotuner.config_spec import VALID_KEYS
     import torch
 
     from kernels import first_use, tuner, tuning
@@ -75,6 +80,17 @@ def run(name: str, shape: str, md: dict, variants: dict[str, dict], a) -> dict:
     selected, how = first_use.select_config(name, kernel, case.args, case.dims, case.default, arch=arch, rt=rt)
     base = tuning.config_to_dict(selected)
     configs = {"selected": base, **{k: {**base, **v} for k, v in variants.items()}, CONTROL: dict(base)}
+    bound = kernel.bind(tuple(case.args))
+    for arm, partial in variants.items():  # each variant is a config of this kernel's space, checked before any run
+        try:
+            if tuning.kernel_in_ref_mode(kernel):  # interpret mode tunes nothing: only the key names can be checked
+                unknown = sorted(set(partial) - VALID_KEYS)
+                if unknown:
+                    raise ValueError(f"unknown config keys {unknown}")
+            else:
+                bound.config_spec.normalized_config(helion.Config(**configs[arm]))
+        except Exception as e:  # noqa: BLE001 - Helion raises several kinds for a bad key or value
+            raise VariantError(f"--variant {arm}: {type(e).__name__}: {e}") from None
 
     def call(cfg):
         return lambda: tuning.run_with_config(kernel, case.args, cfg)
@@ -156,8 +172,8 @@ def main(argv=None) -> int:
     (shape, md), = shapes.items()
     try:
         res = run(names[0], shape, md, variants, a)
-    except (ValueError, TypeError, KeyError) as e:  # a variant key or value the kernel's config space refuses
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+    except VariantError as e:
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
