@@ -11,7 +11,7 @@ The ten mamba-ssm backward kernels (B1..B10 in kernels_facts.md) map onto six He
 ==========================  ==========================================================  ================
 kernel                       computes                                                    grid
 ==========================  ==========================================================  ================
-``ssd_bwd_dz_dstates``       B1 + B2: dout_x = dout*silu(z), dz, dstates = dout_x^T (C e^dAcs)  (b, nc, h)
+``ssd_bwd_dz_dstates``       B1 + B2: dout_x = dout*silu(z), dz, dstates = dout_x^T (C e^dAcs)  (h, nc, b)
 ``ssd_bwd_state_passing``    B3: reverse serial pass over chunks -> dL_c, ddA_chunk, dinit  (b, h, splits)
 ``ssd_bwd_dx``               B4 (+ intra-chunk part of B9): dx, ddt, dD, ddAcs (row/col)     (row tiles, b, nc, h)
 ``ssd_bwd_dc_dcb``           B6 + B7 + B8 (dC): dC, dCB (to memory), B6's ddAcs_prev       (row tiles, g, nc, b)
@@ -55,9 +55,10 @@ _LOG2E = 1.4426950408889634
 # kernels
 
 
-# ssd_bwd_dz_dstates: grid (b, nc, h). dz and dout_x = dout * silu(z) per row tile, and dstates = dout_x^T (C e^dAcs)
-#   with the row scale exp(dAcs[t]) applied to dout_x (c*p multiplies per head, folded into the rounding to x's dtype
-#   that dout_x needs anyway) so C goes from memory straight into the dot.
+# ssd_bwd_dz_dstates: grid (h, nc, b), heads fastest: the heads of a group, which read the same C chunk, run side by
+#   side (batch first puts them b * nc programs apart). dz and dout_x = dout * silu(z) per row tile, and
+#   dstates = dout_x^T (C e^dAcs) with the row scale exp(dAcs[t]) applied to dout_x (c*p multiplies per head, folded
+#   into the rounding to x's dtype that dout_x needs anyway) so C goes from memory straight into the dot.
 @helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dz_dstates(
     dout: torch.Tensor,  # (b, nc, c, h, p)
@@ -76,7 +77,7 @@ def ssd_bwd_dz_dstates(
     dout_x = torch.empty_like(dout)
     dstates = torch.empty([b, nc, h, p, n], dtype=dstates_like.dtype, device=dout.device)
     bk = hl.register_block_size(16, 128)
-    for ib, ic, ih in hl.grid([b, nc, h]):
+    for ih, ic, ib in hl.grid([h, nc, b]):
         ig = ih // hpg
         acc = hl.zeros([p, n], dtype=torch.float32)
         for tt in hl.tile(c, block_size=bk):
