@@ -199,60 +199,6 @@ def ssd_bwd_dx(
     return ddt, ddacs_row_part, ddacs_col, dD_part
 
 
-# ssd_bwd_dx with the state part as the accumulator start (measured against ssd_bwd_dx: 0.968x on an H100)
-@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
-def ssd_bwd_dx_acc(x, dout_x, B, CB, dt, dA_cumsum, dL, last_keep, Dw, dx):
-    """the state part a2 is the intra-chunk accumulator's start (one (bm, p) fp32 tile fewer live in the loop), x
-    stays in its dtype (converted where used)"""
-    b, nc, c, h, p = x.shape
-    g = B.shape[3]
-    hpg = h // g
-    bm = hl.register_block_size(16, 128)
-    bk = hl.register_block_size(16, 128)
-    nst = (c + bm - 1) // bm
-    ddt = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
-    ddacs_row_part = torch.zeros([b, h, nc, nst, c], dtype=torch.float32, device=x.device)
-    ddacs_col = torch.empty([b, h, nc, c], dtype=torch.float32, device=x.device)
-    dD_part = torch.empty([b, nc, nst, h, p], dtype=torch.float32, device=x.device)
-    for ts, th, tc, tb in hl.tile([c, h, nc, b], block_size=[bm, 1, 1, 1]):
-        ib = tb.begin
-        ic = tc.begin
-        ih = th.begin
-        ig = ih // hpg
-        js = ts.id
-        xs = x[ib, ic, ts, ih, :]
-        dts = dt[ib, ih, ic, ts]
-        acs = dA_cumsum[ib, ih, ic, ts]
-        a_last = dA_cumsum[ib, ih, ic, c - 1]
-        decay_s = torch.exp(torch.clamp(a_last - acs, max=0.0))
-        if last_keep is not None:
-            decay_s = decay_s * last_keep[ib, ic, ts]
-        dls = dL[ib, ic, ih, :, :].to(x.dtype)
-        a = hl.dot(B[ib, ic, ts, ig, :], dls.T) * decay_s[:, None]
-        st_ = dts * torch.sum(a * xs.to(torch.float32), dim=1)
-        st_sum = torch.sum(st_, dim=0)
-        col = hl.zeros([ts], dtype=torch.float32)
-        for tt in hl.tile(ts.begin, c, block_size=bk):
-            dot_ = dout_x[ib, ic, tt, ih, :]
-            act = dA_cumsum[ib, ih, ic, tt]
-            seg = act[None, :] - acs[:, None]
-            causal = tt.index[None, :] >= ts.index[:, None]
-            mt = CB[ib, ic, ig, tt, ts].T * torch.exp(torch.clamp(torch.where(causal, seg, float("-inf")), max=0.0))
-            a = hl.dot(mt.to(x.dtype), dot_, acc=a)
-            gt = hl.dot(xs, dot_.T)
-            w = mt * dts[:, None] * gt
-            row = torch.sum(w, dim=0) + torch.where(tt.index == c - 1, st_sum, 0.0)
-            ddacs_row_part[ib, ih, ic, js, tt] = row
-            col = col + torch.sum(w, dim=1)
-        xf = xs.to(torch.float32)
-        dox_s = dout_x[ib, ic, ts, ih, :].to(torch.float32)
-        dx[ib, ic, ts, ih, :] = (a * dts[:, None] + dox_s * Dw[ih, :][None, :]).to(dx.dtype)
-        ddt[ib, ih, ic, ts] = torch.sum(a * xf, dim=1)
-        ddacs_col[ib, ih, ic, ts] = -col - st_
-        dD_part[ib, ic, js, ih, :] = torch.sum(dox_s * xf, dim=0)
-    return ddt, ddacs_row_part, ddacs_col, dD_part
-
-
 # ssd_bwd_dc_dcb + ssd_bwd_db: dB, dC and dCB as two kernels with dCB written to memory in between, as mamba-ssm does
 #   (one kernel that keeps the whole-chunk dB accumulator, dC and dCB tiles live across serial head x tile loops runs
 #   ~8 programs per SM with one CTA each, and memory latency is not hidden).
