@@ -13,7 +13,7 @@ kernel                       computes                                           
 ==========================  ==========================================================  ================
 ``ssd_bwd_dz_dstates``       B1 + B2: dout_x = dout*silu(z), dz, dstates = dout_x^T (C e^dAcs)  (h, nc, b)
 ``ssd_bwd_state_passing``    B3: reverse serial pass over chunks -> dL_c, ddA_chunk, dinit  (b, h, splits)
-``ssd_bwd_dx``               B4 (+ intra-chunk part of B9): dx, ddt, dD, ddAcs (row/col)     (row tiles, b, nc, h)
+``ssd_bwd_dx``               B4 (+ intra-chunk part of B9): dx, ddt, dD, ddAcs (row/col)     (row tiles, h, nc, b)
 ``ssd_bwd_dc_dcb``           B6 + B7 + B8 (dC): dC, dCB (to memory), B6's ddAcs_prev       (row tiles, g, nc, b)
 ``ssd_bwd_db``               B5 + B8 (dB): dB from dL and dCB                             (row tiles, g, nc, b)
 ``ssd_bwd_dt``               B9's cumsum + B10: ddA -> ddt (softplus/clamp), dA, ddt_bias     (b, nc, h)
