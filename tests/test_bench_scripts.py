@@ -2071,3 +2071,34 @@ def test_bench_configs_times_variants_against_the_selected_config(tmp_path, caps
     rc = bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--out", str(tmp_path / "bad"), "--variant",
                   'x={"no_such_key": 1}'])
     assert rc == 2 and "--variant x:" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_bench_configs_body_arms(tmp_path, capsys):
+    """--body NAME=FILE:FUNC runs another Helion kernel on the kernel's inputs as arm NAME (selected config) and
+    NAME+VARIANT (each variant over it), its outputs checked against the selected config's; a missing file, a name
+    that is not a Helion kernel and a malformed spec fail before any run with one message."""
+    from nano_hybrid.bench import bench_configs as bc
+
+    body = tmp_path / "body.py"
+    body.write_text("from kernels.rmsnorm_gated import rmsnorm_gated_fwd_kernel as fwd\nnot_a_kernel = 3\n")
+    out = tmp_path / "out"
+    rc = bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--variant", 'w8={"num_warps": 8}', "--body",
+                  f"same={body}:fwd", "--rounds", "2", "--iters", "1", "--warmup", "0", "--out", str(out)])
+    assert rc == 0
+    (path,) = out.glob("configs_rmsnorm_fwd_*.json")
+    d = json.loads(path.read_text())
+    assert list(d["configs"]) == ["selected", "w8", "same", "same+w8", "selected#2"]
+    assert d["configs"]["same"] == d["configs"]["selected"]
+    assert d["configs"]["same+w8"] == d["configs"]["w8"]
+    assert d["bodies"] == {"same": f"{body}:fwd"}
+    assert all(c["bitwise_equal"] for c in d["checks"].values())
+    assert set(d["times_us"]) == set(d["configs"])
+    for spec, msg in ((f"x={tmp_path}/none.py:fwd", "no file"), (f"x={body}:not_a_kernel", "no Helion kernel"),
+                      (f"x={body}:missing", "no Helion kernel")):
+        rc = bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--out", str(tmp_path / "bad"), "--body", spec])
+        assert rc == 2 and msg in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    for bad, msg in ((["--body", "x"], "expected NAME=FILE:FUNC"), (["--body", f"w8={body}:fwd", "--variant",
+                                                                     'w8={"num_warps": 8}'], "distinct")):
+        with pytest.raises(SystemExit):
+            bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--out", str(tmp_path), *bad])
+        assert msg in capsys.readouterr().err
