@@ -266,8 +266,8 @@ def _chunk_scan_kernel(
     block_k = hl.register_block_size(16, c)
     # Program order: heads fastest, then row and column tiles, then batch and chunk. The tiles that share data run
     # side by side: the heads of a group read the same C and C.B^T blocks, and the row tiles of a (chunk, head) the
-    # same state and x rows, so these come from L2 (batch first puts the heads of a group b*nc programs apart and
-    # the row tiles b*nc*h).
+    # same state and x rows, so these reads come close together in time (batch first puts the heads of a group b*nc
+    # programs apart and the row tiles b*nc*h).
     for th, tm, tn, tb, tc in hl.tile([h, c, p, b, nc], block_size=[1, block_m, block_n, 1, 1]):
         pos_m = tc.begin * c + tm.index
         dA_m = dA_cumsum[tb.begin, th.begin, tc.begin, tm]
