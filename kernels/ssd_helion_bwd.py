@@ -202,7 +202,8 @@ def ssd_bwd_dx(
 # ssd_bwd_dc_dcb + ssd_bwd_db: dB, dC and dCB as two kernels with dCB written to memory in between, as mamba-ssm does
 #   (one kernel that keeps the whole-chunk dB accumulator, dC and dCB tiles live across serial head x tile loops runs
 #   ~8 programs per SM with one CTA each, and memory latency is not hidden).
-#   ssd_bwd_dc_dcb: grid (row tiles of c, g, nc, b), 2048 programs at bm 64. Per head: ds = dout_x[ti] @ S
+#   ssd_bwd_dc_dcb: grid (row tiles of c, g, nc, b), 2048 programs at bm 64 (the Nano config's loop order runs the
+#     groups fastest). Per head: ds = dout_x[ti] @ S
 #     (dC state part, ddacs_prev) and the dCB row block gts * decay * dt over the whole chunk. Then
 #     dC[ti] += dCB[ti, :] @ B, and dCB is stored in x's dtype (the dots round it to that dtype anyway):
 #     (b, nc, g, c, c) is 34 MB at the Nano shape.
