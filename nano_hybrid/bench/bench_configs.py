@@ -44,7 +44,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
     name, sep, body = text.partition("=")
     name = name.strip()
     if not sep or not name or name in ("selected", CONTROL):
-        raise ValueError(f"--variant {text!r}: expected NAME=JSON with a NAME other than 'selected'")
+        raise ValueError(f"--variant {text!r}: expected NAME=JSON with a NAME other than 'selected' and {CONTROL!r}")
     try:
         cfg = json.loads(body)
     except json.JSONDecodeError as e:
@@ -60,7 +60,7 @@ def parse_body(text: str) -> tuple[str, str, str]:
     path, sep2, func = rest.rpartition(":")
     name = name.strip()
     if not sep or not sep2 or not name or not path or not func or name in ("selected", CONTROL):
-        raise ValueError(f"--body {text!r}: expected NAME=FILE:FUNC with a NAME other than 'selected'")
+        raise ValueError(f"--body {text!r}: expected NAME=FILE:FUNC with a NAME other than 'selected' and {CONTROL!r}")
     return name, path, func
 
 
