@@ -110,16 +110,31 @@ def ssd_bwd_state_passing(
     dL = torch.empty([b, nc, h, s, blk], dtype=dl_like.dtype, device=dstates.device)
     ddA_part = torch.empty([b, h, nc, s], dtype=torch.float32, device=dstates.device)
     dinit = torch.empty_like(dfinal)
+    # The walk runs from the last chunk to the first; each step loads the next chunk's dstates, states_in and decay
+    # before its own arithmetic, so their latency overlaps it (the first chunk's step is peeled after the loop).
     for ib, ih, isp in hl.grid([b, h, s]):
         gacc = dfinal[ib, ih, isp, :]
-        for i in hl.grid(nc):
+        ds_next = dstates[ib, nc - 1, ih, isp, :]
+        st_next = states_in[ib, nc - 1, ih, isp, :]
+        sc_next = torch.exp(dA_last[ib, ih, nc - 1])
+        if keep is not None:
+            sc_next = sc_next * keep[ib, nc - 1]
+        for i in hl.grid(nc - 1):
             j = nc - 1 - i
-            dL[ib, j, ih, isp, :] = gacc.to(dL.dtype)
-            scale = torch.exp(dA_last[ib, ih, j])
+            ds_j = ds_next
+            st_j = st_next
+            scale = sc_next
+            ds_next = dstates[ib, j - 1, ih, isp, :]
+            st_next = states_in[ib, j - 1, ih, isp, :]
+            sc_next = torch.exp(dA_last[ib, ih, j - 1])
             if keep is not None:
-                scale = scale * keep[ib, j]
-            ddA_part[ib, ih, j, isp] = torch.sum(gacc * states_in[ib, j, ih, isp, :], dim=0) * scale
-            gacc = dstates[ib, j, ih, isp, :] + scale * gacc
+                sc_next = sc_next * keep[ib, j - 1]
+            dL[ib, j, ih, isp, :] = gacc.to(dL.dtype)
+            ddA_part[ib, ih, j, isp] = torch.sum(gacc * st_j, dim=0) * scale
+            gacc = ds_j + scale * gacc
+        dL[ib, 0, ih, isp, :] = gacc.to(dL.dtype)
+        ddA_part[ib, ih, 0, isp] = torch.sum(gacc * st_next, dim=0) * sc_next
+        gacc = ds_next + sc_next * gacc
         dinit[ib, ih, isp, :] = gacc
     return dL, ddA_part, dinit
 

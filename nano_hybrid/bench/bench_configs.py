@@ -73,6 +73,7 @@ def load_body(name: str, path: str, func: str):
         raise VariantError(f"--body {name}: no file {path}")
     spec = importlib.util.spec_from_file_location(f"bench_configs_body_{name}", p)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # Helion's compiler resolves the kernel's globals through sys.modules
     try:
         spec.loader.exec_module(mod)
     except Exception as e:  # noqa: BLE001 - any import error of the user's file is reported in one line
