@@ -187,3 +187,40 @@ def test_report_headers_say_when_the_tree_is_not_the_commit(tmp_path):
     other = _tree(tmp_path, "ref") / "kernels"
     line = reporting.env_markdown(dict(env, git_dirty=True, kernels_dir=str(other)))
     assert line == f"gpu GPU, git_commit abc1234, files differ from git_commit, kernels from {other}"
+    line = reporting.env_markdown(dict(env, git_dirty=True, git_tree="1d7020907c"))
+    assert line == "gpu GPU, git_commit abc1234, files differ from git_commit (their git tree 1d7020907c)"
+
+
+def test_git_tree_names_the_files_as_they_are(tmp_path):
+    """git_tree is the tree id of the files git does not ignore, as they are on disk: HEAD's tree when nothing
+    differs, and after edits the tree of the commit that would hold them (the checkout's metadata lagging behind);
+    ignored files do not count, untracked ones do; the checkout's own index is left as it was."""
+    import subprocess
+
+    from nano_hybrid.bench import environment
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("/runs/\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    head_tree = git("rev-parse", "HEAD^{tree}")
+    assert head_tree.startswith(environment.git_tree(tmp_path))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "result.json").write_text("{}")
+    assert head_tree.startswith(environment.git_tree(tmp_path))  # ignored
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").write_text("y = 1\n")
+    edited = environment.git_tree(tmp_path)
+    assert not head_tree.startswith(edited)
+    status = git("status", "--porcelain")
+    assert status == "M a.py\n?? b.py"  # the checkout's index untouched
+    git("add", "-A")
+    git("commit", "-q", "-m", "two")
+    assert git("rev-parse", "HEAD^{tree}").startswith(edited)
+    assert environment.git_tree(tmp_path / "nowhere") is None

@@ -47,6 +47,7 @@ def env_info() -> dict:
         "megatron_core": _pkg_version("megatron-core") or _pkg_version("megatron_core"),
         "git_commit": _git_commit(),
         "git_dirty": _git_dirty(),
+        "git_tree": git_tree(),
         "kernels_dir": _kernels_dir(),
         "gpu": None,
         "gpu_count": 0,
@@ -75,6 +76,36 @@ def _git_dirty() -> bool | None:
         r = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO_ROOT), "status", "--porcelain"],
                            capture_output=True, text=True, timeout=30)
         return bool(r.stdout.strip()) if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def git_tree(root: Path | str = REPO_ROOT) -> str | None:
+    """The git tree id (short) of the files under ``root`` that git does not ignore, as they are on disk: equal to
+    ``git rev-parse <commit>^{tree}`` for the commit that holds exactly these files, whatever commit the checkout's
+    git metadata names. Built in a temporary index (the checkout's index and HEAD stay as they are; the files'
+    blobs go into the object store)."""
+    import shutil
+    import tempfile
+
+    root = Path(root)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            index = Path(tmp) / "index"
+            env = dict(os.environ, GIT_INDEX_FILE=str(index))
+            git_dir = subprocess.run(["git", "-C", str(root), "rev-parse", "--absolute-git-dir"],
+                                     capture_output=True, text=True, timeout=10)
+            if git_dir.returncode != 0:
+                return None
+            own = Path(git_dir.stdout.strip()) / "index"
+            if own.is_file():
+                shutil.copyfile(own, index)  # its stat cache spares hashing unchanged files
+            for cmd in (["add", "-A"], ["write-tree"]):
+                r = subprocess.run(["git", "--no-optional-locks", "-C", str(root), *cmd], env=env,
+                                   capture_output=True, text=True, timeout=60)
+                if r.returncode != 0:
+                    return None
+            return r.stdout.strip()[:10] or None
     except (OSError, subprocess.SubprocessError):
         return None
 

@@ -147,7 +147,8 @@ def env_markdown(env: dict) -> str:
             "megatron_core", "git_commit", "date_utc"]
     parts = [f"{k} {env.get(k)}" for k in keys if env.get(k) is not None]
     if env.get("git_dirty"):
-        parts.append("files differ from git_commit")
+        tree = env.get("git_tree")
+        parts.append("files differ from git_commit" + (f" (their git tree {tree})" if tree else ""))
     kd = env.get("kernels_dir")
     if kd and Path(kd).resolve() != (REPO_ROOT / "kernels").resolve():
         parts.append(f"kernels from {kd}")
