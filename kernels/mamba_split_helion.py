@@ -4,8 +4,9 @@
 signature. Its forward saves what mamba-ssm's ``MambaSplitConv1dScanCombinedFn`` saves (zxbcdt, the conv
 weight/bias, out_x, dt_bias, A, D, initial_states / seq_idx), the two small fp32 (b, h, l) tensors dA_cumsum and
 dt_out (``HelionSettings.save_cumsum``) and, by default (``HelionSettings.save_conv_states``), the conv output and
-the states entering each chunk: the backward then recomputes only C.B^T (in fp32, as mamba-ssm) and runs the Helion
-backward of ``kernels/ssd_helion_bwd.py``. With save_conv_states off the forward keeps neither and the backward
+the states entering each chunk: the backward then recomputes only C.B^T (in fp32, as mamba-ssm; with
+``HelionSettings.save_cb`` it reads the forward's, in x's dtype, instead) and runs the Helion backward of
+``kernels/ssd_helion_bwd.py``. With save_conv_states off the forward keeps neither and the backward
 recomputes the conv and chunk_state+state_passing (in ``HelionSettings.bwd_states_dtype``), as mamba-ssm does: less
 activation memory, bitwise the same gradients.
 ``settings`` (a ``kernels.settings.HelionSettings``; the backend binds its own) picks those dtypes and options.
@@ -89,20 +90,22 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
         z, xBC, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
         xBC_conv = _conv_fwd(xBC, conv1d_weight, conv1d_bias, seq_idx_padded, activation)
         x, B, C = torch.split(xBC_conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
-        out, out_x, dt_out, dA_cumsum, states_in, final_states = ssd_forward_helion(
+        out, out_x, dt_out, dA_cumsum, states_in, final_states, CB = ssd_forward_helion(
             x.reshape(b, L, nheads, headdim), dt[:, :l], A, B.reshape(b, L, ngroups, dstate),
             C.reshape(b, L, ngroups, dstate), chunk_size, D=D, z=z.reshape(b, L, nheads, headdim), dt_bias=dt_bias,
             initial_states=initial_states, seq_idx=seq_idx_padded, dt_softplus=True, dt_limit=dt_limit,
-            state_passing=settings.state_passing, seq_major=seq_major(zxbcdt),
+            state_passing=settings.state_passing, seq_major=seq_major(zxbcdt), return_cb=True,
         )
         ctx.settings = settings
         if not settings.save_cumsum:
             dt_out = dA_cumsum = None
         if not settings.save_conv_states:
             xBC_conv = states_in = None
+        if not settings.save_cb:
+            CB = None
         # zxbcdt, out_x and seq_idx padded (when l is not a chunk multiple): the backward pads none of them again
         ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states,
-                              seq_idx_padded, dt_out, dA_cumsum, xBC_conv, states_in)
+                              seq_idx_padded, dt_out, dA_cumsum, xBC_conv, states_in, CB)
         ctx.dims = (nheads, headdim, dim, dstate, ngroups, chunk_size, l)
         ctx.dt_limit = dt_limit
         ctx.activation = activation
@@ -118,7 +121,7 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dout, *args):
         (zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx, dt_out,
-         dA_cumsum, xBC_conv, states_in) = ctx.saved_tensors
+         dA_cumsum, xBC_conv, states_in, CB) = ctx.saved_tensors
         nheads, headdim, dim, dstate, ngroups, chunk_size, l = ctx.dims
         dfinal = args[0] if ctx.return_final_states else None
         b, L, _ = zxbcdt.shape  # padded to the chunk (l valid rows)
@@ -145,7 +148,8 @@ class MambaSplitConv1dScanCombinedHelionFn(torch.autograd.Function):
             if dA_cumsum is None:
                 dA_cumsum, dt_out = ssd_chunk_cumsum_helion(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=True,
                                                             dt_limit=ctx.dt_limit)
-            CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=torch.float32)
+            if CB is None:  # recompute in fp32 (save_cb keeps the forward's, in x's dtype)
+                CB = ssd_bmm_chunk_helion(C, B, chunk_size, seq_idx=seq_idx, cb_dtype=torch.float32)
         # d_zxbcdt is allocated once; its z / dt slices and the conv input grad are written in place.
         dzxbcdt = torch.empty_like(zxbcdt)
         dz, dxBC_given, ddt = torch.split(dzxbcdt, splits, dim=-1)

@@ -27,6 +27,13 @@ save_conv_states    true       the fused op's forward also keeps the conv output
                                2 x 8192 in bf16; the memory planner counts them); false recomputes them in the
                                backward, as mamba-ssm does. bwd_states_dtype=fp32 needs it false (the forward's
                                states are in x's dtype)
+save_cb             false      the fused op's forward also keeps its C·Bᵀ (b, nc, g, c, c) in x's dtype, as its chunk
+                               scan read it, for the backward, which then runs no bmm_chunk and reads C·Bᵀ rounded
+                               to x's dtype where it otherwise recomputes it in fp32 (as mamba-ssm does): one kernel
+                               less and half of C·Bᵀ's bytes, for b l g c more elements per Mamba layer (33.5 MB at
+                               Nano's 2 x 8192 in bf16; the memory planner counts them). Bitwise the same gradients
+                               in fp32, not in bf16 (the backward's ddA and dt terms see the rounding). Needs
+                               save_conv_states (with it off the backward recomputes C·Bᵀ with the states)
 state_passing       auto       how the forward (and the backward's recompute) computes the states entering each
                                chunk: "fused" (``ssd_chunk_state_passing``: one program per (batch, head, headdim
                                block, dstate block) walks the chunks in order, the running state in registers),
@@ -91,6 +98,7 @@ class HelionSettings:
     bwd_dstates_dtype: str = "input"
     save_cumsum: bool = True
     save_conv_states: bool = True
+    save_cb: bool = False
     state_passing: str = "auto"
     zxbcdt_in_place: bool = True
     fast_launch: bool = True
@@ -123,6 +131,9 @@ class HelionSettings:
             raise HelionSettingsError("kernels.helion.bwd_states_dtype=fp32 needs kernels.helion.save_conv_states=false "
                                       "(save_conv_states, on by default, keeps the forward's states, which are in x's "
                                       "dtype)")
+        if self.save_cb and not self.save_conv_states:
+            raise HelionSettingsError("kernels.helion.save_cb=true needs kernels.helion.save_conv_states=true (with it "
+                                      "off the backward recomputes C·Bᵀ together with the states)")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -853,9 +853,11 @@ def ssd_forward_helion(
     state_dtype: torch.dtype | None = None,
     state_passing: str | None = None,
     seq_major: bool = False,
+    return_cb: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """All forward pieces, like mamba-ssm's ``_mamba_chunk_scan_combined_fwd``:
-    (out, out_x, dt_out, dA_cumsum, states_in, final_states).
+    (out, out_x, dt_out, dA_cumsum, states_in, final_states), and with ``return_cb`` the C·Bᵀ the chunk scan read
+    ((b, nc, g, c, c), zero across sequences; ``forward_cb_dtype`` of x's dtype) last.
 
     x (b, l, h, p), dt (b, l, h), A (h,), B/C (b, l, g, n), D (h,) or (h, p), z like x,
     dt_bias (h,), initial_states (b, h, p, n), seq_idx (b, l). ``out_x`` is ``out`` when z is None.
@@ -897,6 +899,8 @@ def ssd_forward_helion(
                                        seq_major=seq_major)
     if lx != L:
         out, out_x = out[:, :lx], out_x[:, :lx]
+    if return_cb:
+        return out, out_x, dt_out, dA_cumsum, states_in, final_states, CB
     return out, out_x, dt_out, dA_cumsum, states_in, final_states
 
 

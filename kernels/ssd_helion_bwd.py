@@ -27,7 +27,7 @@ to its cheapest autotune config.)
 
 Input layouts (the same as ``kernels/ssd.py`` and mamba-ssm): x/dout/z/out_x (b, l, h, p),
 B/C (b, l, g, n), dt_out/dA_cumsum (b, h, nc, c) fp32, states_in (b, nc, h, p, n) x.dtype or fp32,
-CB (b, nc, g, c, c) fp32, seq_idx (b, l) int. A seqlen that is not a multiple of chunk_size is handled by
+CB (b, nc, g, c, c) fp32 or x's dtype, seq_idx (b, l) int. A seqlen that is not a multiple of chunk_size is handled by
 padding.
 """
 
@@ -151,7 +151,7 @@ def ssd_bwd_dx(
     x: torch.Tensor,  # (b, nc, c, h, p)
     dout_x: torch.Tensor,  # (b, nc, c, h, p)
     B: torch.Tensor,  # (b, nc, c, g, n)
-    CB: torch.Tensor,  # (b, nc, g, c, c) fp32, CB[t, s], zero across sequences
+    CB: torch.Tensor,  # (b, nc, g, c, c) fp32 or x.dtype, CB[t, s], zero across sequences
     dt: torch.Tensor,  # (b, h, nc, c) fp32
     dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
     dL: torch.Tensor,  # (b, nc, h, p, n) x.dtype: gradient of the chunk's local state

@@ -32,7 +32,8 @@ heads, ``k`` top-k, ``f`` expert FFN, ``fs`` shared-expert FFN, ``E`` experts, `
   gated output before the gated norm and that norm's output (saved by the norm and by out_proj: 2 a T di)
   and the norm's fp32 rstd per group; the helion backend also keeps two fp32 (b, heads, l) tensors
   (``kernels.helion.save_cumsum``) and, with ``kernels.helion.save_conv_states`` (the default), the conv
-  output (a T (di + 2 groups x state)) and the states entering each chunk (a T / chunk x di x state);
+  output (a T (di + 2 groups x state)) and the states entering each chunk (a T / chunk x di x state), and with
+  ``kernels.helion.save_cb`` the forward's C.B^T (a T chunk x groups);
 - attention (*): the fused QKV projection output, which the SDPA backward keeps (q, k, v are views:
   a T (heads + 2 groups) kv), the attention output (a T heads kv, saved by the output projection) and the
   fp32 log-sum-exp (4 T heads); ``model.attention_impl=unfused`` (megatron's DotProductAttention) keeps the
@@ -115,7 +116,7 @@ class Shape:
     optimizer: bool  # plan.optimizer=false: forward+backward only (no optimizer states, no step)
     lm_head_loss: str  # plain | chunked | chunked_compiled (model.lm_head_loss)
     lm_chunk: int  # model.lm_loss_chunk_tokens
-    helion_keeps: tuple[str, ...] = ()  # what the helion op keeps beyond mamba-ssm's: "cumsum", "conv_states"
+    helion_keeps: tuple[str, ...] = ()  # what the helion op keeps beyond mamba-ssm's: "cumsum", "conv_states", "cb"
     attention_impl: str = "sdpa"  # model.attention_impl: unfused keeps the (s x s) softmax probabilities
 
     tp = property(lambda self: self.dims.tp)
@@ -215,6 +216,10 @@ def layer_activations(s: Shape, kind: str, modules: tuple[str, ...] = ()) -> dic
                 tc = s.mbs * math.ceil(s.seq / c) * c
                 out["conv_states"] = (a * tc * (ar.d_inner + 2 * ar.mamba_num_groups * ar.mamba_state_dim) / s.tp
                                       + a * tc / c * ar.d_inner * ar.mamba_state_dim / s.tp)
+            if "cb" in s.helion_keeps:  # the forward's C.B^T, (b, nc, g, c, c) in x's dtype
+                c = ar.mamba_chunk_size
+                tc = s.mbs * math.ceil(s.seq / c) * c
+                out["cb"] = a * tc * c * max(1, ar.mamba_num_groups // s.tp)
         out["y_norm"] = a * t * di
     elif kind == "*":
         heads, groups = ar.num_attention_heads / s.tp, max(1, ar.num_query_groups // s.tp)
@@ -391,7 +396,8 @@ def _helion_keeps(cfg) -> tuple[str, ...]:
         st = HelionSettings.from_mapping(cfg.kernels.get("helion") or {})
     except HelionSettingsError as e:
         raise ConfigError(str(e)) from None
-    return tuple(k for k, on in (("cumsum", st.save_cumsum), ("conv_states", st.save_conv_states)) if on)
+    return tuple(k for k, on in (("cumsum", st.save_cumsum), ("conv_states", st.save_conv_states),
+                                 ("cb", st.save_cb)) if on)
 
 
 def _lcm(x: int, y: int) -> int:

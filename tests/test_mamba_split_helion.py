@@ -164,6 +164,49 @@ def test_split_state_passing_matches_the_fused_kernel(monkeypatch, save_conv_sta
     assert "ssd_chunk_state_passing" not in launched[False]
 
 
+def test_saved_cb_fp32_bitwise_and_one_bmm(monkeypatch):
+    """``save_cb``: the forward keeps its C.B^T (b, nc, g, c, c) in x's dtype and the backward runs no bmm_chunk; in
+    fp32 (C.B^T in fp32 both ways) outputs and every gradient are bitwise those of the recompute (odd seqlen,
+    seq_idx, initial states)."""
+    from kernels import ssd_helion as sh
+
+    res, launched, kept = {}, {}, {}
+    real_run = sh._run
+    for keep in (False, True):
+        calls = launched[keep] = []
+        monkeypatch.setattr(sh, "_run", lambda name, *a, calls=calls, **kw: calls.append(name) or real_run(name, *a, **kw))
+        res[keep], kept[keep] = _seq_init_case(HelionSettings(save_cb=keep))
+    for i, (a, bb) in enumerate(zip(res[True], res[False])):
+        assert torch.equal(a, bb), f"output {i} differs with the saved C.B^T"
+    assert len(kept[True]) == len(kept[False]) + 1
+    assert tuple(kept[True][-1].shape) == (2, 3, 2, 16, 16) and kept[True][-1].dtype == torch.float32
+    assert launched[False].count("ssd_bmm_chunk") == 2 and launched[True].count("ssd_bmm_chunk") == 1
+
+
+def test_saved_cb_bf16_changes_only_what_reads_it():
+    """bf16 inputs: the backward reading the forward's C.B^T rounded to bf16 (``save_cb``) instead of recomputing it
+    in fp32 changes only what ssd_bwd_dx computes from it (dx, and through ddt and the ddA sums dt, A, dt_bias, the
+    initial states' gradient): the output, dz and the B and C columns of d_zxbcdt are bitwise those of the recompute,
+    and the rest stays within bf16 rounding of it."""
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    a, f = (_bf16_seq_case_grads(b, l, h, p, g, n, c, HelionSettings(save_cb=keep)) for keep in (True, False))
+    di = h * p
+    assert torch.equal(a["out"], f["out"])
+    assert torch.equal(a["zxbcdt"][..., :di], f["zxbcdt"][..., :di])  # dz
+    assert torch.equal(a["zxbcdt"][..., 2 * di: 2 * di + 2 * g * n], f["zxbcdt"][..., 2 * di: 2 * di + 2 * g * n])
+    assert not torch.equal(a["zxbcdt"][..., di: 2 * di], f["zxbcdt"][..., di: 2 * di])  # dx reads C.B^T
+    _assert_within_bf16_rounding(a, f, ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "init"),
+                                 "between the forward's bf16 C.B^T and the backward's fp32 one")
+
+
+def test_save_cb_needs_save_conv_states():
+    from kernels.settings import HelionSettingsError
+
+    assert HelionSettings().save_cb is False
+    with pytest.raises(HelionSettingsError, match="save_cb=true needs kernels.helion.save_conv_states=true"):
+        HelionSettings(save_cb=True, save_conv_states=False)
+
+
 def test_save_conv_states_needs_input_dtype_states():
     """save_conv_states (on by default) keeps the forward's states, in x's dtype: fp32 backward states need it off,
     and an explicit save_conv_states=true with them is refused too."""

@@ -233,7 +233,8 @@ def test_readme_planner_commands_run(capsys):
 def test_helion_saved_tensors_follow_its_settings():
     """The helion op's extra saved tensors follow kernels.helion: two fp32 (b, heads, l) tensors with save_cumsum
     (the default), none without it, and with save_conv_states (the default) the conv output and the chunk states in
-    bf16 (Nano's Mamba layer at 2 x 8192: 201.3 MB + 134.2 MB), none without it."""
+    bf16 (Nano's Mamba layer at 2 x 8192: 201.3 MB + 134.2 MB), none without it; with save_cb the forward's C.B^T
+    too."""
     from nano_hybrid.plan import layer_activations
 
     base = ["model=nano30b_slice", *GPU, "train.micro_batch_size=2", "train.global_batch_size=2",
@@ -249,6 +250,11 @@ def test_helion_saved_tensors_follow_its_settings():
     assert m["helion"] == {**m["mamba_ssm"], "cumsum": 2 * 4 * 2 * 8192 * 64}
     assert m["conv_states"]["conv_states"] == 2 * 2 * 8192 * (4096 + 2048) + 2 * 2 * 64 * 4096 * 128
     assert {k: v for k, v in m["conv_states"].items() if k != "conv_states"} == m["helion"]
+    # save_cb: the forward's C.B^T, (b, nc, g, c, c) in bf16: 2 x 64 x 8 x 128 x 128 x 2 bytes (33.6 MB)
+    s, _ = shape_from_cfg(compose([*base, "kernels.backend=helion", "kernels.helion.save_cb=true"]))
+    cb = layer_activations(s, "M")
+    assert cb["cb"] == 2 * 64 * 8 * 128 * 128 * 2
+    assert {k: v for k, v in cb.items() if k != "cb"} == m["conv_states"]
     # the selective recompute of the SSD region rebuilds them too
     s, _ = shape_from_cfg(compose([*base, "kernels.backend=helion"]))
     assert "conv_states" not in layer_activations(s, "M", ("ssd",))
