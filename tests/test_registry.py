@@ -87,7 +87,7 @@ def test_helion_settings_travel_with_the_backend():
     from kernels.settings import HelionSettings, HelionSettingsError
 
     assert HelionSettings().as_dict() == dict(bwd_states_dtype="input", bwd_dstates_dtype="input", save_cumsum=True,
-                                              save_conv_states=True, state_passing="auto", zxbcdt_in_place=True,
+                                              save_conv_states=True, save_cb=False, state_passing="auto", zxbcdt_in_place=True,
                                               fast_launch=True, autotune=False, autotune_budget_s=120.0,
                                               autotune_jobs=8, compile_cache=True, cache_dir="")
     with pytest.raises(HelionSettingsError, match="kernels.helion.bwd_states_dtype='bf16'; choose one of input, fp32"):
