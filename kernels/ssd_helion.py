@@ -12,7 +12,7 @@ g ngroups, n dstate, c chunk_size, nc = ceil(l / c)):
 ``ssd_bmm_chunk_helion(C, B, c, seq_idx)``     -> CB (b, nc, g, c, c) fp32
 ``ssd_chunk_pieces_helion(B, x, C, dt, A, c)`` -> (dA_cumsum, dt_out, states_in, final_states, CB)
 ``ssd_chunk_scan_helion(CB, x, dt, dA, C, ..)`` -> (out, out_x) (b, l, h, p) in x.dtype
-``ssd_forward_helion(...)``                    -> (out, out_x, dt_out, dA_cumsum, states_in, final_states)
+``ssd_forward_helion(...)``                    -> (out, out_x, dt_out, dA_cumsum, states_in, final_states[, CB])
 ``mamba_chunk_scan_combined_helion(...)``      forward-only, mamba-ssm's signature
 =============================================  ================================================
 
