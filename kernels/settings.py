@@ -30,9 +30,10 @@ save_conv_states    true       the fused op's forward also keeps the conv output
 save_cb             false      the fused op's forward also keeps its C·Bᵀ (b, nc, g, c, c) in x's dtype, as its chunk
                                scan read it, for the backward, which then runs no bmm_chunk and reads C·Bᵀ rounded
                                to x's dtype where it otherwise recomputes it in fp32 (as mamba-ssm does): one kernel
-                               less and half of C·Bᵀ's bytes, for b l g c more elements per Mamba layer (33.5 MB at
+                               less and half of C·Bᵀ's bytes, for b l g c more elements per Mamba layer (33.6 MB at
                                Nano's 2 x 8192 in bf16; the memory planner counts them). Bitwise the same gradients
-                               in fp32, not in bf16 (the backward's ddA and dt terms see the rounding). Needs
+                               in fp32; in bf16 what ssd_bwd_dx computes (dx, ddt and the ddA sums) sees the
+                               rounding, the other gradients are bitwise the same. Needs
                                save_conv_states (with it off the backward recomputes C·Bᵀ with the states)
 state_passing       auto       how the forward (and the backward's recompute) computes the states entering each
                                chunk: "fused" (``ssd_chunk_state_passing``: one program per (batch, head, headdim

@@ -2102,3 +2102,23 @@ def test_bench_configs_body_arms(tmp_path, capsys):
         with pytest.raises(SystemExit):
             bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--out", str(tmp_path), *bad])
         assert msg in capsys.readouterr().err
+
+
+def test_bench_configs_body_module_is_importable_by_name(tmp_path):
+    """A --body file is loaded as module ``bench_configs_body_NAME`` and registered in sys.modules, where Helion's
+    compiler looks up a kernel's globals (a body with a tunable fragment fails to compile otherwise); a file that
+    fails to import leaves no module behind."""
+    import sys
+
+    from nano_hybrid.bench import bench_configs as bc
+
+    body = tmp_path / "body.py"
+    body.write_text("from kernels.rmsnorm_gated import rmsnorm_gated_fwd_kernel as fwd\n")
+    kernel = bc.load_body("reg", str(body), "fwd")
+    mod = sys.modules.pop("bench_configs_body_reg")
+    assert mod.fwd is kernel and mod.__file__ == str(body)
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no')\n")
+    with pytest.raises(bc.VariantError, match="does not import: RuntimeError: no"):
+        bc.load_body("broken", str(broken), "fwd")
+    assert "bench_configs_body_broken" not in sys.modules

@@ -255,6 +255,8 @@ def test_helion_saved_tensors_follow_its_settings():
     cb = layer_activations(s, "M")
     assert cb["cb"] == 2 * 64 * 8 * 128 * 128 * 2
     assert {k: v for k, v in cb.items() if k != "cb"} == m["conv_states"]
+    s, _ = shape_from_cfg(compose([*base, "kernels.backend=helion", "kernels.helion.save_cb=true", "parallel=tp2"]))
+    assert layer_activations(s, "M")["cb"] == 2 * 64 * (8 // 2) * 128 * 128 * 2  # each rank: its 4 groups
     # the selective recompute of the SSD region rebuilds them too
     s, _ = shape_from_cfg(compose([*base, "kernels.backend=helion"]))
     assert "conv_states" not in layer_activations(s, "M", ("ssd",))

@@ -69,7 +69,7 @@ def _ref_and_helion(b, l, h, p, g, n, c, **kw):
         ((2, 45, 4, 8, 2, 16, 16), dict(seq=True, init=True, D2=True)),  # odd seqlen, seq_idx, D per head-dim
         ((2, 37, 6, 8, 3, 16, 16), dict(init=True)),  # ngroups 3, odd seqlen, initial states
         ((1, 40, 3, 16, 1, 32, 32), dict(seq=True)),  # ngroups 1
-        ((2, 13, 4, 8, 2, 16, 16), dict(init=True)),  # one chunk, partial: the state walk has no step before chunk 0
+        ((2, 13, 4, 8, 2, 16, 16), dict(seq=True, init=True)),  # one partial chunk: the state walk's loop is empty
     ],
 )
 def test_grads_match_reference_fp32(shape, kw):

@@ -77,6 +77,7 @@ def load_body(name: str, path: str, func: str):
     try:
         spec.loader.exec_module(mod)
     except Exception as e:  # noqa: BLE001 - any import error of the user's file is reported in one line
+        sys.modules.pop(spec.name, None)
         raise VariantError(f"--body {name}: {path} does not import: {type(e).__name__}: {e}") from None
     kernel = getattr(mod, func, None)
     if kernel is None or not hasattr(kernel, "bind"):

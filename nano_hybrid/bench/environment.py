@@ -81,7 +81,8 @@ def _git_dirty() -> bool | None:
 
 
 def git_tree(root: Path | str = REPO_ROOT) -> str | None:
-    """The git tree id (short) of the files under ``root`` that git does not ignore, as they are on disk: equal to
+    """The git tree id (short) of the files of the checkout holding ``root`` that git does not ignore, as they are on
+    disk: equal to
     ``git rev-parse <commit>^{tree}`` for the commit that holds exactly these files, whatever commit the checkout's
     git metadata names. Built in a temporary index (the checkout's index and HEAD stay as they are; the files'
     blobs go into the object store)."""
@@ -94,7 +95,7 @@ def git_tree(root: Path | str = REPO_ROOT) -> str | None:
             index = Path(tmp) / "index"
             env = dict(os.environ, GIT_INDEX_FILE=str(index))
             git_dir = subprocess.run(["git", "-C", str(root), "rev-parse", "--absolute-git-dir"],
-                                     capture_output=True, text=True, timeout=10)
+                                     capture_output=True, text=True, errors="replace", timeout=10)
             if git_dir.returncode != 0:
                 return None
             own = Path(git_dir.stdout.strip()) / "index"
@@ -102,11 +103,11 @@ def git_tree(root: Path | str = REPO_ROOT) -> str | None:
                 shutil.copyfile(own, index)  # its stat cache spares hashing unchanged files
             for cmd in (["add", "-A"], ["write-tree"]):
                 r = subprocess.run(["git", "--no-optional-locks", "-C", str(root), *cmd], env=env,
-                                   capture_output=True, text=True, timeout=60)
+                                   capture_output=True, text=True, errors="replace", timeout=60)
                 if r.returncode != 0:
                     return None
             return r.stdout.strip()[:10] or None
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, ValueError, subprocess.SubprocessError):
         return None
 
 
