@@ -82,10 +82,9 @@ def _git_dirty() -> bool | None:
 
 def git_tree(root: Path | str = REPO_ROOT) -> str | None:
     """The git tree id (short) of the files of the checkout holding ``root`` that git does not ignore, as they are on
-    disk: equal to
-    ``git rev-parse <commit>^{tree}`` for the commit that holds exactly these files, whatever commit the checkout's
-    git metadata names. Built in a temporary index (the checkout's index and HEAD stay as they are; the files'
-    blobs go into the object store)."""
+    disk: equal to ``git rev-parse <commit>^{tree}`` for the commit that holds exactly these files, whatever commit
+    the checkout's git metadata names. Built in a temporary index (the checkout's index and HEAD stay as they are;
+    the files' blobs go into the object store)."""
     import shutil
     import tempfile
 
