@@ -154,19 +154,22 @@ def _mamba_ssm_backend() -> KernelBackend:
     )
 
 
-def helion_training_kernels(settings: HelionSettings | None = None) -> tuple[str, ...]:
+def helion_training_kernels(settings: HelionSettings | None = None, fused_norm: bool = False) -> tuple[str, ...]:
     """The tunable Helion kernels (tuning names, ``kernels.tuner.discover_tunable_kernels``) one training step of the
     helion backend calls at a mixer shape with ``settings`` (default: the defaults): the fused op's forward and
     backward and the gated RMSNorm's. What a run's pretuning tunes (``nano_hybrid.kernel_search.pretune``); the fp32-CB
     chunk scan runs only in comparisons and inference. With ``state_passing=auto`` both state paths' kernels, so
-    that the tuned times choose between them (``kernels.ssd_helion.choose_state_passing``).
+    that the tuned times choose between them (``kernels.ssd_helion.choose_state_passing``). ``fused_norm``
+    (``model.mamba_fused_norm``): the op runs the gated norm, whose kernels read z, and the SSD backward's first
+    kernel is ``ssd_bwd_dstates``.
     tests/test_mamba_split_helion.py checks it against the calls."""
     mode = "auto" if settings is None else settings.state_passing
     states = {"fused": ("ssd_chunk_state_passing",), "split": ("ssd_chunk_state", "ssd_state_passing")}.get(
         mode, ("ssd_chunk_state_passing", "ssd_chunk_state", "ssd_state_passing"))
+    first, norm = (("ssd_bwd_dstates",), ("rmsnorm_fwd_z", "rmsnorm_bwd_z")) if fused_norm else \
+        (("ssd_bwd_dz_dstates",), ("rmsnorm_fwd", "rmsnorm_bwd"))
     return ("conv1d_fwd", "conv1d_bwd", "ssd_chunk_cumsum", *states, "ssd_bmm_chunk", "ssd_chunk_scan_cb16",
-            "ssd_bwd_dz_dstates", "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt",
-            "rmsnorm_fwd", "rmsnorm_bwd")
+            *first, "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt", *norm)
 
 
 HELION_TRAINING_KERNELS = helion_training_kernels()  # with the default settings

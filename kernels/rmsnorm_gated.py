@@ -93,12 +93,15 @@ class RMSNormGatedRef(_RMSNormGatedModule):
 # (bitwise repeatable for a given config) and correct under every config.
 # ================================================================================================
 
+import functools  # noqa: E402
+
 import helion  # noqa: E402
 import helion.language as hl  # noqa: E402
 from helion.autotuner import PowerOfTwoFragment  # noqa: E402
 
 from kernels import first_use, tuning  # noqa: E402
 from kernels import tuner  # noqa: E402
+from kernels.shapes import padded_len  # noqa: E402
 
 
 @helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
@@ -136,14 +139,14 @@ def rmsnorm_gated_bwd_kernel(
     weight: torch.Tensor,  # (G, D)
     z: torch.Tensor,  # (M, G, D); ignored unless has_z
     rstd: torch.Tensor,  # (M, G) fp32
+    dx: torch.Tensor,  # (M, G, D) written (any row stride)
+    dz: torch.Tensor,  # (M, G, D) written (any row stride); without z the (1, 1, 1) dummy, never written
     has_z: hl.constexpr,
     norm_before_gate: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     m, g, d = x.size()
     d = hl.specialize(d)
     rows = hl.register_tunable("rows_per_program", PowerOfTwoFragment(1, 16384, 64))
-    dx = torch.empty_like(x)
-    dz = torch.empty_like(z)  # without z the wrappers pass a (1, 1, 1) dummy: never written then
     dw_partial = torch.empty([helion.cdiv(m, rows), g, d], dtype=torch.float32, device=x.device)
     for tp, tg in hl.tile([m, g], block_size=[rows, 1]):
         dw_acc = hl.zeros([tg, d], dtype=torch.float32)
@@ -175,7 +178,7 @@ def rmsnorm_gated_bwd_kernel(
             else:
                 dx[tm, tg, :] = dxin.to(dx.dtype)
         dw_partial[tp.id, tg, :] = dw_acc
-    return dx, dz, dw_partial
+    return dw_partial
 
 
 # Generic configs used when no tuned file entry exists (also the search's reference).
@@ -240,9 +243,17 @@ def _view3(t, shape3):
     return t3 if t3.stride(-1) == 1 else t3.contiguous()
 
 
+def tuning_name(kind: str, has_z: bool) -> str:
+    """The tuning name (config file) of the norm's ``kind`` ("fwd" / "bwd") kernel: "rmsnorm_<kind>" for Megatron's
+    norm module after the gated SSD (no z), "rmsnorm_<kind>_z" for the norm that applies the gate (z given: the fused
+    op's norm, ``model.mamba_fused_norm``)."""
+    return f"rmsnorm_{kind}_z" if has_z else f"rmsnorm_{kind}"
+
+
 def _fwd(x3, w2, z3, eps, nbg, p: _Plan):
     args = (x3, w2, x3 if z3 is None else z3, eps, z3 is not None, nbg)
-    return first_use.tuned_call("rmsnorm_fwd", rmsnorm_gated_fwd_kernel, args, p.dims, p.fwd_default)
+    return first_use.tuned_call(tuning_name("fwd", z3 is not None), rmsnorm_gated_fwd_kernel, args, p.dims,
+                                p.fwd_default)
 
 
 def rmsnorm_dweight_sum(dw_partial: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -252,12 +263,23 @@ def rmsnorm_dweight_sum(dw_partial: torch.Tensor, weight: torch.Tensor) -> torch
     return dw_partial.sum(0).reshape(-1).to(weight.dtype)
 
 
-def _bwd(dy, x3, w2, z3, rstd, nbg, p: _Plan):
+def _bwd(dy, x3, w2, z3, rstd, nbg, p: _Plan, dz_out=None):
+    """(dx, dz or None, dweight); dz is written into ``dz_out`` ((M, G, D), any row stride) when given."""
     dy3 = _view3(dy, p.shape3)
     has_z = z3 is not None
-    args = (dy3, x3, w2, z3 if has_z else p.zdummy, rstd, has_z, nbg)
-    dx, dz, dw_partial = first_use.tuned_call("rmsnorm_bwd", rmsnorm_gated_bwd_kernel, args, p.dims,
-                                              p.bwd_default, finalize=rmsnorm_bwd_final)
+    dx = torch.empty(p.shape3, dtype=x3.dtype, device=x3.device)
+    if not has_z:
+        dz = p.zdummy
+    elif dz_out is None:
+        dz = torch.empty(p.shape3, dtype=z3.dtype, device=z3.device)
+    else:
+        if dz_out.shape != p.shape3 or dz_out.stride(-1) != 1:
+            raise ValueError(f"dz_out must be {p.shape3} with a unit last stride, got {tuple(dz_out.shape)} "
+                             f"strides {dz_out.stride()}")
+        dz = dz_out
+    args = (dy3, x3, w2, z3 if has_z else p.zdummy, rstd, dx, dz, has_z, nbg)
+    dw_partial = first_use.tuned_call(tuning_name("bwd", has_z), rmsnorm_gated_bwd_kernel, args, p.dims, p.bwd_default,
+                                      finalize=rmsnorm_bwd_final, prepare=rmsnorm_bwd_prepare)
     return dx, (dz if has_z else None), rmsnorm_dweight_sum(dw_partial, w2)
 
 
@@ -270,25 +292,43 @@ def rmsnorm_gated_fwd_helion(x, weight, z=None, eps=1e-5, group_size=None, norm_
     return y.reshape(x.shape), rstd
 
 
-def rmsnorm_gated_bwd_helion(dy, x, weight, rstd, z=None, group_size=None, norm_before_gate=True):
-    """Backward: returns ``(dx, dz or None, dweight)``; dweight has weight's dtype."""
+def rmsnorm_gated_bwd_helion(dy, x, weight, rstd, z=None, group_size=None, norm_before_gate=True, dz_out=None):
+    """Backward: returns ``(dx, dz or None, dweight)``; dweight has weight's dtype. ``dz_out`` (z's shape, a view that
+    reshapes to rows x groups without a copy, e.g. a slice of a wider gradient buffer): dz is written into it."""
     nbg = bool(norm_before_gate)
     p = _plan(x, weight, z, group_size, nbg)
     if rstd.shape != (p.m, p.g):
         raise ValueError(f"rstd must be {(p.m, p.g)}, got {tuple(rstd.shape)}")
     z3 = None if z is None else _view3(z, p.shape3)
-    dx, dz, dweight = _bwd(dy, _view3(x, p.shape3), _view3(weight, p.wshape2), z3, rstd, nbg, p)
-    return dx.reshape(x.shape), (None if dz is None else dz.reshape(x.shape)), dweight
+    dz3 = None
+    if dz_out is not None:
+        if z is None or dz_out.shape != z.shape:
+            raise ValueError(f"dz_out must have z's shape, got {tuple(dz_out.shape)}")
+        try:
+            dz3 = dz_out.view(p.shape3)
+        except RuntimeError as e:
+            raise ValueError(f"dz_out (strides {dz_out.stride()}) must reshape to {p.shape3} without a copy") from e
+    dx, dz, dweight = _bwd(dy, _view3(x, p.shape3), _view3(weight, p.wshape2), z3, rstd, nbg, p, dz_out=dz3)
+    return dx.reshape(x.shape), (None if dz is None else (dz_out if dz_out is not None else dz.reshape(x.shape))), \
+        dweight
 
 
 def rmsnorm_bwd_final(out, args):
     """Config-independent results of ``rmsnorm_gated_bwd_kernel``: (dx, [dz,] dweight fp32 (G, D)).
-    ``args`` are the kernel's (dy, x, weight, z, rstd, has_z, norm_before_gate). dweight is the fp32
-    sum of the partials (what rmsnorm_dweight_sum computes before its cast to weight's dtype); dz is
-    left out without z (the kernel then returns an unwritten (1, 1, 1) buffer)."""
-    dx, dz, dw_partial = out
-    has_z = args[5]
-    return (dx, dz, dw_partial.sum(0)) if has_z else (dx, dw_partial.sum(0))
+    ``out`` is its dweight partials, ``args`` the kernel's (dy, x, weight, z, rstd, dx, dz, has_z,
+    norm_before_gate), whose dx / dz buffers it wrote. dweight is the fp32 sum of the partials (what
+    rmsnorm_dweight_sum computes before its cast to weight's dtype); dz is left out without z (the
+    (1, 1, 1) dummy the kernel does not write)."""
+    dx, dz, has_z = args[5], args[6], args[7]
+    return (dx, dz, out.sum(0)) if has_z else (dx, out.sum(0))
+
+
+def rmsnorm_bwd_prepare(args):
+    """Fill the result buffers with NaN before a search candidate runs: a config that leaves rows unwritten fails
+    the comparison instead of passing on the previous candidate's values."""
+    args[5].fill_(float("nan"))
+    if args[7]:
+        args[6].fill_(float("nan"))
 
 
 class RMSNormGatedHelionFn(torch.autograd.Function):
@@ -377,6 +417,14 @@ def _n_eviction(kernel, args) -> int:
     return len(kernel.bind(tuple(args)).config_spec.default_config().config.get("load_eviction_policies", []))
 
 
+def _seeds(kind: str, gated: bool, kernel, args, bases: list[dict]) -> list[dict]:
+    """``_access_seeds`` of ``bases`` for the ungated kernels (whose load order ``_EV_SLOTS`` records); for the gated ones
+    (z adds loads) the bases with TMA for every access, then as they are."""
+    if not gated:
+        return _access_seeds(kind, _n_eviction(kernel, args), bases)
+    return [{**b, "indexing": "tensor_descriptor"} for b in bases] + list(bases)
+
+
 def _dedup(seeds: list[dict]) -> list[dict]:
     out, seen = [], set()
     for s in seeds:
@@ -387,21 +435,23 @@ def _dedup(seeds: list[dict]) -> list[dict]:
     return out
 
 
-def _rmsnorm_case(kind: str):
+def _rmsnorm_case(kind: str, gated: bool = False):
+    """The search case of the norm's ``kind`` kernel at model dims: Megatron's norm module (z None) or, ``gated``, the
+    fused op's norm that applies the gate (z given); norm_before_gate False in both (Megatron's and Nemotron's)."""
     def build(dims: dict, device) -> tuner.TuneCase:
-        m, n = dims["b"] * dims["l"], dims["h"] * dims["p"]
+        m, n = _rows(dims, gated), dims["h"] * dims["p"]
         g, d = dims["g"], n // dims["g"]
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(m, g, d, generator=gen).to(device=device, dtype=torch.bfloat16)
         w = (1 + 0.1 * torch.randn(g, d, generator=gen)).to(device=device, dtype=torch.bfloat16)
-        # Megatron's MambaMixer path: z=None, norm_before_gate=False
-        kd = _norm_dims(m, g, d, False, False, torch.bfloat16)
+        z = torch.randn(m, g, d, generator=gen).to(device=device, dtype=torch.bfloat16) if gated else None
+        kd = _norm_dims(m, g, d, gated, False, torch.bfloat16)
         fwd_default, bwd_default = default_configs(d)
         wide = d > WIDE_GROUP
         # Seeds: the TMA / eviction-policy variants of the best shapes first (the H200 winners first:
         # fwd [8] 1 warp; bwd [4] 2 warps 128 rows stages [0, 2]), then a plain grid around them; <= 60 each.
         if kind == "fwd":
-            args = (x, w, x, 1e-5, False, False)
+            args = (x, w, x if z is None else z, 1e-5, gated, False)
             bases = [dict(block_sizes=[8], num_warps=1), dict(block_sizes=[4], num_warps=4),
                      dict(block_sizes=[4], num_warps=1), dict(block_sizes=[8], num_warps=2),
                      dict(block_sizes=[16], num_warps=2), dict(block_sizes=[2], num_warps=1)]
@@ -409,15 +459,18 @@ def _rmsnorm_case(kind: str):
             if wide:  # one or two rows over 4-16 warps (WIDE_GROUP), 2 warps in the plain grid
                 bases = [dict(block_sizes=[b], num_warps=w) for b in (1, 2) for w in (8, 16, 4)]
                 grid = dict(block_sizes=[[1], [2]], num_warps=[2, 4, 8, 16])
-            seeds = _access_seeds(kind, _n_eviction(rmsnorm_gated_fwd_kernel, args), bases) + tuner.grid_seeds(**grid)
+            seeds = _seeds(kind, gated, rmsnorm_gated_fwd_kernel, args, bases) + tuner.grid_seeds(**grid)
             # seeds only: on the H200 one random candidate hung inside Triton's native compile (which
             # no Python-level time limit interrupts), so the search stays on these seeds
             return tuner.TuneCase(rmsnorm_gated_fwd_kernel, args, kd, fwd_default, _dedup(seeds), atol=2e-2,
                                    rtol=2e-2, n_random=0)
-        rstd = torch.rsqrt(x.float().square().mean(-1) + 1e-5)
+        xin = x.float() if z is None else x.float() * torch.nn.functional.silu(z.float())
+        rstd = torch.rsqrt(xin.square().mean(-1) + 1e-5)
         dy = torch.randn(m, g, d, generator=gen).to(device=device, dtype=torch.bfloat16)
-        # z: the (1, 1, 1) dummy the wrappers pass without z (the tuned call is the one that runs)
-        args = (dy, x, w, torch.empty((1, 1, 1), dtype=x.dtype, device=x.device), rstd, False, False)
+        # without z: the (1, 1, 1) dummies the wrappers pass for z and dz (the tuned call is the one that runs)
+        dummy = torch.empty((1, 1, 1), dtype=x.dtype, device=x.device)
+        args = (dy, x, w, dummy if z is None else z, rstd, torch.empty_like(x),
+                dummy if z is None else torch.empty_like(z), gated, False)
         # rows per program: 2601 row groups was the best forced count in the baseline (~6 rows each
         # at M=16384). Software-pipelined inner row loop (range_num_stages of the inner loop > 0: the
         # next rows' loads are in flight while this tile computes): the H200 winner has [0, 2].
@@ -437,21 +490,30 @@ def _rmsnorm_case(kind: str):
                      dict(block_sizes=[2], num_warps=8, rows_per_program=128, range_num_stages=[0, 2])]
             grid = dict(rows_per_program=[32, 64, 128, 256], block_sizes=[[1], [2]], num_warps=[4, 8, 16],
                         range_num_stages=[[0, 2]])
-        seeds = _access_seeds(kind, _n_eviction(rmsnorm_gated_bwd_kernel, args), bases) + tuner.grid_seeds(**grid)
+        seeds = _seeds(kind, gated, rmsnorm_gated_bwd_kernel, args, bases) + tuner.grid_seeds(**grid)
         seeds = [s for s in _dedup(seeds) if s["block_sizes"][0] <= s["rows_per_program"]][:60]
         # Compared on the final results (dx, dz when gated, summed dweight): the partials' count
         # depends on rows_per_program, and dz is never written without z.
         return tuner.TuneCase(rmsnorm_gated_bwd_kernel, args, kd, bwd_default, seeds, atol=5e-2, rtol=2e-2,
-                               n_random=0 if wide else 16, finalize=rmsnorm_bwd_final)
+                               n_random=0 if wide else 16, finalize=rmsnorm_bwd_final,
+                               prepare=rmsnorm_bwd_prepare)
 
     return build
 
 
-def _rmsnorm_case_dims(dims: dict) -> dict:
-    """The kernel dims of ``_rmsnorm_case`` at model dims ``dims`` (Megatron's path: no z, norm after the gate)."""
+def _rows(dims: dict, gated: bool) -> int:
+    """Rows the norm runs over at model dims: b * l for Megatron's module, b * l padded to the chunk for the fused op's
+    norm (the op runs on zxbcdt padded once)."""
+    return dims["b"] * (padded_len(dims["l"], dims["c"]) if gated else dims["l"])
+
+
+def _rmsnorm_case_dims(dims: dict, gated: bool = False) -> dict:
+    """The kernel dims of ``_rmsnorm_case`` at model dims ``dims`` (Megatron's norm module: no z, norm after the gate;
+    ``gated``: the fused op's norm, with z)."""
     n = dims["h"] * dims["p"]
-    return _norm_dims(dims["b"] * dims["l"], dims["g"], n // dims["g"], False, False, torch.bfloat16)
+    return _norm_dims(_rows(dims, gated), dims["g"], n // dims["g"], gated, False, torch.bfloat16)
 
 
-TUNABLE_KERNELS = {"rmsnorm_fwd": tuner.TunableKernel(_rmsnorm_case("fwd"), _rmsnorm_case_dims),
-                   "rmsnorm_bwd": tuner.TunableKernel(_rmsnorm_case("bwd"), _rmsnorm_case_dims)}
+TUNABLE_KERNELS = {tuning_name(kind, gated): tuner.TunableKernel(_rmsnorm_case(kind, gated),
+                                                                 functools.partial(_rmsnorm_case_dims, gated=gated))
+                   for gated in (False, True) for kind in ("fwd", "bwd")}

@@ -6,12 +6,13 @@ chunk c, L_c = the chunk's local state):
     out      = out_x * silu(z)
     L_c      = sum_s exp(dAcs[last]-dAcs[s]) dt[s] x[s]^T B[s]  ;   S_{c+1} = exp(dAcs_c[last]) S_c + L_c
 
-The ten mamba-ssm backward kernels (B1..B10 in kernels_facts.md) map onto six Helion kernels:
+The ten mamba-ssm backward kernels (B1..B10 in kernels_facts.md) map onto six Helion kernels (seven with the z-free variant of the first):
 
 ==========================  ==========================================================  ================
 kernel                       computes                                                    grid
 ==========================  ==========================================================  ================
 ``ssd_bwd_dz_dstates``       B1 + B2: dout_x = dout*silu(z), dz, dstates = dout_x^T (C e^dAcs)  (h, nc, b)
+``ssd_bwd_dstates``          B2 without z (dout is dout_x): dstates                        (h, nc, b)
 ``ssd_bwd_state_passing``    B3: reverse serial pass over chunks -> dL_c, ddA_chunk, dinit  (b, h, splits)
 ``ssd_bwd_dx``               B4 (+ intra-chunk part of B9): dx, ddt, dD, ddAcs (row/col)     (row tiles, h, nc, b)
 ``ssd_bwd_dc_dcb``           B6 + B7 + B8 (dC): dC, dCB (to memory), B6's ddAcs_prev       (row tiles, g, nc, b)
@@ -95,6 +96,36 @@ def ssd_bwd_dz_dstates(
             acc = hl.dot(doxs.T, C[ib, ic, tt, ig, :], acc=acc)
         dstates[ib, ic, ih, :, :] = acc.to(dstates.dtype)
     return dout_x, dstates
+
+
+# ssd_bwd_dstates: ssd_bwd_dz_dstates without z, for an SSD whose output is not gated (the gate belongs to a norm that
+#   runs after it, which hands this backward dout_x): dstates = dout_x^T (C e^dAcs), the same grid and the same
+#   rounding of the scaled rows to x's dtype.
+@helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
+def ssd_bwd_dstates(
+    dout_x: torch.Tensor,  # (b, nc, c, h, p)
+    C: torch.Tensor,  # (b, nc, c, g, n)
+    dA_cumsum: torch.Tensor,  # (b, h, nc, c) fp32
+    prev_keep: torch.Tensor | None,  # (b, nc, c) fp32; None without seq_idx (all ones)
+    dstates_like: torch.Tensor,  # empty tensor of dstates' dtype (x.dtype, or fp32: dstates_dtype)
+) -> torch.Tensor:
+    b, nc, c, h, p = dout_x.shape
+    g = C.shape[3]
+    n = C.shape[4]
+    hpg = h // g
+    dstates = torch.empty([b, nc, h, p, n], dtype=dstates_like.dtype, device=dout_x.device)
+    bk = hl.register_block_size(16, 128)
+    for ih, ic, ib in hl.grid([h, nc, b]):
+        ig = ih // hpg
+        acc = hl.zeros([p, n], dtype=torch.float32)
+        for tt in hl.tile(c, block_size=bk):
+            scale = torch.exp2(dA_cumsum[ib, ih, ic, tt] * _LOG2E)
+            if prev_keep is not None:
+                scale = scale * prev_keep[ib, ic, tt]
+            doxs = (dout_x[ib, ic, tt, ih, :].to(torch.float32) * scale[:, None]).to(dout_x.dtype)
+            acc = hl.dot(doxs.T, C[ib, ic, tt, ig, :], acc=acc)
+        dstates[ib, ic, ih, :, :] = acc.to(dstates.dtype)
+    return dstates
 
 
 @helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
@@ -364,6 +395,7 @@ def ssd_bwd_dt(
 _BLOCK_SEEDS = [[16], [32], [64], [128]]
 _DEFAULTS = {
     "ssd_bwd_dz_dstates": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
+    "ssd_bwd_dstates": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
     "ssd_bwd_state_passing": helion.Config(block_sizes=[], num_warps=4, num_stages=1),
     "ssd_bwd_dx": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
     "ssd_bwd_dc_dcb": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
@@ -382,6 +414,7 @@ DSTATES_DTYPES = ("input", "fp32")
 
 _KERNELS = {
     "ssd_bwd_dz_dstates": ssd_bwd_dz_dstates,
+    "ssd_bwd_dstates": ssd_bwd_dstates,
     "ssd_bwd_state_passing": ssd_bwd_state_passing,
     "ssd_bwd_dx": ssd_bwd_dx,
     "ssd_bwd_dc_dcb": ssd_bwd_dc_dcb,
@@ -456,9 +489,9 @@ def ssd_backward_helion(
     seq_idx=None, dfinal_states=None, dt_softplus=True, dt_limit=(0.0, float("inf")),
     return_dinitial_states=False, out=None, dstates_dtype="input",
 ):
-    """Gradients of the SSD with z gating from recomputed forward pieces.
+    """Gradients of the SSD (with z gating, or without: z None) from recomputed forward pieces.
 
-    dout/x/z/out_x (b, l, h, p); dt (b, l, h) before bias; B/C (b, l, g, n); D (h) / (h, p) / None;
+    dout/x/z/out_x (b, l, h, p) (z None: the output is out_x, and dout is its gradient; out_x is not read); dt (b, l, h) before bias; B/C (b, l, g, n); D (h) / (h, p) / None;
     dt_out/dA_cumsum (b, h, nc, c); states_in (b, nc, h, p, n); CB (b, nc, g, c, c).
     All of x/z/dt/B/C may be strided views (e.g. slices of zxbcdt / of the conv output): nothing is copied.
     ``out``: optional dict of preallocated result buffers {dx, dz (b,l,h,p), dB, dC (b,l,g,n),
@@ -468,16 +501,18 @@ def ssd_backward_helion(
     l is dt's length; dout, x, z, out_x, B, C, seq_idx and the ``out`` buffers may each have length l or, already
     padded, nc * c (the fused op runs on a zxbcdt padded once); the returned gradients are l long.
     ``dstates_dtype``: "input" (dstates in x's dtype) or "fp32" (``DSTATES_DTYPES``).
-    Returns dict: dx, dz (b,l,h,p), ddt (b,l,h) (fp32 unless given), dA (h), dB, dC (b,l,g,n),
+    Returns dict: dx, dz (b,l,h,p; None without z), ddt (b,l,h) (fp32 unless given), dA (h), dB, dC (b,l,g,n),
     dD (like D or None), ddt_bias (h or None), dinitial_states (b,h,p,n fp32, or None).
     """
-    if z is None:
-        raise NotImplementedError("ssd_backward_helion needs z (Megatron's path always gates with z)")
     b, l, h = dt.shape
     p, (g, n) = x.shape[3], B.shape[2:]
     c = chunk_size
     L = padded_len(l, c)
     nc = L // c
+    if z is None:
+        out_x = None  # the ungated output's gradient is dout itself
+        if out is not None and out.get("dz") is not None:
+            raise ValueError("ssd_backward_helion: out['dz'] without z")
     _check_lengths(l, L, dout=dout, x=x, z=z, out_x=out_x, B=B, C=C, seq_idx=seq_idx)
     if h % g:
         raise ValueError(f"nheads {h} is not a multiple of ngroups {g}")
@@ -496,7 +531,8 @@ def ssd_backward_helion(
         raise ValueError(f"dstates_dtype must be one of {DSTATES_DTYPES}, got {dstates_dtype!r}")
     dev = x.device
     m = seq_masks(seq_idx, b, l, nc, c, dev)
-    xc, doc, zc, oxc, Bc, Cc, dtc = (_chunked(_pad_chunks(t, L), nc, c) for t in (x, dout, z, out_x, B, C, dt))
+    xc, doc, zc, oxc, Bc, Cc, dtc = (None if t is None else _chunked(_pad_chunks(t, L), nc, c)
+                                     for t in (x, dout, z, out_x, B, C, dt))
     dims = dict(b=b, l=L, h=h, p=p, g=g, n=n, c=c)
     dA_cumsum = dA_cumsum.contiguous()
     dt_out = dt_out.contiguous()
@@ -510,10 +546,15 @@ def ssd_backward_helion(
         return torch.empty(like_c.shape, dtype=dtype or (given.dtype if given is not None else like_c.dtype),
                            device=dev)
 
-    dzc = buf("dz", zc)
     ds_like = tuning.dtype_marker(x.dtype if dstates_dtype == "input" else torch.float32, dev)
-    doxc, dstates = _call("ssd_bwd_dz_dstates",
-                          (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"], dzc, ds_like), dims)
+    if z is None:
+        dzc = None
+        doxc = doc
+        dstates = _call("ssd_bwd_dstates", (doc, Cc, dA_cumsum, m["prev_keep"], ds_like), dims)
+    else:
+        dzc = buf("dz", zc)
+        doxc, dstates = _call("ssd_bwd_dz_dstates",
+                              (doc, zc, oxc, Cc, dA_cumsum, m["prev_keep"], dzc, ds_like), dims)
 
     blk = _state_split(p * n)
     ns = p * n // blk
@@ -566,7 +607,7 @@ def ssd_backward_helion(
     if D is not None:
         dD = dD_part.sum(dim=(0, 1, 2, 4) if D.dim() == 1 else (0, 1, 2)).to(D.dtype)
     return dict(
-        dx=result("dx", dxc), dz=result("dz", dzc), ddt=result("ddt", ddtc), dA=dA_part.sum(dim=(0, 1)).to(A.dtype),
+        dx=result("dx", dxc), dz=None if dzc is None else result("dz", dzc), ddt=result("ddt", ddtc), dA=dA_part.sum(dim=(0, 1)).to(A.dtype),
         dB=result("dB", dBc), dC=result("dC", dCc), dD=dD,
         ddt_bias=None if dt_bias is None else ddtb_part.sum(dim=(0, 1)).to(dt_bias.dtype),
         dinitial_states=dinit.view(b, h, p, n) if return_dinitial_states else None,
@@ -593,6 +634,8 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
     xs = (b, nc, c, h, p)
     if name == "ssd_bwd_dz_dstates":
         return (r(*xs), r(*xs), r(*xs), r(b, nc, c, g, n), dac, None, r(*xs), torch.empty(0, dtype=bf, device=device)), kd
+    if name == "ssd_bwd_dstates":
+        return (r(*xs), r(b, nc, c, g, n), dac, None, torch.empty(0, dtype=bf, device=device)), kd
     if name == "ssd_bwd_state_passing":
         blk = _state_split(p * n)
         ns = p * n // blk

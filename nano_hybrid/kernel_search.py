@@ -199,9 +199,10 @@ def run_children(cmds: list[list[str]], jobs: int, timeout_s: float, poll_s: flo
     return failed
 
 
-def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=True)) -> list[str]:
+def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=True),
+            fused_norm: bool = False) -> list[str]:
     """``kernels.helion.autotune`` before a run's first step: tune every kernel a training step calls
-    with ``settings`` (``kernels.registry.helion_training_kernels``) that has no exact config (committed, or in the user cache) at the
+    with ``settings`` and ``fused_norm`` (``model.mamba_fused_norm``; ``kernels.registry.helion_training_kernels``) that has no exact config (committed, or in the user cache) at the
     run's mixer dims ``dims`` on this GPU, ``settings.autotune_jobs`` isolated
     searches at a time, each with the first-use budget ``settings.autotune_budget_s``, winners into the user cache.
     The first call of each kernel then finds its config, instead of searching one kernel after the other in the
@@ -213,7 +214,8 @@ def pretune(dims: Mapping[str, int], settings, say=lambda msg: print(msg, flush=
     key = tuning.shape_key(**dims)
     registry = tuner.discover_tunable_kernels()
     with tuning.file_lock(root / arch / f"pretune.{key}"):
-        names = missing_kernels(registry, sorted(helion_training_kernels(settings)), {key: dict(dims)}, root)
+        names = missing_kernels(registry, sorted(helion_training_kernels(settings, fused_norm)), {key: dict(dims)},
+                                root)
         if not names:
             return []
         jobs = min(settings.autotune_jobs, len(names))

@@ -54,6 +54,9 @@ class ModelSchema:
     mamba_num_groups: int = doc("Mamba-2 B/C groups", 8)
     mamba_chunk_size: int = doc("Mamba-2 SSD chunk length", 128)
     mamba_conv_width: int = doc("Mamba-2 causal conv1d width", 4)
+    mamba_fused_norm: bool = doc("the Mamba mixer's gated RMSNorm inside the fused split-conv1d-scan op (mamba-ssm's "
+                                 "rmsnorm_weight path: the SSD output stays ungated and the norm applies the gate); "
+                                 "false: megatron's separate norm module after the gated op", False)
     num_attention_heads: int = doc("attention query heads", REQUIRED)
     num_query_groups: Optional[int] = doc("GQA KV heads (null: num_attention_heads)", None)
     kv_channels: Optional[int] = doc("attention head dim (null: hidden_size / num_attention_heads)", None)

@@ -597,9 +597,9 @@ def pretune_kernels(cfg: DictConfig, plan: RunPlan, say) -> list[str]:
     if "M" not in str(cfg.model.hybrid_override_pattern):
         return []  # no Mamba mixer: no helion kernel runs
     from nano_hybrid.kernel_search import pretune
-    from nano_hybrid.model.config import mixer_dims
+    from nano_hybrid.model.config import mixer_dims, model_dict
 
-    return pretune(mixer_dims(cfg), settings, say)
+    return pretune(mixer_dims(cfg), settings, say, fused_norm=model_dict(cfg.model)["mamba_fused_norm"])
 
 
 def _start_logger(cfg: DictConfig, plan: RunPlan, run_dir: Path, resume_step, unwrapped):

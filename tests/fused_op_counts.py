@@ -71,10 +71,12 @@ def classify(ops: list[str]) -> dict:
                 view=dict(sorted(view.items())))
 
 
-def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1, settings=None, earlier: int = 0) -> dict:
+def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1, settings=None, earlier: int = 0,
+          fused_norm: bool = False) -> dict:
     """Counts of one forward and backward at (b, l) with chunk 16 (``l`` 32 is two whole chunks), with the op's
     ``settings`` (a ``HelionSettings``; None: the defaults), after ``earlier`` uncounted calls on the same inputs
-    (as the later layers of a step, which get the same seq_idx tensor)."""
+    (as the later layers of a step, which get the same seq_idx tensor); ``fused_norm``: with the gated norm in the op
+    (its weight passed as rmsnorm_weight)."""
     from kernels import mamba_split_helion as msh
 
     h, p, g, n, c = 4, 8, 2, 16, 16
@@ -92,15 +94,17 @@ def count(seq: bool = False, init: bool = False, l: int = 32, b: int = 1, settin
         si[:, l // 2:] = 1
     init_s = torch.randn(b, h, p, n, generator=gen).requires_grad_() if init else None
     dout = torch.randn(b, l, dim, generator=gen).bfloat16()
+    norm_w = torch.ones(dim, dtype=torch.bfloat16, requires_grad=True) if fused_norm else None
+
     def op():
         return msh.mamba_split_conv1d_scan_combined_helion(
             zxbcdt, w, bias, dt_bias, A, D, c, initial_states=init_s, seq_idx=si, headdim=p, ngroups=g,
-            settings=settings)
+            settings=settings, rmsnorm_weight=norm_w, rmsnorm_eps=1e-5, norm_before_gate=False)
 
     tuning._ZEROS.clear()  # the zero gradients kept for the process (tuning.zeros_input): made by the first call here
     for _ in range(earlier):
         op().backward(dout)
-    for leaf in (zxbcdt, w, bias, dt_bias, A, D, init_s):
+    for leaf in (zxbcdt, w, bias, dt_bias, A, D, init_s, norm_w):
         if leaf is not None:
             leaf.grad = None  # the counted backward stores its gradients as the first does (no accumulation)
     counter = _Counter()

@@ -339,11 +339,12 @@ def test_zxbcdt_transposed_view_in_place():
         assert torch.equal(x, y), f"output {i} differs for the (l, b, d)-ordered zxbcdt"
 
 
-def test_mixer_layer_moves_no_activation_between_its_projections():
+@pytest.mark.parametrize("fused_norm", [False, True], ids=["norm_module", "fused_norm"])
+def test_mixer_layer_moves_no_activation_between_its_projections(fused_norm):
     """Megatron's Mamba mixer on the helion backend (model=tiny, batch 2, length a multiple of the chunk), forward and
     backward: every op on a tensor of the mixer's activation size, outside the Helion kernels, is one of the in/out
     projection GEMMs or an allocation; no copy, transpose-copy, cast or ``contiguous()`` between in_proj, the fused
-    op, the gated norm and out_proj in either direction."""
+    op, the gated norm and out_proj in either direction; with the norm in the op (``model.mamba_fused_norm``) as well."""
     import collections
 
     import conftest  # noqa: F401  (aten::mm.dtype on CPU for interpret mode)
@@ -368,7 +369,7 @@ def test_mixer_layer_moves_no_activation_between_its_projections():
                 self.ops.append(func.overloadpacket.__name__)
             return out
 
-    cfg = compose(["model=tiny", "kernels.backend=helion"])
+    cfg = compose(["model=tiny", "kernels.backend=helion", f"model.mamba_fused_norm={str(fused_norm).lower()}"])
     initialize_parallel(cfg)
     try:
         torch.manual_seed(0)
@@ -391,8 +392,10 @@ def test_mixer_layer_moves_no_activation_between_its_projections():
     finally:
         destroy_parallel()
     plain = lambda c: {k: v for k, v in c.items() if not k.startswith("helion:")}  # noqa: E731
-    assert plain(fwd) == {"mm": 2, "empty": 2}, fwd  # in_proj, out_proj; y and out_x allocated in (l, b) order
-    assert plain(bwd) == {"mm": 4, "empty_like": 2}, bwd  # dgrad + wgrad of both; d_zxbcdt and the conv output grad
+    # in_proj, out_proj; y and out_x allocated in (l, b) order (with the norm in the op the SSD writes out_x only)
+    assert plain(fwd) == {"mm": 2, "empty": 1 if fused_norm else 2}, fwd
+    # dgrad + wgrad of both; d_zxbcdt, the conv output's gradient and the gated norm's input gradient
+    assert plain(bwd) == {"mm": 4, "empty_like": 2, "empty": 1}, bwd
     assert fwd["helion:_chunk_scan_kernel"] == 1 and fwd["helion:rmsnorm_gated_fwd_kernel"] == 1
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
@@ -417,11 +420,52 @@ def test_saved_tensors():
     assert HelionSettings().save_conv_states
 
 
+@pytest.mark.parametrize("nbg,layout", [(False, "lbd"), (True, "contiguous")])
+def test_norm_in_op_matches_reference(nbg, layout, monkeypatch):
+    """With ``rmsnorm_weight`` the gated RMSNorm runs inside the op (mamba-ssm's semantics: the SSD's output ungated,
+    the norm over groups of dim // ngroups with z): output, final states and every gradient, the norm weight's
+    included, match the autograd reference; the chunk scan reads no z, the backward runs ``ssd_bwd_dstates`` and not
+    ``ssd_bwd_dz_dstates``, and dz is written into d_zxbcdt, which keeps zxbcdt's layout. Odd seqlen, seq_idx,
+    initial states; zxbcdt in Megatron's (l, b, d) memory order or contiguous."""
+    from kernels import ssd_helion_bwd as bwd
+
+    launched = []
+    real_call = bwd._call
+    monkeypatch.setattr(bwd, "_call", lambda name, *a, **kw: launched.append(name) or real_call(name, *a, **kw))
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    t = _case(b, l, h, p, g, n, seed=4)
+    if layout == "lbd":
+        t["zxbcdt"] = t["zxbcdt"].transpose(0, 1).contiguous().transpose(0, 1)
+    w = (1 + 0.2 * torch.randn(h * p, generator=torch.Generator().manual_seed(6)))
+    for v in (*t.values(), w):
+        v.requires_grad_(True)
+    t0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    si = torch.zeros(b, l, dtype=torch.int32)
+    si[:, 21:] = 1
+    kw = dict(chunk_size=c, initial_states=t0, seq_idx=si, headdim=p, ngroups=g, return_final_states=True,
+              rmsnorm_weight=w, rmsnorm_eps=1e-5, norm_before_gate=nbg)
+    o1, f1 = mamba_split_conv1d_scan_combined_ref(*t.values(), **kw)
+    o2, f2 = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), **kw)
+    torch.testing.assert_close(o2, o1, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(f2, f1, atol=1e-4, rtol=1e-4)
+    gen = torch.Generator().manual_seed(9)
+    do, df = torch.randn(o1.shape, generator=gen), torch.randn(f1.shape, generator=gen)
+    ins = [*t.values(), w, t0]
+    g1 = torch.autograd.grad((o1 * do).sum() + (f1 * df).sum(), ins)
+    g2 = torch.autograd.grad((o2 * do).sum() + (f2 * df).sum(), ins)
+    for nm, a, bb in zip([*t, "rmsnorm_weight", "initial_states"], g1, g2):
+        err = (a - bb).abs().max().item()
+        assert err <= 1e-4 * max(1.0, a.abs().max().item()), f"{nm}: max err {err:.3e}"
+    if layout == "lbd":
+        assert g2[0].stride() == t["zxbcdt"].stride()
+    assert "ssd_bwd_dstates" in launched and "ssd_bwd_dz_dstates" not in launched, launched
+
+
 def test_unsupported_options_raise():
     t = _case(1, 16, 4, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="rmsnorm_weight"):
+    with pytest.raises(ValueError, match="rmsnorm_weight must be"):
         msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=16, headdim=8, ngroups=2,
-                                                    rmsnorm_weight=torch.ones(32))
+                                                    rmsnorm_weight=torch.ones(31))
     with pytest.raises(NotImplementedError, match="outproj_weight"):
         msh.mamba_split_conv1d_scan_combined_helion(*t.values(), chunk_size=16, headdim=8, ngroups=2,
                                                     outproj_weight=torch.ones(8, 32))
@@ -730,12 +774,12 @@ def test_short_and_partial_chunk_shapes_vs_mamba_ssm(b, l, doc):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")
-@pytest.mark.parametrize("mode", ["fused", "split"])
-def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode):
-    """``registry.helion_training_kernels(settings)`` (what a run's pretuning tunes) is exactly the set of tunable
-    kernels that the fused op's forward + backward (with and without seq_idx) and the gated RMSNorm's forward +
-    backward call with those settings; with ``state_passing=auto`` (the default) it is both paths' kernels, whose
-    tuned times choose between them."""
+@pytest.mark.parametrize("mode,fused_norm", [("fused", False), ("split", False), ("fused", True)])
+def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode, fused_norm):
+    """``registry.helion_training_kernels(settings, fused_norm)`` (what a run's pretuning tunes) is exactly the set of
+    tunable kernels that the fused op's forward + backward (with and without seq_idx) and Megatron's gated RMSNorm
+    module (no z) call with those settings, or with ``fused_norm`` the op with the norm inside; with
+    ``state_passing=auto`` (the default) it is both paths' kernels, whose tuned times choose between them."""
     from fused_op_counts import count
 
     from kernels import first_use
@@ -747,24 +791,28 @@ def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode):
     called = set()
     orig = first_use.tuned_call
     monkeypatch.setattr(first_use, "tuned_call", lambda name, *a, **k: called.add(name) or orig(name, *a, **k))
-    count(seq=False, settings=settings)
-    count(seq=True, settings=settings)
-    norm = get_backend("helion").RMSNormGated(32, eps=1e-5, group_size=16, norm_before_gate=False)
-    x = torch.randn(2, 5, 32, requires_grad=True)
-    norm(x, torch.randn(2, 5, 32)).square().sum().backward()
-    assert called == set(helion_training_kernels(settings)) and called <= set(discover_tunable_kernels())
+    count(seq=False, settings=settings, fused_norm=fused_norm)
+    count(seq=True, settings=settings, fused_norm=fused_norm)
+    if not fused_norm:  # Megatron's norm module after the gated op: no z
+        norm = get_backend("helion").RMSNormGated(32, eps=1e-5, group_size=16, norm_before_gate=False)
+        x = torch.randn(2, 5, 32, requires_grad=True)
+        norm(x).square().sum().backward()
+    assert called == set(helion_training_kernels(settings, fused_norm)) and called <= set(discover_tunable_kernels())
     fused = mode == "fused"
     assert ("ssd_chunk_state_passing" in called) == fused and ("ssd_state_passing" in called) != fused
     split_kernels = {"ssd_chunk_state", "ssd_state_passing"}
-    assert set(HELION_TRAINING_KERNELS) == (called | split_kernels if fused else called | {"ssd_chunk_state_passing"})
+    if not fused_norm:
+        assert set(HELION_TRAINING_KERNELS) == (called | split_kernels if fused else called | {"ssd_chunk_state_passing"})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")
-@pytest.mark.parametrize("l", [32, 37], ids=["whole_chunks", "partial_chunk"])
-def test_tune_cases_have_the_dims_the_op_calls(l, monkeypatch):
+@pytest.mark.parametrize("l,fused_norm", [(32, False), (37, False), (37, True)],
+                         ids=["whole_chunks", "partial_chunk", "partial_chunk_fused_norm"])
+def test_tune_cases_have_the_dims_the_op_calls(l, fused_norm, monkeypatch):
     """What ``scripts/tune_kernels.py`` and first-use tuning search for a model shape is what the op calls at it: each
     training kernel's tune case, built at the model dims (b, l, h, p, g, n, c, w), has the kernel dims of the op's own
-    call, also at a length that is not a multiple of the chunk (the conv then runs over the padded length)."""
+    call, also at a length that is not a multiple of the chunk (the conv then runs over the padded length), and with
+    the gated norm in the op (its z-reading kernels)."""
     from fused_op_counts import count
 
     from kernels import first_use
@@ -778,10 +826,11 @@ def test_tune_cases_have_the_dims_the_op_calls(l, monkeypatch):
         return orig(name, kernel, args, dims, *a, **k)
 
     monkeypatch.setattr(first_use, "tuned_call", record)
-    count(l=l, b=2)
+    count(l=l, b=2, fused_norm=fused_norm)
     registry = discover_tunable_kernels()
     model = dict(b=2, l=l, h=4, p=8, g=2, n=16, c=16, w=4)  # fused_op_counts' shape
-    assert len(called) == 12, sorted(called)  # 5 forward kernels, 7 more in the backward
+    # 5 forward kernels, 7 more in the backward; the norm's two with the norm in the op
+    assert len(called) == (14 if fused_norm else 12), sorted(called)
     for name, dims in called.items():
         assert registry[name][1](dict(model), "cpu").dims == dims, name
 

@@ -105,14 +105,15 @@ def test_bad_inputs_fail_early():
         bwd.ssd_backward_helion(t["x"], t["x"], t["z"], t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None,
                                 torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2, 16), torch.zeros(1, 2, 4, 8, 16),
                                 torch.zeros(1, 2, 3, 16, 16), 16)
-    with pytest.raises(NotImplementedError, match="needs z"):
+    t, _ = _inputs(1, 32, 4, 8, 2, 16)
+    with pytest.raises(ValueError, match="dz'\\] without z"):
         bwd.ssd_backward_helion(t["x"], t["x"], None, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], None,
-                                None, None, None, None, 16)
+                                None, None, None, None, 16, out=dict(dz=torch.empty_like(t["x"])))
 
 
 def test_tunable_kernels_registered():
     assert set(bwd.TUNABLE_KERNELS) == set(bwd._KERNELS) == {
-        "ssd_bwd_dz_dstates", "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt"}
+        "ssd_bwd_dz_dstates", "ssd_bwd_dstates", "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt"}
 
 
 def _min_blocks(monkeypatch):

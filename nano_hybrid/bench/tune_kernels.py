@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         names = sorted(registry)
     elif which == "training":
         try:
-            names = sorted(helion_training_kernels(run_settings(args.overrides)))
+            names = sorted(helion_training_kernels(run_settings(args.overrides), run_fused_norm(args.overrides)))
         except ValueError as e:
             ap.error(str(e))
     else:
@@ -326,6 +326,16 @@ def run_settings(overrides: list[str]) -> HelionSettings | None:
         return HelionSettings.from_mapping(compose(list(overrides)).kernels.get("helion") or {})
     except (ConfigError, HelionSettingsError) as e:
         raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
+
+
+def run_fused_norm(overrides: list[str]) -> bool:
+    """``model.mamba_fused_norm`` of the run ``overrides`` describe (False without overrides: the default)."""
+    if not overrides:
+        return False
+    from nano_hybrid.config import compose
+    from nano_hybrid.model.config import model_dict
+
+    return bool(model_dict(compose(list(overrides)).model)["mamba_fused_norm"])
 
 
 def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | None) -> dict[str, dict]:

@@ -80,6 +80,7 @@ def build_model(cfg: DictConfig, *, device=None, dtype=None, backend=None):
         num_experts=m["num_moe_experts"],
         mamba_chunk_size=int(m["mamba_chunk_size"]),
         mamba_conv_width=int(m["mamba_conv_width"]),
+        mamba_fused_norm=m["mamba_fused_norm"],
         recompute=recompute,
         recompute_modules=recompute_modules,
     )

@@ -93,7 +93,7 @@ _PASSTHROUGH = (
 _MODEL_ONLY = (
     "name", "hybrid_override_pattern", "vocab_size", "make_vocab_size_divisible_by", "seq_length",
     "untie_embeddings_and_output_weights", "position_embedding_type", "mamba_chunk_size",
-    "mamba_conv_width", "squared_relu", "norm_epsilon", "attention_impl", "moe_experts_impl",
+    "mamba_conv_width", "mamba_fused_norm", "squared_relu", "norm_epsilon", "attention_impl", "moe_experts_impl",
     "use_cpu_initialization", "recompute", "recompute_modules", "lm_head_loss", "lm_loss_chunk_tokens",
 )
 # The model keys every config states and the defaults of the others: nano_hybrid/schema.py (ModelSchema), the one
@@ -152,8 +152,9 @@ def check_model_cfg(m: dict) -> None:
     if m["moe_experts_impl"] not in MOE_EXPERTS_IMPLS:
         raise ConfigError(
             f"model.moe_experts_impl={m.get('moe_experts_impl')!r}; choose one of {', '.join(MOE_EXPERTS_IMPLS)}")
-    if not isinstance(m["use_cpu_initialization"], bool):
-        raise ConfigError(f"model.use_cpu_initialization={m.get('use_cpu_initialization')!r} must be true or false")
+    for key in ("use_cpu_initialization", "mamba_fused_norm"):
+        if not isinstance(m[key], bool):
+            raise ConfigError(f"model.{key}={m.get(key)!r} must be true or false")
     try:
         recompute_settings(m)
     except ValueError as e:

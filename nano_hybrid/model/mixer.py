@@ -33,7 +33,8 @@ class BackendMambaMixer(MambaMixer):
       ``backend.mamba_chunk_scan_combined``.
     """
 
-    def __init__(self, config, submodules, d_model, *args, backend=None, recompute_ssd: bool = False, **kwargs):
+    def __init__(self, config, submodules, d_model, *args, backend=None, recompute_ssd: bool = False,
+                 fused_norm: bool = False, **kwargs):
         if backend is None:
             raise ValueError("BackendMambaMixer needs backend=<kernels.registry.KernelBackend> (set by the layer spec)")
         with mcore_compat.mamba_mixer_init_guard(backend.RMSNormGated):
@@ -43,6 +44,15 @@ class BackendMambaMixer(MambaMixer):
         # model.recompute_modules has ssd: _ssm_training (conv, scan, gating, gated norm) is one
         # tensor_parallel.checkpoint region keeping only zxBCdt (see nano_hybrid.model.recompute)
         self.recompute_ssd = recompute_ssd
+        # model.mamba_fused_norm: the op runs the gated norm (its weight passed as rmsnorm_weight, as mamba-ssm's Mamba2
+        # module does) on the SSD's ungated output; self.norm keeps the weight (and the checkpoint key) but is not called
+        self.fused_norm = bool(fused_norm)
+        if self.fused_norm:
+            if not self.rmsnorm:
+                raise ValueError("model.mamba_fused_norm=true needs the mixer's gated RMSNorm (rmsnorm=True)")
+            if self.cp.cp_size > 1:
+                raise ValueError("model.mamba_fused_norm=true needs context_parallel_size=1 (the norm runs after the "
+                                 "context-parallel exchange of the SSD output)")
         if config.use_cpu_initialization and config.perform_initialization:
             bound = inspect.signature(MambaMixer.__init__).bind(self, config, submodules, d_model, *args, **kwargs)
             bound.apply_defaults()
@@ -132,11 +142,12 @@ class BackendMambaMixer(MambaMixer):
             ngroups=self.cp.ngroups_local_tpcp,
             norm_before_gate=self.norm_before_gate,
             seq_idx=seq_idx,
+            **({"rmsnorm_weight": self.norm.weight, "rmsnorm_eps": self.norm.eps} if self.fused_norm else {}),
         )
         # a copy unless the backend's op returned y as a view of (l, b, d) memory (helion does for a transposed zxBCdt)
         y = rearrange(y, "b l d -> l b d").contiguous()
         y = self.cp.post_conv_ssm(y, packed_seq_params)
-        if self.rmsnorm:
+        if self.rmsnorm and not self.fused_norm:
             # the op already applied y * silu(z) (no rmsnorm_weight passed); the norm runs without z
             y = self.norm(y)
         return y

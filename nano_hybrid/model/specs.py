@@ -73,12 +73,14 @@ def hybrid_stack_spec(
     mamba_conv_width: int,
     recompute: str,
     recompute_modules: tuple[str, ...],
+    mamba_fused_norm: bool = False,
 ) -> ModuleSpec:
     """The stack spec for ``MambaModel`` with the given kernel backend and attention/expert modules.
 
     ``recompute`` / ``recompute_modules`` (see ``nano_hybrid.model.recompute``): the parts megatron's
     layers do not recompute themselves (full-layer recompute in the stack, the Mamba layer's norm, the
-    mixer's SSD) are set here; the megatron parts come from the TransformerConfig.
+    mixer's SSD) are set here; the megatron parts come from the TransformerConfig. ``mamba_fused_norm``: the mixer
+    passes its gated norm's weight to the fused op (``BackendMambaMixer``).
     """
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={attention_impl!r}; choose one of {', '.join(ATTENTION_IMPLS)}")
@@ -92,7 +94,7 @@ def hybrid_stack_spec(
             mixer=ModuleSpec(
                 module=BackendMambaMixer,
                 params={"backend": backend, "chunk_size": mamba_chunk_size, "d_conv": mamba_conv_width,
-                        "recompute_ssd": "ssd" in recompute_modules},
+                        "recompute_ssd": "ssd" in recompute_modules, "fused_norm": mamba_fused_norm},
                 submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
             ),
             mamba_bda=get_bias_dropout_add,
