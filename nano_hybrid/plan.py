@@ -29,7 +29,8 @@ heads, ``k`` top-k, ``f`` expert FFN, ``fs`` shared-expert FFN, ``E`` experts, `
 - every layer: its input (saved by its pre-norm: a T_sp h + 4 T_sp for the fp32 rstd) and the norm
   output (saved by the next projection: a T_sp h);
 - Mamba (M): ``zxBCdt`` and ``out_x`` (saved by the fused split-conv1d-scan op: a T D_in + a T di), the
-  gated output before the gated norm and that norm's output (saved by the norm and by out_proj: 2 a T di)
+  gated output before the gated norm and that norm's output (saved by the norm and by out_proj: 2 a T di;
+  with ``model.mamba_fused_norm`` the op's norm reads out_x and z, so only the norm's output)
   and the norm's fp32 rstd per group; the helion backend also keeps two fp32 (b, heads, l) tensors
   (``kernels.helion.save_cumsum``) and, with ``kernels.helion.save_conv_states`` (the default), the conv
   output (a T (di + 2 groups x state)) and the states entering each chunk (a T / chunk x di x state), and with
@@ -118,6 +119,7 @@ class Shape:
     lm_chunk: int  # model.lm_loss_chunk_tokens
     helion_keeps: tuple[str, ...] = ()  # what the helion op keeps beyond mamba-ssm's: "cumsum", "conv_states", "cb"
     attention_impl: str = "sdpa"  # model.attention_impl: unfused keeps the (s x s) softmax probabilities
+    mamba_fused_norm: bool = False  # model.mamba_fused_norm: the op keeps the norm's rstd; no gated output is kept
 
     tp = property(lambda self: self.dims.tp)
     pp = property(lambda self: self.dims.pp)
@@ -208,7 +210,8 @@ def layer_activations(s: Shape, kind: str, modules: tuple[str, ...] = ()) -> dic
         out["zxBCdt"] = a * t * d_in
         if "ssd" not in rec:
             out["out_x"] = a * t * di
-            out["gated_y"] = a * t * di + 4 * t * max(1, ar.mamba_num_groups // s.tp)
+            # the gated output (the norm module's input) and the norm's fp32 rstd; with the norm in the op, the rstd
+            out["gated_y"] = (0 if s.mamba_fused_norm else a * t * di) + 4 * t * max(1, ar.mamba_num_groups // s.tp)
             if "cumsum" in s.helion_keeps:
                 out["cumsum"] = 2 * 4 * t * ar.mamba_num_heads / s.tp
             if "conv_states" in s.helion_keeps:  # conv output and the states entering each chunk, x's dtype
@@ -364,6 +367,7 @@ def shape_from_cfg(cfg: DictConfig, world_size: int | None = None, *, optimizer:
         num_microbatches=gbs // (mbs * dims.dp), backend=str(cfg.kernels.backend),
         optimizer=optimizer, lm_head_loss=m["lm_head_loss"], lm_chunk=m["lm_loss_chunk_tokens"],
         helion_keeps=_helion_keeps(cfg), attention_impl=str(m["attention_impl"]),
+        mamba_fused_norm=bool(m["mamba_fused_norm"]),
     ), dims.world_size
 
 

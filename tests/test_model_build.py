@@ -235,3 +235,31 @@ def test_mixer_copies_zxbcdt_only_for_backends_that_need_it(mp, strided):
         mixer.kernel_backend = base
     assert seen == [not strided]
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_norm_is_the_same_model(mp):
+    """model.mamba_fused_norm=true (the mixer passes its gated norm's weight to the op) computes the same function as the
+    norm module after the gated op: the same parameters and checkpoint keys, loss and every gradient equal within fp32
+    rounding (torch backend, fp32); switching it in place on a built model (``arms.set_fused_norm``) gives the same;
+    a non-boolean value fails at config validation."""
+    from nano_hybrid.bench.arms import set_fused_norm
+
+    res = {}
+    for fused in (False, True):
+        cfg = compose(["model=tiny", "kernels.backend=torch", f"model.mamba_fused_norm={str(fused).lower()}"])
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        assert all(m.fused_norm == fused for m in model.modules() if isinstance(m, BackendMambaMixer))
+        tok, pos, mask = _batch(2, 64, cfg.model.vocab_size)
+        model(tok, pos, mask, labels=tok).mean().backward()
+        res[fused] = (model(tok, pos, mask, labels=tok).mean().item(),
+                      {n: p.grad.clone() for n, p in model.named_parameters()})
+        if fused:
+            assert set_fused_norm(model, False) == cfg.model.hybrid_override_pattern.count("M")
+            assert model(tok, pos, mask, labels=tok).mean().item() == pytest.approx(res[False][0], rel=1e-5)
+    assert res[True][0] == pytest.approx(res[False][0], rel=1e-5)
+    assert res[True][1].keys() == res[False][1].keys()
+    for n, g in res[False][1].items():
+        torch.testing.assert_close(res[True][1][n], g, atol=1e-5, rtol=1e-4, msg=n)
+    with pytest.raises(ConfigError, match="mamba_fused_norm"):
+        build_model(compose(["model=tiny", "kernels.backend=torch", "model.mamba_fused_norm=3"]))

@@ -288,3 +288,19 @@ def test_plan_refuses_numbers_training_refuses(override, key, capsys):
     assert main(["model=nano30b", override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {key}"), err
+
+
+def test_fused_norm_keeps_no_gated_output():
+    """model.mamba_fused_norm: the op's norm reads out_x and z, so the gated output (the norm module's saved input,
+    2 x 8192 x 4096 bf16 at Nano) is not kept; its fp32 rstd still is; every other piece is the same, on every backend."""
+    from nano_hybrid.plan import layer_activations
+
+    base = ["model=nano30b_slice", *GPU, "train.micro_batch_size=2", "train.global_batch_size=2",
+            "train.seq_length=8192"]
+    for backend in ("mamba_ssm", "helion"):
+        off = layer_activations(shape_from_cfg(compose([*base, f"kernels.backend={backend}"]))[0], "M")
+        on = layer_activations(shape_from_cfg(compose([*base, f"kernels.backend={backend}",
+                                                       "model.mamba_fused_norm=true"]))[0], "M")
+        assert off["gated_y"] - on["gated_y"] == 2 * 2 * 8192 * 4096
+        assert on["gated_y"] == 4 * 2 * 8192 * 8  # rstd, one per row and group
+        assert {k: v for k, v in on.items() if k != "gated_y"} == {k: v for k, v in off.items() if k != "gated_y"}

@@ -17,7 +17,8 @@ Method:
 - The kernel backend of every Mamba-2 mixer is switched in place with ``set_kernel_backend(model, name)``
   (the mixer's fused op and its gated-norm module; parameters, optimizer state and DDP hooks are kept).
 - An arm is ``backend[:key=value...]``: keys that switch in place on the same model and optimizer
-  (``SWITCHABLE``: model.lm_head_loss, model.lm_loss_chunk_tokens, optim.fused, train.fp8) may differ between arms;
+  (``SWITCHABLE``: model.lm_head_loss, model.lm_loss_chunk_tokens, model.mamba_fused_norm, optim.fused, train.fp8) may
+  differ between arms;
   an arm without a key runs the composed config's value (``apply_arm``). A helion arm runs the composed
   ``kernels.helion`` settings plus its own ``kernels.helion.<setting>`` keys (``arms.arm_backends``), e.g.
   ``helion,helion:kernels.helion.save_conv_states=false``; the JSON's ``arm_settings`` names every resolved setting.

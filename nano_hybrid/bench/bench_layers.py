@@ -31,23 +31,47 @@ from nano_hybrid.errors import ConfigError
 KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 
 
+FUSED_NORM = "model.mamba_fused_norm"
+
+
 def _backend(spec: str, cfg):
-    """A --backends entry: a backend name, optionally with ``kernels.helion.<setting>=value`` keys
-    (``helion:kernels.helion.save_conv_states=false``), resolved as a training run resolves it (the composed config's
-    ``kernels.helion`` plus the entry's keys, ``arms.arm_backends``); or "helion:zxbcdt_copy" (the helion backend with
-    the mixer's zxbcdt copy that megatron makes for mamba-ssm, to measure what skipping it gains)."""
+    """A --backends entry -> (KernelBackend, fused_norm): a backend name, optionally with ``kernels.helion.<setting>=value``
+    keys (``helion:kernels.helion.save_conv_states=false``), resolved as a training run resolves it (the composed
+    config's ``kernels.helion`` plus the entry's keys, ``arms.arm_backends``), and ``model.mamba_fused_norm=true|false``
+    (default: the composed config's); or "helion:zxbcdt_copy" (the helion backend with the mixer's zxbcdt copy that
+    megatron makes for mamba-ssm, to measure what skipping it gains)."""
     import dataclasses
 
-    from nano_hybrid.bench.arms import Arm, arm_backends, parse_op_arm
+    from nano_hybrid.bench.arms import HELION_PREFIX, Arm, arm_backends, parse_arm
+    from nano_hybrid.model.config import model_dict
 
+    fused = model_dict(cfg.model)["mamba_fused_norm"]
     name, _, opt = spec.partition(":")
     if opt == "zxbcdt_copy":
-        return dataclasses.replace(arm_backends(cfg, [Arm(name)])[Arm(name)], strided_zxbcdt=False)
+        return dataclasses.replace(arm_backends(cfg, [Arm(name)])[Arm(name)], strided_zxbcdt=False), fused
     try:
-        arm = parse_op_arm(spec)
+        arm = parse_arm(spec)
+        other = [k for k, _ in arm.overrides if not k.startswith(HELION_PREFIX) and k != FUSED_NORM]
+        if other:
+            raise ValueError(f"arm {spec!r}: only {HELION_PREFIX}<setting> and {FUSED_NORM} keys apply to a layer "
+                             f"benchmark (got {', '.join(other)})")
     except ValueError as e:
         raise ConfigError(f"--backends: {e} (or helion:zxbcdt_copy)") from None
-    return arm_backends(cfg, [arm])[arm]
+    ov = dict(arm.overrides)
+    fused = ov.pop(FUSED_NORM, fused)
+    if not isinstance(fused, bool):
+        raise ConfigError(f"--backends: arm {spec!r}: {FUSED_NORM}={fused!r} must be true or false")
+    arm = Arm(arm.backend, tuple(ov.items()))
+    return arm_backends(cfg, [arm])[arm], fused
+
+
+def _use(model, arm) -> None:
+    """Switch the model's Mamba mixers to an arm (``_backend``'s pair)."""
+    from nano_hybrid.bench.arms import set_fused_norm
+
+    backend, fused = arm
+    set_kernel_backend(model, backend)
+    set_fused_norm(model, fused)
 
 
 def parse_args(argv=None):
@@ -55,7 +79,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="mamba_ssm",
                    help="comma-separated kernel backends for the Mamba layer, each backend[:kernels.helion.<setting>="
-                        "value...] or helion:zxbcdt_copy; the first is the baseline")
+                        "value...][:model.mamba_fused_norm=true|false] or helion:zxbcdt_copy; the first is the baseline")
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on GPU, fp32 on CPU")
@@ -141,10 +165,10 @@ def time_layers(a, model, fns: dict, backends: dict, labels_m: list[str], device
     arms = a.backend_list + ([] if a.no_control else [a.backend_list[0]])
     # warm-up every backend's Mamba layer and the other measurements
     for bk in a.backend_list:
-        set_kernel_backend(model, backends[bk])
+        _use(model, backends[bk])
         for _ in range(a.warmup):
             fns["M"]()
-    set_kernel_backend(model, backends[a.backend_list[0]])
+    _use(model, backends[a.backend_list[0]])
     for key, f in fns.items():
         if key != "M":
             for _ in range(a.warmup):
@@ -157,9 +181,9 @@ def time_layers(a, model, fns: dict, backends: dict, labels_m: list[str], device
     times.update({key: [] for key in fns if key != "M"})
     for order in stats.alternating_order(len(arms), a.rounds):
         for i in order:
-            set_kernel_backend(model, backends[arms[i]])
+            _use(model, backends[arms[i]])
             times[f"M[{labels_m[i]}]"] += stats.time_calls(fns["M"], a.iters, device)
-        set_kernel_backend(model, backends[a.backend_list[0]])
+        _use(model, backends[a.backend_list[0]])
         for key in fns:
             if key != "M":
                 times[key] += stats.time_calls(fns[key], a.iters, device)
@@ -231,7 +255,8 @@ def result(a, cfg, full_pattern, counts, bench_pattern, dtype, labels_m, times, 
                   "dtype": str(dtype).removeprefix("torch."),
                   "attention_impl": str(cfg.model.get("attention_impl")),
                   "moe_experts_impl": str(cfg.model.get("moe_experts_impl")),
-                  "num_moe_experts": int(cfg.model.num_moe_experts or 0)},
+                  "num_moe_experts": int(cfg.model.num_moe_experts or 0),
+                  "mamba_fused_norm": bool(cfg.model.get("mamba_fused_norm") or False)},
         "times_ms": summ,
         "rest_ms": rest,
         "rest_ms_unclipped": med["model"] - layer_sum,
