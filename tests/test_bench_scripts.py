@@ -1040,17 +1040,22 @@ def test_bench_layers_backend_options():
     from nano_hybrid.config import ConfigError, compose
 
     cfg = compose(["model=tiny", "kernels.helion.bwd_states_dtype=fp32", "kernels.helion.save_conv_states=false"])
-    be = blay._backend("torch:zxbcdt_copy", cfg)
-    assert be.name == "torch" and be.strided_zxbcdt is False
-    assert dataclasses.replace(blay._backend("torch", cfg), strided_zxbcdt=True).strided_zxbcdt
+    be, fused = blay._backend("torch:zxbcdt_copy", cfg)
+    assert be.name == "torch" and be.strided_zxbcdt is False and fused is False
+    assert dataclasses.replace(blay._backend("torch", cfg)[0], strided_zxbcdt=True).strided_zxbcdt
     # helion entries run the composed kernels.helion settings plus their own keys
-    assert blay._backend("helion", cfg).settings.bwd_states_dtype == "fp32"
-    own = blay._backend("helion:kernels.helion.save_cumsum=false", cfg).settings
-    assert own.bwd_states_dtype == "fp32" and own.save_cumsum is False
+    assert blay._backend("helion", cfg)[0].settings.bwd_states_dtype == "fp32"
+    own, fused = blay._backend("helion:kernels.helion.save_cumsum=false:model.mamba_fused_norm=true", cfg)
+    assert own.settings.bwd_states_dtype == "fp32" and own.settings.save_cumsum is False and fused is True
+    # the composed model.mamba_fused_norm is an arm's default
+    on = compose(["model=tiny", "model.mamba_fused_norm=true"])
+    assert blay._backend("torch", on)[1] is True and blay._backend("torch:model.mamba_fused_norm=false", on)[1] is False
     with pytest.raises(ConfigError, match="bogus"):
         blay._backend("torch:bogus", cfg)
-    with pytest.raises(ConfigError, match="only kernels.helion.<setting> keys apply .*zxbcdt_copy"):
+    with pytest.raises(ConfigError, match="only kernels.helion.<setting> and model.mamba_fused_norm keys apply .*zxbcdt_copy"):
         blay._backend("helion:optim.fused=true", cfg)
+    with pytest.raises(ConfigError, match="must be true or false"):
+        blay._backend("torch:model.mamba_fused_norm=2", cfg)
 
 
 def test_grad_match_compare_reports_error_cosine_and_scale_per_group():
@@ -1840,7 +1845,7 @@ def test_trainer_pretunes_only_helion_autotune_on_a_gpu(monkeypatch):
     from nano_hybrid.config import compose
 
     calls = []
-    monkeypatch.setattr(tk, "pretune", lambda dims, settings, say: calls.append(dims) or [])
+    monkeypatch.setattr(tk, "pretune", lambda dims, settings, say, fused_norm: calls.append(dims) or [])
     cfg = compose(["model=nano_proxy", "train.seq_length=1024", "train.micro_batch_size=4"])
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     on, off = HelionSettings(autotune=True), HelionSettings()
