@@ -30,7 +30,7 @@ CONTRACT = {
          ("return_final_states", False), ("activation", "silu"), ("rmsnorm_weight", None), ("rmsnorm_eps", 1e-6),
          ("outproj_weight", None), ("outproj_bias", None), ("headdim", None), ("ngroups", 1),
          ("norm_before_gate", True)],
-        {"rmsnorm_weight": "ones", "outproj_weight": "ones", "outproj_bias": "ones"},
+        {"outproj_weight": "ones", "outproj_bias": "ones"},
     ),
     "mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined": (
         sh.mamba_chunk_scan_combined_helion,
@@ -150,8 +150,9 @@ def test_rejected_arguments_raise_not_implemented_naming_them(op):
 def test_fused_op_supported_arguments_match_reference():
     """mamba_split_conv1d_scan_combined with every supported argument away from its default: seq_idx with a document
     of one token, initial states, dt_limit, return_final_states, activation None, D per head-dim, rmsnorm_eps and
-    norm_before_gate (no effect without rmsnorm_weight, as in mamba-ssm). chunk_size must be a power of two >= 16 (a
-    ValueError otherwise: the kernels' tiles)."""
+    norm_before_gate (no effect without rmsnorm_weight, as in mamba-ssm); then with rmsnorm_weight (the gated norm in
+    the op) and norm_before_gate True. chunk_size must be a power of two >= 16 (a ValueError otherwise: the kernels'
+    tiles)."""
     t, d = _fused_inputs()
     seq = torch.tensor([[0] * 9 + [1] + [2] * 14 + [3] * 16], dtype=torch.int32)
     init = torch.randn(1, d["h"], d["p"], d["n"], generator=torch.Generator().manual_seed(3))
@@ -161,6 +162,11 @@ def test_fused_op_supported_arguments_match_reference():
     out, fin = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), 16, **kw)
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fin, ref_fin, atol=1e-4, rtol=1e-4)
+    kw.update(rmsnorm_weight=1 + 0.1 * torch.randn(d["h"] * d["p"], generator=torch.Generator().manual_seed(4)),
+              norm_before_gate=True)
+    ref_out, _ = mamba_split_conv1d_scan_combined_ref(*t.values(), 16, **kw)
+    out, _ = msh.mamba_split_conv1d_scan_combined_helion(*t.values(), 16, **kw)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpret-mode check (GPU: the GPU tests)")

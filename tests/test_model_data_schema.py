@@ -83,7 +83,7 @@ NANO_COMMON = {
     "make_vocab_size_divisible_by": 128, "untie_embeddings_and_output_weights": True, "position_embedding_type": "none",
     "norm_epsilon": 1e-5, "hidden_dropout": 0.0, "attention_dropout": 0.0, "mamba_head_dim": 64,
     "mamba_state_dim": 128, "mamba_num_groups": 8, "mamba_chunk_size": 128, "mamba_conv_width": 4,
-    "squared_relu": True, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+    "mamba_fused_norm": False, "squared_relu": True, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
     "moe_router_bias_update_rate": 1e-3, "moe_router_topk_scaling_factor": 2.5, "moe_router_dtype": "fp32",
     "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 1e-4,
     "moe_token_dispatcher_type": "allgather", "attention_impl": "sdpa", "moe_experts_impl": "grouped",

@@ -314,6 +314,9 @@ _NANO_SSD = dict(b=2, l=8192, h=64, p=64, g=8, n=128, c=128)
 NANO_COMMITTED = {
     "rmsnorm_bwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
     "rmsnorm_fwd": dict(m=16384, g=8, gs=512, z=False, nbg=False, dt="bfloat16"),
+    "rmsnorm_bwd_z": dict(m=16384, g=8, gs=512, z=True, nbg=False, dt="bfloat16"),
+    "rmsnorm_fwd_z": dict(m=16384, g=8, gs=512, z=True, nbg=False, dt="bfloat16"),
+    "ssd_bwd_dstates": _NANO_SSD,
     "ssd_bmm_chunk": dict(b=2, l=8192, g=8, n=128, c=128),
     "ssd_bwd_dx": _NANO_SSD,
     "ssd_bwd_dz_dstates": _NANO_SSD,
