@@ -503,6 +503,45 @@ def test_vs_mamba_ssm_nano_shape_bf16():
         assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.gpu_mem(12)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_norm_in_op_vs_mamba_ssm_nano_shape_bf16():
+    """With the gated norm in the op (rmsnorm_weight, group 512, norm after the gate: ``model.mamba_fused_norm``), Nano
+    shape, bf16, zxbcdt in Megatron's (l, b, d) memory order: output and every gradient (the norm weight's included) vs
+    an fp32 torch reference; the Helion relative L2 error must be <= 2x mamba-ssm's own (its rmsnorm_weight path)
+    + 1e-3."""
+    from kernels.registry import import_mamba_ssm
+
+    import_mamba_ssm()
+    from mamba_ssm.ops.triton.ssd_combined import mamba_split_conv1d_scan_combined
+
+    b, l, h, p, g, n, c = 2, 8192, 64, 64, 8, 128, 128
+    t = _case(b, l, h, p, g, n, device="cuda", dtype=torch.bfloat16, seed=3)
+    t["zxbcdt"] = t["zxbcdt"].transpose(0, 1).contiguous().transpose(0, 1)
+    t["conv1d_weight"] = t["conv1d_weight"].bfloat16()
+    t["conv1d_bias"] = t["conv1d_bias"].bfloat16()
+    t["rmsnorm_weight"] = (1 + 0.1 * torch.randn(h * p, generator=torch.Generator().manual_seed(8))).cuda().bfloat16()
+    names = list(t)
+
+    def run(fn, cast):
+        leaves = {k: (v.float() if cast else v).detach().requires_grad_(True) for k, v in t.items()}
+        w = leaves.pop("rmsnorm_weight")
+        out = fn(*leaves.values(), chunk_size=c, headdim=p, ngroups=g, norm_before_gate=False, rmsnorm_weight=w,
+                 rmsnorm_eps=1e-5)
+        do = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).to(out.dtype)
+        grads = torch.autograd.grad((out.float() * do.float()).sum(), [*leaves.values(), w])
+        return [out.float()] + [x.float() for x in grads]
+
+    ref = run(mamba_split_conv1d_scan_combined_ref, True)
+    mam = run(mamba_split_conv1d_scan_combined, False)
+    hel = run(msh.mamba_split_conv1d_scan_combined_helion, False)
+    for nm, r, m, hh in zip(["out"] + names, ref, mam, hel):
+        e_m = ((m - r).norm() / r.norm()).item()
+        e_h = ((hh - r).norm() / r.norm()).item()
+        assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
+
+
 def _gpu_bf16_runner(b, l, h, p, g, n, c):
     """``_case``'s inputs on the GPU in bf16 (conv weight and bias too): (their names, ``run(fn, cast, **extra)``),
     which calls the op ``fn`` on them (``cast``: in fp32, for the reference) and returns [out, every input's gradient
