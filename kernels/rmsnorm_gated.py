@@ -223,7 +223,7 @@ class _Plan:
         self.wshape2 = (g, d)
         self.dims = _norm_dims(self.m, g, d, has_z, nbg, x.dtype)
         self.fwd_default, self.bwd_default = default_configs(d)
-        # the backward's z argument without z: dz = empty_like(z) is then (1, 1, 1), not a full-size buffer
+        # the backward's z and dz arguments without z: a (1, 1, 1) dummy the kernel never reads or writes
         self.zdummy = None if has_z else torch.empty((1, 1, 1), dtype=x.dtype, device=x.device)
 
 

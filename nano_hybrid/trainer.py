@@ -173,6 +173,8 @@ def build_model_and_optimizer(plan: RunPlan, cfg: DictConfig, *, init_from_hf: s
         DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
+            # overlap_param_gather stays off (megatron's default): its per-module forward pre-hooks wait for a module's
+            # gathered weights, and with model.mamba_fused_norm the mixer reads its norm's weight without calling the norm
             use_distributed_optimizer=use_dist_opt,
             check_for_nan_in_grad=False,
         ),

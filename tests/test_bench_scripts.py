@@ -125,6 +125,24 @@ def test_helion_arms_run_the_composed_settings_plus_their_own():
         arms.parse_arm("helion:kernels.helion.no_such_key=1")
     with pytest.raises(ConfigError, match="arm helion\\+bwd_states_dtype-fp8: .*bwd_states_dtype"):
         arms.arm_backends(cfg, [arms.parse_arm("helion:kernels.helion.bwd_states_dtype=fp8")])
+    # model.mamba_fused_norm switches in place on any backend; a non-boolean fails at parsing, before any work
+    fn = arms.parse_arm("mamba_ssm:model.mamba_fused_norm=true")
+    assert fn.label == "mamba_ssm+mamba_fused_norm-true" and fn.overrides == (("model.mamba_fused_norm", True),)
+    with pytest.raises(ValueError, match="model.mamba_fused_norm=2 must be true or false"):
+        arms.parse_arm("helion:model.mamba_fused_norm=2")
+
+
+def test_tune_kernels_run_fused_norm_picks_the_training_kernels():
+    """tune_kernels with a run's overrides tunes what that run calls: with model.mamba_fused_norm=true the gated
+    norm's z kernels and ssd_bwd_dstates instead of the norm module's kernels and ssd_bwd_dz_dstates."""
+    from nano_hybrid.bench import tune_kernels as tk
+
+    assert tk.run_fused_norm([]) is False and tk.run_fused_norm(["model=tiny"]) is False
+    assert tk.run_fused_norm(["model=tiny", "model.mamba_fused_norm=true"]) is True
+    on = set(tk.helion_training_kernels(None, True))
+    off = set(tk.helion_training_kernels(None, False))
+    assert on - off == {"rmsnorm_fwd_z", "rmsnorm_bwd_z", "ssd_bwd_dstates"}
+    assert off - on == {"rmsnorm_fwd", "rmsnorm_bwd", "ssd_bwd_dz_dstates"}
 
 
 def test_gpu_slug():
@@ -1845,7 +1863,9 @@ def test_trainer_pretunes_only_helion_autotune_on_a_gpu(monkeypatch):
     from nano_hybrid.config import compose
 
     calls = []
-    monkeypatch.setattr(tk, "pretune", lambda dims, settings, say, fused_norm: calls.append(dims) or [])
+    monkeypatch.setattr(tk, "pretune", lambda dims, settings, say, fused_norm: calls.append(dims) or fused.append(
+        fused_norm) or [])
+    fused = []
     cfg = compose(["model=nano_proxy", "train.seq_length=1024", "train.micro_batch_size=4"])
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     on, off = HelionSettings(autotune=True), HelionSettings()
@@ -1856,7 +1876,10 @@ def test_trainer_pretunes_only_helion_autotune_on_a_gpu(monkeypatch):
     for settings, device in ((off, gpu), (on, cpu), (None, gpu)):
         assert trainer.pretune_kernels(cfg, plan(settings, device), print) == [] and calls == []
     assert trainer.pretune_kernels(cfg, plan(on, gpu), print) == []
-    assert calls == [dict(b=4, l=1024, h=16, p=64, g=8, n=128, c=128, w=4)]
+    assert calls == [dict(b=4, l=1024, h=16, p=64, g=8, n=128, c=128, w=4)] and fused == [False]
+    cfg.model.mamba_fused_norm = True  # the run's model.mamba_fused_norm picks the kernels pretuned
+    assert trainer.pretune_kernels(cfg, plan(on, gpu), print) == [] and fused == [False, True]
+    calls.pop()
     cfg.model.hybrid_override_pattern = "*E*E"
     assert trainer.pretune_kernels(cfg, plan(on, gpu), print) == [] and len(calls) == 1
 

@@ -111,8 +111,7 @@ def test_rejected_arguments_raise_not_implemented_naming_them(op):
     if op.endswith("mamba_split_conv1d_scan_combined"):
         args = list(t.values()) + [16]
         kw = dict(headdim=d["p"], ngroups=d["g"])
-        like = {"rmsnorm_weight": torch.zeros(d["h"] * d["p"]), "outproj_weight": torch.zeros(16, d["h"] * d["p"]),
-                "outproj_bias": torch.zeros(16)}
+        like = {"outproj_weight": torch.zeros(16, d["h"] * d["p"]), "outproj_bias": torch.zeros(16)}
     elif op.endswith("mamba_chunk_scan_combined"):
         x = torch.randn(1, 16, 2, 8, generator=gen)
         args = [x, torch.randn(1, 16, 2, generator=gen), -torch.rand(2), torch.randn(1, 16, 1, 8, generator=gen),

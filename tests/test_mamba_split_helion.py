@@ -306,6 +306,35 @@ def test_bwd_dstates_dtype(monkeypatch):
                                  "between bf16 and fp32 dstates")
 
 
+def test_norm_in_op_dstates_dtype(monkeypatch):
+    """With the gated norm in the op (rmsnorm_weight), bf16 inputs: ssd_bwd_dstates writes dstates in the dtype
+    ``bwd_dstates_dtype`` picks (x's, or fp32), and every gradient is finite."""
+    from kernels import ssd_helion_bwd as bwd
+
+    seen = []
+    call = bwd._call
+
+    def spy(name, args, dims):
+        out = call(name, args, dims)
+        if name == "ssd_bwd_dstates":
+            seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(bwd, "_call", spy)
+    b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
+    for mode in ("input", "fp32"):
+        t = _case(b, l, h, p, g, n, seed=2, dtype=torch.bfloat16)
+        w = torch.ones(h * p, dtype=torch.bfloat16)
+        for v in (*t.values(), w):
+            v.requires_grad_(True)
+        out = msh.mamba_split_conv1d_scan_combined_helion(
+            *t.values(), chunk_size=c, headdim=p, ngroups=g, rmsnorm_weight=w, norm_before_gate=False,
+            settings=HelionSettings(bwd_dstates_dtype=mode))
+        grads = torch.autograd.grad(out.float().square().sum(), [*t.values(), w])
+        assert all(torch.isfinite(x.float()).all() for x in grads)
+    assert seen == [torch.bfloat16, torch.float32], seen
+
+
 def test_zxbcdt_transposed_view_in_place():
     """zxbcdt as Megatron's mixer hands it to a backend with ``strided_zxbcdt`` (a (b, l, d) view of the (l, b, d)
     in_proj output, no copy): outputs and every gradient are bitwise those of the contiguous input; y is a (b, l, d)
@@ -427,11 +456,14 @@ def test_norm_in_op_matches_reference(nbg, layout, monkeypatch):
     included, match the autograd reference; the chunk scan reads no z, the backward runs ``ssd_bwd_dstates`` and not
     ``ssd_bwd_dz_dstates``, and dz is written into d_zxbcdt, which keeps zxbcdt's layout. Odd seqlen, seq_idx,
     initial states; zxbcdt in Megatron's (l, b, d) memory order or contiguous."""
+    from kernels import ssd_helion as sh
     from kernels import ssd_helion_bwd as bwd
 
-    launched = []
-    real_call = bwd._call
+    launched, scan_z = [], []
+    real_call, real_scan = bwd._call, msh.ssd_forward_helion
     monkeypatch.setattr(bwd, "_call", lambda name, *a, **kw: launched.append(name) or real_call(name, *a, **kw))
+    monkeypatch.setattr(msh, "ssd_forward_helion", lambda *a, **kw: scan_z.append(kw["z"]) or real_scan(*a, **kw))
+    assert real_scan is sh.ssd_forward_helion
     b, l, h, p, g, n, c = 2, 37, 4, 8, 2, 16, 16
     t = _case(b, l, h, p, g, n, seed=4)
     if layout == "lbd":
@@ -459,6 +491,7 @@ def test_norm_in_op_matches_reference(nbg, layout, monkeypatch):
     if layout == "lbd":
         assert g2[0].stride() == t["zxbcdt"].stride()
     assert "ssd_bwd_dstates" in launched and "ssd_bwd_dz_dstates" not in launched, launched
+    assert scan_z == [None]  # the SSD forward (its chunk scan) gets no z
 
 
 def test_unsupported_options_raise():

@@ -257,6 +257,10 @@ def test_fused_norm_is_the_same_model(mp):
         if fused:
             assert set_fused_norm(model, False) == cfg.model.hybrid_override_pattern.count("M")
             assert model(tok, pos, mask, labels=tok).mean().item() == pytest.approx(res[False][0], rel=1e-5)
+            set_fused_norm(model, True)  # and back, as the benchmark arms switch it
+            assert model(tok, pos, mask, labels=tok).mean().item() == pytest.approx(res[True][0], rel=1e-6)
+            with pytest.raises(ValueError, match="true or false"):
+                set_fused_norm(model, 1)
     assert res[True][0] == pytest.approx(res[False][0], rel=1e-5)
     assert res[True][1].keys() == res[False][1].keys()
     for n, g in res[False][1].items():

@@ -218,6 +218,38 @@ def test_bwd_wrapper_dweight_is_the_finalised_partials(has_z, monkeypatch):
 
 
 @pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
+def test_bwd_writes_dz_into_a_given_strided_view():
+    """``dz_out``: dz is written into the given view of a wider buffer (a slice of d_zxbcdt, rows strided) and
+    nothing else of the buffer changes; the result is the reference dz. A dz_out without z, of another shape, or that
+    does not reshape to rows x groups without a copy fails with a ValueError."""
+    m, n, gs, width = 13, 24, 8, 40
+    gen = torch.Generator().manual_seed(5)
+    x, z, dy = (torch.randn(m, n, generator=gen) for _ in range(3))
+    w = 1 + 0.3 * torch.randn(n, generator=gen)
+    _, rstd = R.rmsnorm_gated_fwd_helion(x, w, z, 1e-5, gs, False)
+    buf = torch.full((m, width), 7.0)
+    dz_out = buf[:, 5:5 + n]
+    dx, dz, dw = R.rmsnorm_gated_bwd_helion(dy, x, w, rstd, z, gs, False, dz_out=dz_out)
+    assert dz is dz_out
+    xr, wr, zr = (t.clone().requires_grad_() for t in (x, w, z))
+    ref = torch.autograd.grad(rmsnorm_gated_ref(xr, wr, z=zr, eps=1e-5, group_size=gs, norm_before_gate=False),
+                              [xr, wr, zr], dy)
+    torch.testing.assert_close(buf[:, 5:5 + n], ref[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dx, ref[0], atol=1e-4, rtol=1e-4)
+    assert (buf[:, :5] == 7).all() and (buf[:, 5 + n:] == 7).all()
+    with pytest.raises(ValueError, match="dz_out must have z's shape"):
+        R.rmsnorm_gated_bwd_helion(dy, x, w, rstd, None, gs, False, dz_out=dz_out)
+    with pytest.raises(ValueError, match="dz_out must have z's shape"):
+        R.rmsnorm_gated_bwd_helion(dy, x, w, rstd, z, gs, False, dz_out=buf[:, :n - 1])
+    with pytest.raises(ValueError, match="unit last stride"):  # a view, but its channels strided
+        R.rmsnorm_gated_bwd_helion(dy, x, w, rstd, z, gs, False, dz_out=torch.empty(n, m).t())
+    x3, z3, dy3 = (t[:12].reshape(2, 6, n) for t in (x, z, dy))  # (2, 6) rows
+    _, rstd3 = R.rmsnorm_gated_fwd_helion(x3, w, z3, 1e-5, gs, False)
+    with pytest.raises(ValueError, match="without a copy"):  # a (6, 2) buffer's transpose: its rows do not merge
+        R.rmsnorm_gated_bwd_helion(dy3, x3, w, rstd3, z3, gs, False, dz_out=torch.empty(6, 2, n).transpose(0, 1))
+
+
+@pytest.mark.skipif(not CPU, reason="interpret-mode test (CPU)")
 def test_shape_plans_cached_per_shape_and_results_right():
     """Per-shape plans (dims, views) are cached: alternating shapes and group sizes, each call is right."""
     gen = torch.Generator().manual_seed(4)

@@ -172,7 +172,7 @@ def test_dx_tuning_compares_row_tile_sums(monkeypatch):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["ssd_bwd_dz_dstates", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db"])
+@pytest.mark.parametrize("name", ["ssd_bwd_dz_dstates", "ssd_bwd_dstates", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db"])
 def test_triton_codegen_nano_shape(name, monkeypatch):
     """The GEMM kernels generate one Triton kernel with tl.dot at the Nano chunk shape (p 64, n 128,
     c 128) for their default config and a sample of their tuning seeds."""

@@ -118,7 +118,8 @@ def compose_cfg(a):
 def isolated_op_profile(cfg, plan, backend, iters: int) -> dict:
     """The mixer op (fused split-conv1d-scan + gated norm, fwd+bwd) alone at the model's mixer shape,
     profiled in the step's process: separates "the kernel is slow in this process" from "the kernel
-    is slow inside the step"."""
+    is slow inside the step". It runs the norm as a module after the gated op (``MixerOp``) for every arm, also one
+    with ``model.mamba_fused_norm``; the record says so (``norm_in_op`` false)."""
     import torch
 
     m = cfg.model
@@ -135,6 +136,7 @@ def isolated_op_profile(cfg, plan, backend, iters: int) -> dict:
     del op, params
     torch.cuda.empty_cache()
     return {"shape": {k: getattr(shape, k) for k in ("batch", "seqlen", "nheads", "headdim", "ngroups", "d_state")},
+            "norm_in_op": False,
             "device_us_per_iter": table["total_us_per_iter"],
             "kernels": [r for r in table["rows"] if r["us_per_iter"] > 1.0],
             "cross_stream_overlap": table.get("cross_stream_overlap")}

@@ -70,6 +70,8 @@ def set_fused_norm(model, on: bool) -> int:
             raise ValueError("model.mamba_fused_norm=true needs the mixer's gated RMSNorm (rmsnorm=True)")
         m.fused_norm = on
     return len(mixers)
+
+
 # the helion backend's settings (kernels.settings.HelionSettings) as arm keys of helion arms: each such arm runs a
 # backend configured with the composed config's kernels.helion plus these
 HELION_PREFIX = "kernels.helion."
@@ -119,6 +121,8 @@ def parse_arm(spec: str) -> Arm:
         if key.startswith(HELION_PREFIX) and backend != "helion":
             raise ValueError(f"arm {spec!r}: {key} applies to helion arms only")
         ov[key] = yaml.safe_load(value)
+        if key == "model.mamba_fused_norm" and not isinstance(ov[key], bool):
+            raise ValueError(f"arm {spec!r}: {key}={value} must be true or false")
     return Arm(backend, tuple(ov.items()))
 
 

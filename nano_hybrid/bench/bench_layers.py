@@ -222,11 +222,15 @@ def run(a) -> dict:
         peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     finally:
         destroy_parallel()
-    return result(a, cfg, full_pattern, counts, bench_pattern, dtype, labels_m, times, peak_gb)
+    return result(a, cfg, full_pattern, counts, bench_pattern, dtype, labels_m, times, peak_gb,
+                  {spec: backends[spec][1] for spec in a.backend_list})
 
 
-def result(a, cfg, full_pattern, counts, bench_pattern, dtype, labels_m, times, peak_gb) -> dict:
-    """The JSON record: per-kind medians, the full model's projected step per backend, the Mamba layer's ratios."""
+def result(a, cfg, full_pattern, counts, bench_pattern, dtype, labels_m, times, peak_gb, arm_fused=None) -> dict:
+    """The JSON record: per-kind medians, the full model's projected step per backend, the Mamba layer's ratios;
+    ``arm_fused``: each --backends entry's model.mamba_fused_norm."""
+    from nano_hybrid.model.config import model_dict
+
     summ = {k: stats.summarize(v) for k, v in times.items()}
     base = a.backend_list[0]
     med = {k: v["median"] for k, v in summ.items()}
@@ -256,7 +260,8 @@ def result(a, cfg, full_pattern, counts, bench_pattern, dtype, labels_m, times, 
                   "attention_impl": str(cfg.model.get("attention_impl")),
                   "moe_experts_impl": str(cfg.model.get("moe_experts_impl")),
                   "num_moe_experts": int(cfg.model.num_moe_experts or 0),
-                  "mamba_fused_norm": bool(cfg.model.get("mamba_fused_norm") or False)},
+                  "mamba_fused_norm": model_dict(cfg.model)["mamba_fused_norm"]},
+        "arm_mamba_fused_norm": dict(arm_fused or {}),
         "times_ms": summ,
         "rest_ms": rest,
         "rest_ms_unclipped": med["model"] - layer_sum,

@@ -37,6 +37,7 @@ GROUPS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("_helion__bmm_chunk_kernel",): ("_bmm_chunk_fwd_kernel",),
     ("_helion__chunk_scan_kernel",): ("_chunk_scan_fwd_kernel",),
     ("_helion_ssd_bwd_dz_dstates",): ("_chunk_scan_bwd_dz_kernel", "_chunk_scan_bwd_dstates_kernel"),
+    ("_helion_ssd_bwd_dstates",): ("_chunk_scan_bwd_dstates_kernel",),  # an ungated SSD output (the norm in the op)
     ("_helion_ssd_bwd_state_passing",): ("_state_passing_bwd_kernel",),
     # dx over row tiles (its ddacs_row and dD partials are summed by torch reduce kernels, not in this group)
     ("_helion_ssd_bwd_dx", "_helion_ssd_bwd_dt"): ("_chunk_scan_chunk_state_bwd_dx_kernel",

@@ -335,7 +335,10 @@ def run_fused_norm(overrides: list[str]) -> bool:
     from nano_hybrid.config import compose
     from nano_hybrid.model.config import model_dict
 
-    return bool(model_dict(compose(list(overrides)).model)["mamba_fused_norm"])
+    value = model_dict(compose(list(overrides)).model)["mamba_fused_norm"]
+    if not isinstance(value, bool):
+        raise ValueError(f"overrides {' '.join(overrides)}: model.mamba_fused_norm={value!r} must be true or false")
+    return value
 
 
 def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | None) -> dict[str, dict]:

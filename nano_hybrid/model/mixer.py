@@ -28,7 +28,9 @@ class BackendMambaMixer(MambaMixer):
     - ``self.norm`` is an instance of ``backend.RMSNormGated`` (with megatron's ExtendedRMSNorm
       sharded_state_dict), so checkpoint keys (``mixer.norm.weight``) are unchanged.
     - ``_ssm_training`` calls ``backend.mamba_split_conv1d_scan_combined`` with exactly the arguments
-      megatron-core 0.16.1 passes to mamba-ssm's op (``mamba_mixer.py`` ``_ssm_training``).
+      megatron-core 0.16.1 passes to mamba-ssm's op (``mamba_mixer.py`` ``_ssm_training``); with ``fused_norm``
+      (``model.mamba_fused_norm``) also the norm's weight and eps (``rmsnorm_weight``, ``rmsnorm_eps``), and the norm
+      module is not called.
     - ``_ssm_prefill`` (inference, or ``use_mamba_mem_eff_path=False``) runs megatron's code with
       ``backend.mamba_chunk_scan_combined``.
     """
@@ -50,6 +52,9 @@ class BackendMambaMixer(MambaMixer):
         if self.fused_norm:
             if not self.rmsnorm:
                 raise ValueError("model.mamba_fused_norm=true needs the mixer's gated RMSNorm (rmsnorm=True)")
+            if self.norm_before_gate:
+                raise ValueError("model.mamba_fused_norm=true needs norm_before_gate=False (the norm after the gate, as "
+                                 "the separate norm module computes it)")
             if self.cp.cp_size > 1:
                 raise ValueError("model.mamba_fused_norm=true needs context_parallel_size=1 (the norm runs after the "
                                  "context-parallel exchange of the SSD output)")
