@@ -240,7 +240,8 @@ def test_bench_kernels_helion_settings_arms(tmp_path):
     assert bk.output_stem(a) == "kernels_helion_vs_helion+save_conv_states-false_nano"
     assert arms.op_backend(a.arm_specs[a.compare]).settings.save_conv_states is False
     assert arms.op_backend(a.arm_specs[a.backend]).settings.save_conv_states is True
-    with pytest.raises(ValueError, match="only kernels.helion.<setting> keys apply to an op benchmark"):
+    with pytest.raises(ValueError, match="only kernels.helion.<setting> and model.mamba_fused_norm keys apply to an op "
+                                         "benchmark"):
         arms.parse_op_arm("helion:train.fp8=rowwise")
     with pytest.raises(SystemExit):  # profile_host refuses a bad arm before it needs a GPU
         from nano_hybrid.bench import profile_host
@@ -262,6 +263,45 @@ def test_bench_kernels_helion_settings_arms(tmp_path):
                                                                   "kernels.helion.save_conv_states": False}
     # the chunk-state path each arm took (state_passing=auto: the fused kernel without a GPU)
     assert d["state_passing"] == {"helion": "fused", "helion+save_conv_states-false": "fused"}
+
+
+def test_bench_kernels_fused_norm_arm(tmp_path):
+    """An op-level arm with model.mamba_fused_norm=true runs the mixer rows with the gated norm inside the op (the op
+    gets the norm's weight, the norm module is not called): in fp32 the torch reference computes the same expression
+    either way, so outputs and gradients are equal; the JSON names the arm's setting."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kernels.registry import get_backend
+    from nano_hybrid.bench import mixer as mx
+
+    torch_be = get_backend("torch")
+    seen, normed = [], []
+
+    def op(*args, **kw):
+        seen.append(kw.get("rmsnorm_weight") is not None)
+        return torch_be.mamba_split_conv1d_scan_combined(*args, **kw)
+
+    class Norm(torch_be.RMSNormGated):
+        def forward(self, x, z=None):
+            normed.append(1)
+            return super().forward(x, z)
+
+    shape = mx.SHAPES["tiny"]
+    params = mx.make_params(shape, torch.device("cpu"), torch.float32, seed=0)
+    spy = SimpleNamespace(mamba_split_conv1d_scan_combined=op, RMSNormGated=Norm, name="torch", strided_zxbcdt=False)
+    for fused in (False, True):
+        seen.clear(), normed.clear()
+        mx.MixerOp(spy, shape, params, torch.device("cpu"), torch.float32, fused_norm=fused).mixer()
+        assert seen == [fused] and len(normed) == (0 if fused else 1)
+    rc = bk.main(["--backend", "torch", "--compare", "torch:model.mamba_fused_norm=true", "--shape", "tiny",
+                  "--dtype", "fp32", "--rounds", "1", "--iters", "1", "--warmup", "0", "--profile-iters", "0",
+                  "--no-control", "--out", str(tmp_path)])
+    d = json.loads((tmp_path / "kernels_torch_vs_torch+mamba_fused_norm-true_tiny.json").read_text())
+    errs = d["correctness"]["torch+mamba_fused_norm-true_vs_torch"]
+    assert rc == 0 and d["correctness"]["passed"] and max(errs.values()) == 0.0, errs
+    assert d["arm_settings"]["torch+mamba_fused_norm-true"] == {"backend": "torch", "model.mamba_fused_norm": True}
 
 
 def test_bench_kernels_unknown_backend_fails_clearly(tmp_path):

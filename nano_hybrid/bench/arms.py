@@ -126,14 +126,18 @@ def parse_arm(spec: str) -> Arm:
     return Arm(backend, tuple(ov.items()))
 
 
+FUSED_NORM = "model.mamba_fused_norm"
+
+
 def parse_op_arm(spec: str) -> Arm:
-    """An arm of an op-level benchmark (no training config): ``backend[:kernels.helion.<setting>=value...]``;
+    """An arm of an op-level benchmark (no training config): ``backend[:kernels.helion.<setting>=value...]
+    [:model.mamba_fused_norm=true|false]`` (the latter: the mixer's gated norm inside the op, ``op_fused_norm``);
     ``ValueError`` for any other key."""
     arm = parse_arm(spec)
-    other = [k for k, _ in arm.overrides if not k.startswith(HELION_PREFIX)]
+    other = [k for k, _ in arm.overrides if not k.startswith(HELION_PREFIX) and k != FUSED_NORM]
     if other:
-        raise ValueError(f"arm {spec!r}: only {HELION_PREFIX}<setting> keys apply to an op benchmark "
-                         f"(got {', '.join(other)})")
+        raise ValueError(f"arm {spec!r}: only {HELION_PREFIX}<setting> and {FUSED_NORM} keys apply to an op "
+                         f"benchmark (got {', '.join(other)})")
     return arm
 
 
@@ -141,8 +145,13 @@ def op_backend(arm: Arm):
     """An op-level arm's backend: its name with the default settings plus the arm's ``kernels.helion`` keys."""
     from kernels.registry import get_backend
 
-    helion = {k[len(HELION_PREFIX):]: v for k, v in arm.overrides}
+    helion = {k[len(HELION_PREFIX):]: v for k, v in arm.overrides if k.startswith(HELION_PREFIX)}
     return get_backend(arm.backend, helion=helion or None)
+
+
+def op_fused_norm(arm: Arm) -> bool:
+    """An op-level arm's ``model.mamba_fused_norm`` (default false: the norm module after the gated op)."""
+    return bool(dict(arm.overrides).get(FUSED_NORM, False))
 
 
 def arm_config(cfg, arm: Arm):

@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats
-from nano_hybrid.bench.arms import op_backend
+from nano_hybrid.bench.arms import op_backend, op_fused_norm
 from nano_hybrid.bench.mixer import (OPS, SHAPES, MixerOp, add_zxbcdt_layout_arg, check_against, make_params,
                                      state_passing_taken)
 from nano_hybrid.errors import EXIT_BAD_INPUT, ConfigError
@@ -49,7 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", required=True, help="baseline kernel backend A (torch | mamba_ssm | helion), "
-                                                     "helion optionally with :kernels.helion.<setting>=value keys")
+                                                     "helion optionally with :kernels.helion.<setting>=value keys; "
+                                                     "any with :model.mamba_fused_norm=true (the mixer rows run the "
+                                                     "gated norm inside the op)")
     p.add_argument("--compare", default=None, help="candidate backend B, timed side by side with A (same syntax), "
                                                    "e.g. helion:kernels.helion.save_conv_states=false")
     p.add_argument("--shape", default="nano", choices=sorted(SHAPES), help="mixer shape (default nano)")
@@ -72,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{k} must be >= 1")
     from nano_hybrid.bench.arms import parse_op_arm
 
-    # backend[:kernels.helion.<setting>=value...]: an arm's label (file-name safe) keys its results
+    # backend[:kernels.helion.<setting>=value...][:model.mamba_fused_norm=...]: an arm's label (file-name safe) keys
+    # its results
     a.arm_specs = {}
     for k in ("backend", "compare"):
         spec = getattr(a, k)
@@ -136,7 +139,8 @@ def run(args: argparse.Namespace) -> dict:
     backends = [args.backend] + ([args.compare] if args.compare else [])
     be = {name: op_backend(args.arm_specs[name]) for name in backends}  # fails early with one clear message
     params = make_params(shape, device, dtype, args.seed, zxbcdt_layout=args.zxbcdt_layout)
-    ops = {name: MixerOp(be[name], shape, params, device, dtype) for name in backends}
+    ops = {name: MixerOp(be[name], shape, params, device, dtype, fused_norm=op_fused_norm(args.arm_specs[name]))
+           for name in backends}
 
     arms = backends + ([] if args.no_control else [args.backend])
     labels = stats.arm_labels(arms)

@@ -31,9 +31,6 @@ from nano_hybrid.errors import ConfigError
 KIND_NAMES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 
 
-FUSED_NORM = "model.mamba_fused_norm"
-
-
 def _backend(spec: str, cfg):
     """A --backends entry -> (KernelBackend, fused_norm): a backend name, optionally with ``kernels.helion.<setting>=value``
     keys (``helion:kernels.helion.save_conv_states=false``), resolved as a training run resolves it (the composed
@@ -42,7 +39,7 @@ def _backend(spec: str, cfg):
     megatron makes for mamba-ssm, to measure what skipping it gains)."""
     import dataclasses
 
-    from nano_hybrid.bench.arms import HELION_PREFIX, Arm, arm_backends, parse_arm
+    from nano_hybrid.bench.arms import FUSED_NORM, Arm, arm_backends, parse_op_arm
     from nano_hybrid.model.config import model_dict
 
     fused = model_dict(cfg.model)["mamba_fused_norm"]
@@ -50,17 +47,11 @@ def _backend(spec: str, cfg):
     if opt == "zxbcdt_copy":
         return dataclasses.replace(arm_backends(cfg, [Arm(name)])[Arm(name)], strided_zxbcdt=False), fused
     try:
-        arm = parse_arm(spec)
-        other = [k for k, _ in arm.overrides if not k.startswith(HELION_PREFIX) and k != FUSED_NORM]
-        if other:
-            raise ValueError(f"arm {spec!r}: only {HELION_PREFIX}<setting> and {FUSED_NORM} keys apply to a layer "
-                             f"benchmark (got {', '.join(other)})")
+        arm = parse_op_arm(spec)
     except ValueError as e:
         raise ConfigError(f"--backends: {e} (or helion:zxbcdt_copy)") from None
     ov = dict(arm.overrides)
-    fused = ov.pop(FUSED_NORM, fused)
-    if not isinstance(fused, bool):
-        raise ConfigError(f"--backends: arm {spec!r}: {FUSED_NORM}={fused!r} must be true or false")
+    fused = ov.pop(FUSED_NORM, fused)  # a boolean (parse_arm checks it)
     arm = Arm(arm.backend, tuple(ov.items()))
     return arm_backends(cfg, [arm])[arm], fused
 

@@ -143,21 +143,23 @@ def grad_of(p: dict, name: str):
 
 class MixerOp:
     """One backend's split-conv1d-scan + gated-norm, bound to shared inputs and parameters; ``seq_idx`` (b, l) int32
-    ids of packed documents, or None."""
+    ids of packed documents, or None; ``fused_norm``: the mixer runs the norm inside the op (its weight passed as
+    rmsnorm_weight, ``model.mamba_fused_norm``) instead of as a module after the gated op."""
 
-    def __init__(self, backend, shape: MixerShape, params: dict, device, dtype, seq_idx=None):
+    def __init__(self, backend, shape: MixerShape, params: dict, device, dtype, seq_idx=None, fused_norm: bool = False):
         import torch
 
         self.backend = backend
         self.shape = shape
         self.p = params
         self.seq_idx = seq_idx
+        self.fused_norm = fused_norm
         self.norm = backend.RMSNormGated(shape.d_inner, eps=1e-5, group_size=shape.group_size,
                                          norm_before_gate=False, device=device, dtype=dtype)
         with torch.no_grad():
             self.norm.weight.copy_(params["norm_weight"])
 
-    def split(self):
+    def split(self, norm: bool = False):
         import torch
 
         p, s = self.p, self.shape
@@ -166,11 +168,14 @@ class MixerOp:
             op_zxbcdt(self.backend, p), p["conv_w"], p["conv_b"], p["dt_bias"].float(), A, D=p["D"],
             chunk_size=s.chunk_size, seq_idx=self.seq_idx, activation="silu", headdim=s.headdim, ngroups=s.ngroups,
             norm_before_gate=False,
+            **({"rmsnorm_weight": self.norm.weight, "rmsnorm_eps": self.norm.eps} if norm else {}),
         )
 
     def mixer(self):
         # as in MambaMixer._ssm_training: the op's (b, l, d) output is made a contiguous (l, b, d) tensor for the
         # norm and out_proj (no copy when the op wrote it in (l, b) memory order)
+        if self.fused_norm:
+            return self.split(norm=True).transpose(0, 1).contiguous()
         return self.norm(self.split().transpose(0, 1).contiguous())
 
     def leaves(self):

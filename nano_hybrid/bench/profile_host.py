@@ -42,9 +42,11 @@ def profile_backend(name: str, shape, params, iters: int, top: int, seq_idx=None
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from nano_hybrid.bench.arms import op_backend, parse_op_arm
+    from nano_hybrid.bench.arms import op_backend, op_fused_norm, parse_op_arm
 
-    op = mixer.MixerOp(op_backend(parse_op_arm(name)), shape, params, torch.device("cuda"), torch.bfloat16, seq_idx)
+    arm = parse_op_arm(name)
+    op = mixer.MixerOp(op_backend(arm), shape, params, torch.device("cuda"), torch.bfloat16, seq_idx,
+                       fused_norm=op_fused_norm(arm))
 
     fresh = seq_idx_per_call and seq_idx is not None
     copies: list = []
@@ -120,7 +122,7 @@ def profile_arms(backends: str, seq_idx: str, docs: int) -> list[tuple[str, str,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backends", default="mamba_ssm,helion",
-                    help="comma list of backend[:kernels.helion.<setting>=value...]")
+                    help="comma list of backend[:kernels.helion.<setting>=value...][:model.mamba_fused_norm=true]")
     ap.add_argument("--shape", default="nano", choices=sorted(set(mixer.SHAPES) | set(mixer.GRID)),
                     help="a benchmark shape or a shape of the grid (bench_shape_grid.py; packed documents pass seq_idx)")
     ap.add_argument("--iters", type=int, default=20)
