@@ -267,3 +267,21 @@ def test_fused_norm_is_the_same_model(mp):
         torch.testing.assert_close(res[True][1][n], g, atol=1e-5, rtol=1e-4, msg=n)
     with pytest.raises(ConfigError, match="mamba_fused_norm"):
         build_model(compose(["model=tiny", "kernels.backend=torch", "model.mamba_fused_norm=3"]))
+
+
+def test_apply_arm_switches_the_fused_norm(mp):
+    """The step benchmarks' arms switch model.mamba_fused_norm in place (``arms.apply_arm``): an arm's own value, and
+    for an arm without the key the composed config's."""
+    from types import SimpleNamespace
+
+    from nano_hybrid.bench import arms
+
+    cfg = compose(["model=tiny", "kernels.backend=torch"])
+    model = build_model(cfg)
+    ctx = SimpleNamespace(cfg=cfg, model=model, optimizer=None)
+    on, plain = arms.parse_arm("torch:model.mamba_fused_norm=true"), arms.parse_arm("torch")
+    backends = arms.arm_backends(cfg, [on, plain])
+    mixers = [m for m in model.modules() if isinstance(m, BackendMambaMixer)]
+    for arm, want in ((on, True), (plain, False), (on, True)):
+        arms.apply_arm(ctx, arm, backends)
+        assert [m.fused_norm for m in mixers] == [want] * len(mixers)

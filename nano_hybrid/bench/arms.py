@@ -51,7 +51,8 @@ def set_kernel_backend(model, backend) -> int:
     return n
 
 
-SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", "model.mamba_fused_norm", "optim.fused", "train.fp8")
+FUSED_NORM = "model.mamba_fused_norm"
+SWITCHABLE = ("model.lm_head_loss", "model.lm_loss_chunk_tokens", FUSED_NORM, "optim.fused", "train.fp8")
 
 
 def set_fused_norm(model, on: bool) -> int:
@@ -61,13 +62,14 @@ def set_fused_norm(model, on: bool) -> int:
     from nano_hybrid.model.mixer import BackendMambaMixer
 
     if not isinstance(on, bool):
-        raise ValueError(f"model.mamba_fused_norm={on!r} must be true or false")
+        raise ValueError(f"{FUSED_NORM}={on!r} must be true or false")
     mixers = [m for m in model.modules() if isinstance(m, BackendMambaMixer)]
     if not mixers:
         raise ValueError("set_fused_norm: the model has no Mamba-2 mixers (BackendMambaMixer)")
     for m in mixers:
-        if on and not m.rmsnorm:
-            raise ValueError("model.mamba_fused_norm=true needs the mixer's gated RMSNorm (rmsnorm=True)")
+        if on and (not m.rmsnorm or m.norm_before_gate):
+            raise ValueError(f"{FUSED_NORM}=true needs the mixer's gated RMSNorm after the gate (rmsnorm=True, "
+                             "norm_before_gate=False)")
         m.fused_norm = on
     return len(mixers)
 
@@ -121,12 +123,9 @@ def parse_arm(spec: str) -> Arm:
         if key.startswith(HELION_PREFIX) and backend != "helion":
             raise ValueError(f"arm {spec!r}: {key} applies to helion arms only")
         ov[key] = yaml.safe_load(value)
-        if key == "model.mamba_fused_norm" and not isinstance(ov[key], bool):
+        if key == FUSED_NORM and not isinstance(ov[key], bool):
             raise ValueError(f"arm {spec!r}: {key}={value} must be true or false")
     return Arm(backend, tuple(ov.items()))
-
-
-FUSED_NORM = "model.mamba_fused_norm"
 
 
 def parse_op_arm(spec: str) -> Arm:
@@ -198,8 +197,9 @@ def arm_backends(cfg, arms) -> dict:
 
 def apply_arm(ctx, arm: Arm, backends: dict) -> None:
     """Switch ``ctx`` (a ``nano_hybrid.trainer.Trainer``) to ``arm`` in place: the kernel backend, the mixers' gated
-    norm in or after the op (``model.mamba_fused_norm``), the LM head + loss (``LMLossMambaModel`` attributes), the AdamW implementation and the fp8 matmuls (``train.fp8``); keys the arm does not set take the
-    composed config's values, so every arm is fully determined."""
+    norm in or after the op (``model.mamba_fused_norm``), the LM head + loss (``LMLossMambaModel`` attributes), the
+    AdamW implementation and the fp8 matmuls (``train.fp8``); keys the arm does not set take the composed config's
+    values, so every arm is fully determined."""
     from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
     from nano_hybrid.optim import set_adam_fused
 
@@ -208,7 +208,8 @@ def apply_arm(ctx, arm: Arm, backends: dict) -> None:
     cfg = ctx.cfg
     mcfg = model_dict(cfg.model)  # the model keys' defaults filled in (model/config.py MODEL_DEFAULTS)
     values = {"model.lm_head_loss": mcfg["lm_head_loss"], "model.lm_loss_chunk_tokens": mcfg["lm_loss_chunk_tokens"],
-              "model.mamba_fused_norm": mcfg["mamba_fused_norm"], "optim.fused": cfg.optim.fused, "train.fp8": cfg.train.fp8, **dict(arm.overrides)}
+              FUSED_NORM: mcfg["mamba_fused_norm"], "optim.fused": cfg.optim.fused, "train.fp8": cfg.train.fp8,
+              **dict(arm.overrides)}
     m = {"lm_head_loss": values["model.lm_head_loss"], "lm_loss_chunk_tokens": values["model.lm_loss_chunk_tokens"]}
     choice, chunk = lm_head_settings(m)
     check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))
@@ -221,7 +222,7 @@ def apply_arm(ctx, arm: Arm, backends: dict) -> None:
     if str(values["train.fp8"]) not in FP8_RECIPES:
         raise ValueError(f"arm {arm.label}: train.fp8={values['train.fp8']!r}; choose one of {', '.join(FP8_RECIPES)}")
     set_kernel_backend(ctx.model, backends[arm])
-    set_fused_norm(ctx.model, values["model.mamba_fused_norm"])
+    set_fused_norm(ctx.model, values[FUSED_NORM])
     model = training.unwrap_model(ctx.model)
     # train.fp8: the chosen linears' matmul class is switched in place on the same Parameters (model/fp8.py)
     apply_fp8(model, str(values["train.fp8"]), tuple(str(k) for k in cfg.train.fp8_modules))
