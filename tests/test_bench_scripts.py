@@ -268,7 +268,7 @@ def test_bench_kernels_helion_settings_arms(tmp_path):
 def test_bench_kernels_fused_norm_arm(tmp_path):
     """An op-level arm with model.mamba_fused_norm=true runs the mixer rows with the gated norm inside the op (the op
     gets the norm's weight, the norm module is not called): in fp32 the torch reference computes the same expression
-    either way, so outputs and gradients are equal; the JSON names the arm's setting."""
+    either way, so outputs and gradients agree to fp32 rounding; the JSON names the arm's setting."""
     from types import SimpleNamespace
 
     import torch
@@ -300,7 +300,7 @@ def test_bench_kernels_fused_norm_arm(tmp_path):
                   "--no-control", "--out", str(tmp_path)])
     d = json.loads((tmp_path / "kernels_torch_vs_torch+mamba_fused_norm-true_tiny.json").read_text())
     errs = d["correctness"]["torch+mamba_fused_norm-true_vs_torch"]
-    assert rc == 0 and d["correctness"]["passed"] and max(errs.values()) == 0.0, errs
+    assert rc == 0 and d["correctness"]["passed"] and max(errs.values()) <= 1e-6, errs
     assert d["arm_settings"]["torch+mamba_fused_norm-true"] == {"backend": "torch", "model.mamba_fused_norm": True}
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import random
@@ -316,15 +317,24 @@ def search_pair(args, case, name: str, shape: str, per_budget: float, run: dict,
           + (f"; peak GPU memory {peak / 2**30:.2f} GiB" if peak is not None else ""), flush=True)
 
 
+@functools.lru_cache(maxsize=4)
+def _run_config(overrides: tuple[str, ...]):
+    """The config a run with ``overrides`` composes (once per overrides); ValueError naming them on a bad one."""
+    from nano_hybrid.config import ConfigError, compose
+
+    try:
+        return compose(list(overrides))
+    except ConfigError as e:
+        raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
+
+
 def run_settings(overrides: list[str]) -> HelionSettings | None:
     """The ``kernels.helion`` settings of the run ``overrides`` describe (None without overrides: the defaults)."""
     if not overrides:
         return None
-    from nano_hybrid.config import ConfigError, compose
-
     try:
-        return HelionSettings.from_mapping(compose(list(overrides)).kernels.get("helion") or {})
-    except (ConfigError, HelionSettingsError) as e:
+        return HelionSettings.from_mapping(_run_config(tuple(overrides)).kernels.get("helion") or {})
+    except HelionSettingsError as e:
         raise ValueError(f"overrides {' '.join(overrides)}: {e}") from None
 
 
@@ -332,10 +342,9 @@ def run_fused_norm(overrides: list[str]) -> bool:
     """``model.mamba_fused_norm`` of the run ``overrides`` describe (False without overrides: the default)."""
     if not overrides:
         return False
-    from nano_hybrid.config import compose
     from nano_hybrid.model.config import model_dict
 
-    value = model_dict(compose(list(overrides)).model)["mamba_fused_norm"]
+    value = model_dict(_run_config(tuple(overrides)).model)["mamba_fused_norm"]
     if not isinstance(value, bool):
         raise ValueError(f"overrides {' '.join(overrides)}: model.mamba_fused_norm={value!r} must be true or false")
     return value
@@ -349,13 +358,13 @@ def resolve_shapes(overrides: list[str], presets: str | None, model_dims: str | 
     if overrides:
         if presets:
             raise ValueError("give either a run's overrides or --shapes, not both")
-        from nano_hybrid.config import ConfigError, compose
+        from nano_hybrid.config import ConfigError
         from nano_hybrid.model.config import mixer_dims
 
         from kernels.shapes import UnsupportedShapeError, check_supported
 
         try:
-            dims = mixer_dims(compose(list(overrides)))
+            dims = mixer_dims(_run_config(tuple(overrides)))
             check_supported(nheads=dims["h"], headdim=dims["p"], ngroups=dims["g"], dstate=dims["n"],
                             chunk_size=dims["c"], conv_width=dims["w"], batch=dims["b"], seqlen=dims["l"])
         except (ConfigError, UnsupportedShapeError) as e:
