@@ -161,17 +161,15 @@ def helion_training_kernels(settings: HelionSettings | None = None, fused_norm: 
     chunk scan runs only in comparisons and inference. With ``state_passing=auto`` both state paths' kernels, so
     that the tuned times choose between them (``kernels.ssd_helion.choose_state_passing``). ``fused_norm``
     (``model.mamba_fused_norm``): the op runs the gated norm, whose kernels read z, and the SSD backward's first
-    kernel is ``ssd_bwd_dstates``. ``save_cb``: ``ssd_bwd_dx`` reads the forward's C·Bᵀ in x's dtype, which it is
-    tuned for apart (``ssd_bwd_dx_cb16``).
+    kernel is ``ssd_bwd_dstates``.
     tests/test_mamba_split_helion.py checks it against the calls."""
     mode = "auto" if settings is None else settings.state_passing
     states = {"fused": ("ssd_chunk_state_passing",), "split": ("ssd_chunk_state", "ssd_state_passing")}.get(
         mode, ("ssd_chunk_state_passing", "ssd_chunk_state", "ssd_state_passing"))
     first, norm = (("ssd_bwd_dstates",), ("rmsnorm_fwd_z", "rmsnorm_bwd_z")) if fused_norm else \
         (("ssd_bwd_dz_dstates",), ("rmsnorm_fwd", "rmsnorm_bwd"))
-    dx = "ssd_bwd_dx_cb16" if settings is not None and settings.save_cb else "ssd_bwd_dx"
     return ("conv1d_fwd", "conv1d_bwd", "ssd_chunk_cumsum", *states, "ssd_bmm_chunk", "ssd_chunk_scan_cb16",
-            *first, "ssd_bwd_state_passing", dx, "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt", *norm)
+            *first, "ssd_bwd_state_passing", "ssd_bwd_dx", "ssd_bwd_dc_dcb", "ssd_bwd_db", "ssd_bwd_dt", *norm)
 
 
 HELION_TRAINING_KERNELS = helion_training_kernels()  # with the default settings

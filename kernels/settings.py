@@ -33,8 +33,7 @@ save_cb             false      the fused op's forward also keeps its C·Bᵀ (b,
                                less and half of C·Bᵀ's bytes, for b l g c more elements per Mamba layer (33.6 MB at
                                Nano's 2 x 8192 in bf16; the memory planner counts them). Bitwise the same gradients
                                in fp32; in bf16 what ssd_bwd_dx computes (dx, ddt and the ddA sums) sees the
-                               rounding, the other gradients are bitwise the same; ssd_bwd_dx then runs under
-                               the tuning name ssd_bwd_dx_cb16 (its configs tuned for a C·Bᵀ in x's dtype). Needs
+                               rounding, the other gradients are bitwise the same. Needs
                                save_conv_states (with it off the backward recomputes C·Bᵀ with the states)
 state_passing       auto       how the forward (and the backward's recompute) computes the states entering each
                                chunk: "fused" (``ssd_chunk_state_passing``: one program per (batch, head, headdim

@@ -398,7 +398,6 @@ _DEFAULTS = {
     "ssd_bwd_dstates": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
     "ssd_bwd_state_passing": helion.Config(block_sizes=[], num_warps=4, num_stages=1),
     "ssd_bwd_dx": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
-    "ssd_bwd_dx_cb16": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=1),  # ssd_bwd_dx's tuned Nano blocks
     "ssd_bwd_dc_dcb": helion.Config(block_sizes=[64], num_warps=4, num_stages=2),
     "ssd_bwd_db": helion.Config(block_sizes=[64, 64], num_warps=4, num_stages=2),
     "ssd_bwd_dt": helion.Config(block_sizes=[], num_warps=4, num_stages=1),
@@ -408,7 +407,6 @@ _MULTI_BLOCK_SEEDS = {
     "ssd_bwd_db": [[64, 64], [32, 32], [32, 64], [64, 32], [128, 64], [64, 128], [32, 128], [16, 64]],
     "ssd_bwd_dx": [[64, 64], [32, 32], [32, 64], [64, 32], [64, 128], [32, 128], [128, 64], [128, 128]],
 }
-_MULTI_BLOCK_SEEDS["ssd_bwd_dx_cb16"] = _MULTI_BLOCK_SEEDS["ssd_bwd_dx"]
 # The dtype of dstates (b, nc, h, p, n), the per-chunk state gradients dz_dstates writes and the backward state passing
 # reads once (268 MB per layer in fp32 at the Nano shape): "input" (x's dtype, half the bytes; each chunk's term is
 # rounded before the fp32 running sum) or "fp32" (as mamba-ssm); ``HelionSettings.bwd_dstates_dtype``.
@@ -419,7 +417,6 @@ _KERNELS = {
     "ssd_bwd_dstates": ssd_bwd_dstates,
     "ssd_bwd_state_passing": ssd_bwd_state_passing,
     "ssd_bwd_dx": ssd_bwd_dx,
-    "ssd_bwd_dx_cb16": ssd_bwd_dx,  # the same kernel, tuned apart: C·Bᵀ in x's dtype (kernels.helion.save_cb)
     "ssd_bwd_dc_dcb": ssd_bwd_dc_dcb,
     "ssd_bwd_db": ssd_bwd_db,
     "ssd_bwd_dt": ssd_bwd_dt,
@@ -438,14 +435,6 @@ def _has_blocks(name: str) -> bool:
 # each kernel's first-use search seeds (its block-size seeds; none for a kernel without block sizes)
 _CALL_SEEDS = {name: tuple({"block_sizes": bs} for bs in _block_seeds(name)) if _has_blocks(name) else ()
                for name in _KERNELS}
-
-
-def dx_tuning_name(cb_dtype: torch.dtype) -> str:
-    """The tuning name ``ssd_bwd_dx`` runs under for a C·Bᵀ of ``cb_dtype``: ``ssd_bwd_dx`` for the fp32 C·Bᵀ the
-    backward recomputes, ``ssd_bwd_dx_cb16`` for the forward's, in x's dtype, that ``kernels.helion.save_cb`` keeps
-    (its loads and the tile code Triton generates for them differ, so a config tuned for one dtype is not the
-    other's)."""
-    return "ssd_bwd_dx" if cb_dtype == torch.float32 else "ssd_bwd_dx_cb16"
 
 
 def _call(name: str, args: tuple, dims: dict):
@@ -590,7 +579,7 @@ def ssd_backward_helion(
     dx_args = (xc, doxc, Bc, CB, dt_out, dA_cumsum, dL, m["last_keep"], Dw, dxc)
     # dx over row tiles; the per-row-tile ddacs_row partials are summed here (8 MB at the Nano shape), the dD
     # partials (b, nc, row tiles, h, p) at the end, in one reduction
-    ddt_out, row_part, ddacs_col, dD_part = _call(dx_tuning_name(CB.dtype), dx_args, dims)
+    ddt_out, row_part, ddacs_col, dD_part = _call("ssd_bwd_dx", dx_args, dims)
     ddacs_row = row_part.sum(dim=3)
     dBc, dCc = buf("dB", Bc), buf("dC", Cc)
     ddacs_prev, dCB = _call("ssd_bwd_dc_dcb", (xc, doxc, Bc, Cc, dt_out, dA_cumsum, states_in, m["same_seq"],
@@ -655,9 +644,8 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
                 None, r(b, h, ns, blk, dtype=f32), torch.empty(0, dtype=bf, device=device)), \
             dict(kd, blk=blk)
     # states_in and dL (b, nc, h, p, n) in x.dtype, as the fused op's backward passes them by default
-    if name in ("ssd_bwd_dx", "ssd_bwd_dx_cb16"):  # C·Bᵀ recomputed in fp32, or the forward's in x's dtype
-        cb = r(b, nc, g, c, c, dtype=f32 if name == "ssd_bwd_dx" else bf)
-        return (r(*xs), r(*xs), r(b, nc, c, g, n), cb, dt, dac, r(b, nc, h, p, n),
+    if name == "ssd_bwd_dx":
+        return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, g, c, c, dtype=f32), dt, dac, r(b, nc, h, p, n),
                 None, r(h, p, dtype=f32), r(*xs)), kd
     if name == "ssd_bwd_dc_dcb":
         return (r(*xs), r(*xs), r(b, nc, c, g, n), r(b, nc, c, g, n), dt, dac, r(b, nc, h, p, n),
@@ -673,8 +661,7 @@ def _example_args(name: str, dims: dict, device) -> tuple[tuple, dict]:
 
 
 # argument positions of the result buffers each kernel writes (compared by the tuner)
-_OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dx_cb16": (9,), "ssd_bwd_dt": (9,),
-             "ssd_bwd_dc_dcb": (9,), "ssd_bwd_db": (7,)}
+_OUT_ARGS = {"ssd_bwd_dz_dstates": (6,), "ssd_bwd_dx": (9,), "ssd_bwd_dt": (9,), "ssd_bwd_dc_dcb": (9,), "ssd_bwd_db": (7,)}
 
 
 def _tune_builder(name: str):
@@ -686,7 +673,7 @@ def _tune_builder(name: str):
 
         def finalize(raw, a, idx=out_args):  # results written into argument buffers + returned ones
             outs = list(tuner.flatten_outputs(raw))
-            if name in ("ssd_bwd_dx", "ssd_bwd_dx_cb16"):
+            if name == "ssd_bwd_dx":
                 # its partials have one slot per row tile (the shape depends on the config): compare their sums
                 outs[1], outs[3] = outs[1].sum(dim=3), outs[3].sum(dim=2)
             return tuple(a[i] for i in idx) + tuple(outs)

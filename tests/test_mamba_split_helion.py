@@ -846,14 +846,12 @@ def test_short_and_partial_chunk_shapes_vs_mamba_ssm(b, l, doc):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpret-mode call record (CPU)")
-@pytest.mark.parametrize("mode,fused_norm,save_cb", [("fused", False, False), ("split", False, False),
-                                                     ("fused", True, False), ("fused", False, True)])
-def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode, fused_norm, save_cb):
+@pytest.mark.parametrize("mode,fused_norm", [("fused", False), ("split", False), ("fused", True)])
+def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode, fused_norm):
     """``registry.helion_training_kernels(settings, fused_norm)`` (what a run's pretuning tunes) is exactly the set of
     tunable kernels that the fused op's forward + backward (with and without seq_idx) and Megatron's gated RMSNorm
     module (no z) call with those settings, or with ``fused_norm`` the op with the norm inside; with
-    ``state_passing=auto`` (the default) it is both paths' kernels, whose tuned times choose between them. With
-    ``save_cb`` the backward's dx kernel reads the forward's bf16 C·Bᵀ under its own tuning name."""
+    ``state_passing=auto`` (the default) it is both paths' kernels, whose tuned times choose between them."""
     from fused_op_counts import count
 
     from kernels import first_use
@@ -861,7 +859,7 @@ def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode, fuse
     from kernels.settings import HelionSettings
     from kernels.tuner import discover_tunable_kernels
 
-    settings = HelionSettings(state_passing=mode, save_cb=save_cb)
+    settings = HelionSettings(state_passing=mode)
     called = set()
     orig = first_use.tuned_call
     monkeypatch.setattr(first_use, "tuned_call", lambda name, *a, **k: called.add(name) or orig(name, *a, **k))
@@ -874,9 +872,8 @@ def test_training_kernels_are_what_a_training_step_calls(monkeypatch, mode, fuse
     assert called == set(helion_training_kernels(settings, fused_norm)) and called <= set(discover_tunable_kernels())
     fused = mode == "fused"
     assert ("ssd_chunk_state_passing" in called) == fused and ("ssd_state_passing" in called) != fused
-    assert ("ssd_bwd_dx_cb16" in called) == save_cb and ("ssd_bwd_dx" in called) != save_cb
     split_kernels = {"ssd_chunk_state", "ssd_state_passing"}
-    if not fused_norm and not save_cb:
+    if not fused_norm:
         assert set(HELION_TRAINING_KERNELS) == (called | split_kernels if fused else called | {"ssd_chunk_state_passing"})
 
 
