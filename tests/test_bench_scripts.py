@@ -2067,6 +2067,30 @@ def test_triton_source_dumps_and_compares(tmp_path):
     assert r.returncode == 2 and "needs HELION_INTERPRET unset" in r.stderr
 
 
+def test_triton_source_registers(tmp_path):
+    """``--registers`` compiles each dumped kernel for the arch with this host's Triton and ptxas (no GPU) and records
+    its registers per thread, spill and stack bytes, warps and stages, the warps and stages being those of the
+    config the run selects; an arch that is not an NVIDIA sm refuses before any work."""
+    env = {k: v for k, v in os.environ.items() if k != "HELION_INTERPRET"}
+    cmd = [sys.executable, str(SCRIPTS / "triton_source.py"), "--kernels", "rmsnorm_fwd,ssd_bwd_state_passing",
+           "--shapes", "nano_b4_l1024", "--registers"]
+    r = subprocess.run(cmd + ["--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=600, cwd=REPO,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    man = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    for pair, e in man["pairs"].items():
+        f = e["ptxas"]
+        assert 0 < f["registers"] <= 255, pair
+        assert f["spill_store_bytes"] >= 0 and f["spill_load_bytes"] >= 0 and f["stack_frame_bytes"] >= 0, pair
+        assert (f["num_warps"], f["num_stages"]) == (e["config"]["num_warps"], e["config"]["num_stages"]), pair
+        assert f["triton"] == man["triton"]
+        assert f"{pair:<48} {f['registers']:>4}" in r.stdout
+    r = subprocess.run(cmd + ["--out", str(tmp_path / "b"), "--arch", "gfx942"], capture_output=True, text=True,
+                       timeout=300, cwd=REPO, env=env)
+    assert r.returncode == 2 and "--registers needs an NVIDIA --arch" in r.stderr
+    assert not (tmp_path / "b" / "manifest.json").exists()
+
+
 def test_uninitialized_factories_keep_the_asked_device_dtype_and_shape():
     """The cases the tools bind are built where they will run: torch.randn / torch.rand under
     uninitialized_factories keep the device (here "meta", which needs no GPU), dtype and shape they are asked for,

@@ -17,9 +17,16 @@ source may differ from this one. So is a config whose indexing asks for block po
 none (removed in Triton 3.9) or for TMA descriptors without a GPU that has them: Helion generates pointer indexing
 here (``indexing_as_pointer``). ``--compare`` lists both kinds as ``unlike_gpu``.
 
+``--registers`` also compiles each source's kernel for ``--arch`` with this host's Triton (no GPU: Triton's own
+``ptxas``, ``-v``) and records per pair the registers per thread, the spill stores / loads and the stack frame in bytes,
+with the launch's warps and stages: a spill-free kernel at 255 registers still runs one CTA of 4 warps per 32k registers.
+A Triton other than the GPU host's gives that Triton's figures (put the GPU host's release first on ``PYTHONPATH``:
+Triton 3.6 keeps block pointers, which Triton 3.9 lowers as pointers, at more registers per tile).
+
 Output under ``--out``: ``<shape>/<kernel>.py`` and ``manifest.json`` (versions, arch, shapes, per pair: the
-normalized config, how it was chosen, the source's sha256); with ``--compare``, ``compare.json`` (identical /
-differing / missing pairs) and ``compare.diff`` (a unified diff per differing pair). Needs ``HELION_INTERPRET`` unset.
+normalized config, how it was chosen, the source's sha256, with ``--registers`` its ``ptxas`` figures); with
+``--compare``, ``compare.json`` (identical / differing / missing pairs) and ``compare.diff`` (a unified diff per
+differing pair). Needs ``HELION_INTERPRET`` unset.
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ import argparse
 import contextlib
 import difflib
 import hashlib
+import importlib.util
 import json
+import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -80,7 +90,85 @@ def stored_config(name: str, kernel, case, how: str, arch: str, rt, bound) -> di
     return {}
 
 
-def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, cache_dir: str | None) -> dict:
+_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
+                  torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
+
+
+def launch_of(source_file: Path, host_name: str, args: tuple) -> dict:
+    """The Triton kernel a generated module launches and its launch: the module's host function ``host_name`` run on
+    ``args`` (uninitialized CPU tensors are enough: it allocates and computes strides) with a launcher that records
+    instead of launching. Returns the jit function, its Triton signature and constexprs, the warps and stages."""
+    spec = importlib.util.spec_from_file_location(f"_triton_source_{source_file.stem}", source_file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    got: dict = {}
+
+    def record(fn, grid, *a, **kw):
+        got.update(fn=fn, args=a, kw=kw)
+
+    getattr(mod, host_name)(*args, _launcher=record)
+    fn, sig, const = got["fn"], {}, {}
+    for param, value in zip(fn.params, got["args"]):
+        name = param.name
+        if param.is_constexpr or value is None:
+            sig[name], const[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            sig[name] = _POINTER_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{source_file}: launch argument {name} is a {type(value).__name__}")
+    return dict(fn=fn, signature=sig, constexprs=const, num_warps=got["kw"].get("num_warps", 4),
+                num_stages=got["kw"].get("num_stages", 3))
+
+
+_PTXAS_LINE = re.compile(r"Used (\d+) registers")
+_SPILL_LINE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_figures(launch: dict, arch: str) -> dict:
+    """Compile ``launch`` (``launch_of``) for ``arch`` ("sm90") with this host's Triton and read ``ptxas -v``: registers
+    per thread, stack frame and spill bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cc = int(arch.removeprefix("sm"))
+    compiled = triton.compile(ASTSource(fn=launch["fn"], signature=launch["signature"], constexprs=launch["constexprs"]),
+                              target=GPUTarget("cuda", cc, 32),
+                              options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(cc).path  # the ptxas this Triton assembles the arch's PTX with
+    with tempfile_ptx(compiled.asm["ptx"]) as ptx:
+        r = subprocess.run([str(ptxas), f"-arch=sm_{cc}{'a' if cc >= 90 else ''}", "-v", str(ptx), "-o", "/dev/null"],
+                           capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {r.stderr.strip()[-500:]}")
+    regs, spill = _PTXAS_LINE.search(r.stderr), _SPILL_LINE.search(r.stderr)
+    if regs is None or spill is None:
+        raise RuntimeError(f"ptxas -v printed no register / spill line: {r.stderr.strip()[-500:]}")
+    return dict(registers=int(regs.group(1)), stack_frame_bytes=int(spill.group(1)),
+                spill_store_bytes=int(spill.group(2)), spill_load_bytes=int(spill.group(3)),
+                num_warps=launch["num_warps"], num_stages=launch["num_stages"], triton=triton.__version__)
+
+
+@contextlib.contextmanager
+def tempfile_ptx(text: str):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "kernel.ptx"
+        path.write_text(text)
+        yield path
+
+
+def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, cache_dir: str | None,
+         registers: bool = False) -> dict:
     """Write each (shape, kernel)'s Triton source under ``out``; returns the manifest."""
     registry = tuner.discover_tunable_kernels()
     rt = tuning.Runtime(tuning.HelionSettings(cache_dir=cache_dir or str(out / "no-user-cache")))
@@ -111,6 +199,10 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                                             if not here and kind in indexing],
                     "sha256": sha256(source),
                 }
+                if registers:
+                    with uninitialized_factories():
+                        launch = launch_of(out / shape / f"{name}.py", kernel.fn.__name__, tuple(case.args))
+                    pairs[f"{shape}/{name}"]["ptxas"] = ptxas_figures(launch, arch)
     env = env_info()
     return {"what": "Triton source of each tunable Helion kernel at each shape, with the config a run on the arch "
                     "selects from the stored files (nano_hybrid/bench/triton_source.py)",
@@ -158,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-dir", default=None, help="also read this user cache (kernels.helion.cache_dir)")
     ap.add_argument("--out", required=True, help="output folder (made if missing)")
     ap.add_argument("--compare", default=None, help="an earlier dump's folder to compare with")
+    ap.add_argument("--registers", action="store_true",
+                    help="also compile each kernel for --arch (ptxas -v): registers, spills, warps, stages")
     return ap
 
 
@@ -174,9 +268,17 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = dump(names, shape_dims, out, args.arch, args.cache_dir)
+    if args.registers and not re.fullmatch(r"sm\d+", args.arch):
+        ap.error(f"--registers needs an NVIDIA --arch such as sm90, got {args.arch!r}")
+    manifest = dump(names, shape_dims, out, args.arch, args.cache_dir, registers=args.registers)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"{len(manifest['pairs'])} (shape, kernel) pairs, helion {manifest['helion']}, arch {args.arch}: {out}")
+    if args.registers:
+        print(f"ptxas -v, Triton {manifest['triton']}: registers per thread / spill stores, bytes / warps / stages")
+        for pair, e in manifest["pairs"].items():
+            f = e["ptxas"]
+            print(f"  {pair:<48} {f['registers']:>4} {f['spill_store_bytes']:>6} {f['num_warps']:>3} {f['num_stages']:>2}"
+                  + ("  (pointer indexing here)" if e["indexing_as_pointer"] else ""))
     if old_dir is not None:
         old = json.loads((old_dir / "manifest.json").read_text())
         summary, diff = compare(manifest, old, out, old_dir)
