@@ -2083,12 +2083,13 @@ def test_triton_source_registers(tmp_path):
         assert 0 < f["registers"] <= 255, pair
         assert f["spill_store_bytes"] >= 0 and f["spill_load_bytes"] >= 0 and f["stack_frame_bytes"] >= 0, pair
         assert (f["num_warps"], f["num_stages"]) == (e["config"]["num_warps"], e["config"]["num_stages"]), pair
+        assert f["maxnreg"] == e["config"].get("maxnreg"), pair
         assert f["triton"] == man["triton"]
         assert f"{pair:<48} {f['registers']:>4}" in r.stdout
     r = subprocess.run(cmd + ["--out", str(tmp_path / "b"), "--arch", "gfx942"], capture_output=True, text=True,
                        timeout=300, cwd=REPO, env=env)
     assert r.returncode == 2 and "--registers needs an NVIDIA --arch" in r.stderr
-    assert not (tmp_path / "b" / "manifest.json").exists()
+    assert not (tmp_path / "b").exists()  # refused before any work
 
 
 def test_uninitialized_factories_keep_the_asked_device_dtype_and_shape():

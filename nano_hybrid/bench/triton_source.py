@@ -17,11 +17,12 @@ source may differ from this one. So is a config whose indexing asks for block po
 none (removed in Triton 3.9) or for TMA descriptors without a GPU that has them: Helion generates pointer indexing
 here (``indexing_as_pointer``). ``--compare`` lists both kinds as ``unlike_gpu``.
 
-``--registers`` also compiles each source's kernel for ``--arch`` with this host's Triton (no GPU: Triton's own
-``ptxas``, ``-v``) and records per pair the registers per thread, the spill stores / loads and the stack frame in bytes,
-with the launch's warps and stages: a spill-free kernel at 255 registers still runs one CTA of 4 warps per 32k registers.
-A Triton other than the GPU host's gives that Triton's figures (put the GPU host's release first on ``PYTHONPATH``:
-Triton 3.6 keeps block pointers, which Triton 3.9 lowers as pointers, at more registers per tile).
+``--registers`` also compiles each source's kernel for ``--arch`` with this host's Triton as a launch would (no GPU:
+Triton's argument specialization, the launch's options, its ptxas and flags) and records per pair, from that
+compile's ``ptxas -v`` log, the registers per thread, the spill stores / loads and the stack frame in bytes, with the
+warps, stages and maxnreg: at 255 registers and 4 warps an SM of 65,536 registers holds two CTAs. A config with a
+persistent ``pid_type`` is recorded as skipped (its host code asks the GPU for its SM count). Another Triton release
+than the GPU host's gives that release's figures: put the GPU host's first on ``PYTHONPATH``.
 
 Output under ``--out``: ``<shape>/<kernel>.py`` and ``manifest.json`` (versions, arch, shapes, per pair: the
 normalized config, how it was chosen, the source's sha256, with ``--registers`` its ``ptxas`` figures); with
@@ -38,7 +39,6 @@ import hashlib
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -90,14 +90,11 @@ def stored_config(name: str, kernel, case, how: str, arch: str, rt, bound) -> di
     return {}
 
 
-_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
-                  torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.bool: "*i1"}
-
-
 def launch_of(source_file: Path, host_name: str, args: tuple) -> dict:
     """The Triton kernel a generated module launches and its launch: the module's host function ``host_name`` run on
     ``args`` (uninitialized CPU tensors are enough: it allocates and computes strides) with a launcher that records
-    instead of launching. Returns the jit function, its Triton signature and constexprs, the warps and stages."""
+    instead of launching. Returns the jit function, its positional arguments and its launch options (warps, stages,
+    maxnreg, ...)."""
     spec = importlib.util.spec_from_file_location(f"_triton_source_{source_file.stem}", source_file)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -107,64 +104,44 @@ def launch_of(source_file: Path, host_name: str, args: tuple) -> dict:
         got.update(fn=fn, args=a, kw=kw)
 
     getattr(mod, host_name)(*args, _launcher=record)
-    fn, sig, const = got["fn"], {}, {}
-    for param, value in zip(fn.params, got["args"]):
-        name = param.name
-        if param.is_constexpr or value is None:
-            sig[name], const[name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            sig[name] = _POINTER_TYPES[value.dtype]
-        elif isinstance(value, bool):
-            sig[name] = "i1"
-        elif isinstance(value, int):
-            sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            sig[name] = "fp32"
-        else:
-            raise TypeError(f"{source_file}: launch argument {name} is a {type(value).__name__}")
-    return dict(fn=fn, signature=sig, constexprs=const, num_warps=got["kw"].get("num_warps", 4),
-                num_stages=got["kw"].get("num_stages", 3))
-
-
-_PTXAS_LINE = re.compile(r"Used (\d+) registers")
-_SPILL_LINE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+    return dict(fn=got["fn"], args=got["args"], options=got["kw"])
 
 
 def ptxas_figures(launch: dict, arch: str) -> dict:
-    """Compile ``launch`` (``launch_of``) for ``arch`` ("sm90") with this host's Triton and read ``ptxas -v``: registers
-    per thread, stack frame and spill bytes."""
+    """Compile ``launch`` (``launch_of``) for ``arch`` ("sm90") as a launch on that GPU would: Triton's own argument
+    specialization (16-byte alignment of pointers and integers, integers equal to 1), the launch's options, Triton's
+    ptxas and its flags; read the ptxas -v log of that compile: registers per thread, stack frame and spill bytes."""
+    import io
+
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
 
-    cc = int(arch.removeprefix("sm"))
-    compiled = triton.compile(ASTSource(fn=launch["fn"], signature=launch["signature"], constexprs=launch["constexprs"]),
-                              target=GPUTarget("cuda", cc, 32),
-                              options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = get_ptxas(cc).path  # the ptxas this Triton assembles the arch's PTX with
-    with tempfile_ptx(compiled.asm["ptx"]) as ptx:
-        r = subprocess.run([str(ptxas), f"-arch=sm_{cc}{'a' if cc >= 90 else ''}", "-v", str(ptx), "-o", "/dev/null"],
-                           capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise RuntimeError(f"ptxas failed: {r.stderr.strip()[-500:]}")
-    regs, spill = _PTXAS_LINE.search(r.stderr), _SPILL_LINE.search(r.stderr)
+    fn, kw = launch["fn"], dict(launch["options"])
+    target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch["args"], **kw)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # Triton prints its ptxas -v log
+        knobs.compilation.always_compile = True  # a cached binary would print none
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    name = compiled.metadata.name
+    text = log.getvalue()
+    start = text.find(f"Compiling entry function '{name}'")
+    regs = re.search(r"Used (\d+) registers", text[start:]) if start >= 0 else None
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text[start:]) \
+        if start >= 0 else None
     if regs is None or spill is None:
-        raise RuntimeError(f"ptxas -v printed no register / spill line: {r.stderr.strip()[-500:]}")
+        raise RuntimeError(f"{name}: Triton's ptxas log has no register / spill line for it: {text.strip()[-500:]}")
     return dict(registers=int(regs.group(1)), stack_frame_bytes=int(spill.group(1)),
                 spill_store_bytes=int(spill.group(2)), spill_load_bytes=int(spill.group(3)),
-                num_warps=launch["num_warps"], num_stages=launch["num_stages"], triton=triton.__version__)
-
-
-@contextlib.contextmanager
-def tempfile_ptx(text: str):
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "kernel.ptx"
-        path.write_text(text)
-        yield path
+                num_warps=options.num_warps, num_stages=options.num_stages, maxnreg=options.maxnreg,
+                triton=triton.__version__)
 
 
 def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, cache_dir: str | None,
@@ -199,7 +176,10 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                                             if not here and kind in indexing],
                     "sha256": sha256(source),
                 }
-                if registers:
+                if registers and str(cfg.config.get("pid_type", "flat")).startswith("persistent"):
+                    pairs[f"{shape}/{name}"]["ptxas"] = {
+                        "skipped": "persistent pid_type: its host code asks the GPU for its SM count"}
+                elif registers:
                     with uninitialized_factories():
                         launch = launch_of(out / shape / f"{name}.py", kernel.fn.__name__, tuple(case.args))
                     pairs[f"{shape}/{name}"]["ptxas"] = ptxas_figures(launch, arch)
@@ -266,10 +246,10 @@ def main(argv=None) -> int:
         print("error: triton_source.py needs HELION_INTERPRET unset (it generates the compiled kernels' source)",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.registers and not re.fullmatch(r"sm\d+", args.arch):
         ap.error(f"--registers needs an NVIDIA --arch such as sm90, got {args.arch!r}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     manifest = dump(names, shape_dims, out, args.arch, args.cache_dir, registers=args.registers)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"{len(manifest['pairs'])} (shape, kernel) pairs, helion {manifest['helion']}, arch {args.arch}: {out}")
@@ -277,6 +257,9 @@ def main(argv=None) -> int:
         print(f"ptxas -v, Triton {manifest['triton']}: registers per thread / spill stores, bytes / warps / stages")
         for pair, e in manifest["pairs"].items():
             f = e["ptxas"]
+            if "skipped" in f:
+                print(f"  {pair:<48} skipped: {f['skipped']}")
+                continue
             print(f"  {pair:<48} {f['registers']:>4} {f['spill_store_bytes']:>6} {f['num_warps']:>3} {f['num_stages']:>2}"
                   + ("  (pointer indexing here)" if e["indexing_as_pointer"] else ""))
     if old_dir is not None:
