@@ -2086,6 +2086,8 @@ def test_triton_source_registers(tmp_path):
         assert f["maxnreg"] == e["config"].get("maxnreg"), pair
         assert f["triton"] == man["triton"]
         assert f"{pair:<48} {f['registers']:>4}" in r.stdout
+        if e["how"] == "exact":
+            assert e["search"]["time_ms"] > 0 and e["search"]["gpu"], pair
     r = subprocess.run(cmd + ["--out", str(tmp_path / "b"), "--arch", "gfx942"], capture_output=True, text=True,
                        timeout=300, cwd=REPO, env=env)
     assert r.returncode == 2 and "--registers needs an NVIDIA --arch" in r.stderr

@@ -25,7 +25,8 @@ persistent ``pid_type`` is recorded as skipped (its host code asks the GPU for i
 than the GPU host's gives that release's figures: put the GPU host's first on ``PYTHONPATH``.
 
 Output under ``--out``: ``<shape>/<kernel>.py`` and ``manifest.json`` (versions, arch, shapes, per pair: the
-normalized config, how it was chosen, the source's sha256, with ``--registers`` its ``ptxas`` figures); with
+normalized config, how it was chosen, the source's sha256, for a committed entry its search's time and GPU, with
+``--registers`` its ``ptxas`` figures); with
 ``--compare``, ``compare.json`` (identical / differing / missing pairs) and ``compare.diff`` (a unified diff per
 differing pair). Needs ``HELION_INTERPRET`` unset.
 """
@@ -176,6 +177,9 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                                             if not here and kind in indexing],
                     "sha256": sha256(source),
                 }
+                if how == "exact":  # the committed entry's own search: its time and GPU
+                    entry = tuning.lookup(name, case.dims, arch=arch)[2]
+                    pairs[f"{shape}/{name}"]["search"] = {k: entry.get(k) for k in ("time_ms", "gpu", "date")}
                 if registers and str(cfg.config.get("pid_type", "flat")).startswith("persistent"):
                     pairs[f"{shape}/{name}"]["ptxas"] = {
                         "skipped": "persistent pid_type: its host code asks the GPU for its SM count"}
