@@ -2094,6 +2094,30 @@ def test_triton_source_registers(tmp_path):
     assert not (tmp_path / "b").exists()  # refused before any work
 
 
+def test_ptxas_figures_apply_the_register_cap():
+    """A config's maxnreg (which Helion leaves out of the launch without a CUDA device) caps the registers of the
+    compile ``--registers`` reads: a kernel holding 128 fp32 values per thread uses more than 64 registers without the
+    cap and at most 64 with it, and the figures record the cap."""
+    import triton
+    import triton.language as tl
+
+    from nano_hybrid.bench.triton_source import ptxas_figures
+
+    @triton.jit
+    def wide(x, y, n, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        v = tl.load(x + o, mask=o < n)
+        tl.store(y + o, tl.exp(v) * tl.sum(v * v, 0), mask=o < n)
+
+    import torch
+    x = torch.empty(4096)
+    launch = dict(fn=wide, args=(x, x, 4096, 4096), options=dict(num_warps=1, num_stages=1))
+    free = ptxas_figures(launch, "sm90")
+    capped = ptxas_figures(launch, "sm90", maxnreg=64)
+    assert free["registers"] > 64 and free["maxnreg"] is None
+    assert capped["registers"] <= 64 and capped["maxnreg"] == 64
+
+
 def test_uninitialized_factories_keep_the_asked_device_dtype_and_shape():
     """The cases the tools bind are built where they will run: torch.randn / torch.rand under
     uninitialized_factories keep the device (here "meta", which needs no GPU), dtype and shape they are asked for,

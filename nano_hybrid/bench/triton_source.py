@@ -108,11 +108,14 @@ def launch_of(source_file: Path, host_name: str, args: tuple) -> dict:
     return dict(fn=got["fn"], args=got["args"], options=got["kw"])
 
 
-def ptxas_figures(launch: dict, arch: str) -> dict:
+def ptxas_figures(launch: dict, arch: str, maxnreg: int | None = None) -> dict:
     """Compile ``launch`` (``launch_of``) for ``arch`` ("sm90") as a launch on that GPU would: Triton's own argument
     specialization (16-byte alignment of pointers and integers, integers equal to 1), the launch's options, Triton's
-    ptxas and its flags; read the ptxas -v log of that compile: registers per thread, stack frame and spill bytes."""
+    ptxas and its flags; read the ptxas -v log of that compile: registers per thread, stack frame and spill bytes.
+    ``maxnreg``: the config's register cap, which Helion passes only where it sees a CUDA device (so not here). The
+    compile's files go to a temporary Triton cache, not the user's."""
     import io
+    import tempfile
 
     import triton
     from triton import knobs
@@ -121,15 +124,19 @@ def ptxas_figures(launch: dict, arch: str) -> dict:
     from triton.runtime.jit import create_function_from_signature
 
     fn, kw = launch["fn"], dict(launch["options"])
+    if maxnreg is not None:
+        kw.setdefault("maxnreg", maxnreg)
     target = GPUTarget("cuda", int(arch.removeprefix("sm")), 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch["args"], **kw)
     options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
     log = io.StringIO()
-    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+    with knobs.nvidia.scope(), knobs.compilation.scope(), knobs.cache.scope(), tempfile.TemporaryDirectory() as tmp, \
+            contextlib.redirect_stdout(log):
         knobs.nvidia.dump_ptxas_log = True  # Triton prints its ptxas -v log
         knobs.compilation.always_compile = True  # a cached binary would print none
+        knobs.cache.dir = tmp
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     name = compiled.metadata.name
     text = log.getvalue()
@@ -186,7 +193,7 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                 elif registers:
                     with uninitialized_factories():
                         launch = launch_of(out / shape / f"{name}.py", kernel.fn.__name__, tuple(case.args))
-                    pairs[f"{shape}/{name}"]["ptxas"] = ptxas_figures(launch, arch)
+                    pairs[f"{shape}/{name}"]["ptxas"] = ptxas_figures(launch, arch, stored.get("maxnreg"))
     env = env_info()
     return {"what": "Triton source of each tunable Helion kernel at each shape, with the config a run on the arch "
                     "selects from the stored files (nano_hybrid/bench/triton_source.py)",
