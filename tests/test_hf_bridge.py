@@ -397,12 +397,27 @@ def _layout_worker(rank, world, port, hf_folder, out_dir):
     destroy_parallel()
 
 
-def test_import_and_export_under_tp2_and_ep2(exported, tmp_path):
+def _spawn_two_ranks(folder, tmp_path, tries=3) -> Path:
+    """Run ``_layout_worker`` on 2 gloo ranks; returns the folder they wrote. The rendezvous port is free when
+    picked, but another process (a parallel test worker) can take it before rank 0 listens on it: that start, and only
+    that, is tried again on a new port and into a new folder."""
     import torch.multiprocessing as mp
 
+    for attempt in range(tries):
+        out = tmp_path / f"ranks{attempt}"
+        try:
+            mp.start_processes(_layout_worker, args=(2, _free_port(), str(folder), str(out)), nprocs=2, join=True,
+                               start_method="spawn")
+            return out
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def test_import_and_export_under_tp2_and_ep2(exported, tmp_path):
     cfg, model, folder = exported["tiny"]
-    mp.start_processes(_layout_worker, args=(2, _free_port(), str(folder), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    tmp_path = _spawn_two_ranks(folder, tmp_path)
     tok = _tokens(s=32)
     with torch.no_grad():
         ref = model(tok, torch.arange(32)[None].expand_as(tok), None, labels=tok).float().mean().item()
