@@ -403,16 +403,19 @@ def _spawn_two_ranks(folder, tmp_path, tries=3) -> Path:
     that, is tried again on a new port and into a new folder."""
     import torch.multiprocessing as mp
 
-    for attempt in range(tries):
+    def start(attempt):
         out = tmp_path / f"ranks{attempt}"
+        mp.start_processes(_layout_worker, args=(2, _free_port(), str(folder), str(out)), nprocs=2, join=True,
+                           start_method="spawn")
+        return out
+
+    for attempt in range(tries - 1):
         try:
-            mp.start_processes(_layout_worker, args=(2, _free_port(), str(folder), str(out)), nprocs=2, join=True,
-                               start_method="spawn")
-            return out
+            return start(attempt)
         except mp.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e) or attempt == tries - 1:
+            if "EADDRINUSE" not in str(e):
                 raise
-    raise AssertionError("unreachable")
+    return start(tries - 1)
 
 
 def test_import_and_export_under_tp2_and_ep2(exported, tmp_path):

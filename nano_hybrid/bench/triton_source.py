@@ -26,9 +26,8 @@ than the GPU host's gives that release's figures: put the GPU host's first on ``
 
 Output under ``--out``: ``<shape>/<kernel>.py`` and ``manifest.json`` (versions, arch, shapes, per pair: the
 normalized config, how it was chosen, the source's sha256, for a committed entry its search's time and GPU, with
-``--registers`` its ``ptxas`` figures); with
-``--compare``, ``compare.json`` (identical / differing / missing pairs) and ``compare.diff`` (a unified diff per
-differing pair). Needs ``HELION_INTERPRET`` unset.
+``--registers`` its ``ptxas`` figures); with ``--compare``, ``compare.json`` (identical / differing / missing pairs)
+and ``compare.diff`` (a unified diff per differing pair). Needs ``HELION_INTERPRET`` unset.
 """
 
 from __future__ import annotations
