@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_ranks import spawn_ranks
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -363,12 +363,6 @@ def test_ours_to_hf_to_ours_trains_with_the_same_losses(single, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ TP2 and EP2
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _layout_worker(rank, world, port, hf_folder, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -397,30 +391,9 @@ def _layout_worker(rank, world, port, hf_folder, out_dir):
     destroy_parallel()
 
 
-def _spawn_two_ranks(folder, tmp_path, tries=3) -> Path:
-    """Run ``_layout_worker`` on 2 gloo ranks; returns the folder they wrote. The rendezvous port is free when
-    picked, but another process (a parallel test worker) can take it before rank 0 listens on it: that start, and only
-    that, is tried again on a new port and into a new folder."""
-    import torch.multiprocessing as mp
-
-    def start(attempt):
-        out = tmp_path / f"ranks{attempt}"
-        mp.start_processes(_layout_worker, args=(2, _free_port(), str(folder), str(out)), nprocs=2, join=True,
-                           start_method="spawn")
-        return out
-
-    for attempt in range(tries - 1):
-        try:
-            return start(attempt)
-        except mp.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e):
-                raise
-    return start(tries - 1)
-
-
 def test_import_and_export_under_tp2_and_ep2(exported, tmp_path):
     cfg, model, folder = exported["tiny"]
-    tmp_path = _spawn_two_ranks(folder, tmp_path)
+    spawn_ranks(_layout_worker, 2, str(folder), str(tmp_path))
     tok = _tokens(s=32)
     with torch.no_grad():
         ref = model(tok, torch.arange(32)[None].expand_as(tok), None, labels=tok).float().mean().item()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
 import torch
+from gloo_ranks import spawn_ranks
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -117,12 +117,6 @@ def test_initialize_single_process():
 
 
 # ------------------------------------------------------------------ two gloo ranks (CPU), tiny model
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, layouts, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -154,11 +148,8 @@ def _worker(rank, world, port, layouts, out_dir):
 
 def test_two_gloo_ranks_build_and_run_tiny_tp2_and_ep2(tmp_path):
     """tiny model forward/backward on 2 CPU ranks (gloo) with TP=2+SP and with EP=2."""
-    import torch.multiprocessing as mp
-
     layouts = ["tp2", "ep2"]
-    mp.start_processes(_worker, args=(2, _free_port(), layouts, str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(_worker, 2, layouts, str(tmp_path))
     expect = {"tp2": (2, 1, True), "ep2": (1, 2, False)}
     for layout in layouts:
         res = torch.load(tmp_path / f"{layout}.pt")

@@ -11,11 +11,11 @@ expert index (EP) -- and the first forward's loss must be the one-process loss.
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
 import torch
+from gloo_ranks import spawn_ranks
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -24,12 +24,6 @@ from nano_hybrid.parallel import destroy_parallel, initialize_parallel  # noqa: 
 
 OVERRIDES = ["model=tiny", "kernels.backend=torch", "model.seq_length=32"]
 LAYOUTS = ["dp2", "tp2", "ep2"]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(s=32, b=2):
@@ -93,9 +87,7 @@ def _expected_slice(name: str, full: torch.Tensor, m, tp: tuple[int, int], ep: t
 
 
 def test_initial_weights_do_not_depend_on_the_layout(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_worker, 2, str(tmp_path))
 
     # the one-process reference, same seed (initialize_parallel re-seeds even if already initialised)
     from megatron.core import parallel_state as ps

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import warnings
 
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_ranks
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 
@@ -25,12 +24,6 @@ OVERRIDES = ["model=tiny", "model.hybrid_override_pattern=M*EM*E", "kernels.back
              "train.train_iters=3", "train.device=cpu", "optim.warmup_iters=1", "optim.lr=3e-3",
              "logger.wandb.mode=disabled"]
 STEPS = 3
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batches(n, mbs=2, s=32):
@@ -90,8 +83,7 @@ def _worker(rank, world, port, out_dir, layout):
 
 def test_pp2_trains_like_one_process(tmp_path):
     for layout, world in (("single", 1), ("pp2", 2)):
-        mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path), layout), nprocs=world, join=True,
-                           start_method="spawn")
+        spawn_ranks(_worker, world, str(tmp_path), layout)
     ref = json.loads((tmp_path / "single_steps.json").read_text())
     pp2 = json.loads((tmp_path / "pp2_steps.json").read_text())
     assert (ref["pp"], pp2["pp"]) == (1, 2) and pp2["layers"] == [3]
