@@ -93,6 +93,7 @@ from nano_hybrid.config import ConfigError
 from nano_hybrid.errors import EXIT_BAD_INPUT
 from nano_hybrid.layout import LaunchEnv, ParallelDims
 from nano_hybrid.model.config import MODEL_DEFAULTS, RECOMPUTE_CHOICES, check_model_cfg, model_dict, recompute_settings
+from nano_hybrid.schema import check_numbers, positive_int
 
 GIB = 1024**3
 # GPUs of the verdict: name -> memory torch reports as total_memory (GiB)
@@ -377,12 +378,10 @@ PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", 
 
 def _check_plan_numbers(cfg) -> None:
     """The numbers the planner reads, checked as training checks them (ConfigError naming the key)."""
-    from nano_hybrid.runconfig import _positive_int, check_numbers
-
     check_numbers(cfg)
     for key in ("train.micro_batch_size", "train.global_batch_size", "train.seq_length",
                 *(f"parallel.{k}" for k in PARALLEL_SIZES)):
-        _positive_int(cfg, key)
+        positive_int(cfg, key)
     gpus = cfg.plan.gpus
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus <= 0):
         raise ConfigError(f"plan.gpus={gpus!r} must be a positive integer or null")

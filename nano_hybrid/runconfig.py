@@ -12,7 +12,6 @@ against the kernels' shape space.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from nano_hybrid.data import (
 from nano_hybrid.data.check import CorpusCheckError, check_corpus
 from nano_hybrid.layout import LaunchEnv, ParallelDims
 from nano_hybrid.model.fp8 import check_settings as check_fp8_settings
-from nano_hybrid.schema import GROUPS, RunConfig, check_keys
+from nano_hybrid.schema import RunConfig, check_keys, check_numbers, check_values, positive_int
 
 # The only places data.prepare_if_missing=stdlib builds the stdlib corpus: byte tokens (data=default) and the
 # 131k Tekken BPE (data=stdlib_bpe131k, the Nano default), each with the configured data.tokenizer.
@@ -67,73 +66,6 @@ class RunPlan:
         from nano_hybrid.model.build import resolve_backend
 
         return dataclasses.replace(self, backend=resolve_backend(cfg), backend_name=str(cfg.kernels.backend))
-
-
-# Keys read as numbers: a value that is not one (``optim.lr=abc``) is one line naming the key before any work.
-# (key, kind, nullable); kind "int" takes whole numbers only.
-NUMERIC_KEYS = (
-    ("seed", "int", False), ("model.seq_length", "int", False), ("model.vocab_size", "int", False),
-    ("optim.lr", "float", False), ("optim.min_lr", "float", False), ("optim.init_lr", "float", False),
-    ("optim.weight_decay", "float", False), ("optim.clip_grad", "float", False), ("optim.adam_beta1", "float", False),
-    ("optim.adam_beta2", "float", False), ("optim.adam_eps", "float", False), ("optim.warmup_iters", "int", False),
-    ("optim.lr_decay_iters", "int", True), ("optim.wsd_decay_fraction", "float", True), ("train.exit_after_minutes", "float", True),
-    ("train.torch_threads", "int", True),
-    ("data.num_workers", "int", True), ("data.prepare_workers", "int", True),
-    ("data.tokenizer.vocab_size", "int", True), ("data.tokenizer.num_special_tokens", "int", True),
-)
-
-
-def check_numbers(cfg: DictConfig) -> None:
-    """ConfigError naming the first key of NUMERIC_KEYS whose value is not a number of its kind."""
-    for key, kind, nullable in NUMERIC_KEYS:
-        v = OmegaConf.select(cfg, key, default=None)
-        if v is None and nullable:
-            continue
-        ok = not isinstance(v, bool) and (isinstance(v, int) if kind == "int" else isinstance(v, (int, float)))
-        if not ok and isinstance(v, str) and kind == "float":  # YAML reads 3e-3 (no dot) as a string
-            try:
-                float(v)
-                ok = True
-            except ValueError:
-                pass
-        if not ok:
-            what = "a whole number" if kind == "int" else "a number"
-            raise ConfigError(f"{key}={v!r} must be {what}" + (" or null" if nullable else ""))
-
-
-def check_values(cfg: DictConfig) -> None:
-    """ConfigError naming the first schema key whose value its type does not allow: a yes/no key that is not true
-    or false, a number key that is not finite (nan, inf)."""
-    def walk(node, schema: type, prefix: str) -> None:
-        for f in dataclasses.fields(schema):
-            if f.name not in node:
-                continue
-            key, kind = f"{prefix}.{f.name}", str(f.type).removeprefix("Optional[").removesuffix("]")
-            v = OmegaConf.select(node, f.name, default=None)
-            if dataclasses.is_dataclass(f.default_factory) and v is not None:
-                walk(node[f.name], f.default_factory, key)
-            elif v is None:
-                continue
-            elif kind == "bool" and not isinstance(v, bool):
-                raise ConfigError(f"{key}={v!r} must be true or false")
-            elif kind == "float" and not isinstance(v, bool):
-                try:
-                    finite = math.isfinite(float(v))
-                except (TypeError, ValueError):
-                    continue  # not a number: check_numbers names it
-                if not finite:
-                    raise ConfigError(f"{key}={v!r} must be a finite number")
-
-    for group, schema in GROUPS.items():
-        if group in cfg and cfg[group] is not None:
-            walk(cfg[group], schema, group)
-
-
-def _positive_int(cfg: DictConfig, key: str) -> int:
-    v = OmegaConf.select(cfg, key)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ConfigError(f"{key}={v!r} must be a positive integer")
-    return v
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -199,10 +131,10 @@ def validate_optim(o: DictConfig, train_iters: int) -> None:
 def _check_train(cfg: DictConfig) -> tuple[int, int, int, int]:
     """The loop's sizes and switches: (micro_batch_size, global_batch_size, seq_length, train_iters)."""
     t = cfg.train
-    mbs, gbs = _positive_int(cfg, "train.micro_batch_size"), _positive_int(cfg, "train.global_batch_size")
-    seq = _positive_int(cfg, "train.seq_length")
-    iters = _positive_int(cfg, "train.train_iters")
-    _positive_int(cfg, "train.log_interval")
+    mbs, gbs = positive_int(cfg, "train.micro_batch_size"), positive_int(cfg, "train.global_batch_size")
+    seq = positive_int(cfg, "train.seq_length")
+    iters = positive_int(cfg, "train.train_iters")
+    positive_int(cfg, "train.log_interval")
     if seq > int(cfg.model.seq_length):
         raise ConfigError(f"train.seq_length={seq} exceeds model.seq_length={cfg.model.seq_length}")
     if t.exit_after_minutes is not None and not float(t.exit_after_minutes) > 0:
@@ -289,7 +221,7 @@ def _check_eval(cfg: DictConfig) -> tuple[int, int]:
     eval_interval = cfg.train.eval_interval
     if not isinstance(eval_interval, int) or isinstance(eval_interval, bool) or eval_interval < 0:
         raise ConfigError(f"train.eval_interval={eval_interval!r} must be an integer >= 0 (0: no validation)")
-    eval_iters = _positive_int(cfg, "train.eval_iters") if eval_interval else 0
+    eval_iters = positive_int(cfg, "train.eval_iters") if eval_interval else 0
     return eval_interval, eval_iters
 
 

@@ -8,6 +8,9 @@ each YAML file of the group starts from it (``defaults: [schema, _self_]``), hol
     register()                  # before composing (nano_hybrid.config.compose does it)
     check_keys(cfg)             # a key the schema does not know: ConfigError with the closest known one;
                                 # a required key (REQUIRED, ``???``) left unset: ConfigError naming it
+    check_numbers(cfg)          # a number key that is not a number of its kind (NUMERIC_KEYS)
+    check_values(cfg)           # a yes/no key that is not true/false, a number key that is not finite
+    positive_int(cfg, key)      # the key's value, or ConfigError unless it is a positive integer
     run = RunConfig.from_cfg(cfg)   # after validation: typed, frozen (run.train.micro_batch_size is an int)
 """
 
@@ -15,10 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from omegaconf import DictConfig, OmegaConf
+
 from kernels.settings import HelionSettings
+from nano_hybrid.errors import ConfigError
 
 
 def doc(text: str, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING):
@@ -307,10 +314,6 @@ def optional_defaults(schema: type) -> dict[str, Any]:
 def check_keys(cfg) -> None:
     """ConfigError naming the first key of a schema group that the schema does not know (one added with
     ``+group.key=...``), with the closest known key; then the first required key left unset."""
-    from omegaconf import OmegaConf
-
-    from nano_hybrid.errors import ConfigError
-
     def walk(node, schema: type, prefix: str) -> None:
         fields = {f.name: f for f in dataclasses.fields(schema)}
         for k in node.keys():
@@ -332,3 +335,70 @@ def check_keys(cfg) -> None:
             if key not in cfg[group] or OmegaConf.is_missing(cfg[group], key):
                 raise ConfigError(f"{group}.{key} is required: set it in configs/{group}/<name>.yaml or with "
                                   f"{group}.{key}=...")
+
+
+# Keys read as numbers: a value that is not one (``optim.lr=abc``) is one line naming the key before any work.
+# (key, kind, nullable); kind "int" takes whole numbers only.
+NUMERIC_KEYS = (
+    ("seed", "int", False), ("model.seq_length", "int", False), ("model.vocab_size", "int", False),
+    ("optim.lr", "float", False), ("optim.min_lr", "float", False), ("optim.init_lr", "float", False),
+    ("optim.weight_decay", "float", False), ("optim.clip_grad", "float", False), ("optim.adam_beta1", "float", False),
+    ("optim.adam_beta2", "float", False), ("optim.adam_eps", "float", False), ("optim.warmup_iters", "int", False),
+    ("optim.lr_decay_iters", "int", True), ("optim.wsd_decay_fraction", "float", True), ("train.exit_after_minutes", "float", True),
+    ("train.torch_threads", "int", True),
+    ("data.num_workers", "int", True), ("data.prepare_workers", "int", True),
+    ("data.tokenizer.vocab_size", "int", True), ("data.tokenizer.num_special_tokens", "int", True),
+)
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """ConfigError naming the first key of NUMERIC_KEYS whose value is not a number of its kind."""
+    for key, kind, nullable in NUMERIC_KEYS:
+        v = OmegaConf.select(cfg, key, default=None)
+        if v is None and nullable:
+            continue
+        ok = not isinstance(v, bool) and (isinstance(v, int) if kind == "int" else isinstance(v, (int, float)))
+        if not ok and isinstance(v, str) and kind == "float":  # YAML reads 3e-3 (no dot) as a string
+            try:
+                float(v)
+                ok = True
+            except ValueError:
+                pass
+        if not ok:
+            what = "a whole number" if kind == "int" else "a number"
+            raise ConfigError(f"{key}={v!r} must be {what}" + (" or null" if nullable else ""))
+
+
+def check_values(cfg: DictConfig) -> None:
+    """ConfigError naming the first schema key whose value its type does not allow: a yes/no key that is not true
+    or false, a number key that is not finite (nan, inf)."""
+    def walk(node, schema: type, prefix: str) -> None:
+        for f in dataclasses.fields(schema):
+            if f.name not in node:
+                continue
+            key, kind = f"{prefix}.{f.name}", str(f.type).removeprefix("Optional[").removesuffix("]")
+            v = OmegaConf.select(node, f.name, default=None)
+            if dataclasses.is_dataclass(f.default_factory) and v is not None:
+                walk(node[f.name], f.default_factory, key)
+            elif v is None:
+                continue
+            elif kind == "bool" and not isinstance(v, bool):
+                raise ConfigError(f"{key}={v!r} must be true or false")
+            elif kind == "float" and not isinstance(v, bool):
+                try:
+                    finite = math.isfinite(float(v))
+                except (TypeError, ValueError):
+                    continue  # not a number: check_numbers names it
+                if not finite:
+                    raise ConfigError(f"{key}={v!r} must be a finite number")
+
+    for group, schema in GROUPS.items():
+        if group in cfg and cfg[group] is not None:
+            walk(cfg[group], schema, group)
+
+
+def positive_int(cfg: DictConfig, key: str) -> int:
+    v = OmegaConf.select(cfg, key)
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"{key}={v!r} must be a positive integer")
+    return v
