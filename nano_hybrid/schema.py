@@ -2,8 +2,9 @@
 ``parallel``, ``kernels`` and ``plan`` groups with its type, default and a one-line doc. This is the one place these defaults live.
 
 Each group's schema is registered in Hydra's ConfigStore as ``<group>/schema`` (a plain node: the values are
-checked by ``nano_hybrid.runconfig`` with one-line errors naming the key, not by OmegaConf's type conversion), and
-each YAML file of the group starts from it (``defaults: [schema, _self_]``), holding only what differs.
+checked by the checks below and ``nano_hybrid.runconfig``, with one-line errors naming the key, not by OmegaConf's
+type conversion), and each YAML file of the group starts from it (``defaults: [schema, _self_]``), holding only what
+differs.
 
     register()                  # before composing (nano_hybrid.config.compose does it)
     check_keys(cfg)             # a key the schema does not know: ConfigError with the closest known one;
