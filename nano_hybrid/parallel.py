@@ -21,7 +21,7 @@ def initialize_parallel(cfg: DictConfig, *, dims: ParallelDims | None = None, ba
     """Initialise torch.distributed, megatron's parallel_state and the model-parallel RNG seeds for ``dims``
     (default: ``ParallelDims.build(cfg)``, the layout of ``cfg.parallel`` in the launcher's world); returns it.
 
-    Under a launcher (``dims.launched``) uses ``env://``; otherwise a single-process world on a free local port.
+    Under a launcher (``dims.launched``) uses ``env://``; otherwise a single-process world on an in-process store.
     ``backend``: ``None`` -> nccl with CUDA, gloo without. Seeds: ``cfg.seed + 100 * pp_rank`` for torch/python
     RNGs (megatron's rule), then megatron's model-parallel streams (CUDA tracker on GPU, the CPU tracker on CPU).
     Idempotent for an already initialised megatron state of the same sizes. Megatron's ranks are checked against

@@ -266,8 +266,6 @@ class RunConfig:
     def from_cfg(cls, cfg) -> "RunConfig":
         """From a composed config that ``nano_hybrid.runconfig.validate`` has checked (values converted to the
         schema's types; a number YAML read as a string, such as 3e-3, becomes a float)."""
-        from omegaconf import OmegaConf
-
         return cls(**{f.name: _typed(GROUPS[f.name], OmegaConf.to_container(cfg[f.name], resolve=True))
                       for f in dataclasses.fields(cls)})
 
@@ -399,6 +397,7 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def positive_int(cfg: DictConfig, key: str) -> int:
+    """The key's value; ConfigError naming the key unless it is a positive integer."""
     v = OmegaConf.select(cfg, key)
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ConfigError(f"{key}={v!r} must be a positive integer")

@@ -1,29 +1,23 @@
 """``spawn_ranks(worker, world, *args)``: ``worker(rank, world, port, *args)`` on ``world`` spawned processes that
-meet at a free 127.0.0.1 port (``MASTER_PORT``).
+rendezvous (``init_method="env://"``) at 127.0.0.1:``port``; each worker sets ``MASTER_ADDR`` and ``MASTER_PORT``.
 
-The port is free when picked, but another process (a parallel test worker) can take it before rank 0 listens on it.
-That start, and only that (EADDRINUSE at the rendezvous, before any rank ran the test's work), is tried again on a
-new port; any other failure raises."""
+The calling process hosts the rendezvous store, as torchrun's agent does, on a port the system assigns while it binds
+(port 0), and the ranks connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE``): no port is picked free and bound
+later, so tests that run side by side cannot take each other's port."""
 
 from __future__ import annotations
 
-import socket
+import os
 
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, worker, world: int, port: int, args: tuple) -> None:
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank a client of the store spawn_ranks hosts
+    worker(rank, world, port, *args)
 
 
-def spawn_ranks(worker, world: int, *args, tries: int = 3) -> None:
-    for attempt in range(tries):
-        try:
-            mp.start_processes(worker, args=(world, free_port(), *args), nprocs=world, join=True,
-                               start_method="spawn")
-            return
-        except mp.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e) or attempt == tries - 1:
-                raise
+def spawn_ranks(worker, world: int, *args) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # served until this call returns
+    mp.start_processes(_rank, args=(worker, world, store.port, args), nprocs=world, join=True, start_method="spawn")
