@@ -363,9 +363,7 @@ def test_ours_to_hf_to_ours_trains_with_the_same_losses(single, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ TP2 and EP2
-def _layout_worker(rank, world, port, hf_folder, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _layout_worker(rank, world, hf_folder, out_dir):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps

@@ -117,9 +117,7 @@ def test_initialize_single_process():
 
 
 # ------------------------------------------------------------------ two gloo ranks (CPU), tiny model
-def _worker(rank, world, port, layouts, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, layouts, out_dir):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps

@@ -42,9 +42,7 @@ def _snapshot(model) -> dict:
     return {"tensors": tensors, "loss": loss}
 
 
-def _worker(rank, world, port, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, out_dir):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps

@@ -34,9 +34,7 @@ def _batches(n, mbs=2, s=32):
                "loss_mask": torch.ones(mbs, s)}
 
 
-def _worker(rank, world, port, out_dir, layout):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, out_dir, layout):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
 

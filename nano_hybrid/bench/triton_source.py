@@ -74,19 +74,20 @@ def sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def stored_config(name: str, kernel, case, how: str, arch: str, rt, bound) -> dict:
-    """The stored config, as stored, that the selection took (``how``: "exact" from the committed file, "cache"
-    from the user cache, "nearest" the first nearest tuned shape whose config fits); {} for a default."""
+def stored_entry(name: str, kernel, case, how: str, arch: str, rt, bound) -> dict:
+    """The stored entry (its config as stored, and its search's record) that the selection took (``how``: "exact"
+    from the committed file, "cache" from the user cache, "nearest" the first nearest tuned shape whose config
+    fits); {} for a default."""
     if how == "exact":
-        return tuning.lookup(name, case.dims, arch=arch)[2]["config"]
+        return tuning.lookup(name, case.dims, arch=arch)[2]
     if how not in ("cache", "nearest"):
         return {}
     c = tuning.choice_for(name, kernel, case.args, case.dims, case.default, arch=arch, rt=rt, bound=bound)
     if how == "cache":
-        return c.cache_entry()["config"]
+        return c.cache_entry()
     for source, key, entry in c.nearest():
         if c.fits(entry["config"], source, key) is not None:
-            return entry["config"]
+            return entry
     return {}
 
 
@@ -174,9 +175,10 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                 cfg = bound.config_spec.normalized_config(cfg)
                 source = bound.to_triton_code(cfg)
                 (out / shape / f"{name}.py").write_text(source)
-                stored = stored_config(name, kernel, case, how, arch, rt, bound)
+                entry = stored_entry(name, kernel, case, how, arch, rt, bound)
+                stored = entry.get("config", {})
                 indexing = json.dumps(cfg.config.get("indexing"))
-                pairs[f"{shape}/{name}"] = {
+                pairs[f"{shape}/{name}"] = pair = {
                     "kernel_dims": dict(case.dims), "how": how, "config": tuning.config_to_dict(cfg),
                     "device_keys": sorted(k for k in tuning.DEVICE_KEYS if stored.get(k)),
                     "indexing_as_pointer": [kind for kind, here in host_indexing.items()
@@ -184,15 +186,13 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                     "sha256": sha256(source),
                 }
                 if how == "exact":  # the committed entry's own search: its time and GPU
-                    entry = tuning.lookup(name, case.dims, arch=arch)[2]
-                    pairs[f"{shape}/{name}"]["search"] = {k: entry.get(k) for k in ("time_ms", "gpu", "date")}
+                    pair["search"] = {k: entry.get(k) for k in ("time_ms", "gpu", "date")}
                 if registers and str(cfg.config.get("pid_type", "flat")).startswith("persistent"):
-                    pairs[f"{shape}/{name}"]["ptxas"] = {
-                        "skipped": "persistent pid_type: its host code asks the GPU for its SM count"}
+                    pair["ptxas"] = {"skipped": "persistent pid_type: its host code asks the GPU for its SM count"}
                 elif registers:
                     with uninitialized_factories():
                         launch = launch_of(out / shape / f"{name}.py", kernel.fn.__name__, tuple(case.args))
-                    pairs[f"{shape}/{name}"]["ptxas"] = ptxas_figures(launch, arch, stored.get("maxnreg"))
+                    pair["ptxas"] = ptxas_figures(launch, arch, stored.get("maxnreg"))
     env = env_info()
     return {"what": "Triton source of each tunable Helion kernel at each shape, with the config a run on the arch "
                     "selects from the stored files (nano_hybrid/bench/triton_source.py)",
