@@ -17,7 +17,7 @@ d_zxbcdt and hands the SSD backward the ungated output's gradient (``ssd_bwd_dst
 ``ssd_bwd_dz_dstates``). Megatron's mixer passes it with ``model.mamba_fused_norm``; by default the norm runs as its
 own module after the op. ``outproj_weight`` raises NotImplementedError.
 
-Everything runs on Helion kernels (conv1d fwd/bwd of ``kernels/causal_conv1d.py``, the SSD
+Everything runs on Helion kernels (conv1d fwd/bwd of ``kernels/causal_conv1d_helion.py``, the SSD
 forward pieces and backward). Around them the op only takes views: z, xBC, dt are strided slices of
 zxbcdt and x, B, C slices of the conv output, passed to the kernels as they are (no ``.contiguous()``
 copies, no fp32 casts); the backward allocates d_zxbcdt once and the kernels write dz, dxBC (conv
@@ -40,9 +40,9 @@ from __future__ import annotations
 import torch
 
 from kernels import tuning
-from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
+from kernels.causal_conv1d_helion import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion
 from kernels.mamba_split import split_dims
-from kernels.rmsnorm_gated import rmsnorm_gated_bwd_helion, rmsnorm_gated_fwd_helion
+from kernels.rmsnorm_gated_helion import rmsnorm_gated_bwd_helion, rmsnorm_gated_fwd_helion
 from kernels.settings import HelionSettings
 from kernels.shapes import check_supported, padded_len
 from kernels.ssd_helion import (_pad_seq_idx, ssd_bmm_chunk_helion, ssd_chunk_cumsum_helion, ssd_chunk_pieces_helion,

@@ -177,7 +177,7 @@ HELION_TRAINING_KERNELS = helion_training_kernels()  # with the default settings
 _HELION_PARTS = {
     "mamba_split_conv1d_scan_combined": ("kernels.mamba_split_helion", "mamba_split_conv1d_scan_combined_helion"),
     "mamba_chunk_scan_combined": ("kernels.ssd_helion", "mamba_chunk_scan_combined_helion"),
-    "RMSNormGated": ("kernels.rmsnorm_gated", "RMSNormGatedHelion"),
+    "RMSNormGated": ("kernels.rmsnorm_gated_helion", "RMSNormGatedHelion"),
 }
 
 

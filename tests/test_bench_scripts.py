@@ -2199,7 +2199,7 @@ def test_bench_configs_body_arms(tmp_path, capsys):
     from nano_hybrid.bench import bench_configs as bc
 
     body = tmp_path / "body.py"
-    body.write_text("from kernels.rmsnorm_gated import rmsnorm_gated_fwd_kernel as fwd\nnot_a_kernel = 3\n")
+    body.write_text("from kernels.rmsnorm_gated_helion import rmsnorm_gated_fwd_kernel as fwd\nnot_a_kernel = 3\n")
     out = tmp_path / "out"
     rc = bc.main(["--kernel", "rmsnorm_fwd", "model=tiny", "--variant", 'w8={"num_warps": 8}', "--body",
                   f"same={body}:fwd", "--rounds", "2", "--iters", "1", "--warmup", "0", "--out", str(out)])
@@ -2232,7 +2232,7 @@ def test_bench_configs_body_module_is_importable_by_name(tmp_path):
     from nano_hybrid.bench import bench_configs as bc
 
     body = tmp_path / "body.py"
-    body.write_text("from kernels.rmsnorm_gated import rmsnorm_gated_fwd_kernel as fwd\n")
+    body.write_text("from kernels.rmsnorm_gated_helion import rmsnorm_gated_fwd_kernel as fwd\n")
     kernel = bc.load_body("reg", str(body), "fwd")
     mod = sys.modules.pop("bench_configs_body_reg")
     assert mod.fwd is kernel and mod.__file__ == str(body)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.causal_conv1d import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion, causal_conv1d_helion, causal_conv1d_ref
+from kernels.causal_conv1d import causal_conv1d_ref
+from kernels.causal_conv1d_helion import causal_conv1d_bwd_helion, causal_conv1d_fwd_helion, causal_conv1d_helion
 
 CPU = not torch.cuda.is_available()
 
@@ -333,7 +334,7 @@ def test_tuner_compares_final_results_across_lanes_per_program():
     each checked run) and the summed dweight/dbias, so configs with different lanes per program (different
     partial counts) pass the tuner's check."""
     from kernels import tuner, tuning
-    from kernels.causal_conv1d import TUNABLE_KERNELS
+    from kernels.causal_conv1d_helion import TUNABLE_KERNELS
 
     import helion
 
@@ -362,7 +363,7 @@ def test_triton_codegen(useseq, hasb, monkeypatch):
     without seq_idx / bias (Helion-side compile errors show up here, on CPU)."""
     import helion
 
-    from kernels import causal_conv1d as cc
+    from kernels import causal_conv1d_helion as cc
 
     monkeypatch.delenv("HELION_INTERPRET", raising=False)
     b, l, d = 1, 256, 384
@@ -385,7 +386,7 @@ def test_triton_codegen(useseq, hasb, monkeypatch):
 def _bwd_grads(run, x, wt, bias, seq, act, dy):
     """dx, dweight, dbias from ``causal_conv1d_bwd_kernel`` run by ``run(kernel, args)`` (args as
     ``causal_conv1d_bwd_helion`` builds them), summed as the wrapper does."""
-    from kernels import causal_conv1d as cc
+    from kernels import causal_conv1d_helion as cc
 
     xx, w4, bb, sq, silu, _, _ = cc._conv_prep(x, wt, bias, seq, act)
     dx = torch.full_like(dy.transpose(1, 2), float("nan"))  # (b, l, d); poisoned: every element must be written
@@ -452,7 +453,7 @@ def test_fwd_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
     reference, also for unsorted seq_idx; every output element is written."""
     import helion
 
-    from kernels import causal_conv1d as cc
+    from kernels import causal_conv1d_helion as cc
     from kernels import tuner, tuning
 
     x, wt, bias, seq, _ = _lane_case(b, d, l, w, seqkind, act, hasb, torch.float64)
@@ -463,7 +464,7 @@ def test_fwd_lane_boundaries_interpret(b, d, l, w, seqkind, act, hasb):
 
 
 def _fwd_out(run, x, wt, bias, seq, act):
-    from kernels import causal_conv1d as cc
+    from kernels import causal_conv1d_helion as cc
 
     xx, w4, bb, sq, silu, _, _ = cc._conv_prep(x, wt, bias, seq, act)
     return run(cc.causal_conv1d_fwd_kernel, (xx.transpose(1, 2), w4, bb, sq, silu)).transpose(1, 2)

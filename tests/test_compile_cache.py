@@ -19,7 +19,7 @@ import torch
 
 import helion
 from kernels import compile_cache, first_use, tuning
-from kernels import rmsnorm_gated as R
+from kernels import rmsnorm_gated_helion as R
 from kernels.settings import HelionSettings
 
 M, G, D = 64, 2, 16  # no committed sm90 entry: the nearest tuned shape's config runs, with its notice

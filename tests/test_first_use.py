@@ -21,7 +21,7 @@ import torch
 
 import helion
 from kernels import first_use, tuning
-from kernels import rmsnorm_gated as R
+from kernels import rmsnorm_gated_helion as R
 from kernels.settings import HelionSettings
 
 TESTS = Path(__file__).resolve().parent

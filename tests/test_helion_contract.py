@@ -13,11 +13,12 @@ import inspect
 import pytest
 import torch
 
-from kernels import causal_conv1d as cc
+from kernels import causal_conv1d_helion as cc
 from kernels import mamba_split_helion as msh
-from kernels import rmsnorm_gated as R
+from kernels import rmsnorm_gated_helion as R
 from kernels import ssd_helion as sh
 from kernels.mamba_split import mamba_split_conv1d_scan_combined_ref
+from kernels.rmsnorm_gated import rmsnorm_gated_ref
 from kernels.ssd import mamba_chunk_scan_combined_ref
 
 INF = float("inf")
@@ -193,6 +194,6 @@ def test_norm_supported_arguments_match_reference():
     x, z, w = torch.randn(5, 16, generator=gen), torch.randn(5, 16, generator=gen), torch.randn(16, generator=gen)
     for nbg in (True, False):
         kw = dict(z=z, eps=1e-3, group_size=8, norm_before_gate=nbg)
-        ref = R.rmsnorm_gated_ref(x, w, None, **kw)
+        ref = rmsnorm_gated_ref(x, w, None, **kw)
         torch.testing.assert_close(R.rmsnorm_fn_helion(x, w, None, **kw), ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(R.layernorm_fn_helion(x, w, None, is_rms_norm=True, **kw), ref, atol=1e-5, rtol=1e-5)

@@ -760,7 +760,7 @@ def test_fast_launch_gives_bitwise_equal_results():
     """kernels.tuning's FastLauncher (on by default) launches the same binaries with the same arguments:
     the fused op's output and gradients at a small and the Nano shape equal those of Helion's launcher
     bitwise, over repeated calls, and the repeated calls take the fast path."""
-    from kernels import rmsnorm_gated as R
+    from kernels import rmsnorm_gated_helion as R
     from kernels import tuning
 
     def run(shape, fast):

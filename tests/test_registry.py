@@ -13,6 +13,26 @@ def test_torch_backend_is_the_reference():
     assert norm(torch.randn(2, 8)).shape == (2, 8)
 
 
+def test_torch_backend_imports_no_helion():
+    """The torch backend (the default, and the CPU runs') loads the reference modules only: neither Helion nor the
+    Helion kernel modules are imported by building it and running its ops (a fresh process)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, torch\n"
+            "from kernels.registry import get_backend\n"
+            "be = get_backend('torch')\n"
+            "norm = be.RMSNormGated(8, eps=1e-5, group_size=4, norm_before_gate=False)\n"
+            "assert norm(torch.randn(2, 8), z=torch.randn(2, 8)).shape == (2, 8)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('helion', 'kernels'))))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "kernels.mamba_split" in loaded and "kernels.rmsnorm_gated" in loaded, loaded
+    assert not [m for m in loaded if m.split(".")[0] == "helion" or m.endswith("_helion")], loaded
+
+
 def test_unknown_backend_names_the_choices():
     with pytest.raises(UnknownBackendError, match="unknown kernel backend 'trition'.*torch, mamba_ssm, helion"):
         get_backend("trition")
@@ -49,7 +69,7 @@ def test_helion_switches_belong_to_the_backend():
     b = configure_backend("helion")
     assert a.deterministic and not b.deterministic and a.settings.autotune and not b.settings.autotune
     assert tuning.runtime().settings == HelionSettings()  # building a backend changes no process state
-    from kernels import rmsnorm_gated as R
+    from kernels import rmsnorm_gated_helion as R
 
     seen = []
 

@@ -17,13 +17,9 @@ import torch
 import helion
 from kernels import first_use, tuning
 from kernels import tuner
-from kernels import rmsnorm_gated as R
-from kernels.rmsnorm_gated import (
-    RMSNormGatedHelion,
-    rmsnorm_fn_helion,
-    rmsnorm_gated_bwd_kernel,
-    rmsnorm_gated_ref,
-)
+from kernels import rmsnorm_gated_helion as R
+from kernels.rmsnorm_gated import rmsnorm_gated_ref
+from kernels.rmsnorm_gated_helion import RMSNormGatedHelion, rmsnorm_fn_helion, rmsnorm_gated_bwd_kernel
 
 CPU = not torch.cuda.is_available()
 
@@ -154,7 +150,7 @@ def test_tuner_compares_final_results_across_rows_per_program():
     the backward depend on the config (dw partials: cdiv(M, rows_per_program) rows; dz is never
     written without z), so the TuneCase compares the final results (dx, summed dweight): two
     different rows-per-program configs must pass the tuner's check, and their raw outputs must not."""
-    from kernels.rmsnorm_gated import TUNABLE_KERNELS
+    from kernels.rmsnorm_gated_helion import TUNABLE_KERNELS
 
     case = TUNABLE_KERNELS["rmsnorm_bwd"](dict(b=1, l=48, h=4, p=16, g=2, n=16), torch.device("cpu"))
     assert case.finalize is not None

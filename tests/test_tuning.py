@@ -364,7 +364,7 @@ def test_committed_configs_fit_current_kernels(name):
     cfg = dict(entry["config"])
     cfg.pop("host_tensor_descriptors", None)
     if name == "rmsnorm_bwd":
-        from kernels.rmsnorm_gated import TUNABLE_KERNELS
+        from kernels.rmsnorm_gated_helion import TUNABLE_KERNELS
 
         case = TUNABLE_KERNELS[name](dict(b=1, l=256, h=8, p=64, g=2, n=16), "cpu")
         kern, args = case.kernel, case.args
