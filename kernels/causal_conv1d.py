@@ -7,8 +7,8 @@ left padding. With ``seq_idx`` (batch, seqlen) (packed sequences), inputs from a
 ``seq_idx`` differs from the output position's contribute zero, and positions with a negative ``seq_idx``
 (padding) output 0.
 
-This module holds the torch reference; the Helion kernels and their autograd wiring are in
-``kernels/causal_conv1d_helion.py``.
+This module holds the torch reference and ``docs_seq_idx`` (the seq_idx of equal packed documents that the tuning
+cases and benchmarks use); the Helion kernels and their autograd wiring are in ``kernels/causal_conv1d_helion.py``.
 """
 
 from __future__ import annotations

@@ -19,15 +19,22 @@ def test_torch_backend_imports_no_helion():
     import json
     import subprocess
     import sys
+    from pathlib import Path
 
     code = ("import json, sys, torch\n"
             "from kernels.registry import get_backend\n"
             "be = get_backend('torch')\n"
             "norm = be.RMSNormGated(8, eps=1e-5, group_size=4, norm_before_gate=False)\n"
             "assert norm(torch.randn(2, 8), z=torch.randn(2, 8)).shape == (2, 8)\n"
+            "h, p, g, n = 2, 4, 1, 4\n"  # the fused op at a tiny shape: zxbcdt (1, 8, 2*h*p + 2*g*n + h)
+            "zx = torch.randn(1, 8, 2 * h * p + 2 * g * n + h)\n"
+            "y = be.mamba_split_conv1d_scan_combined(zx, torch.randn(h * p + 2 * g * n, 4), None, torch.zeros(h),\n"
+            "    -torch.ones(h), torch.ones(h), 4, headdim=p, ngroups=g)\n"
+            "assert y.shape == (1, 8, h * p)\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('helion', 'kernels'))))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip(), r.stdout[-2000:] + r.stderr[-2000:]
     loaded = json.loads(r.stdout.strip().splitlines()[-1])
     assert "kernels.mamba_split" in loaded and "kernels.rmsnorm_gated" in loaded, loaded
     assert not [m for m in loaded if m.split(".")[0] == "helion" or m.endswith("_helion")], loaded

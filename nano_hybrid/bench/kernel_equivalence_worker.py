@@ -62,7 +62,9 @@ def run_tree(shape_name: str, seed: int, device: str, out_path: str) -> None:
 
     try:
         from kernels.rmsnorm_gated_helion import RMSNormGatedHelion
-    except ModuleNotFoundError:  # a tree whose kernels/rmsnorm_gated.py holds the reference and the Helion kernels
+    except ModuleNotFoundError as e:  # a tree whose kernels/rmsnorm_gated.py holds the reference and the Helion kernels
+        if e.name != "kernels.rmsnorm_gated_helion":
+            raise
         from kernels.rmsnorm_gated import RMSNormGatedHelion
 
     shape = SHAPES[shape_name]
