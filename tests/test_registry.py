@@ -56,7 +56,7 @@ def test_gpu_backends_unavailable_on_cpu_with_one_line(monkeypatch):
 
 
 def test_kernel_switches_are_validated_not_ignored():
-    from kernels.registry import KernelSwitchError, configure_backend
+    from kernels.registry import configure_backend
 
     with pytest.raises(UnknownBackendError):
         configure_backend("nope")
