@@ -1,3 +1,8 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,11 +21,6 @@ def test_torch_backend_is_the_reference():
 def test_torch_backend_imports_no_helion():
     """The torch backend (the default, and the CPU runs') loads the reference modules only: neither Helion nor the
     Helion kernel modules are imported by building it and running its ops (a fresh process)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = ("import json, sys, torch\n"
             "from kernels.registry import get_backend\n"
             "be = get_backend('torch')\n"
