@@ -504,6 +504,21 @@ def test_unsupported_options_raise():
                                                     outproj_weight=torch.ones(8, 32))
 
 
+def _assert_within_peer(nm: str, ref: torch.Tensor, mam: torch.Tensor, hel: torch.Tensor) -> None:
+    """Helion's tensor is finite and its relative L2 error against the fp32 reference is at most 2x mamba-ssm's + 1e-3.
+    Where mamba-ssm's own tensor is not finite (its bf16 backward has returned NaN gradients at the Nano shape with
+    the norm in the op, on a GPU shared by several test workers), there is no peer error to scale: Helion's is then
+    held to 2e-2, the kernel bench's tolerance, as for shapes mamba-ssm does not run."""
+    assert torch.isfinite(hel).all(), f"{nm}: helion gives non-finite values"
+    e_h = ((hel - ref).norm() / ref.norm()).item()
+    if torch.isfinite(mam).all():
+        e_m = ((mam - ref).norm() / ref.norm()).item()
+        assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
+    else:
+        print(f"{nm}: mamba-ssm gives non-finite values; helion rel err {e_h:.2e} against the fp32 reference alone")
+        assert e_h <= 2e-2, f"{nm}: helion rel err {e_h:.2e} (mamba-ssm non-finite)"
+
+
 @pytest.mark.gpu
 @pytest.mark.gpu_mem(12)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -531,9 +546,7 @@ def test_vs_mamba_ssm_nano_shape_bf16():
     mam = run(mamba_split_conv1d_scan_combined, False)
     hel = run(msh.mamba_split_conv1d_scan_combined_helion, False)
     for nm, r, m, hh in zip(["out"] + list(t), ref, mam, hel):
-        e_m = ((m - r).norm() / r.norm()).item()
-        e_h = ((hh - r).norm() / r.norm()).item()
-        assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
+        _assert_within_peer(nm, r, m, hh)
 
 
 @pytest.mark.gpu
@@ -570,9 +583,7 @@ def test_norm_in_op_vs_mamba_ssm_nano_shape_bf16():
     mam = run(mamba_split_conv1d_scan_combined, False)
     hel = run(msh.mamba_split_conv1d_scan_combined_helion, False)
     for nm, r, m, hh in zip(["out"] + names, ref, mam, hel):
-        e_m = ((m - r).norm() / r.norm()).item()
-        e_h = ((hh - r).norm() / r.norm()).item()
-        assert e_h <= 2 * e_m + 1e-3, f"{nm}: helion rel err {e_h:.2e} vs mamba-ssm {e_m:.2e}"
+        _assert_within_peer(nm, r, m, hh)
 
 
 def _gpu_bf16_runner(b, l, h, p, g, n, c):
