@@ -453,6 +453,16 @@ def _stage_dict(x: StagePlan) -> dict:
     return d
 
 
+def outside_allocator_gib(device=None) -> float:
+    """GiB of the CUDA device ``device`` in use but not reserved by PyTorch's caching allocator, now: what
+    ``CONTEXT_GIB`` stands for (the CUDA context, loaded kernel modules, library workspaces outside the allocator), plus
+    any other process's memory on the same device. Benchmarks record it beside their peaks, to check the margin."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return ((total - free) - torch.cuda.memory_reserved(device)) / GIB
+
+
 def fit_verdict(peak_bytes: float, capacity_gib: float) -> str:
     need = peak_bytes / GIB
     usable = capacity_gib * (1 - FIT_MARGIN) - CONTEXT_GIB

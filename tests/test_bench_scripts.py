@@ -704,7 +704,13 @@ def test_ab_markdown_lists_step_vs_isolated_kernels():
                              "ssd_norm_kernels": [{"kernel": k, "us_per_iter": 300.0, "category": "ssd"}],
                              "cross_stream_overlap": {k: {"overlapped_us_per_iter": 100.0}}, "streams": ["7", "20"],
                              "isolated_op": {"kernels": [{"kernel": k, "us_per_iter": 40.0}]}}}}
+    res["per_arm"]["a"].update(peak_mem_gb=10.04, reserved_mem_gb=12.0, outside_allocator_gb=7.8)
     md = ab.markdown(res)
+    header = next(ln for ln in md.splitlines() if ln.startswith("| arm |"))
+    assert header.endswith("| peak GiB | reserved GiB | outside allocator GiB |")
+    row_a = next(ln for ln in md.splitlines() if ln.startswith("| a |"))
+    assert row_a.endswith("| 10.0 | 12.0 | 7.8 |")
+    assert next(ln for ln in md.splitlines() if ln.startswith("| b |")).endswith("| - | - | - |")  # not measured
     # 2 Mamba layers in "MEM": per-layer in-step 150, overlapped 50, alone 40
     assert f"| `{k}` | 150.0 | 50.0 | 40.0 |" in md
     assert "2 streams" in md

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from nano_hybrid.config import compose
-from nano_hybrid.plan import GIB, GPUS, fit_verdict, make_plan, must_not_fit, shape_from_cfg, total_params
+from nano_hybrid.plan import (GIB, GPUS, fit_verdict, make_plan, must_not_fit, outside_allocator_gib, shape_from_cfg,
+                              total_params)
 
 # the measured peaks below ran with megatron's plain LM head + loss
 GPU = ["train.device=cuda", "train.precision=bf16", "kernels.backend=mamba_ssm", "model.lm_head_loss=plain"]
@@ -111,6 +112,15 @@ def _cli(capsys, *args):
     code = main(list(args))
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def test_outside_allocator_is_device_use_beyond_the_allocators_reserve(monkeypatch):
+    """In use on the device (total - free) minus what PyTorch's caching allocator reserves, in GiB."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(70.5 * GIB))
+    assert outside_allocator_gib() == pytest.approx(7.5)
 
 
 def test_cli_text_json_and_errors(capsys):

@@ -80,7 +80,7 @@ def measure_case(name: str, a) -> dict:
     import torch
     from megatron.core import parallel_state as ps
 
-    from nano_hybrid.plan import make_plan
+    from nano_hybrid.plan import make_plan, outside_allocator_gib
 
     cfg = case_config(name, a.backend, a.overrides)
     plan = make_plan(cfg, 1)
@@ -114,6 +114,7 @@ def measure_case(name: str, a) -> dict:
         steps.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t0, "fwd_bwd_peak_gib": fb_peak / GIB,
                       "optimizer_peak_gib": torch.cuda.max_memory_allocated() / GIB,
                       "grad_norm": float(grad_norm) if grad_norm is not None else None, "update_ok": bool(update_ok)})
+    outside = outside_allocator_gib()  # what the planner's CONTEXT_GIB margin stands for
     del ctx, model, optimizer, scheduler
     gc.collect()
     torch.cuda.empty_cache()
@@ -128,7 +129,8 @@ def measure_case(name: str, a) -> dict:
         "baseline_gib": baseline / GIB, "build_s": build_s,
         "measured": {"peak_gib": max(fb, opt), "fwd_bwd_peak_gib": fb, "optimizer_peak_gib": opt,
                      "step_s_median": stats.median([s["step_s"] for s in rest]),
-                     "fwd_bwd_s_median": stats.median([s["fwd_bwd_s"] for s in rest])},
+                     "fwd_bwd_s_median": stats.median([s["fwd_bwd_s"] for s in rest]),
+                     "outside_allocator_gib": outside},
         "planned": {"peak_gib": plan["peak_gib"], "fwd_bwd_peak_gib": st["fwd_bwd_peak_gib"],
                     "optimizer_peak_gib": st["step_peak_gib"], "activations_gib": st["activations_gib"],
                     "static_gib": st["weights_gib"] + st["grads_gib"] + st["optimizer_gib"],
