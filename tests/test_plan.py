@@ -201,6 +201,17 @@ def test_plan_vs_measured_runs_each_case_in_its_own_process(tmp_path):
     assert kind == "failed" and log.startswith("exit code 1") and "IndexError: boom" in log
 
 
+@pytest.mark.parametrize("experts,verdict", [(8, "fits"), (16, "tight")])
+def test_80gb_verdict_of_the_52_layer_runs_measured_on_an_h100(experts, verdict):
+    """The 52-layer forward+backward (mbs 1 x 8192, helion) on an 80 GB H100: with 8 experts it ran (peak 59.5 GiB),
+    with 16 it ran out of memory with 7.8 GiB of the card outside PyTorch's allocator (benchmarks/step_h100_202612.md):
+    the verdict does not call the second one a fit."""
+    cfg = compose(["model=nano30b", f"model.num_moe_experts={experts}", "train.device=cuda", "train.precision=bf16",
+                   "kernels.backend=helion", "train.micro_batch_size=1", "train.global_batch_size=1",
+                   "train.seq_length=8192", "plan.optimizer=false"])
+    assert make_plan(cfg)["verdict"]["80 GB (H100/A100)"] == verdict
+
+
 def test_forward_backward_only_plan():
     """plan.optimizer=false: no optimizer states or step; the 52-layer model with 32 experts then fits one H200."""
     base = ["model=nano30b", "model.num_moe_experts=32", *GPU, "train.micro_batch_size=1", "train.global_batch_size=1"]
