@@ -98,11 +98,12 @@ from nano_hybrid.schema import check_numbers, positive_int
 GIB = 1024**3
 # GPUs of the verdict: name -> memory torch reports as total_memory (GiB)
 GPUS = {"80 GB (H100/A100)": 79.2, "141 GB (H200)": 139.8, "192 GB (B200)": 178.4}
-# The verdict's margins, from the out-of-memory errors of a 52-layer 16-expert run on two 80 GB H100s
-# (benchmarks/step_h100_202612.md): the allocator held 2.5-3.5 GiB reserved but unallocated (fragmentation) and 7.8 GiB
-# of the card was in use outside the allocator (the CUDA context, loaded kernel modules, library workspaces). That
-# run's plan, 70.7 GiB, is "tight" with them; the nano30b_slice step (planned 67.9 GiB, measured 67.0 GiB) runs on
-# the same card and is "tight" too: a fit with less than a GiB to spare.
+# The verdict's margins, from the out-of-memory errors of a 52-layer 16-expert forward+backward A/B (both backends in
+# one process, the default allocator) on two 80 GB H100 machines, once each (benchmarks/step_h100_202612.md): the
+# allocator held 2.5-3.5 GiB reserved but unallocated (fragmentation) and 7.8 GiB of the card was in use outside the
+# allocator (not attributed; the CUDA context and loaded kernel modules are in it). That run's plan, 70.7 GiB, is
+# "tight" with these margins; the nano30b_slice step with helion (planned 67.9 GiB, measured 67.0 GiB) is "tight" too,
+# 0.4 GiB past them, and runs on the same card. The same 7.8 GiB is kept on every card and layout.
 FIT_MARGIN = 0.05  # fraction of the GPU kept for allocator fragmentation
 CONTEXT_GIB = 7.8  # device memory outside PyTorch's allocator (outside max_memory_allocated)
 SURE_FACTOR = 0.9  # must_not_fit: even 90% of the planned peak exceeds the GPU's memory

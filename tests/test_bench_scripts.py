@@ -650,6 +650,7 @@ def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
     assert sp["ci_lo"] <= sp["speedup"] <= sp["ci_hi"]
     assert d["config"]["model"] == "tiny" and d["tokens_per_step"] == 32
     assert d["profile"] == {}  # --profile-steps 0
+    assert d["process_memory_gb"] is None and all(d["per_arm"][lab]["peak_mem_gb"] is None for lab in d["arms"])
     # one line per arm and round as it finishes, with that round's timed steps (2 steps - 1 discarded)
     rounds = [ln for ln in r.stdout.splitlines() if ln.startswith("round ")]
     assert [ln.split(":")[0] for ln in rounds] == ["round 1/2 torch", "round 1/2 torch#2", "round 2/2 torch#2",
@@ -704,13 +705,16 @@ def test_ab_markdown_lists_step_vs_isolated_kernels():
                              "ssd_norm_kernels": [{"kernel": k, "us_per_iter": 300.0, "category": "ssd"}],
                              "cross_stream_overlap": {k: {"overlapped_us_per_iter": 100.0}}, "streams": ["7", "20"],
                              "isolated_op": {"kernels": [{"kernel": k, "us_per_iter": 40.0}]}}}}
-    res["per_arm"]["a"].update(peak_mem_gb=10.04, reserved_mem_gb=12.0, outside_allocator_gb=7.8)
+    res["per_arm"]["a"]["peak_mem_gb"] = 10.04
     md = ab.markdown(res)
-    header = next(ln for ln in md.splitlines() if ln.startswith("| arm |"))
-    assert header.endswith("| peak GiB | reserved GiB | outside allocator GiB |")
-    row_a = next(ln for ln in md.splitlines() if ln.startswith("| a |"))
-    assert row_a.endswith("| 10.0 | 12.0 | 7.8 |")
-    assert next(ln for ln in md.splitlines() if ln.startswith("| b |")).endswith("| - | - | - |")  # not measured
+    assert next(ln for ln in md.splitlines() if ln.startswith("| a |")).endswith("| 10.0 |")
+    assert next(ln for ln in md.splitlines() if ln.startswith("| b |")).endswith("| - |")  # not measured
+    assert "Process (all arms)" not in md  # no process memory recorded (CPU)
+    res["process_memory_gb"] = {"reserved_max": 71.31, "outside_allocator_max": 7.82}
+    res["env"]["pytorch_cuda_alloc_conf"] = "expandable_segments:True"
+    md2 = ab.markdown(res)
+    assert ("at most 71.3 GiB reserved by PyTorch's allocator and 7.8 GiB of the device in use outside it "
+            "(PYTORCH_CUDA_ALLOC_CONF expandable_segments:True)") in md2
     # 2 Mamba layers in "MEM": per-layer in-step 150, overlapped 50, alone 40
     assert f"| `{k}` | 150.0 | 50.0 | 40.0 |" in md
     assert "2 streams" in md

@@ -158,13 +158,14 @@ def step_timer(step_fn, ctx, device):
     return step_time
 
 
-def measure_arms(a, use, step_time, labels: list[str], device, verbose: bool = False) -> tuple[dict, dict, dict]:
-    """Warm-up per arm, then ``a.blocks`` ABBA rounds of ``a.block_steps`` steps per arm: (times, losses, memory)
-    per arm label; the first ``a.discard`` steps after each switch are not timed. Memory (CUDA; GiB, the largest over
-    the arm's blocks): ``peak`` allocated, ``reserved`` by the caching allocator, ``outside_allocator`` (device memory
-    in use beyond what the allocator reserves, at the end of each block: ``nano_hybrid.plan.outside_allocator_gib``).
-    ``verbose``: one line per arm and round as it finishes (a run stopped at its time limit still leaves its timings
-    in the log)."""
+def measure_arms(a, use, step_time, labels: list[str], device,
+                 verbose: bool = False) -> tuple[dict, dict, dict, dict]:
+    """Warm-up per arm, then ``a.blocks`` ABBA rounds of ``a.block_steps`` steps per arm: (times, losses, peak
+    allocated GiB) per arm label and the process's memory; the first ``a.discard`` steps after each switch are not
+    timed. The process's memory (CUDA; GiB, the largest at the end of any block; the arms share one allocator, so
+    these are not per arm): ``reserved`` by the caching allocator, ``outside_allocator`` (device memory in use beyond
+    what the allocator reserves: ``nano_hybrid.plan.outside_allocator_gib``). ``verbose``: one line per arm and round
+    as it finishes (a run stopped at its time limit still leaves its timings in the log)."""
     import torch
 
     from nano_hybrid.plan import outside_allocator_gib
@@ -175,7 +176,8 @@ def measure_arms(a, use, step_time, labels: list[str], device, verbose: bool = F
         for _ in range(a.warmup):
             step_time()
     times = {lab: [] for lab in labels}
-    mem = {lab: {"peak": 0.0, "reserved": 0.0, "outside_allocator": 0.0} for lab in labels}
+    peak_gb = {lab: 0.0 for lab in labels}  # peak allocated memory within each arm's blocks (CUDA)
+    process = {"reserved": 0.0, "outside_allocator": 0.0}
     for r, order in enumerate(stats.alternating_order(len(a.arms), a.blocks)):
         for i in order:
             use(i)
@@ -192,11 +194,10 @@ def measure_arms(a, use, step_time, labels: list[str], device, verbose: bool = F
                 print(f"round {r + 1}/{a.blocks} {labels[i]}: " + " ".join(f"{t * 1e3:.1f}" for t in block) + " ms",
                       flush=True)
             if device.type == "cuda":
-                m = mem[labels[i]]
-                m["peak"] = max(m["peak"], torch.cuda.max_memory_allocated(device) / 2**30)
-                m["reserved"] = max(m["reserved"], torch.cuda.max_memory_reserved(device) / 2**30)
-                m["outside_allocator"] = max(m["outside_allocator"], outside_allocator_gib(device))
-    return times, losses, mem
+                peak_gb[labels[i]] = max(peak_gb[labels[i]], torch.cuda.max_memory_allocated(device) / 2**30)
+                process["reserved"] = max(process["reserved"], torch.cuda.memory_reserved(device) / 2**30)
+                process["outside_allocator"] = max(process["outside_allocator"], outside_allocator_gib(device))
+    return times, losses, peak_gb, process
 
 
 def arm_profile(table: dict, median_s: float) -> dict:
@@ -252,18 +253,20 @@ def run(a) -> dict | None:
             apply_arm(ctx, a.arm_specs[i], backends)
             replay.reset()
 
-        times, losses, mem = measure_arms(a, use, step_time, labels, plan.device, verbose=plan.dims.rank == 0)
+        times, losses, peak_gb, process = measure_arms(a, use, step_time, labels, plan.device,
+                                                       verbose=plan.dims.rank == 0)
         profile = profile_arms(a, use, step_time, step_fn, ctx, plan, labels, backends, times)
         if plan.dims.rank != 0:
             return None
-        return result(a, cfg, plan, ctx.flops_per_token, labels, times, losses, mem, profile)
+        return result(a, cfg, plan, ctx.flops_per_token, labels, times, losses, peak_gb, profile, process)
     finally:
         training.shutdown(ctx)
 
 
-def result(a, cfg, plan, flops_per_token: float, labels, times, losses, mem, profile) -> dict:
-    """The JSON record: per arm step times, throughput, losses, memory (``measure_arms``); speedups over the first
-    arm."""
+def result(a, cfg, plan, flops_per_token: float, labels, times, losses, peak_gb, profile,
+           process: dict | None = None) -> dict:
+    """The JSON record: per arm step times, throughput, losses, peak memory; the process's memory
+    (``measure_arms``); speedups over the first arm."""
     tokens_per_step = int(cfg.train.global_batch_size) * plan.seq_length
     cuda = plan.device.type == "cuda"
     per_arm = {}
@@ -274,9 +277,7 @@ def result(a, cfg, plan, flops_per_token: float, labels, times, losses, mem, pro
             "tokens_per_s_per_gpu": tokens_per_step / s["median"] / plan.dims.world_size,
             "tflops_per_gpu": flops_per_token * tokens_per_step / s["median"] / plan.dims.world_size / 1e12,
             "losses": losses[lab],
-            "peak_mem_gb": mem[lab]["peak"] if cuda else None,
-            "reserved_mem_gb": mem[lab]["reserved"] if cuda else None,
-            "outside_allocator_gb": mem[lab]["outside_allocator"] if cuda else None,
+            "peak_mem_gb": peak_gb[lab] if cuda else None,
         }
     base = labels[0]
     ratios = {f"{lab}_vs_{base}": stats.ratio_summary(times[base], times[lab], n_boot=a.n_boot) for lab in labels[1:]}
@@ -302,6 +303,9 @@ def result(a, cfg, plan, flops_per_token: float, labels, times, losses, mem, pro
                    "replayed per block; step time = max over ranks, synchronized host clock around "
                    + ("forward+backward (no optimizer built)" if a.fwd_bwd_only else "train_step")),
         "per_arm": per_arm,
+        # the arms' shared allocator and the device memory outside it (what nano_hybrid.plan's CONTEXT_GIB stands for)
+        "process_memory_gb": ({"reserved_max": process["reserved"], "outside_allocator_max": process["outside_allocator"]}
+                              if cuda and process else None),
         "speedup_vs_first": ratios,
         "profile": profile,
     }
@@ -321,10 +325,15 @@ def markdown(res: dict) -> str:
         rows.append([lab, f"{1e3 * s['median']:.1f}", f"{1e3 * s['p90']:.1f}", s["n"],
                      f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['tflops_per_gpu']:.1f}",
                      "1 (baseline)" if sp is None else f"{sp['speedup']:.3f}x [{sp['ci_lo']:.3f}, {sp['ci_hi']:.3f}]",
-                     *("-" if r.get(k) is None else f"{r[k]:.1f}"
-                       for k in ("peak_mem_gb", "reserved_mem_gb", "outside_allocator_gb"))])
+                     "-" if r.get("peak_mem_gb") is None else f"{r['peak_mem_gb']:.1f}"])
     lines.append(reporting.md_table(["arm", "median ms", "p90 ms", "n", "tokens/s/GPU", "TFLOP/s/GPU", "speedup (95% CI)",
-                              "peak GiB", "reserved GiB", "outside allocator GiB"], rows))
+                              "peak GiB"], rows))
+    pm = res.get("process_memory_gb")
+    if pm:
+        conf = res["env"].get("pytorch_cuda_alloc_conf") or "unset"
+        lines += ["", f"Process (all arms): at most {pm['reserved_max']:.1f} GiB reserved by PyTorch's allocator and "
+                  f"{pm['outside_allocator_max']:.1f} GiB of the device in use outside it (PYTORCH_CUDA_ALLOC_CONF "
+                  f"{conf})."]
     prof = res.get("profile") or {}
     if prof and "skipped" not in prof:
         lines += ["", "Share of the step in the Mamba-2 SSD op (incl. causal conv1d) and the gated RMSNorm (torch.profiler):", ""]

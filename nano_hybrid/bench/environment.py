@@ -56,7 +56,9 @@ def env_info() -> dict:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_count=torch.cuda.device_count(), sm_count=p.multi_processor_count,
-                    gpu_mem_gib=round(p.total_memory / 2**30, 1), capability=f"sm_{p.major}{p.minor}")
+                    gpu_mem_gib=round(p.total_memory / 2**30, 1), capability=f"sm_{p.major}{p.minor}",
+                    # the caching allocator's settings (e.g. expandable_segments): they move reserved memory and peaks
+                    pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     return info
 
 

@@ -8,7 +8,8 @@ vocabulary 131072; bf16, seq 8192, one process) trained for ``--steps`` steps by
 own model, DDP, optimizer and schedule (``forward_backward``; the optimizer step as ``train_step`` runs
 it) on random tokens. Per step it records ``torch.cuda.max_memory_allocated`` over the forward+backward
 and over the optimizer step separately, and the step time; the first step (Adam states allocated,
-kernels warmed up) is left out of the figures. The planner (``nano_hybrid.plan``) predicts both peaks
+kernels warmed up) is left out of the figures. After the steps it records the device memory in use outside PyTorch's
+allocator (``nano_hybrid.plan.outside_allocator_gib``: what the verdict's ``CONTEXT_GIB`` stands for). The planner (``nano_hybrid.plan``) predicts both peaks
 from the config alone. Writes ``plan_vs_measured_<gpu>.json`` / ``.md`` under ``--out`` (default
 ``$OUT`` or ``runs/bench/<gpu>``) with two tables: planned vs measured peak per case, and per recompute
 choice of the same model and micro-batch the peak, the memory saved and the step time paid.
@@ -237,12 +238,14 @@ def markdown(res: dict) -> str:
                      p["fwd_bwd_peak_gib"], m["fwd_bwd_peak_gib"], 100 * (p["fwd_bwd_peak_gib"] / m["fwd_bwd_peak_gib"] - 1),
                      p["optimizer_peak_gib"], m["optimizer_peak_gib"],
                      100 * (p["optimizer_peak_gib"] / m["optimizer_peak_gib"] - 1),
-                     p["peak_gib"], m["peak_gib"], 100 * (p["peak_gib"] / m["peak_gib"] - 1)])
+                     p["peak_gib"], m["peak_gib"], 100 * (p["peak_gib"] / m["peak_gib"] - 1),
+                     "-" if m.get("outside_allocator_gib") is None else m["outside_allocator_gib"]])
     out = [f"# Memory planner vs measured ({res['env'].get('gpu')}, kernels.backend={res['backend']}, "
            f"{res['steps']} steps, first left out)", "", reporting.env_markdown(res["env"]), "",
            "Peaks in GiB (torch.cuda.max_memory_allocated), seq 8192, bf16, 32 experts top-6, one GPU.", "",
            reporting.md_table(["case", "layers", "mbs", "recompute", "plan fwd+bwd", "meas fwd+bwd", "err %",
-                        "plan opt step", "meas opt step", "err %", "plan peak", "meas peak", "err %"], rows)]
+                        "plan opt step", "meas opt step", "err %", "plan peak", "meas peak", "err %",
+                        "outside allocator"], rows)]
     if res["out_of_memory"]:
         out += ["", f"CUDA out of memory (not measured): {', '.join(res['out_of_memory'])}"]
     for f in res.get("failed", []):
