@@ -263,8 +263,7 @@ def run(a) -> dict | None:
         training.shutdown(ctx)
 
 
-def result(a, cfg, plan, flops_per_token: float, labels, times, losses, peak_gb, profile,
-           process: dict | None = None) -> dict:
+def result(a, cfg, plan, flops_per_token: float, labels, times, losses, peak_gb, profile, process: dict) -> dict:
     """The JSON record: per arm step times, throughput, losses, peak memory; the process's memory
     (``measure_arms``); speedups over the first arm."""
     tokens_per_step = int(cfg.train.global_batch_size) * plan.seq_length
@@ -305,7 +304,7 @@ def result(a, cfg, plan, flops_per_token: float, labels, times, losses, peak_gb,
         "per_arm": per_arm,
         # the arms' shared allocator and the device memory outside it (what nano_hybrid.plan's CONTEXT_GIB stands for)
         "process_memory_gb": ({"reserved_max": process["reserved"], "outside_allocator_max": process["outside_allocator"]}
-                              if cuda and process else None),
+                              if cuda else None),
         "speedup_vs_first": ratios,
         "profile": profile,
     }

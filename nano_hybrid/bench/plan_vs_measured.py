@@ -8,9 +8,9 @@ vocabulary 131072; bf16, seq 8192, one process) trained for ``--steps`` steps by
 own model, DDP, optimizer and schedule (``forward_backward``; the optimizer step as ``train_step`` runs
 it) on random tokens. Per step it records ``torch.cuda.max_memory_allocated`` over the forward+backward
 and over the optimizer step separately, and the step time; the first step (Adam states allocated,
-kernels warmed up) is left out of the figures. After the steps it records the device memory in use outside PyTorch's
-allocator (``nano_hybrid.plan.outside_allocator_gib``: what the verdict's ``CONTEXT_GIB`` stands for). The planner (``nano_hybrid.plan``) predicts both peaks
-from the config alone. Writes ``plan_vs_measured_<gpu>.json`` / ``.md`` under ``--out`` (default
+kernels warmed up) is left out of the figures. After the steps it records the device memory in use outside
+PyTorch's allocator (``nano_hybrid.plan.outside_allocator_gib``: what the verdict's ``CONTEXT_GIB`` stands for). The
+planner (``nano_hybrid.plan``) predicts both peaks from the config alone. Writes ``plan_vs_measured_<gpu>.json`` / ``.md`` under ``--out`` (default
 ``$OUT`` or ``runs/bench/<gpu>``) with two tables: planned vs measured peak per case, and per recompute
 choice of the same model and micro-batch the peak, the memory saved and the step time paid.
 """
