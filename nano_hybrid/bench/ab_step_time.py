@@ -240,7 +240,7 @@ def profile_arms(a, use, step_time, step_fn, ctx, plan, labels: list[str], backe
 def run(a) -> dict | None:
     cfg = compose_cfg(a)
     plan = training.validate(cfg)  # config, data, first backend, parallel sizes: fails early
-    backends = arm_backends(cfg, a.arm_specs)  # every arm must be usable, with its settings
+    backends = arm_backends(cfg, a.arm_specs, with_optimizer=not a.fwd_bwd_only)  # every arm usable, before any work
     labels = stats.arm_labels([x.label for x in a.arm_specs])
     ctx = training.setup(cfg, plan, with_optimizer=not a.fwd_bwd_only)
     step_fn = training.fwd_bwd_step if a.fwd_bwd_only else training.train_step

@@ -179,10 +179,12 @@ def arm_record(cfg, arm: Arm) -> dict:
     return rec
 
 
-def arm_backends(cfg, arms) -> dict:
+def arm_backends(cfg, arms, with_optimizer: bool = True) -> dict:
     """``{arm: KernelBackend}``, each resolved as a training run with the arm's config resolves its backend
     (``nano_hybrid.model.build.resolve_backend``: ``kernels.deterministic`` and, for helion, the composed
-    ``kernels.helion`` settings plus the arm's own); a bad setting is a ConfigError naming the arm, before any work."""
+    ``kernels.helion`` settings plus the arm's own), and each arm's other settings checked as ``apply_arm`` will
+    apply them (``with_optimizer``: whether the run builds the optimizer that ``optim.fused`` switches); a bad
+    setting is a ConfigError naming the arm, before any work."""
     from nano_hybrid.config import ConfigError
     from nano_hybrid.model.build import resolve_backend
 
@@ -190,9 +192,35 @@ def arm_backends(cfg, arms) -> dict:
     for arm in dict.fromkeys(arms):
         try:
             out[arm] = resolve_backend(arm_config(cfg, arm))
-        except ConfigError as e:
-            raise ConfigError(f"arm {arm.label}: {e}") from None
+            arm_values(cfg, arm, with_optimizer)
+        except ValueError as e:  # ConfigError, and the settings' own checks
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith(f"arm {arm.label}:") else f"arm {arm.label}: {msg}") from None
     return out
+
+
+def arm_values(cfg, arm: Arm, with_optimizer: bool) -> dict:
+    """The values of the switchable keys that ``arm`` runs (the composed config's where the arm sets none), checked:
+    the LM head and its chunk (and its tensor-parallel layout), ``optim.fused`` (a bool, and only where an optimizer
+    is built), ``train.fp8`` (a recipe). A ValueError names the first bad one."""
+    from nano_hybrid.model.config import model_dict
+    from nano_hybrid.model.fp8 import FP8_RECIPES
+    from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
+
+    mcfg = model_dict(cfg.model)  # the model keys' defaults filled in (model/config.py MODEL_DEFAULTS)
+    values = {"model.lm_head_loss": mcfg["lm_head_loss"], "model.lm_loss_chunk_tokens": mcfg["lm_loss_chunk_tokens"],
+              FUSED_NORM: mcfg["mamba_fused_norm"], "optim.fused": cfg.optim.fused, "train.fp8": cfg.train.fp8,
+              **dict(arm.overrides)}
+    m = {"lm_head_loss": values["model.lm_head_loss"], "lm_loss_chunk_tokens": values["model.lm_loss_chunk_tokens"]}
+    values["lm_head"] = lm_head_settings(m)
+    check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))
+    if not isinstance(values["optim.fused"], bool):
+        raise ValueError(f"optim.fused={values['optim.fused']!r} must be true or false")
+    if not with_optimizer and "optim.fused" in dict(arm.overrides):
+        raise ValueError(f"arm {arm.label}: optim.fused needs the optimizer step (not with --fwd-bwd-only)")
+    if str(values["train.fp8"]) not in FP8_RECIPES:
+        raise ValueError(f"arm {arm.label}: train.fp8={values['train.fp8']!r}; choose one of {', '.join(FP8_RECIPES)}")
+    return values
 
 
 def apply_arm(ctx, arm: Arm, backends: dict) -> None:
@@ -200,32 +228,16 @@ def apply_arm(ctx, arm: Arm, backends: dict) -> None:
     norm in or after the op (``model.mamba_fused_norm``), the LM head + loss (``LMLossMambaModel`` attributes), the
     AdamW implementation and the fp8 matmuls (``train.fp8``); keys the arm does not set take the composed config's
     values, so every arm is fully determined."""
-    from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
+    from nano_hybrid.model.fp8 import apply_fp8
     from nano_hybrid.optim import set_adam_fused
 
-    from nano_hybrid.model.config import model_dict
-
-    cfg = ctx.cfg
-    mcfg = model_dict(cfg.model)  # the model keys' defaults filled in (model/config.py MODEL_DEFAULTS)
-    values = {"model.lm_head_loss": mcfg["lm_head_loss"], "model.lm_loss_chunk_tokens": mcfg["lm_loss_chunk_tokens"],
-              FUSED_NORM: mcfg["mamba_fused_norm"], "optim.fused": cfg.optim.fused, "train.fp8": cfg.train.fp8,
-              **dict(arm.overrides)}
-    m = {"lm_head_loss": values["model.lm_head_loss"], "lm_loss_chunk_tokens": values["model.lm_loss_chunk_tokens"]}
-    choice, chunk = lm_head_settings(m)
-    check_lm_head_parallel(m, int(cfg.parallel.tensor_model_parallel_size))
-    if not isinstance(values["optim.fused"], bool):
-        raise ValueError(f"optim.fused={values['optim.fused']!r} must be true or false")
-    if ctx.optimizer is None and "optim.fused" in dict(arm.overrides):
-        raise ValueError(f"arm {arm.label}: optim.fused needs the optimizer step (not with --fwd-bwd-only)")
-    from nano_hybrid.model.fp8 import FP8_RECIPES, apply_fp8
-
-    if str(values["train.fp8"]) not in FP8_RECIPES:
-        raise ValueError(f"arm {arm.label}: train.fp8={values['train.fp8']!r}; choose one of {', '.join(FP8_RECIPES)}")
+    values = arm_values(ctx.cfg, arm, with_optimizer=ctx.optimizer is not None)
+    choice, chunk = values["lm_head"]
     set_kernel_backend(ctx.model, backends[arm])
     set_fused_norm(ctx.model, values[FUSED_NORM])
     model = training.unwrap_model(ctx.model)
     # train.fp8: the chosen linears' matmul class is switched in place on the same Parameters (model/fp8.py)
-    apply_fp8(model, str(values["train.fp8"]), tuple(str(k) for k in cfg.train.fp8_modules))
+    apply_fp8(model, str(values["train.fp8"]), tuple(str(k) for k in ctx.cfg.train.fp8_modules))
     model.lm_head_loss, model.lm_loss_chunk_tokens = choice, chunk
     if ctx.optimizer is not None:
         set_adam_fused(ctx.optimizer, values["optim.fused"])
