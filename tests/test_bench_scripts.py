@@ -1198,20 +1198,20 @@ def test_grad_match_bad_backend_is_one_error_line_before_work(capsys):
     assert err.strip().splitlines() == ["error: unknown kernel backend 'nope'; choose one of: torch, mamba_ssm, helion"]
 
 
-def test_arm_settings_are_checked_with_the_backends_before_any_work():
-    """arm_backends checks each arm's switchable settings as apply_arm will apply them: without an optimizer
+def test_arm_settings_are_checked_before_any_work():
+    """check_arms checks each arm's switchable settings as apply_arm will apply them: without an optimizer
     (--fwd-bwd-only) an optim.fused arm is refused, and so is an unknown fp8 recipe; one ConfigError naming the arm."""
-    from nano_hybrid.bench.arms import arm_backends, parse_arm
+    from nano_hybrid.bench.arms import check_arms, parse_arm
     from nano_hybrid.config import ConfigError, compose
 
     cfg = compose(["model=tiny"])
     fused = [parse_arm("torch"), parse_arm("torch:optim.fused=true")]
-    assert [b.name for b in arm_backends(cfg, fused).values()] == ["torch", "torch"]
+    check_arms(cfg, fused, with_optimizer=True)
     with pytest.raises(ConfigError, match=r"^arm torch\+fused-true: optim.fused needs the optimizer step"):
-        arm_backends(cfg, fused, with_optimizer=False)
-    assert len(arm_backends(cfg, [parse_arm("torch")], with_optimizer=False)) == 1
+        check_arms(cfg, fused, with_optimizer=False)
+    check_arms(cfg, [parse_arm("torch")], with_optimizer=False)
     with pytest.raises(ConfigError, match=r"^arm torch\+fp8-nope: train.fp8='nope'; choose one of"):
-        arm_backends(cfg, [parse_arm("torch:train.fp8=nope")])
+        check_arms(cfg, [parse_arm("torch:train.fp8=nope")], with_optimizer=True)
 
 
 def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_path):
@@ -1243,6 +1243,7 @@ def test_ab_step_time_fwd_bwd_only_builds_no_optimizer_and_leaves_weights(tmp_pa
     assert full[0] == losses[0]
     # refused before the model is built: one line, the bad-input exit code
     assert r_bad.returncode == 2 and "Traceback" not in r_bad.stderr
+    assert "nano-hybrid: model=" not in r_bad.stdout + r_bad.stderr  # the setup's banner: no model was built
     assert r_bad.stderr.strip().splitlines()[-1] == ("error: arm torch+fused-true: optim.fused needs the optimizer step "
                                                      "(not with --fwd-bwd-only)")
 

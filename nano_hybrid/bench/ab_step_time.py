@@ -48,7 +48,7 @@ from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats, training
 from nano_hybrid.bench.arms import (CPU_DEFAULTS, GPU_DEFAULTS, SWITCHABLE, apply_arm, arm_backends, arm_record,
-                                    compose_over_defaults, parse_arm)
+                                    check_arms, compose_over_defaults, parse_arm)
 from nano_hybrid.bench.mixer import MixerOp, MixerShape, make_params
 
 
@@ -240,7 +240,8 @@ def profile_arms(a, use, step_time, step_fn, ctx, plan, labels: list[str], backe
 def run(a) -> dict | None:
     cfg = compose_cfg(a)
     plan = training.validate(cfg)  # config, data, first backend, parallel sizes: fails early
-    backends = arm_backends(cfg, a.arm_specs, with_optimizer=not a.fwd_bwd_only)  # every arm usable, before any work
+    backends = arm_backends(cfg, a.arm_specs)  # every arm must be usable, with its settings
+    check_arms(cfg, a.arm_specs, with_optimizer=not a.fwd_bwd_only)
     labels = stats.arm_labels([x.label for x in a.arm_specs])
     ctx = training.setup(cfg, plan, with_optimizer=not a.fwd_bwd_only)
     step_fn = training.fwd_bwd_step if a.fwd_bwd_only else training.train_step

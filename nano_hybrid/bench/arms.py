@@ -179,12 +179,10 @@ def arm_record(cfg, arm: Arm) -> dict:
     return rec
 
 
-def arm_backends(cfg, arms, with_optimizer: bool = True) -> dict:
+def arm_backends(cfg, arms) -> dict:
     """``{arm: KernelBackend}``, each resolved as a training run with the arm's config resolves its backend
     (``nano_hybrid.model.build.resolve_backend``: ``kernels.deterministic`` and, for helion, the composed
-    ``kernels.helion`` settings plus the arm's own), and each arm's other settings checked as ``apply_arm`` will
-    apply them (``with_optimizer``: whether the run builds the optimizer that ``optim.fused`` switches); a bad
-    setting is a ConfigError naming the arm, before any work."""
+    ``kernels.helion`` settings plus the arm's own); a bad setting is a ConfigError naming the arm, before any work."""
     from nano_hybrid.config import ConfigError
     from nano_hybrid.model.build import resolve_backend
 
@@ -192,17 +190,28 @@ def arm_backends(cfg, arms, with_optimizer: bool = True) -> dict:
     for arm in dict.fromkeys(arms):
         try:
             out[arm] = resolve_backend(arm_config(cfg, arm))
-            arm_values(cfg, arm, with_optimizer)
-        except ValueError as e:  # ConfigError, and the settings' own checks
-            msg = str(e)
-            raise ConfigError(msg if msg.startswith(f"arm {arm.label}:") else f"arm {arm.label}: {msg}") from None
+        except ConfigError as e:
+            raise ConfigError(f"arm {arm.label}: {e}") from None
     return out
+
+
+def check_arms(cfg, arms, with_optimizer: bool) -> None:
+    """Each arm's switchable settings checked as ``apply_arm`` will apply them (``arm_values``), before any work:
+    a ConfigError naming the arm and its first bad setting. ``with_optimizer``: whether the run builds the optimizer
+    that ``optim.fused`` switches."""
+    from nano_hybrid.config import ConfigError
+
+    for arm in dict.fromkeys(arms):
+        try:
+            arm_values(cfg, arm, with_optimizer)
+        except ValueError as e:
+            raise ConfigError(f"arm {arm.label}: {e}") from None
 
 
 def arm_values(cfg, arm: Arm, with_optimizer: bool) -> dict:
     """The values of the switchable keys that ``arm`` runs (the composed config's where the arm sets none), checked:
     the LM head and its chunk (and its tensor-parallel layout), ``optim.fused`` (a bool, and only where an optimizer
-    is built), ``train.fp8`` (a recipe). A ValueError names the first bad one."""
+    is built), ``train.fp8`` (a recipe). A ValueError names the first bad one (the callers name the arm)."""
     from nano_hybrid.model.config import model_dict
     from nano_hybrid.model.fp8 import FP8_RECIPES
     from nano_hybrid.model.lm_loss import check_lm_head_parallel, lm_head_settings
@@ -217,9 +226,9 @@ def arm_values(cfg, arm: Arm, with_optimizer: bool) -> dict:
     if not isinstance(values["optim.fused"], bool):
         raise ValueError(f"optim.fused={values['optim.fused']!r} must be true or false")
     if not with_optimizer and "optim.fused" in dict(arm.overrides):
-        raise ValueError(f"arm {arm.label}: optim.fused needs the optimizer step (not with --fwd-bwd-only)")
+        raise ValueError("optim.fused needs the optimizer step (not with --fwd-bwd-only)")
     if str(values["train.fp8"]) not in FP8_RECIPES:
-        raise ValueError(f"arm {arm.label}: train.fp8={values['train.fp8']!r}; choose one of {', '.join(FP8_RECIPES)}")
+        raise ValueError(f"train.fp8={values['train.fp8']!r}; choose one of {', '.join(FP8_RECIPES)}")
     return values
 
 
@@ -231,7 +240,10 @@ def apply_arm(ctx, arm: Arm, backends: dict) -> None:
     from nano_hybrid.model.fp8 import apply_fp8
     from nano_hybrid.optim import set_adam_fused
 
-    values = arm_values(ctx.cfg, arm, with_optimizer=ctx.optimizer is not None)
+    try:
+        values = arm_values(ctx.cfg, arm, with_optimizer=ctx.optimizer is not None)
+    except ValueError as e:
+        raise ValueError(f"arm {arm.label}: {e}") from None
     choice, chunk = values["lm_head"]
     set_kernel_backend(ctx.model, backends[arm])
     set_fused_norm(ctx.model, values[FUSED_NORM])

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nano_hybrid.bench import environment, profiling, reporting, stats, training
-from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, apply_arm, arm_backends, parse_arm
+from nano_hybrid.bench.arms import CPU_DEFAULTS, GPU_DEFAULTS, apply_arm, arm_backends, check_arms, parse_arm
 
 
 CATEGORIES = (
@@ -657,6 +657,7 @@ def run(a) -> dict | None:
     with training.scratch_run_dir(cfg, "nano_hybrid_breakdown_"):
         plan = training.validate(cfg)
         backends = arm_backends(cfg, a.arm_specs)
+        check_arms(cfg, a.arm_specs, with_optimizer=True)
         labels = stats.arm_labels([x.label for x in a.arm_specs])
         ctx = training.setup(cfg, plan)
         ranges = None
