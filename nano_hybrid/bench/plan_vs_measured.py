@@ -10,9 +10,9 @@ it) on random tokens. Per step it records ``torch.cuda.max_memory_allocated`` ov
 and over the optimizer step separately, and the step time; the first step (Adam states allocated,
 kernels warmed up) is left out of the figures. After the steps it records the device memory in use outside
 PyTorch's allocator (``nano_hybrid.plan.outside_allocator_gib``: what the verdict's ``CONTEXT_GIB`` stands for). The
-planner (``nano_hybrid.plan``) predicts both peaks from the config alone. Writes ``plan_vs_measured_<gpu>.json`` / ``.md`` under ``--out`` (default
-``$OUT`` or ``runs/bench/<gpu>``) with two tables: planned vs measured peak per case, and per recompute
-choice of the same model and micro-batch the peak, the memory saved and the step time paid.
+planner (``nano_hybrid.plan``) predicts both peaks from the config alone. Writes ``plan_vs_measured_<gpu>.json``
+/ ``.md`` under ``--out`` (default ``$OUT`` or ``runs/bench/<gpu>``) with two tables: planned vs measured peak per
+case, and per recompute choice of the same model and micro-batch the peak, the memory saved and the step time paid.
 """
 
 from __future__ import annotations
