@@ -177,6 +177,8 @@ def ssd_bwd_state_passing(
 #   its diagonal) that the caller sums; the whole-chunk sum of the state term st goes into that partial at t = c - 1,
 #   which ssd_bwd_dt adds to the same place. dD is summed per row tile, (b, nc, c / bm, h, p). Row tiles of one
 #   (chunk, head) are adjacent program ids, so dL[h] (p x n) and the group's CB tile come from L2 for all but the first.
+#   The diagonal tile (t in the program's own rows) is computed before the column loop: its causal mask stays out of
+#   the loop, and its dout_x rows serve dx's D term as well. Decays are exp2 of log2(e)-scaled dA_cumsum differences.
 @helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dx(
     x: torch.Tensor,  # (b, nc, c, h, p)
@@ -211,7 +213,7 @@ def ssd_bwd_dx(
         dts = dt[ib, ih, ic, ts]
         acs = dA_cumsum[ib, ih, ic, ts]
         a_last = dA_cumsum[ib, ih, ic, c - 1]
-        decay_s = torch.exp(torch.clamp(a_last - acs, max=0.0))
+        decay_s = torch.exp2(torch.clamp(a_last - acs, max=0.0) * _LOG2E)
         if last_keep is not None:
             decay_s = decay_s * last_keep[ib, ic, ts]
         dls = dL[ib, ic, ih, :, :].to(x.dtype)
@@ -219,17 +221,25 @@ def ssd_bwd_dx(
         a2 = hl.dot(B[ib, ic, ts, ig, :], dls.T) * decay_s[:, None]  # (bm, p)
         st = dts * torch.sum(a2 * xf, dim=1)
         st_sum = torch.sum(st, dim=0)
-        a1 = hl.zeros([ts, p], dtype=torch.float32)
-        col = hl.zeros([ts], dtype=torch.float32)
-        for tt in hl.tile(ts.begin, c, block_size=bk):
+        # the diagonal tile (t in ts): dout_x[ts] is read once, for it and for dx's D term
+        dox_b = dout_x[ib, ic, ts, ih, :]  # (bm, p)
+        causal = ts.index[None, :] >= ts.index[:, None]
+        acs2 = acs * _LOG2E
+        segd = acs2[None, :] - acs2[:, None]  # (s, t) on the diagonal tile, log2 units
+        md = CB[ib, ic, ig, ts, ts].T * torch.exp2(torch.clamp(torch.where(causal, segd, float("-inf")), max=0.0))
+        a1 = hl.dot(md.to(x.dtype), dox_b)
+        wd = md * dts[:, None] * hl.dot(xs, dox_b.T)
+        rowd = torch.sum(wd, dim=0) + torch.where(ts.index == c - 1, st_sum, 0.0)
+        ddacs_row_part[ib, ih, ic, js, ts] = rowd
+        col = torch.sum(wd, dim=1)
+        # the tiles right of it: every (s, t) causal, no mask
+        for tt in hl.tile(ts.end, c, block_size=bk):
             dot_ = dout_x[ib, ic, tt, ih, :]  # (bk, p)
             act = dA_cumsum[ib, ih, ic, tt]
-            seg = act[None, :] - acs[:, None]  # (bm, bk): dAcs[t] - dAcs[s]
-            causal = tt.index[None, :] >= ts.index[:, None]
-            # clamp: valid causal entries are <= 0 already (dA_cumsum does not increase within a chunk); lanes
-            # of a tile past the chunk end (block size > chunk, e.g. a config tuned at another shape) load
-            # dA_cumsum = 0 and would give exp(-dAcs[s]) = inf for long chunks, and inf * 0 = NaN
-            mt = CB[ib, ic, ig, tt, ts].T * torch.exp(torch.clamp(torch.where(causal, seg, float("-inf")), max=0.0))
+            seg = act[None, :] * _LOG2E - acs2[:, None]  # (bm, bk): (dAcs[t] - dAcs[s]) log2(e) <= 0
+            # clamp: lanes of a tile past the chunk end (block size > chunk, e.g. a config tuned at another shape)
+            # load dA_cumsum = 0 and would give exp2(-dAcs[s] log2(e)) = inf for long chunks, and inf * 0 = NaN
+            mt = CB[ib, ic, ig, tt, ts].T * torch.exp2(torch.clamp(seg, max=0.0))
             a1 = hl.dot(mt.to(x.dtype), dot_, acc=a1)
             gt = hl.dot(xs, dot_.T)  # (s, t): x[s] . dout_x[t]
             w = mt * dts[:, None] * gt
@@ -237,7 +247,7 @@ def ssd_bwd_dx(
             ddacs_row_part[ib, ih, ic, js, tt] = row
             col = col + torch.sum(w, dim=1)
         a = a1 + a2
-        dox_s = dout_x[ib, ic, ts, ih, :].to(torch.float32)
+        dox_s = dox_b.to(torch.float32)
         dx[ib, ic, ts, ih, :] = (a * dts[:, None] + dox_s * Dw[ih, :][None, :]).to(dx.dtype)
         ddt[ib, ih, ic, ts] = torch.sum(a * xf, dim=1)
         ddacs_col[ib, ih, ic, ts] = -col - st
