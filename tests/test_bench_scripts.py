@@ -89,6 +89,19 @@ def test_bootstrap_is_seeded_and_validates():
     assert set(r) == {"speedup", "ci_lo", "ci_hi", "ci_level"} and r["ci_level"] == 0.95
 
 
+def test_ratio_of_means_steady_where_the_medians_of_two_modes_jump():
+    """Two arms of the same two-mode step (1.00 and 1.03) that drew the modes 5:6 and 6:5: the medians sit in
+    different modes (ratio 1.03), the means differ by the one step that changed mode (ratio 11.18 / 11.15)."""
+    a = [1.0] * 5 + [1.03] * 6
+    b = [1.0] * 6 + [1.03] * 5
+    assert stats.ratio_summary(a, b, n_boot=200)["speedup"] == pytest.approx(1.03)
+    r = stats.ratio_summary(a, b, n_boot=200, stat=stats.mean)
+    assert r["speedup"] == pytest.approx(sum(a) / sum(b)) and r["speedup"] < 1.003
+    assert r["ci_lo"] <= r["speedup"] <= r["ci_hi"]
+    with pytest.raises(ValueError, match="samples"):
+        stats.mean([])
+
+
 def test_arm_labels_and_alternation():
     assert stats.arm_labels(["mamba_ssm", "helion", "mamba_ssm"]) == ["mamba_ssm", "helion", "mamba_ssm#2"]
     assert stats.alternating_order(2, 4) == [[0, 1], [1, 0], [0, 1], [1, 0]]
@@ -648,6 +661,9 @@ def test_ab_step_time_cpu_a_vs_a_smoke(tmp_path):
         assert len(arm["losses"]) == 4 and all(x == x for x in arm["losses"])
     sp = d["speedup_vs_first"]["torch#2_vs_torch"]
     assert sp["ci_lo"] <= sp["speedup"] <= sp["ci_hi"]
+    spm = d["speedup_vs_first_mean"]["torch#2_vs_torch"]
+    means = [d["per_arm"][lab]["step_time_s"]["mean"] for lab in d["arms"]]
+    assert spm["speedup"] == pytest.approx(means[0] / means[1]) and spm["ci_lo"] <= spm["speedup"] <= spm["ci_hi"]
     assert d["config"]["model"] == "tiny" and d["tokens_per_step"] == 32
     assert d["profile"] == {}  # --profile-steps 0
     assert d["process_memory_gb"] is None and all(d["per_arm"][lab]["peak_mem_gb"] is None for lab in d["arms"])
@@ -706,7 +722,13 @@ def test_ab_markdown_lists_step_vs_isolated_kernels():
                              "cross_stream_overlap": {k: {"overlapped_us_per_iter": 100.0}}, "streams": ["7", "20"],
                              "isolated_op": {"kernels": [{"kernel": k, "us_per_iter": 40.0}]}}}}
     res["per_arm"]["a"]["peak_mem_gb"] = 10.04
+    md0 = ab.markdown(res)  # a record without the ratio of means or the arms' means
+    assert next(ln for ln in md0.splitlines() if ln.startswith("| b |")).endswith("| 1.000x [0.900, 1.100] | - | - |")
+    res["speedup_vs_first_mean"] = {"b_vs_a": {"speedup": 1.02, "ci_lo": 1.01, "ci_hi": 1.03}}
+    for lab in ("a", "b"):
+        res["per_arm"][lab]["step_time_s"]["mean"] = 1.0
     md = ab.markdown(res)
+    assert "| b | 1000.0 | 1000.0 | 1000.0 | 3 |" in md and "| 1.000x [0.900, 1.100] | 1.020x [1.010, 1.030] | - |" in md
     assert next(ln for ln in md.splitlines() if ln.startswith("| a |")).endswith("| 10.0 |")
     assert next(ln for ln in md.splitlines() if ln.startswith("| b |")).endswith("| - |")  # not measured
     assert "Process (all arms)" not in md  # no process memory recorded (CPU)

@@ -37,6 +37,11 @@ def median(xs: Sequence[float]) -> float:
     return percentile(xs, 50.0)
 
 
+def mean(xs: Sequence[float]) -> float:
+    xs = _check_samples(xs)
+    return sum(xs) / len(xs)
+
+
 def summarize(xs: Sequence[float]) -> dict:
     """median / p10 / p90 / mean / min / max / n of a list of times."""
     xs = _check_samples(xs)
@@ -85,7 +90,8 @@ def bootstrap_ratio_ci(
 
 
 def ratio_summary(baseline: Sequence[float], candidate: Sequence[float], **kw) -> dict:
-    """{'speedup', 'ci_lo', 'ci_hi', 'ci_level'}: median(baseline)/median(candidate) with a bootstrap CI."""
+    """{'speedup', 'ci_lo', 'ci_hi', 'ci_level'}: stat(baseline)/stat(candidate) with a bootstrap CI (``stat``: the
+    median unless given, e.g. ``stat=mean``)."""
     alpha = kw.get("alpha", 0.05)
     point, lo, hi = bootstrap_ratio_ci(baseline, candidate, **kw)
     return {"speedup": point, "ci_lo": lo, "ci_hi": hi, "ci_level": 1.0 - alpha}
