@@ -170,15 +170,16 @@ def ssd_bwd_state_passing(
     return dL, ddA_part, dinit
 
 
-# ssd_bwd_dx: dx, ddt, dD and the intra-chunk ddA_cumsum terms over row tiles of the chunk. A program owns the rows s
-#   of one tile (bm rows: 16384 programs at bm 64 at the Nano shape) and walks the column tiles t >= s only (the causal
-#   half: 3/4 of the c x c products at bm = bk = c/2), with (bm x bk) tiles. The per-column sums over s (ddacs_row) span
-#   the row tiles, so each program writes its partial into its own slot of a (b, h, nc, c / bm, c) buffer (zeros below
-#   its diagonal) that the caller sums; the whole-chunk sum of the state term st goes into that partial at t = c - 1,
-#   which ssd_bwd_dt adds to the same place. dD is summed per row tile, (b, nc, c / bm, h, p). Row tiles of one
-#   (chunk, head) are adjacent program ids, so dL[h] (p x n) and the group's CB tile come from L2 for all but the first.
-#   The diagonal tile (t in the program's own rows) is computed before the column loop: its causal mask stays out of
-#   the loop, and its dout_x rows serve dx's D term as well. Decays are exp2 of log2(e)-scaled dA_cumsum differences.
+# ssd_bwd_dx: dx, ddt, dD and the intra-chunk ddA_cumsum terms over row tiles of the chunk. A program owns the rows s of
+#   one tile (bm rows: 16384 programs at bm 64 at the Nano shape) and walks the column tiles t >= s only (the causal
+#   half: 3/4 of the c x c products at bm = bk = c/2): a (bm x bm) diagonal tile, then (bm x bk) tiles. The per-column
+#   sums over s (ddacs_row) span the row tiles, so each program writes its partial into its own slot of a
+#   (b, h, nc, c / bm, c) buffer (zeros below its diagonal) that the caller sums; the whole-chunk sum of the state term
+#   st goes into that partial at t = c - 1, which ssd_bwd_dt adds to the same place. dD is summed per row tile,
+#   (b, nc, c / bm, h, p). Row tiles of one (chunk, head) are adjacent program ids, so dL[h] (p x n) and the group's CB
+#   tile come from L2 for all but the first. The diagonal tile (t in the program's own rows) is computed before the
+#   column loop: its causal mask stays out of the loop, and its dout_x rows serve dx's D term as well. Decays are exp2
+#   of differences of log2(e)-scaled dA_cumsum.
 @helion.kernel(static_shapes=True, ignore_warnings=tuning.IGNORED_HELION_WARNINGS)
 def ssd_bwd_dx(
     x: torch.Tensor,  # (b, nc, c, h, p)
@@ -236,9 +237,10 @@ def ssd_bwd_dx(
         for tt in hl.tile(ts.end, c, block_size=bk):
             dot_ = dout_x[ib, ic, tt, ih, :]  # (bk, p)
             act = dA_cumsum[ib, ih, ic, tt]
-            seg = act[None, :] * _LOG2E - acs2[:, None]  # (bm, bk): (dAcs[t] - dAcs[s]) log2(e) <= 0
-            # clamp: lanes of a tile past the chunk end (block size > chunk, e.g. a config tuned at another shape)
-            # load dA_cumsum = 0 and would give exp2(-dAcs[s] log2(e)) = inf for long chunks, and inf * 0 = NaN
+            seg = act[None, :] * _LOG2E - acs2[:, None]  # (bm, bk): (dAcs[t] - dAcs[s]) log2(e), <= 0 up to rounding
+            # clamp: lanes of a tile past the chunk end (whenever bk does not divide c - ts.end: bm != bk, or a block
+            # above the chunk) load dA_cumsum = 0 and would give exp2(-dAcs[s] log2(e)) = inf for long chunks, and
+            # inf * 0 = NaN
             mt = CB[ib, ic, ig, tt, ts].T * torch.exp2(torch.clamp(seg, max=0.0))
             a1 = hl.dot(mt.to(x.dtype), dot_, acc=a1)
             gt = hl.dot(xs, dot_.T)  # (s, t): x[s] . dout_x[t]

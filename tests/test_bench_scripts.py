@@ -722,7 +722,7 @@ def test_ab_markdown_lists_step_vs_isolated_kernels():
                              "cross_stream_overlap": {k: {"overlapped_us_per_iter": 100.0}}, "streams": ["7", "20"],
                              "isolated_op": {"kernels": [{"kernel": k, "us_per_iter": 40.0}]}}}}
     res["per_arm"]["a"]["peak_mem_gb"] = 10.04
-    md0 = ab.markdown(res)  # a record without the ratio of means or the arms' means
+    md0 = ab.markdown(res)  # a record without the ratio of means (and, here, without the arms' means)
     assert next(ln for ln in md0.splitlines() if ln.startswith("| b |")).endswith("| 1.000x [0.900, 1.100] | - | - |")
     res["speedup_vs_first_mean"] = {"b_vs_a": {"speedup": 1.02, "ci_lo": 1.01, "ci_hi": 1.03}}
     for lab in ("a", "b"):

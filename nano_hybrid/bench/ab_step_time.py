@@ -28,13 +28,12 @@ Method:
   and round as it finishes (its timed steps, ms), so a run stopped at a time limit leaves its timings in the log.
 - Same batches: --block-steps global batches are drawn once and replayed in the same order in every
   block of every arm.
-- Per arm: median and p90 step time, tokens/s/GPU and TFLOP/s/GPU (model FLOPs from nano_hybrid/flops.py).
+- Per arm: median, mean and p90 step time, tokens/s/GPU and TFLOP/s/GPU (model FLOPs from nano_hybrid/flops.py).
   Speedup of each arm over the first as the ratio of medians and as the ratio of means, each with a 95% bootstrap
-  CI. Listing the first backend twice (e.g. mamba_ssm,helion,mamba_ssm) adds an A-vs-A control. Step times can fall
-  into two modes a few percent apart within every arm (the nano30b_slice step on an H100: about 8 ms apart, in
-  proportions that differ from arm to arm); the median then follows whichever mode an arm drew more often and moves
-  by the modes' distance when the proportion crosses one half, while the mean moves with the proportion: an A-vs-A
-  pair whose medians differ by more than their means do is seeing that.
+  CI. Listing the first backend twice (e.g. mamba_ssm,helion,mamba_ssm) adds an A-vs-A control. Where step times
+  fall into two modes within an arm, in proportions that differ from arm to arm, the median follows whichever mode
+  an arm drew more often and moves by the modes' distance when the proportion crosses one half, while the mean moves
+  with the proportion: an A-vs-A pair whose medians differ by more than their means do may be seeing that.
 - On CUDA, --profile-steps steps of each arm under torch.profiler give the share of the step's device
   time spent in the Mamba-2 SSD op (split-conv1d-scan incl. causal conv1d) and the gated RMSNorm: the
   bound on what any kernel backend can gain end to end (kernel names: mamba_ssm's Triton/CUDA kernels;
