@@ -50,7 +50,7 @@ def summarize(xs: Sequence[float]) -> dict:
         "median": median(xs),
         "p10": percentile(xs, 10.0),
         "p90": percentile(xs, 90.0),
-        "mean": sum(xs) / len(xs),
+        "mean": mean(xs),
         "min": min(xs),
         "max": max(xs),
     }
