@@ -2170,6 +2170,29 @@ def test_ptxas_figures_apply_the_register_cap():
     assert capped["registers"] <= 64 and capped["maxnreg"] == 64
 
 
+def test_persistent_kernel_compiles_for_the_given_sm_count(tmp_path, monkeypatch):
+    """A persistent pid_type's host code asks the GPU for its SM count, a compile-time constant of the kernel's loop:
+    ``launch_of`` gives it ``num_sms`` instead, so ``--registers`` reads such a config's figures on the CPU (its cap
+    applied); without a count the host code cannot run here."""
+    import helion
+
+    from kernels import ssd_helion_bwd as bwd
+    from nano_hybrid.bench.triton_source import ARCH_NUM_SMS, launch_of, ptxas_figures
+
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    args, _ = bwd._example_args("ssd_bwd_dt", dict(b=1, l=256, h=4, p=16, g=2, n=16, c=64), "cpu")
+    bound = helion.kernel(bwd.ssd_bwd_dt.fn, static_shapes=True).bind(args)
+    cfg = helion.Config(block_sizes=[], num_warps=1, num_stages=1, pid_type="persistent_interleaved")
+    src = tmp_path / "dt.py"
+    src.write_text(bound.to_triton_code(cfg))
+    launch = launch_of(src, "ssd_bwd_dt", tuple(args), num_sms=ARCH_NUM_SMS["sm90"])
+    assert ARCH_NUM_SMS["sm90"] == 132 and [a for a in launch["args"] if isinstance(a, int) and a == 132]  # _NUM_SM
+    figures = ptxas_figures(launch, "sm90", maxnreg=32)
+    assert 0 < figures["registers"] <= 32 and figures["maxnreg"] == 32
+    with pytest.raises(AssertionError):  # helion.runtime.get_num_sm on a CPU tensor: there is no GPU to ask
+        launch_of(src, "ssd_bwd_dt", tuple(args))
+
+
 def test_uninitialized_factories_keep_the_asked_device_dtype_and_shape():
     """The cases the tools bind are built where they will run: torch.randn / torch.rand under
     uninitialized_factories keep the device (here "meta", which needs no GPU), dtype and shape they are asked for,

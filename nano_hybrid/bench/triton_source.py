@@ -21,7 +21,9 @@ here (``indexing_as_pointer``). ``--compare`` lists both kinds as ``unlike_gpu``
 Triton's argument specialization, the launch's options, its ptxas and flags) and records per pair, from that
 compile's ``ptxas -v`` log, the registers per thread, the spill stores / loads and the stack frame in bytes, with the
 warps, stages and maxnreg: at 255 registers and 4 warps an SM of 65,536 registers holds two CTAs. A config with a
-persistent ``pid_type`` is recorded as skipped (its host code asks the GPU for its SM count). Another Triton release
+persistent ``pid_type`` sizes its grid by the GPU's SM count, a compile-time constant of the kernel: its host code
+gets ``--num-sms`` (default: 132 for sm90, the H100 SXM's and the H200's; an H100 PCIe has 114), recorded with the
+figures; for an arch without a default and no ``--num-sms`` such a pair is recorded as skipped. Another Triton release
 than the GPU host's gives that release's figures: put the GPU host's first on ``PYTHONPATH``.
 
 Output under ``--out``: ``<shape>/<kernel>.py`` and ``manifest.json`` (versions, arch, shapes, per pair: the
@@ -42,6 +44,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 from helion._compat import supports_block_ptr, supports_tensor_descriptor
@@ -91,11 +94,16 @@ def stored_entry(name: str, kernel, case, how: str, arch: str, rt, bound) -> dic
     return {}
 
 
-def launch_of(source_file: Path, host_name: str, args: tuple) -> dict:
+# SMs per GPU of an arch, for the host code of a persistent kernel (its grid and a constexpr of its loop)
+ARCH_NUM_SMS = {"sm90": 132}
+
+
+def launch_of(source_file: Path, host_name: str, args: tuple, num_sms: int | None = None) -> dict:
     """The Triton kernel a generated module launches and its launch: the module's host function ``host_name`` run on
     ``args`` (uninitialized CPU tensors are enough: it allocates and computes strides) with a launcher that records
-    instead of launching. Returns the jit function, its positional arguments and its launch options (warps, stages,
-    maxnreg, ...)."""
+    instead of launching. ``num_sms``: what the host code of a persistent kernel gets for the GPU's SM count
+    (``helion.runtime.get_num_sm``, which needs the GPU otherwise). Returns the jit function, its positional arguments
+    and its launch options (warps, stages, maxnreg, ...)."""
     spec = importlib.util.spec_from_file_location(f"_triton_source_{source_file.stem}", source_file)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -104,7 +112,10 @@ def launch_of(source_file: Path, host_name: str, args: tuple) -> dict:
     def record(fn, grid, *a, **kw):
         got.update(fn=fn, args=a, kw=kw)
 
-    getattr(mod, host_name)(*args, _launcher=record)
+    sms = contextlib.nullcontext() if num_sms is None else \
+        mock.patch("helion.runtime.get_num_sm", lambda *a, **kw: num_sms)
+    with sms:
+        getattr(mod, host_name)(*args, _launcher=record)
     return dict(fn=got["fn"], args=got["args"], options=got["kw"])
 
 
@@ -153,7 +164,7 @@ def ptxas_figures(launch: dict, arch: str, maxnreg: int | None = None) -> dict:
 
 
 def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, cache_dir: str | None,
-         registers: bool = False) -> dict:
+         registers: bool = False, num_sms: int | None = None) -> dict:
     """Write each (shape, kernel)'s Triton source under ``out``; returns the manifest."""
     registry = tuner.discover_tunable_kernels()
     rt = tuning.Runtime(tuning.HelionSettings(cache_dir=cache_dir or str(out / "no-user-cache")))
@@ -187,12 +198,17 @@ def dump(names: list[str], shape_dims: dict[str, dict], out: Path, arch: str, ca
                 }
                 if how == "exact":  # the committed entry's own search: its time and GPU
                     pair["search"] = {k: entry.get(k) for k in ("time_ms", "gpu", "date")}
-                if registers and str(cfg.config.get("pid_type", "flat")).startswith("persistent"):
-                    pair["ptxas"] = {"skipped": "persistent pid_type: its host code asks the GPU for its SM count"}
+                persistent = str(cfg.config.get("pid_type", "flat")).startswith("persistent")
+                if registers and persistent and num_sms is None:
+                    pair["ptxas"] = {"skipped": f"persistent pid_type: its host code needs the GPU's SM count "
+                                                f"(--num-sms; no default for {arch})"}
                 elif registers:
                     with uninitialized_factories():
-                        launch = launch_of(out / shape / f"{name}.py", kernel.fn.__name__, tuple(case.args))
+                        launch = launch_of(out / shape / f"{name}.py", kernel.fn.__name__, tuple(case.args),
+                                           num_sms if persistent else None)
                     pair["ptxas"] = ptxas_figures(launch, arch, stored.get("maxnreg"))
+                    if persistent:
+                        pair["ptxas"]["num_sms"] = num_sms
     env = env_info()
     return {"what": "Triton source of each tunable Helion kernel at each shape, with the config a run on the arch "
                     "selects from the stored files (nano_hybrid/bench/triton_source.py)",
@@ -242,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare", default=None, help="an earlier dump's folder to compare with")
     ap.add_argument("--registers", action="store_true",
                     help="also compile each kernel for --arch (ptxas -v): registers, spills, warps, stages")
+    ap.add_argument("--num-sms", type=int, default=None,
+                    help="with --registers: the SM count a persistent kernel is compiled for (default: "
+                         + ", ".join(f"{v} for {k}" for k, v in ARCH_NUM_SMS.items()) + ")")
     return ap
 
 
@@ -258,9 +277,12 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     if args.registers and not re.fullmatch(r"sm\d+", args.arch):
         ap.error(f"--registers needs an NVIDIA --arch such as sm90, got {args.arch!r}")
+    if args.num_sms is not None and (not args.registers or args.num_sms < 1):
+        ap.error(f"--num-sms needs --registers and a count of at least 1, got {args.num_sms}")
+    num_sms = args.num_sms if args.num_sms is not None else ARCH_NUM_SMS.get(args.arch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = dump(names, shape_dims, out, args.arch, args.cache_dir, registers=args.registers)
+    manifest = dump(names, shape_dims, out, args.arch, args.cache_dir, registers=args.registers, num_sms=num_sms)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"{len(manifest['pairs'])} (shape, kernel) pairs, helion {manifest['helion']}, arch {args.arch}: {out}")
     if args.registers:
@@ -271,6 +293,7 @@ def main(argv=None) -> int:
                 print(f"  {pair:<48} skipped: {f['skipped']}")
                 continue
             print(f"  {pair:<48} {f['registers']:>4} {f['spill_store_bytes']:>6} {f['num_warps']:>3} {f['num_stages']:>2}"
+                  + (f"  (persistent, maxnreg {f['maxnreg']}, {f['num_sms']} SMs)" if "num_sms" in f else "")
                   + ("  (pointer indexing here)" if e["indexing_as_pointer"] else ""))
     if old_dir is not None:
         old = json.loads((old_dir / "manifest.json").read_text())
